@@ -1,0 +1,31 @@
+# kvtvm: `make demo` and `make test` each set up .venv by themselves on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+PYTHON  := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# torch 2.13.0 is a CPU build on this project's machines; other specs pull a CUDA build.
+DEPS    := torch==2.13.0 apache-tvm==0.27.0.post1 numpy ml_dtypes pytest hypothesis transformers
+
+.PHONY: demo test bench build clean
+
+$(STAMP): setup.py Makefile
+	$(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q $(DEPS)
+	$(PYTHON) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PYTHON) examples/demo.py
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PYTHON) -m kvtvm.bench append
+	$(PYTHON) -m kvtvm.bench manager
+
+build: $(STAMP)
+	$(PYTHON) -m kvtvm build --target cuda --arch sm_90a --out build/kernels
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

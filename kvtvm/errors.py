@@ -1,0 +1,53 @@
+"""kvtvm's exception hierarchy.
+
+Every error kvtvm raises on purpose is a :class:`KVCacheError`. Errors about a value the caller
+passed also derive from the matching builtin (``ValueError``, ``TypeError``) so ordinary
+``except ValueError`` code keeps working.
+"""
+
+from __future__ import annotations
+
+
+class KVCacheError(Exception):
+    """Base class of every error kvtvm raises on purpose."""
+
+
+class InvalidArgumentError(KVCacheError, ValueError):
+    """An argument has the wrong value, shape, rank, stride or range."""
+
+
+class DTypeMismatchError(KVCacheError, TypeError):
+    """A tensor has the wrong dtype."""
+
+
+class DeviceMismatchError(KVCacheError, ValueError):
+    """A tensor lives on the wrong device (or tensors of one call live on different devices)."""
+
+
+class UnknownSequenceError(KVCacheError, ValueError):
+    """A ``seq_id`` that was never claimed, or was already released."""
+
+
+class SequenceStateError(KVCacheError, ValueError):
+    """A call made out of order, e.g. ``step`` without a ``fetch``."""
+
+
+class KVCacheCapacityError(KVCacheError, RuntimeError):
+    """Not enough free slots or pages for what was asked."""
+
+
+class SequenceTooLongError(InvalidArgumentError):
+    """A length would pass ``max_seq_len`` or the capacity of the sequence's pages."""
+
+
+class CompilerUnavailableError(KVCacheError, RuntimeError):
+    """A kernel must be built but the TVM compiler library is not available (runtime-only mode)."""
+
+
+class DeviceUnavailableError(KVCacheError, RuntimeError):
+    """A GPU is needed (CUDA kernel, CUDA tensor) but none can be used on this machine."""
+
+
+def describe(name: str, expected, actual) -> str:
+    """Format the standard 'argument, expected, actual' message."""
+    return f"{name}: expected {expected}, got {actual}"

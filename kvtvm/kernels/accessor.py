@@ -1,0 +1,45 @@
+"""The one cache accessor every kernel is written against.
+
+A sequence ``b`` of the batch owns pages ``lookup_table[b, :]``; its token ``t`` lives in page
+``lookup_table[b, t // page_size]`` at slot ``t % page_size``. A per-layer K (or V) cache is a
+4-D strided buffer whose token layout is a compile-time choice:
+
+- ``nhd``: ``[num_pages, page_size, n_kv_heads, head_dim]`` (PAGED; CONTINUOUS with
+  ``page_size = max_seq_len`` and one page per sequence);
+- ``hnd``: ``[num_pages, n_kv_heads, page_size, head_dim]`` (LINEAR: page = batch slot).
+
+Strides (but the innermost, which is 1) and element offset are symbolic (int64), so a strided view of one layer of the
+manager's cache tensor is passed with no copy. ``page_size`` is a runtime value.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+
+def i64(value):
+    """An int64 TIR constant (symbolic strides only bind against int64 shapes)."""
+    return T.int64(value) if isinstance(value, int) else value
+
+
+def cache_shape(layout: str, num_pages, page_size, n_kv_heads: int, head_dim: int):
+    """Shape of a per-layer cache buffer in ``layout`` (int64 extents)."""
+    n_kv_heads, head_dim = i64(n_kv_heads), i64(head_dim)
+    if layout == "nhd":
+        return (num_pages, page_size, n_kv_heads, head_dim)
+    return (num_pages, n_kv_heads, page_size, head_dim)
+
+
+def cache_index(layout: str, page, slot, head, dim):
+    """Index of (page, slot, head, dim) in a cache buffer of ``layout``."""
+    if layout == "nhd":
+        return (page, slot, head, dim)
+    return (page, head, slot, dim)
+
+
+def match_cache(handle, layout: str, num_pages, page_size, n_kv_heads: int, head_dim: int,
+                dtype: str, strides, elem_offset):
+    """``T.match_buffer`` of a strided per-layer cache (call inside a TVMScript function)."""
+    return T.match_buffer(handle, cache_shape(layout, num_pages, page_size, n_kv_heads,
+                                              head_dim),
+                          dtype, strides=[i64(s) for s in strides], elem_offset=elem_offset)

@@ -1,0 +1,103 @@
+"""Append: write a ragged batch of new K/V rows into the cache.
+
+Compile-time: dtype, n_kv_heads, head_dim, token layout (nhd/hnd).
+Runtime: batch, tokens, pages, page_size, max pages per sequence, cache strides and offset.
+
+Inputs (``b`` in ``[0, batch)``, new tokens of ``b`` are rows ``qo_indptr[b]:qo_indptr[b+1]``)::
+
+    k_cache, v_cache  [num_pages, page_size, H, D] (nhd) or [num_pages, H, page_size, D] (hnd)
+    k, v              [num_tokens, H, D]
+    qo_indptr         [batch + 1] int32
+    cache_lengths     [batch] int32    tokens already cached; row i of b goes to position
+                                       cache_lengths[b] + i - qo_indptr[b]
+    lookup_table      [batch, max_pages] int32
+
+A row whose page index falls outside ``[0, num_pages)`` is not written (a guard; the ops layer
+raises before launch on such input).
+
+Blocks: ``locate`` (token -> sequence, by binary search of ``qo_indptr``) and ``append``.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .accessor import cache_index, match_cache
+
+#: Binary-search steps of ``locate``: enough for a batch of 2**16 sequences.
+SEARCH_STEPS = 16
+
+
+def define(spec):
+    """The unscheduled append PrimFunc of ``spec``."""
+    H, D, dtype, layout = spec.n_kv_heads, spec.head_dim, spec.dtype, spec.layout
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def append(var_k_cache: T.handle, var_v_cache: T.handle, var_k: T.handle, var_v: T.handle,
+               var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        num_pages, page_size = T.int64(), T.int64()
+        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
+        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
+        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
+        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
+                              [ks0, ks1, ks2, 1], koff)
+        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
+                              [vs0, vs1, vs2, 1], voff)
+        k = T.match_buffer(var_k, (ntok, H, D), dtype)
+        v = T.match_buffer(var_v, (ntok, H, D), dtype)
+        qo_indptr = T.match_buffer(var_qo_indptr, (batch + 1,), "int32")
+        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
+        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
+        seq_of = T.sblock_alloc_buffer((ntok,), "int32")
+        for n in range(ntok):
+            with T.sblock("locate"):
+                vn = T.axis.spatial(ntok, n)
+                T.reads(qo_indptr[0:batch + 1])
+                T.writes(seq_of[vn])
+                # largest b with qo_indptr[b] <= vn
+                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                lo[0] = 0
+                hi[0] = T.Cast("int32", batch)
+                for _ in range(SEARCH_STEPS + 1):
+                    if hi[0] - lo[0] > 1:
+                        if T.Cast("int64", qo_indptr[(lo[0] + hi[0]) // 2]) <= vn:
+                            lo[0] = (lo[0] + hi[0]) // 2
+                        else:
+                            hi[0] = (lo[0] + hi[0]) // 2
+                seq_of[vn] = lo[0]
+        for n, h, d in T.grid(ntok, H, D):
+            with T.sblock("append"):
+                vn, vh, vd = T.axis.remap("SSS", [n, h, d])
+                T.reads(seq_of[vn], qo_indptr[seq_of[vn]], cache_lengths[seq_of[vn]],
+                        lookup[seq_of[vn], 0:max_pages], k[vn, vh, vd], v[vn, vh, vd])
+                T.writes(k_cache[0:num_pages, 0:k_cache.shape[1], 0:k_cache.shape[2], vd],
+                         v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], vd])
+                pos: T.int64 = T.Cast("int64", cache_lengths[seq_of[vn]]) + vn \
+                    - T.Cast("int64", qo_indptr[seq_of[vn]])
+                page: T.int64 = T.Cast("int64", lookup[seq_of[vn], T.truncdiv(pos, page_size)])
+                if page >= 0 and page < num_pages:
+                    k_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = k[vn, vh, vd]
+                    v_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = v[vn, vh, vd]
+    # fmt: on
+    return append
+
+
+def reference_append(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table,
+                     layout: str = "nhd"):
+    """Plain numpy append: returns new (k_cache, v_cache) arrays, inputs untouched."""
+    import numpy as np
+
+    k_out, v_out = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
+    page_size = k_out.shape[1] if layout == "nhd" else k_out.shape[2]
+    for b in range(len(cache_lengths)):
+        for row in range(int(qo_indptr[b]), int(qo_indptr[b + 1])):
+            pos = int(cache_lengths[b]) + row - int(qo_indptr[b])
+            page, slot = int(lookup_table[b, pos // page_size]), pos % page_size
+            if layout == "nhd":
+                k_out[page, slot], v_out[page, slot] = k[row], v[row]
+            else:
+                k_out[page, :, slot], v_out[page, :, slot] = k[row], v[row]
+    return k_out, v_out

@@ -1,0 +1,30 @@
+"""CUDA schedules for Hopper (sm_90a): 16-byte vector accesses, one warp group per token
+row for the memory-bound kernels."""
+
+from __future__ import annotations
+
+from .common import new_schedule, under_locate, vector_lanes
+
+
+def default_knobs(spec) -> dict:
+    if spec.op == "append":
+        # 16-byte accesses; several tokens per thread block keep enough bytes in flight
+        return {"vector_bytes": 16, "tokens_per_block": 4}
+    return {}
+
+
+def schedule_append(mod, spec, knobs):
+    """tokens -> (blockIdx.x, threadIdx.y); (head, dim / lanes) -> threadIdx.x; lanes vectorized."""
+    sch = new_schedule(mod, spec)
+    block = sch.get_sblock("append")
+    token = under_locate(sch, block)
+    h, d = sch.get_loops(block)[-2:]
+    lanes = vector_lanes(spec, knobs["vector_bytes"])
+    row = sch.fuse(h, d)
+    threads, vec = sch.split(row, [None, lanes])
+    sch.vectorize(vec)
+    sch.bind(threads, "threadIdx.x")
+    bx, ty = sch.split(token, [None, knobs["tokens_per_block"]])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(ty, "threadIdx.y")
+    return sch.mod
