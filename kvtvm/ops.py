@@ -1,225 +1,21 @@
 """The Python-facing ops: validate tensors at the DLPack boundary, pick the kernel, launch.
 
-Every op accepts torch tensors (CPU or CUDA) and, on the CPU, numpy arrays; nothing is copied:
-numpy arrays are wrapped with ``torch.from_numpy`` and torch tensors go to the TVM function
-through DLPack. Before any launch an op checks dtype, device, rank, shape, strides and (for
-host-resident index tensors, or when ``check_indices=True``) index ranges, and raises one of
-kvtvm's typed errors naming the argument, what was expected and what it got; nothing is
-written when it raises. CUDA kernels run on torch's current stream.
+Every op takes torch tensors (CPU or CUDA) or, on the CPU, numpy arrays, with no copy; checks
+dtype, device, rank, shape, strides and index ranges before launch (see
+:mod:`kvtvm.boundary`) and raises kvtvm's typed errors, writing nothing, on bad input. CUDA
+kernels run on torch's current stream.
+
+Conventions shared by all ops: ``cache_lengths[b]`` is the number of tokens sequence ``b``
+held *before* this step's new tokens; ``qo_indptr`` (int32 ``[batch + 1]``) gives the rows of
+each sequence's new tokens; ``lookup_table`` (int32 ``[batch, max_pages]``) its pages.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-
-from . import compiler
-from .errors import (DeviceMismatchError, DeviceUnavailableError, DTypeMismatchError,
-                     InvalidArgumentError, SequenceTooLongError, describe)
-from .params import DTYPE_SIZES
-
-LAYOUTS = compiler.LAYOUTS
-
-
-# ------------------------------------------------------------------------------------------
-# The DLPack boundary
-# ------------------------------------------------------------------------------------------
-
-
-def as_tensor(name: str, value: Any):
-    """``value`` as a torch tensor sharing its memory (the one DLPack boundary of kvtvm).
-
-    Accepts a ``torch.Tensor`` or a numpy array (including ``ml_dtypes.bfloat16``); anything
-    else raises :class:`InvalidArgumentError`.
-    """
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.ndarray):
-        if value.dtype.name == "bfloat16":
-            return torch.from_numpy(value.view(np.uint16)).view(torch.bfloat16)
-        try:
-            return torch.from_numpy(value)
-        except TypeError:
-            raise DTypeMismatchError(describe(name, "a supported dtype",
-                                              value.dtype)) from None
-    raise InvalidArgumentError(describe(name, "a torch.Tensor or numpy.ndarray",
-                                        type(value).__name__))
-
-
-def _dtype(t) -> str:
-    return str(t.dtype).replace("torch.", "")
-
-
-def check_dtype(name: str, t, expected) -> None:
-    expected = (expected,) if isinstance(expected, str) else tuple(expected)
-    if _dtype(t) not in expected:
-        raise DTypeMismatchError(describe(name, " or ".join(expected), _dtype(t)))
-
-
-def check_rank(name: str, t, rank: int, meaning: str) -> None:
-    if t.dim() != rank:
-        raise InvalidArgumentError(describe(name, f"rank {rank} {meaning}",
-                                            f"shape {list(t.shape)}"))
-
-
-def check_dim(name: str, t, axis: int, expected: int, meaning: str) -> None:
-    if t.shape[axis] != expected:
-        raise InvalidArgumentError(describe(f"{name}.shape[{axis}] ({meaning})", expected,
-                                            f"{t.shape[axis]} (shape {list(t.shape)})"))
-
-
-def check_contiguous(name: str, t) -> None:
-    if not t.is_contiguous():
-        raise InvalidArgumentError(describe(name, "a contiguous tensor",
-                                            f"strides {list(t.stride())}"))
-
-
-def common_device(tensors: dict):
-    """The one device every tensor of a call lives on; raises when they differ."""
-    first_name, first = next(iter(tensors.items()))
-    for name, t in tensors.items():
-        if t.device != first.device:
-            raise DeviceMismatchError(describe(name, f"device {first.device} (as {first_name})",
-                                               t.device))
-    return first.device
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a call runs: ``("llvm", None)`` or ``("cuda", "sm_90a")``."""
-
-    target: str
-    arch: str | None
-
-
-def target_of(device) -> Target:
-    """The kernel target for tensors on ``device``."""
-    if device.type == "cpu":
-        return Target("llvm", None)
-    if device.type == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise DeviceUnavailableError(f"tensors are on {device} but CUDA is not available")
-        major, minor = torch.cuda.get_device_capability(device)
-        if major >= 9:
-            return Target("cuda", "sm_90a")
-        if major == 8:
-            return Target("cuda", "sm_80")
-        raise DeviceUnavailableError(
-            f"{device} has compute capability {major}.{minor}; kvtvm's CUDA kernels need 8.0+")
-    raise DeviceMismatchError(describe("device", "cpu or cuda", device))
-
-
-def _host(t) -> np.ndarray:
-    return t.detach().cpu().numpy()
-
-
-def _launch(spec_kwargs: dict, device, args):
-    target = target_of(device)
-    spec = compiler.KernelSpec(target=target.target, arch=target.arch, **spec_kwargs)
-    fn = compiler.get_kernel(spec)
-    if device.type == "cuda":
-        import torch
-
-        with torch.cuda.device(device):
-            fn(*args)
-    else:
-        fn(*args)
-
-
-# ------------------------------------------------------------------------------------------
-# Shared checks of the paged-cache arguments
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class CacheGeometry:
-    num_pages: int
-    page_size: int
-    n_kv_heads: int
-    head_dim: int
-    dtype: str
-
-
-def check_cache_pair(k_cache, v_cache, layout: str) -> CacheGeometry:
-    """Validate per-layer K and V caches of ``layout``; returns their geometry."""
-    if layout not in LAYOUTS:
-        raise InvalidArgumentError(describe("layout", LAYOUTS, repr(layout)))
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_rank(name, t, 4, "[num_pages, page_size, n_kv_heads, head_dim]" if layout == "nhd"
-                   else "[num_pages, n_kv_heads, page_size, head_dim]")
-        check_dtype(name, t, tuple(DTYPE_SIZES))
-        if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise InvalidArgumentError(describe(f"{name}.stride(-1)", 1, t.stride(-1)))
-    check_dtype("v_cache", v_cache, _dtype(k_cache))
-    if tuple(v_cache.shape) != tuple(k_cache.shape):
-        raise InvalidArgumentError(describe("v_cache.shape", list(k_cache.shape),
-                                            list(v_cache.shape)))
-    num_pages, a, b, head_dim = k_cache.shape
-    page_size, heads = (a, b) if layout == "nhd" else (b, a)
-    return CacheGeometry(num_pages, page_size, heads, head_dim, _dtype(k_cache))
-
-
-def check_batch_tables(qo_indptr, cache_lengths, lookup_table):
-    """Validate dtypes and shapes of the per-batch tables; returns the batch size."""
-    for name, t in (("qo_indptr", qo_indptr), ("cache_lengths", cache_lengths),
-                    ("lookup_table", lookup_table)):
-        check_dtype(name, t, "int32")
-        check_contiguous(name, t)
-    check_rank("cache_lengths", cache_lengths, 1, "[batch]")
-    batch = cache_lengths.shape[0]
-    check_rank("qo_indptr", qo_indptr, 1, "[batch + 1]")
-    check_dim("qo_indptr", qo_indptr, 0, batch + 1, "batch + 1")
-    check_rank("lookup_table", lookup_table, 2, "[batch, max_pages_per_seq]")
-    check_dim("lookup_table", lookup_table, 0, batch, "batch")
-    return batch
-
-
-def check_batch_indices(qo_indptr, cache_lengths, lookup_table, geometry: CacheGeometry,
-                        num_tokens: int | None, extra_tokens=None) -> None:
-    """Check index ranges on the host: ``qo_indptr`` runs from 0 to ``num_tokens`` without
-    decreasing, no length is negative, every sequence's final length fits the pages its
-    lookup-table row holds, and every page it touches is in ``[0, num_pages)``."""
-    indptr = _host(qo_indptr).astype(np.int64)
-    lengths = _host(cache_lengths).astype(np.int64)
-    table = _host(lookup_table)
-    if indptr.size and indptr[0] != 0:
-        raise InvalidArgumentError(describe("qo_indptr[0]", 0, int(indptr[0])))
-    steps = np.diff(indptr)
-    if (steps < 0).any():
-        b = int(np.argmax(steps < 0))
-        raise InvalidArgumentError(describe(f"qo_indptr[{b}:{b + 2}]", "non-decreasing",
-                                            indptr[b:b + 2].tolist()))
-    if num_tokens is not None and indptr.size and indptr[-1] != num_tokens:
-        raise InvalidArgumentError(describe("qo_indptr[-1]", f"{num_tokens} (rows of k)",
-                                            int(indptr[-1])))
-    if (lengths < 0).any():
-        b = int(np.argmax(lengths < 0))
-        raise InvalidArgumentError(describe(f"cache_lengths[{b}]", ">= 0", int(lengths[b])))
-    final = lengths + (steps if extra_tokens is None else extra_tokens)
-    capacity = table.shape[1] * geometry.page_size
-    if (final > capacity).any():
-        b = int(np.argmax(final > capacity))
-        raise SequenceTooLongError(describe(
-            f"cache_lengths[{b}] + new tokens", f"<= {capacity} (lookup_table holds "
-            f"{table.shape[1]} pages of {geometry.page_size})", int(final[b])))
-    pages_used = -(-final // geometry.page_size)
-    used = np.arange(table.shape[1])[None, :] < pages_used[:, None]
-    bad = used & ((table < 0) | (table >= geometry.num_pages))
-    if bad.any():
-        b, i = (int(x) for x in np.argwhere(bad)[0])
-        raise InvalidArgumentError(describe(f"lookup_table[{b}, {i}]",
-                                            f"a page in [0, {geometry.num_pages})",
-                                            int(table[b, i])))
-
-
-def _indices_on_host(*tensors) -> bool:
-    return all(t.device.type == "cpu" for t in tensors)
+from .boundary import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
+                       check_contiguous, check_dim, check_dtype, check_rank, common_device,
+                       indices_on_host, launch)
+from .errors import InvalidArgumentError, describe
 
 
 # ------------------------------------------------------------------------------------------
@@ -281,11 +77,11 @@ def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
     check_batch_tables(indptr, lengths, table)
     device = common_device(tensors)
     if check_indices is None:
-        check_indices = _indices_on_host(indptr, lengths, table)
+        check_indices = indices_on_host(indptr, lengths, table)
     if check_indices:
         check_batch_indices(indptr, lengths, table, geo, kt.shape[0])
     if kt.shape[0] == 0:
         return
-    _launch(dict(op="append", dtype=geo.dtype, head_dim=geo.head_dim,
+    launch(dict(op="append", dtype=geo.dtype, head_dim=geo.head_dim,
                  n_kv_heads=geo.n_kv_heads, layout=layout),
             device, (kc, vc, kt, vt, indptr, lengths, table))

@@ -5,10 +5,14 @@ from __future__ import annotations
 from .common import new_schedule, under_locate, vector_lanes
 
 
+#: op -> function(spec) giving that op's default knobs on this target.
+KNOB_DEFAULTS = {"append": lambda spec: {"vector_bytes": 32}}
+#: op -> function(spec) giving the values ``kvtvm.tune`` searches for each knob.
+KNOB_SPACES = {"append": lambda spec: {"vector_bytes": [8, 16, 32, 64]}}
+
+
 def default_knobs(spec) -> dict:
-    if spec.op == "append":
-        return {"vector_bytes": 32}
-    return {}
+    return dict(KNOB_DEFAULTS[spec.op](spec))
 
 
 def schedule_append(mod, spec, knobs):

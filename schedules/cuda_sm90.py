@@ -6,11 +6,20 @@ from __future__ import annotations
 from .common import new_schedule, under_locate, vector_lanes
 
 
+def append_knobs(spec) -> dict:
+    # 16-byte accesses; several tokens per thread block keep enough bytes in flight
+    return {"vector_bytes": 16, "tokens_per_block": 4}
+
+
+#: op -> function(spec) giving that op's default knobs on this target.
+KNOB_DEFAULTS = {"append": append_knobs}
+#: op -> function(spec) giving the values ``kvtvm.tune`` searches for each knob.
+KNOB_SPACES = {"append": lambda spec: {"vector_bytes": [4, 8, 16],
+                                       "tokens_per_block": [1, 2, 4, 8]}}
+
+
 def default_knobs(spec) -> dict:
-    if spec.op == "append":
-        # 16-byte accesses; several tokens per thread block keep enough bytes in flight
-        return {"vector_bytes": 16, "tokens_per_block": 4}
-    return {}
+    return dict(KNOB_DEFAULTS[spec.op](spec))
 
 
 def schedule_append(mod, spec, knobs):

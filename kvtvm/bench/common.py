@@ -1,0 +1,131 @@
+"""Timing and reporting shared by the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import date
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--repeat", type=int, default=20, help="timed runs per case")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs per case")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the results (needs matplotlib)")
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn, device: str, repeat: int, warmup: int) -> float:
+    """Median wall time of ``fn()`` over ``repeat`` runs after ``warmup`` runs.
+
+    On CUDA each run is timed with CUDA events around the call alone.
+    """
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    if device.startswith("cuda"):
+        import torch
+
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass
+class Row:
+    """One measured (case, implementation) pair."""
+
+    case: str
+    impl: str
+    ms: float
+    metric: float | None = None  # TB/s, TFLOP/s, ... (see the table's metric name)
+    extra: dict = field(default_factory=dict)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+def report(title: str, rows: list[Row], metric_name: str, baseline: str, args,
+           device: str) -> None:
+    """Print a side-by-side table with ratios to ``baseline`` (kvtvm); write JSON/PNG."""
+    cases = list(dict.fromkeys(r.case for r in rows))
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    print(f"\n{title} — {device_name(device)} — {date.today().isoformat()}")
+    header = f"{'case':<22}" + "".join(f"{i + ' ms':>18}{metric_name:>10}" for i in impls)
+    peers = [i for i in impls if i != baseline]
+    header += "".join(f"{baseline + '/' + p:>22}" for p in peers)
+    print(header)
+    by = {(r.case, r.impl): r for r in rows}
+    for case in cases:
+        line = f"{case:<22}"
+        for impl in impls:
+            r = by.get((case, impl))
+            if r is None:
+                line += f"{'—':>18}{'':>10}"
+            else:
+                line += f"{r.ms:>18.4f}{(r.metric if r.metric is not None else float('nan')):>10.3f}"
+        for p in peers:
+            mine, theirs = by.get((case, baseline)), by.get((case, p))
+            if mine and theirs:
+                line += f"{theirs.ms / mine.ms:>21.2f}x"  # >1: kvtvm is faster
+            else:
+                line += f"{'—':>22}"
+        print(line)
+    print(f"(ratio columns: peer time / {baseline} time; above 1 means {baseline} is faster)")
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump({"title": title, "device": device_name(device),
+                       "date": date.today().isoformat(), "metric": metric_name,
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if getattr(args, "plot", None):
+        plot(title, rows, metric_name, args.plot)
+
+
+def plot(title: str, rows: list[Row], metric_name: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r.case for r in rows))
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cases)), 4))
+    for i, impl in enumerate(impls):
+        vals = [next((r.metric or 0 for r in rows if r.case == c and r.impl == impl), 0)
+                for c in cases]
+        ax.bar([x + i * width for x in range(len(cases))], vals, width, label=impl)
+    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(cases))])
+    ax.set_xticklabels(cases, rotation=30, ha="right")
+    ax.set_ylabel(metric_name)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
