@@ -1,0 +1,137 @@
+"""append_kv rejects bad input with a typed error naming the argument, and writes nothing."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm import ops
+from kvtvm.errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
+                          KVCacheError, SequenceTooLongError)
+
+H, D, P, S = 2, 16, 6, 4
+
+
+def good_args():
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(P, 2, 2, S, H, D, generator=g)
+    return dict(k_cache=cache[:, 0, 1], v_cache=cache[:, 1, 1],
+                k=torch.randn(5, H, D, generator=g), v=torch.randn(5, H, D, generator=g),
+                qo_indptr=torch.tensor([0, 2, 5], dtype=torch.int32),
+                cache_lengths=torch.tensor([1, 3], dtype=torch.int32),
+                lookup_table=torch.tensor([[3, 0], [5, 2]], dtype=torch.int32)), cache
+
+
+def expect_error(error, match, **changes):
+    args, cache = good_args()
+    before = cache.clone()
+    args.update(changes)
+    with pytest.raises(error, match=match) as info:
+        ops.append_kv(**args)
+    assert isinstance(info.value, KVCacheError)
+    assert torch.equal(cache, before), "a rejected call wrote to the cache"
+    return str(info.value)
+
+
+def test_good_args_work():
+    args, cache = good_args()
+    before = cache.clone()
+    ops.append_kv(**args)
+    assert not torch.equal(cache, before)
+
+
+def test_wrong_dtype_of_new_rows():
+    msg = expect_error(DTypeMismatchError, "k: expected float32, got float16",
+                       k=torch.randn(5, H, D).half())
+    assert "float16" in msg
+
+
+def test_unsupported_cache_dtype():
+    expect_error(DTypeMismatchError, "k_cache", k_cache=torch.zeros(P, S, H, D,
+                                                                    dtype=torch.float64))
+
+
+def test_wrong_rank():
+    expect_error(InvalidArgumentError, "k: expected rank 3", k=torch.randn(5, H * D))
+
+
+def test_wrong_heads():
+    expect_error(InvalidArgumentError, r"k.shape\[1\] \(n_kv_heads\)", k=torch.randn(5, 3, D))
+
+
+def test_v_shape_differs():
+    expect_error(InvalidArgumentError, "v", v=torch.randn(4, H, D))
+
+
+def test_non_contiguous_head_dim():
+    args, _ = good_args()
+    strided = torch.randn(P, S, H, 2 * D)[..., ::2]
+    expect_error(InvalidArgumentError, r"k_cache.stride\(-1\)", k_cache=strided)
+
+
+def test_lookup_table_not_int32():
+    expect_error(DTypeMismatchError, "lookup_table: expected int32, got int64",
+                 lookup_table=torch.tensor([[3, 0], [5, 2]]))
+
+
+def test_lookup_table_out_of_range():
+    msg = expect_error(InvalidArgumentError, r"lookup_table\[1, 1\]",
+                       lookup_table=torch.tensor([[3, 0], [5, P]], dtype=torch.int32))
+    assert f"[0, {P})" in msg and str(P) in msg
+
+
+def test_negative_page_in_use():
+    expect_error(InvalidArgumentError, r"lookup_table\[0, 0\]",
+                 lookup_table=torch.tensor([[-1, 0], [5, 2]], dtype=torch.int32))
+
+
+def test_length_past_capacity():
+    # sequence 1 holds 2 pages of 4 = 8 tokens; 7 cached + 3 new = 10
+    msg = expect_error(SequenceTooLongError, r"cache_lengths\[1\] \+ new tokens",
+                       cache_lengths=torch.tensor([1, 7], dtype=torch.int32))
+    assert "10" in msg and "8" in msg
+
+
+def test_negative_length():
+    expect_error(InvalidArgumentError, r"cache_lengths\[0\]: expected >= 0, got -1",
+                 cache_lengths=torch.tensor([-1, 3], dtype=torch.int32))
+
+
+def test_indptr_inconsistent():
+    expect_error(InvalidArgumentError, r"qo_indptr\[-1\]",
+                 qo_indptr=torch.tensor([0, 2, 4], dtype=torch.int32))
+    expect_error(InvalidArgumentError, "non-decreasing",
+                 qo_indptr=torch.tensor([0, 6, 5], dtype=torch.int32))
+    expect_error(InvalidArgumentError, r"qo_indptr.shape\[0\]",
+                 qo_indptr=torch.tensor([0, 5], dtype=torch.int32))
+
+
+def test_batch_mismatch():
+    expect_error(InvalidArgumentError, r"lookup_table.shape\[0\] \(batch\)",
+                 lookup_table=torch.tensor([[3, 0]], dtype=torch.int32))
+
+
+def test_wrong_layout_name():
+    expect_error(InvalidArgumentError, "layout", layout="nchw")
+
+
+def test_tensors_on_different_devices():
+    expect_error(DeviceMismatchError, "k: expected device cpu",
+                 k=torch.empty(5, H, D, device="meta"))
+
+
+def test_not_a_tensor():
+    expect_error(InvalidArgumentError, "a torch.Tensor or numpy.ndarray", k=[[1.0]])
+
+
+def test_numpy_wrong_dtype():
+    expect_error(DTypeMismatchError, "lookup_table",
+                 lookup_table=np.array([[3, 0], [5, 2]], dtype=np.int64))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_on_other_gpu():  # pragma: no cover - GPU machines only
+    args, _ = good_args()
+    cuda = {k: v.to("cuda:0") for k, v in args.items()}
+    cuda["k"] = cuda["k"].to("cuda:1")
+    with pytest.raises(DeviceMismatchError, match="k: expected device cuda:0"):
+        ops.append_kv(**cuda)

@@ -1,0 +1,80 @@
+"""Ahead-of-time builds load and run with the TVM runtime alone."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvtvm import compiler
+
+SPEC = dict(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
+
+RUNTIME_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import kvtvm
+    from kvtvm import compiler, ops, runtime
+    from kvtvm.errors import CompilerUnavailableError, DeviceUnavailableError
+    assert not runtime.compiler_available(), "compiler should be unavailable"
+    rng = np.random.default_rng(0)
+    k_cache = rng.standard_normal((4, 8, 2, 16)).astype(np.float32)
+    v_cache = rng.standard_normal((4, 8, 2, 16)).astype(np.float32)
+    k = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    ops.append_kv(k_cache, v_cache, k, v, np.array([0, 3], np.int32), np.array([7], np.int32),
+                  np.array([[2, 0]], np.int32))
+    assert np.array_equal(k_cache[2, 7], k[0]) and np.array_equal(k_cache[0, :2], k[1:])
+    assert np.array_equal(v_cache[2, 7], v[0]) and np.array_equal(v_cache[0, :2], v[1:])
+    maps = open("/proc/self/maps").read()
+    assert "libtvm_compiler" not in maps, "the compiler library was loaded"
+    # a spec that was never built: clear error, no attempt to compile
+    try:
+        compiler.get_kernel(compiler.KernelSpec(op="append", dtype="float32", head_dim=32,
+                                                n_kv_heads=2))
+    except CompilerUnavailableError as err:
+        assert "python -m kvtvm build" in str(err)
+    else:
+        raise AssertionError("expected CompilerUnavailableError")
+    # a CUDA module on a machine without a GPU fails only now, clearly
+    cuda_spec = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2,
+                                    target="cuda", arch="sm_90a")
+    if compiler.find_built(cuda_spec) is not None and sys.argv[1] == "nogpu":
+        try:
+            compiler.get_kernel(cuda_spec)
+        except DeviceUnavailableError as err:
+            assert "CUDA" in str(err)
+        else:
+            raise AssertionError("expected DeviceUnavailableError")
+    print("RUNTIME-ONLY-OK")
+""")
+
+
+def test_runtime_only_load_and_run(tmp_path):
+    out = tmp_path / "kernels"
+    compiler.build_spec(compiler.KernelSpec(**SPEC), out)
+    has_gpu = False
+    try:
+        import torch
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        pass
+    import shutil
+    if shutil.which("nvcc"):
+        compiler.build_spec(compiler.KernelSpec(**SPEC, target="cuda", arch="sm_90a"), out)
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", KVTVM_KERNEL_PATH=str(out),
+               KVTVM_CACHE_DIR=str(tmp_path / "empty-cache"))
+    proc = subprocess.run([sys.executable, "-c", RUNTIME_SCRIPT, "gpu" if has_gpu else "nogpu"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RUNTIME-ONLY-OK" in proc.stdout
+
+
+def test_import_kvtvm_runtime_only():
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    code = ("import kvtvm, kvtvm.ops, kvtvm.compiler; "
+            "assert 'libtvm_compiler' not in open('/proc/self/maps').read(); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
