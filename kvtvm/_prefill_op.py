@@ -1,0 +1,130 @@
+"""``prefill_attention``: the Python-facing prefill op (validation at the DLPack boundary,
+kernel dispatch). Re-exported by :mod:`kvtvm.ops`."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from .boundary import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
+                       check_contiguous, check_dim, check_dtype, check_rank, common_device,
+                       indices_on_host, launch)
+from .errors import InvalidArgumentError, describe
+
+
+def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, *,
+                      layout: str = "nhd", causal: bool = True, sm_scale: float | None = None,
+                      sliding_window: int | None = None, out=None, lse=None,
+                      check_indices: bool | None = None):
+    """Ragged (chunked) prefill attention over a paged cache: cached prefix + new tokens.
+
+    Sequence ``b`` owns query rows ``qo_indptr[b]:qo_indptr[b+1]``; their K/V must already be
+    in the cache (``append_kv``), so ``b`` attends over ``kv_len = cache_lengths[b] + n_new``
+    positions. With ``causal``, its row ``i`` (position ``p = cache_lengths[b] + i``) sees
+    KV positions ``<= p``; with ``sliding_window = w`` only positions ``> p - w`` as well.
+    Query head ``h`` reads KV head ``h // (n_q_heads // n_kv_heads)`` (GQA).
+
+    Parameters
+    ----------
+    q : Tensor
+        ``[num_tokens, n_q_heads, head_dim]``, contiguous, the cache's dtype; ``n_q_heads`` a
+        multiple of ``n_kv_heads``.
+    k_cache, v_cache : Tensor
+        One layer of the cache, ``[num_pages, page_size, n_kv_heads, head_dim]`` (``"nhd"``:
+        PAGED, CONTINUOUS) or ``[num_pages, n_kv_heads, page_size, head_dim]`` (``"hnd"``:
+        LINEAR); strided views are fine as long as ``head_dim`` is contiguous.
+    qo_indptr : Tensor
+        int32 ``[batch + 1]``, row offsets of each sequence's new tokens.
+    cache_lengths : Tensor
+        int32 ``[batch]``, tokens each sequence held before this step's new tokens.
+    lookup_table : Tensor
+        int32 ``[batch, max_pages_per_seq]``, the pages of each sequence in order.
+    layout : {"nhd", "hnd"}
+    causal : bool
+    sm_scale : float, optional
+        Score scale; ``1 / sqrt(head_dim)`` by default.
+    sliding_window : int, optional
+        Window in tokens (>= 1), counting the row's own position.
+    out : Tensor, optional
+        ``[num_tokens, n_q_heads, head_dim]`` in q's dtype, contiguous; allocated when None.
+    lse : Tensor, optional
+        float32 ``[num_tokens, n_q_heads]``, contiguous: natural-log sum of exp of the scaled
+        scores of each row; allocated when None.
+    check_indices : bool, optional
+        Check index ranges before launch (default: when the index tensors are on the host).
+
+    Returns
+    -------
+    (out, lse)
+
+    Raises
+    ------
+    DTypeMismatchError, DeviceMismatchError, InvalidArgumentError, SequenceTooLongError
+        Before anything is written.
+    """
+    import torch
+
+    tensors = {name: as_tensor(name, value) for name, value in (
+        ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("qo_indptr", qo_indptr),
+        ("cache_lengths", cache_lengths), ("lookup_table", lookup_table))}
+    qt, kc, vc = tensors["q"], tensors["k_cache"], tensors["v_cache"]
+    indptr, lengths, table = (tensors[n] for n in ("qo_indptr", "cache_lengths",
+                                                   "lookup_table"))
+    geo = check_cache_pair(kc, vc, layout)
+    check_rank("q", qt, 3, "[num_tokens, n_q_heads, head_dim]")
+    check_dtype("q", qt, geo.dtype)
+    check_dim("q", qt, 2, geo.head_dim, "head_dim")
+    check_contiguous("q", qt)
+    num_tokens, n_q_heads = qt.shape[0], qt.shape[1]
+    if n_q_heads == 0 or n_q_heads % geo.n_kv_heads:
+        raise InvalidArgumentError(describe("q.shape[1] (n_q_heads)",
+                                            f"a positive multiple of n_kv_heads "
+                                            f"({geo.n_kv_heads})", n_q_heads))
+    group_size = n_q_heads // geo.n_kv_heads
+    if not isinstance(causal, (bool, numbers.Integral)):
+        raise InvalidArgumentError(describe("causal", "a bool", repr(causal)))
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(geo.head_dim)
+    if (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
+            or not math.isfinite(float(sm_scale))):
+        raise InvalidArgumentError(describe("sm_scale", "a finite float", repr(sm_scale)))
+    if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral)
+                                       or isinstance(sliding_window, bool)
+                                       or not 1 <= int(sliding_window) < 2**31):
+        raise InvalidArgumentError(describe("sliding_window", "None or an int >= 1",
+                                            repr(sliding_window)))
+    check_batch_tables(indptr, lengths, table)
+    device = common_device(tensors)
+
+    if out is None:
+        out = torch.empty_like(qt)
+    else:
+        out = as_tensor("out", out)
+        check_dtype("out", out, geo.dtype)
+        if tuple(out.shape) != tuple(qt.shape):
+            raise InvalidArgumentError(describe("out.shape", list(qt.shape), list(out.shape)))
+        check_contiguous("out", out)
+    if lse is None:
+        lse = torch.empty((num_tokens, n_q_heads), dtype=torch.float32, device=qt.device)
+    else:
+        lse = as_tensor("lse", lse)
+        check_dtype("lse", lse, "float32")
+        if tuple(lse.shape) != (num_tokens, n_q_heads):
+            raise InvalidArgumentError(describe("lse.shape", [num_tokens, n_q_heads],
+                                                list(lse.shape)))
+        check_contiguous("lse", lse)
+    common_device(dict(tensors, out=out, lse=lse))
+
+    if check_indices is None:
+        check_indices = indices_on_host(indptr, lengths, table)
+    if check_indices:
+        check_batch_indices(indptr, lengths, table, geo, num_tokens)
+    if num_tokens == 0:
+        return out, lse
+    features = ("sliding_window",) if sliding_window is not None else ()
+    launch(dict(op="prefill", dtype=geo.dtype, head_dim=geo.head_dim,
+                n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
+                features=features),
+           device, (qt, kc, vc, indptr, lengths, table, out, lse, int(bool(causal)),
+                    float(sm_scale), int(sliding_window or 0)))
+    return out, lse

@@ -1,0 +1,186 @@
+"""Prefill: ragged multi-token causal attention over the cached prefix plus the new tokens.
+
+Compile-time: dtype, n_kv_heads, group_size (query heads per KV head), head_dim, token layout
+(nhd/hnd), feature ``"sliding_window"``.
+Runtime: batch, tokens, pages, page_size, max pages per sequence, cache strides and offset,
+``causal``, ``sm_scale``, ``window``.
+
+Inputs (``b`` in ``[0, batch)``; the new tokens of ``b`` are rows ``qo_indptr[b]:qo_indptr[b+1]``
+and their K/V are already in the cache, written by ``append``)::
+
+    q                 [num_tokens, n_kv_heads * group_size, head_dim]   dtype
+    k_cache, v_cache  [num_pages, page_size, H, D] (nhd) or [num_pages, H, page_size, D] (hnd)
+    qo_indptr         [batch + 1] int32
+    cache_lengths     [batch] int32    tokens cached before this step; sequence b attends over
+                                       kv_len = cache_lengths[b] + new tokens of b positions
+    lookup_table      [batch, max_pages] int32
+    out               [num_tokens, n_q_heads, head_dim]   dtype     (written)
+    lse               [num_tokens, n_q_heads] float32   natural-log sum of exp(scores) (written)
+    causal            int32   1: row i of b (position p = cache_lengths[b] + i) sees KV <= p
+    sm_scale          float32 scores are sm_scale * q.k
+    window            int32   with feature "sliding_window": a row at position p sees only
+                              KV positions > p - window (window >= 1); ignored otherwise
+
+Query head ``h`` reads KV head ``h // group_size``. Accumulation is float32 for every dtype;
+the softmax runs in base 2 on scores pre-multiplied by ``sm_scale * log2(e)``.
+
+Blocks: ``locate`` (token -> sequence, binary search of ``qo_indptr``) and ``attn`` (one
+(token, query head) row: online softmax over its visible KV positions). The tuned schedules
+replace this per-row form by tiled kernels with the same signature (see
+``schedules/cpu_prefill.py`` and ``schedules/cuda_prefill.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+
+from .accessor import cache_index, match_cache
+
+#: Binary-search steps of ``locate``: enough for a batch of 2**16 sequences.
+SEARCH_STEPS = 16
+#: log2(e): the kernels softmax in base 2.
+LOG2E = math.log2(math.e)
+#: "minus infinity" of the running max (finite, so max - max never makes a NaN).
+NEG_INF = -1.0e30
+
+
+def define(spec):
+    """The unscheduled prefill PrimFunc of ``spec`` (one row per (token, query head))."""
+    H, G, D, dtype, layout = (spec.n_kv_heads, spec.group_size, spec.head_dim, spec.dtype,
+                              spec.layout)
+    HQ = H * G
+    SLIDE = 1 if "sliding_window" in spec.features else 0  # noqa: N806
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
+                var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
+                var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
+                window: T.int32):
+        T.func_attr({"tirx.noalias": True})
+        num_pages, page_size = T.int64(), T.int64()
+        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
+        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
+        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(var_q, (ntok, HQ, D), dtype)
+        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
+                              [ks0, ks1, ks2, 1], koff)
+        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
+                              [vs0, vs1, vs2, 1], voff)
+        qo_indptr = T.match_buffer(var_qo_indptr, (batch + 1,), "int32")
+        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
+        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
+        out = T.match_buffer(var_out, (ntok, HQ, D), dtype)
+        lse = T.match_buffer(var_lse, (ntok, HQ), "float32")
+        seq_of = T.sblock_alloc_buffer((ntok,), "int32")
+        for n in range(ntok):
+            with T.sblock("locate"):
+                vn = T.axis.spatial(ntok, n)
+                T.reads(qo_indptr[0:batch + 1])
+                T.writes(seq_of[vn])
+                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                lo[0] = 0
+                hi[0] = T.Cast("int32", batch)
+                for _ in range(SEARCH_STEPS + 1):
+                    if hi[0] - lo[0] > 1:
+                        if T.Cast("int64", qo_indptr[(lo[0] + hi[0]) // 2]) <= vn:
+                            lo[0] = (lo[0] + hi[0]) // 2
+                        else:
+                            hi[0] = (lo[0] + hi[0]) // 2
+                seq_of[vn] = lo[0]
+        for n, h in T.grid(ntok, HQ):
+            with T.sblock("attn"):
+                vn, vh = T.axis.remap("SS", [n, h])
+                T.reads(seq_of[vn], qo_indptr[0:batch + 1], cache_lengths[0:batch],
+                        lookup[0:batch, 0:max_pages], q[vn, vh, 0:D],
+                        k_cache[0:num_pages, 0:k_cache.shape[1], 0:k_cache.shape[2], 0:D],
+                        v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], 0:D])
+                T.writes(out[vn, vh, 0:D], lse[vn, vh])
+                acc = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                qs = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, l, s, alpha
+                b: T.int32 = seq_of[vn]
+                pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
+                    - T.Cast("int64", qo_indptr[b])
+                kv_len: T.int64 = T.Cast("int64", cache_lengths[b] + qo_indptr[b + 1]
+                                         - qo_indptr[b])
+                hi: T.int64 = T.if_then_else(causal != 0, pos + 1, kv_len)
+                lo: T.int64 = T.max(pos - T.Cast("int64", window) + 1, T.int64(0)) * SLIDE
+                for d in range(D):
+                    qs[d] = T.Cast("float32", q[vn, vh, d]) * sm_scale * T.float32(LOG2E)
+                    acc[d] = T.float32(0)
+                st[0] = T.float32(NEG_INF)
+                st[1] = T.float32(0)
+                for j in range(hi - lo):
+                    page: T.int64 = T.Cast("int64", lookup[b, T.truncdiv(lo + j, page_size)])
+                    slot: T.int64 = T.truncmod(lo + j, page_size)
+                    st[2] = T.float32(0)
+                    for d in range(D):
+                        st[2] = st[2] + qs[d] * T.Cast(
+                            "float32", k_cache[cache_index(layout, page, slot, vh // G, d)])
+                    st[3] = T.exp2(st[0] - T.max(st[0], st[2]))
+                    st[0] = T.max(st[0], st[2])
+                    st[2] = T.exp2(st[2] - st[0])
+                    st[1] = st[1] * st[3] + st[2]
+                    for d in range(D):
+                        acc[d] = acc[d] * st[3] + st[2] * T.Cast(
+                            "float32", v_cache[cache_index(layout, page, slot, vh // G, d)])
+                for d in range(D):
+                    out[vn, vh, d] = T.Cast(dtype, acc[d] / st[1])
+                lse[vn, vh] = (st[0] + T.log2(st[1])) * T.float32(1.0 / LOG2E)
+    # fmt: on
+    return prefill
+
+
+def reference_prefill(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table,
+                      layout: str = "nhd", causal: bool = True, sm_scale=None,
+                      sliding_window=None):
+    """Plain numpy prefill attention in float64: returns ``(out, lse)``.
+
+    ``out`` is ``[num_tokens, n_q_heads, head_dim]`` and ``lse`` ``[num_tokens, n_q_heads]``
+    (natural log of the sum of ``exp(sm_scale * q.k)`` over the visible KV positions).
+    """
+    import numpy as np
+
+    q = np.asarray(q, np.float64)
+    k_cache = np.asarray(k_cache, np.float64)
+    v_cache = np.asarray(v_cache, np.float64)
+    ntok, hq, d = q.shape
+    if layout == "nhd":
+        page_size, h = k_cache.shape[1], k_cache.shape[2]
+    else:
+        page_size, h = k_cache.shape[2], k_cache.shape[1]
+    g = hq // h
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    out = np.zeros((ntok, hq, d))
+    lse = np.zeros((ntok, hq))
+    for b in range(len(cache_lengths)):
+        start, end = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        if end == start:
+            continue
+        clen = int(cache_lengths[b])
+        kv_len = clen + end - start
+        pos = np.arange(kv_len)
+        pages = np.asarray(lookup_table[b])[pos // page_size]
+        if layout == "nhd":
+            keys, vals = k_cache[pages, pos % page_size], v_cache[pages, pos % page_size]
+        else:
+            keys, vals = k_cache[pages, :, pos % page_size], v_cache[pages, :, pos % page_size]
+        keys, vals = np.repeat(keys, g, axis=1), np.repeat(vals, g, axis=1)  # [kv, hq, d]
+        scores = np.einsum("qhd,khd->hqk", q[start:end], keys) * scale
+        qpos = clen + np.arange(end - start)
+        visible = np.ones((end - start, kv_len), bool)
+        if causal:
+            visible &= pos[None, :] <= qpos[:, None]
+        if sliding_window is not None:
+            visible &= pos[None, :] > qpos[:, None] - int(sliding_window)
+        scores = np.where(visible[None], scores, -np.inf)
+        top = scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores - top)
+        total = p.sum(axis=-1, keepdims=True)
+        out[start:end] = np.einsum("hqk,khd->qhd", p / total, vals)
+        lse[start:end] = (np.log(total) + top)[..., 0].T
+    return out, lse
