@@ -24,3 +24,22 @@ def schedule_append(mod, spec, knobs):
     sch.parallel(token)
     sch.vectorize(d_vec)
     return sch.mod
+
+
+# -- copy (kvtvm.kernels.copy) -------------------------------------------------------------
+KNOB_DEFAULTS["copy"] = lambda spec: {"rows_per_task": 64, "vector_bytes": 32}
+KNOB_SPACES["copy"] = lambda spec: {"rows_per_task": [16, 64, 256], "vector_bytes": [16, 32, 64]}
+
+
+def schedule_copy(mod, spec, knobs):
+    """(outer, inner / rows_per_task) in parallel; inside, the launch's copies in a serial
+    loop, each moving rows_per_task rows of head_dim, vectorized."""
+    sch = new_schedule(mod, spec)
+    block = sch.get_sblock("copy")
+    o, r, i, d = sch.get_loops(block)
+    r_task, r_in = sch.split(r, [None, knobs["rows_per_task"]])
+    sch.reorder(r_task, i, r_in)
+    sch.parallel(sch.fuse(o, r_task))
+    _, d_vec = sch.split(d, [None, vector_lanes(spec, knobs["vector_bytes"])])
+    sch.vectorize(d_vec)
+    return sch.mod

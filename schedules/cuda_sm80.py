@@ -8,3 +8,4 @@ from .cuda_sm90 import KNOB_DEFAULTS, KNOB_SPACES, schedule_append  # noqa: F401
 
 def default_knobs(spec) -> dict:
     return dict(KNOB_DEFAULTS[spec.op](spec))
+from .cuda_sm90 import schedule_copy  # noqa: E402,F401  (copy: same schedule and knobs)

@@ -37,3 +37,23 @@ def schedule_append(mod, spec, knobs):
     sch.bind(bx, "blockIdx.x")
     sch.bind(ty, "threadIdx.y")
     return sch.mod
+
+
+# -- copy (kvtvm.kernels.copy) -------------------------------------------------------------
+KNOB_DEFAULTS["copy"] = lambda spec: {"vector_bytes": 16, "threads": 256}
+KNOB_SPACES["copy"] = lambda spec: {"vector_bytes": [4, 8, 16], "threads": [128, 256, 512]}
+
+
+def schedule_copy(mod, spec, knobs):
+    """One thread per (outer, inner, head_dim / lanes) vector; each thread runs the launch's
+    copies in a serial loop, lanes vectorized."""
+    sch = new_schedule(mod, spec)
+    block = sch.get_sblock("copy")
+    o, r, i, d = sch.get_loops(block)
+    d_out, d_vec = sch.split(d, [None, vector_lanes(spec, knobs["vector_bytes"])])
+    sch.reorder(d_out, i)
+    bx, tx = sch.split(sch.fuse(o, r, d_out), [None, knobs["threads"]])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(d_vec)
+    return sch.mod

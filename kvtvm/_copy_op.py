@@ -1,0 +1,136 @@
+"""The copy ops (re-exported by :mod:`kvtvm.ops`): move pages or batch slots of a cache tensor.
+
+``copy_pages`` moves rows of axis 0 (PAGED / CONTINUOUS cache tensors, whose axis 0 is the page
+or block); ``copy_slots`` moves rows of axis 1 of a LINEAR cache tensor
+``[num_layers, max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]`` in every layer. Both run
+the ``copy`` kernel (:mod:`kvtvm.kernels.copy`) in place, with sequential semantics: copy ``i``
+sees the result of copies ``0 .. i-1``. The kernel runs independent copies per launch, so the
+list is split on the host into rounds of independent copies, one launch each: copy-on-write
+(fresh destinations) is one round; an order-preserving compaction ``[1, 2, 3] -> [0, 1, 2]``
+takes one round per link of its longest chain. Copies with ``src == dst`` are skipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .boundary import as_tensor, check_contiguous, check_dtype, host_array, launch
+from .errors import DeviceMismatchError, InvalidArgumentError, describe
+from .params import DTYPE_SIZES
+
+__all__ = ["copy_pages", "copy_slots", "independent_rounds"]
+
+
+def copy_pages(blocks, src_pages, dst_pages, *, check_indices: bool | None = None) -> None:
+    """Copy whole pages of a cache tensor in place: ``blocks[dst[i]] = blocks[src[i]]`` for
+    ``i`` in order.
+
+    Parameters
+    ----------
+    blocks : Tensor
+        Contiguous cache tensor whose axis 0 is the page, e.g. PAGED
+        ``[num_pages, 2, num_layers, page_size, n_kv_heads, head_dim]``. Every layer and both
+        K and V of a page move together.
+    src_pages, dst_pages : Tensor
+        int32 ``[n]`` page indices, on the device of ``blocks``.
+    check_indices : bool, optional
+        Check ``0 <= index < num_pages`` before launch; default True for host-resident
+        indices. Indices on a GPU are neither checked nor split into rounds (that would
+        synchronize): they must then be independent (no ``dst`` repeated or also a ``src``).
+
+    Raises
+    ------
+    DTypeMismatchError, DeviceMismatchError, InvalidArgumentError
+        Before anything is written.
+    """
+    _copy_rows(blocks, 0, src_pages, dst_pages, "blocks", check_indices)
+
+
+def copy_slots(cache, src_slots, dst_slots, *, check_indices: bool | None = None) -> None:
+    """Copy whole batch slots of a LINEAR cache in place: ``cache[:, dst[i]] =
+    cache[:, src[i]]`` for ``i`` in order (every layer, K and V).
+
+    Parameters
+    ----------
+    cache : Tensor
+        Contiguous ``[num_layers, max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``.
+    src_slots, dst_slots : Tensor
+        int32 ``[n]`` slot indices, on the device of ``cache``.
+    check_indices : bool, optional
+        As for :func:`copy_pages`.
+    """
+    _copy_rows(cache, 1, src_slots, dst_slots, "cache", check_indices)
+
+
+def _copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> None:
+    buf = as_tensor(name, buf)
+    src = as_tensor("src", src)
+    dst = as_tensor("dst", dst)
+    check_dtype(name, buf, tuple(DTYPE_SIZES))
+    check_contiguous(name, buf)
+    if buf.dim() < axis + 2:
+        raise InvalidArgumentError(describe(f"{name} rank", f"at least {axis + 2}",
+                                            f"shape {list(buf.shape)}"))
+    for n_, t in (("src", src), ("dst", dst)):
+        check_dtype(n_, t, "int32")
+        check_contiguous(n_, t)
+        if t.dim() != 1:
+            raise InvalidArgumentError(describe(f"{n_} rank", "1 ([n])", list(t.shape)))
+        if t.device != buf.device:
+            raise DeviceMismatchError(describe(n_, f"device {buf.device} (as {name})",
+                                               t.device))
+    if src.shape[0] != dst.shape[0]:
+        raise InvalidArgumentError(describe("dst.shape[0]", f"{src.shape[0]} (as src)",
+                                            dst.shape[0]))
+    rows = int(buf.shape[axis])
+    on_host = src.device.type == "cpu"
+    if check_indices is None:
+        check_indices = on_host
+    if check_indices:
+        for n_, t in (("src", src), ("dst", dst)):
+            idx = host_array(t)
+            bad = (idx < 0) | (idx >= rows)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise InvalidArgumentError(describe(f"{n_}[{i}]", f"an index in [0, {rows})",
+                                                    int(idx[i])))
+    if src.shape[0] == 0:
+        return
+    head_dim = int(buf.shape[-1])
+    outer = int(np.prod(buf.shape[:axis], dtype=np.int64)) if axis else 1
+    inner = int(np.prod(buf.shape[axis + 1:], dtype=np.int64)) // head_dim
+    view = buf.view(outer, rows, inner, head_dim)
+    spec = dict(op="copy", dtype=str(buf.dtype).replace("torch.", ""), head_dim=head_dim,
+                n_kv_heads=1, layout="nhd")
+    if not on_host:
+        launch(spec, buf.device, (view, src, dst))
+        return
+    import torch
+
+    for rs, rd in independent_rounds(host_array(src).tolist(), host_array(dst).tolist()):
+        launch(spec, buf.device, (view, torch.tensor(rs, dtype=torch.int32),
+                                  torch.tensor(rd, dtype=torch.int32)))
+
+
+def independent_rounds(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Split an ordered copy list into consecutive rounds of independent copies.
+
+    Within a round no slot is written twice and no slot written is also read, so a round can
+    run in parallel; running the rounds in order gives the sequential result. ``src == dst``
+    copies are dropped.
+    """
+    rounds = []
+    cur_s, cur_d, reads, writes = [], [], set(), set()
+    for s, d in zip(src, dst):
+        if s == d:
+            continue
+        if d in reads or d in writes or s in writes:
+            rounds.append((cur_s, cur_d))
+            cur_s, cur_d, reads, writes = [], [], set(), set()
+        cur_s.append(s)
+        cur_d.append(d)
+        reads.add(s)
+        writes.add(d)
+    if cur_s:
+        rounds.append((cur_s, cur_d))
+    return rounds

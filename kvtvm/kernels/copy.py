@@ -1,0 +1,68 @@
+"""Copy: move whole pages (or batch slots) of a cache tensor, in order, in place.
+
+Used by the paged manager for copy-on-write of a shared page (fork, prefix hits) and by the
+linear cache to compact surviving sequences to the front of the batch.
+
+Compile-time: dtype, head_dim (the contiguous innermost extent, vectorized). ``n_kv_heads`` and
+the layout do not matter to a copy; the ops layer always passes ``n_kv_heads=1``, layout
+``nhd``, so one kernel per (dtype, head_dim) serves every cache.
+Runtime: outer, rows, inner, number of copies.
+
+Inputs::
+
+    buf       [outer, rows, inner, head_dim]   contiguous, read and written in place
+    src, dst  [n] int32                         row indices
+
+One launch runs independent copies: no ``dst`` index repeats and none is also a ``src``
+index, so any order gives ``buf[o, dst[i]] = buf[o, src[i]]`` (old values) for every ``i``
+and ``o``. The ops layer (:mod:`kvtvm._copy_op`) turns an ordered list of copies (sequential
+semantics, e.g. a compaction chain ``src = [1, 2], dst = [0, 1]``) into rounds of independent
+copies, one launch each. Device code is emitted with ``restrict`` pointers; independence is
+what makes that truthful for an in-place copy. Schedules parallelize over
+``(outer, inner, head_dim)`` and keep the copies of a launch in a serial loop inside.
+
+Blocks: ``copy``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["define", "reference_copy_pages"]
+
+
+def define(spec):
+    """The unscheduled copy PrimFunc of ``spec`` (``spec.head_dim`` is the innermost extent)."""
+    from tvm.script import tirx as T
+
+    D, dtype = spec.head_dim, spec.dtype
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def copy(var_buf: T.handle, var_src: T.handle, var_dst: T.handle):
+        outer, rows, inner, n = T.int64(), T.int64(), T.int64(), T.int64()
+        buf = T.match_buffer(var_buf, (outer, rows, inner, T.int64(D)), dtype)
+        src = T.match_buffer(var_src, (n,), "int32")
+        dst = T.match_buffer(var_dst, (n,), "int32")
+        # the written side of ``buf``: same memory, a second buffer object, so the block's
+        # reads and writes are distinct buffers for the scheduler
+        out = T.decl_buffer((outer, rows, inner, T.int64(D)), dtype, data=buf.data)
+        for o, r, i, d in T.grid(outer, inner, n, T.int64(D)):
+            with T.sblock("copy"):
+                vo, vr, vi, vd = T.axis.remap("SSSS", [o, r, i, d])
+                T.reads(src[vi], dst[vi], buf[vo, 0:rows, vr, vd])
+                T.writes(out[vo, 0:rows, vr, vd])
+                out[vo, T.Cast("int64", dst[vi]), vr, vd] = \
+                    buf[vo, T.Cast("int64", src[vi]), vr, vd]
+    # fmt: on
+    return copy
+
+
+def reference_copy_pages(buf: np.ndarray, src, dst, axis: int = 0) -> np.ndarray:
+    """Numpy reference: a copy of ``buf`` after ``buf[..., dst[i], ...] = buf[..., src[i], ...]``
+    along ``axis``, for ``i`` in order."""
+    out = np.array(buf, copy=True)
+    moved = np.moveaxis(out, axis, 0)  # a view: writes land in ``out``
+    for s, d in zip(np.asarray(src).tolist(), np.asarray(dst).tolist()):
+        moved[d] = moved[s]
+    return out
