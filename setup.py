@@ -7,11 +7,11 @@ setup(
     version="0.1.0",
     description="KV-cache managers and ahead-of-time compiled TVM kernels for LLM inference",
     python_requires=">=3.10",
-    packages=find_packages(include=["kvtvm", "kvtvm.*"]) + ["kvtvm.schedules"],
-    package_dir={"kvtvm.schedules": "schedules"},
-    package_data={"kvtvm": ["tuning_logs/*/*.json"]},
-    data_files=[],
-    include_package_data=True,
+    packages=find_packages(include=["kvtvm", "kvtvm.*"]) + ["kvtvm.schedules",
+                                                            "kvtvm.tuning_logs"],
+    # schedules/ and tuning_logs/ live at the top of the repository, installed inside kvtvm
+    package_dir={"kvtvm.schedules": "schedules", "kvtvm.tuning_logs": "tuning_logs"},
+    package_data={"kvtvm.tuning_logs": ["*/*.json"]},
     install_requires=[
         "apache-tvm==0.27.0.post1",
         "numpy",

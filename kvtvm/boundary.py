@@ -10,6 +10,7 @@ written when it raises. CUDA kernels run on torch's current stream.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +98,7 @@ class Target:
     arch: str | None
 
 
+@functools.lru_cache(maxsize=None)
 def target_of(device) -> Target:
     """The kernel target for tensors on ``device``."""
     if device.type == "cpu":
@@ -120,10 +122,20 @@ def host_array(t) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_for(spec_items: tuple, target: Target, search_path: tuple):
+    spec = compiler.KernelSpec(target=target.target, arch=target.arch, **dict(spec_items))
+    return compiler.get_kernel(spec)
+
+
 def launch(spec_kwargs: dict, device, args):
-    target = target_of(device)
-    spec = compiler.KernelSpec(target=target.target, arch=target.arch, **spec_kwargs)
-    fn = compiler.get_kernel(spec)
+    """Run the kernel of ``spec_kwargs`` for ``device`` on ``args`` (torch tensors/scalars).
+
+    The loaded function is memoized per (spec, target, kernel search path), so a call costs a
+    dictionary lookup once the kernel is loaded.
+    """
+    fn = _kernel_for(tuple(sorted(spec_kwargs.items())), target_of(device),
+                     tuple(compiler.kernel_dirs()))
     if device.type == "cuda":
         import torch
 

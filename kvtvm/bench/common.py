@@ -78,9 +78,9 @@ def report(title: str, rows: list[Row], metric_name: str, baseline: str, args,
     cases = list(dict.fromkeys(r.case for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
     print(f"\n{title} — {device_name(device)} — {date.today().isoformat()}")
-    header = f"{'case':<22}" + "".join(f"{i + ' ms':>18}{metric_name:>10}" for i in impls)
+    header = f"{'case':<22}" + "".join(f"  {i + ' ms':>22} {metric_name:>8}" for i in impls)
     peers = [i for i in impls if i != baseline]
-    header += "".join(f"{baseline + '/' + p:>22}" for p in peers)
+    header += "".join(f"  {p + ' / ' + baseline:>28}" for p in peers)
     print(header)
     by = {(r.case, r.impl): r for r in rows}
     for case in cases:
@@ -88,17 +88,19 @@ def report(title: str, rows: list[Row], metric_name: str, baseline: str, args,
         for impl in impls:
             r = by.get((case, impl))
             if r is None:
-                line += f"{'—':>18}{'':>10}"
+                line += f"  {'—':>22} {'':>8}"
             else:
-                line += f"{r.ms:>18.4f}{(r.metric if r.metric is not None else float('nan')):>10.3f}"
+                metric = r.metric if r.metric is not None else float("nan")
+                line += f"  {r.ms:>22.4f} {metric:>8.3f}"
         for p in peers:
             mine, theirs = by.get((case, baseline)), by.get((case, p))
             if mine and theirs:
-                line += f"{theirs.ms / mine.ms:>21.2f}x"  # >1: kvtvm is faster
+                line += f"  {theirs.ms / mine.ms:>27.2f}x"  # >1: kvtvm is faster
             else:
-                line += f"{'—':>22}"
+                line += f"  {'—':>28}"
         print(line)
-    print(f"(ratio columns: peer time / {baseline} time; above 1 means {baseline} is faster)")
+    print(f"(ratio columns: peer time / {baseline} time; above 1 means {baseline} is faster; "
+          f"{metric_name} of the ratio columns' peers are in their own columns)")
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump({"title": title, "device": device_name(device),

@@ -1,0 +1,144 @@
+"""``python -m kvtvm {build,bench,tune,info}``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import os
+import sys
+from pathlib import Path
+
+from . import compiler
+
+
+def _csv(kind):
+    def parse(text):
+        return [kind(x) for x in text.split(",") if x]
+    return parse
+
+
+def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_heads, groups,
+                  layouts):
+    """The cross product of the requested axes, for every family whose kernel exists."""
+    specs = []
+    for op, dtype, d, h, layout in itertools.product(ops, dtypes, head_dims, kv_heads, layouts):
+        for g in (groups if op in ("decode", "prefill") else [1]):
+            specs.append(compiler.KernelSpec(op=op, dtype=dtype, head_dim=d, n_kv_heads=h,
+                                             group_size=g, layout=layout, target=target,
+                                             arch=arch))
+    return list(dict.fromkeys(specs))
+
+
+def available_ops() -> list[str]:
+    """Kernel families defined in this installation."""
+    ops = []
+    for op in compiler.KERNEL_FAMILIES:
+        if importlib.util.find_spec(f"kvtvm.kernels.{op}") is not None:
+            ops.append(op)
+    return ops
+
+
+def cmd_build(args) -> int:
+    arch = args.arch if args.target == "cuda" else None
+    ops = args.ops or available_ops()
+    specs = default_specs(args.target, arch, ops, args.dtypes, args.head_dims, args.kv_heads,
+                          args.group_sizes, args.layouts)
+    out = Path(args.out)
+    print(f"building {len(specs)} kernels for {args.target}"
+          f"{' ' + arch if arch else ''} into {out}")
+    failures = 0
+    for i, spec in enumerate(specs, 1):
+        path = out / spec.file_name()
+        status = "cached"
+        if not path.exists():
+            try:
+                compiler.build_spec(spec, out)
+                status = "built"
+            except Exception as err:  # report and go on with the others
+                failures += 1
+                print(f"[{i}/{len(specs)}] {spec.uri}: FAILED: {err}", file=sys.stderr)
+                continue
+        note = ""
+        ptxas = path.with_suffix(".ptxas.txt")
+        if ptxas.exists():
+            usage = compiler.spill_report(ptxas.read_text())
+            regs = max((u["registers"] for u in usage.values()), default=0)
+            spills = sum(u["spill_stores"] + u["spill_loads"] for u in usage.values())
+            note = f" (max {regs} registers, {spills} spill bytes)"
+        print(f"[{i}/{len(specs)}] {spec.uri}: {status}{note}")
+    print(f"done: {len(specs) - failures} ok, {failures} failed. Load them with "
+          f"KVTVM_KERNEL_PATH={out} or kvtvm.compiler.add_kernel_dir('{out}')")
+    return 1 if failures else 0
+
+
+def cmd_info(args) -> int:
+    import tvm
+
+    from . import __version__, runtime
+
+    print(f"kvtvm {__version__}, TVM {compiler._tvm_version()} ({os.path.dirname(tvm.__file__)})")
+    print(f"TVM compiler available: {runtime.compiler_available()}")
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        gpu = torch.cuda.get_device_name(0) if cuda else "none"
+    except ImportError:
+        gpu = "torch not installed"
+    print(f"GPU: {gpu}")
+    print(f"kernel families: {', '.join(available_ops())}")
+    print("kernel directories (searched in order):")
+    for d in compiler.kernel_dirs():
+        built = sorted(d.glob("*/*.so")) if d.exists() else []
+        by_target: dict[str, int] = {}
+        for p in built:
+            by_target[p.parent.name] = by_target.get(p.parent.name, 0) + 1
+        summary = ", ".join(f"{n} for {t}" for t, n in sorted(by_target.items())) or "empty"
+        print(f"  {d}: {summary}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m kvtvm",
+                                     description="kvtvm: KV-cache kernels and managers")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build kernels ahead of time into a directory",
+                       description="Build a set of kernel specs ahead of time. CUDA code is "
+                       "compiled by nvcc now (sm_80 + sm_90a SASS for --arch sm_90a), so the "
+                       "modules load with the TVM runtime alone.")
+    b.add_argument("--target", choices=["llvm", "cuda"], default="cuda")
+    b.add_argument("--arch", default="sm_90a", choices=sorted(compiler.CUDA_ARCHS))
+    b.add_argument("--out", required=True, help="output directory")
+    b.add_argument("--ops", type=_csv(str), default=None,
+                   help="comma-separated families (default: all defined)")
+    b.add_argument("--dtypes", type=_csv(str), default=["float16", "bfloat16"])
+    b.add_argument("--head-dims", type=_csv(int), default=[128])
+    b.add_argument("--kv-heads", type=_csv(int), default=[8])
+    b.add_argument("--group-sizes", type=_csv(int), default=[4])
+    b.add_argument("--layouts", type=_csv(str), default=["nhd", "hnd"])
+    b.set_defaults(func=cmd_build)
+
+    sub.add_parser("bench", help="run a benchmark (python -m kvtvm bench <name> --help)",
+                   add_help=False)
+    sub.add_parser("tune", help="autotune kernel knobs (python -m kvtvm tune --help)",
+                   add_help=False)
+    i = sub.add_parser("info", help="what is built, for which targets, where the cache lives")
+    i.set_defaults(func=cmd_info)
+
+    if argv and argv[0] == "bench":
+        from .bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "tune":
+        from .tune import main as tune_main
+
+        return tune_main(argv[1:])
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""``python -m kvtvm.tune``: search a spec's schedule knobs on this device and record the best
+in ``tuning_logs/<target_tag>/<uri>.json``, which later builds read.
+
+The knob space of each op comes from its schedule module (``KNOB_SPACES[op](spec)``). Every
+candidate is built, loaded, checked against the default build's output on the same inputs,
+and timed (median of ``--repeat`` runs); a candidate that fails to build or gives different
+results is skipped and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import random
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+from . import compiler, runtime
+from .bench.common import device_name, median_seconds
+
+
+def append_workload(spec, device: str):
+    """Inputs of one append: 32 sequences adding 64 tokens each, page 16."""
+    from .bench.append import make_case
+
+    case = make_case(64, 32, spec.n_kv_heads, spec.head_dim, 16, spec.dtype, device)
+    kc, vc = case["cache"][:, 0, 0], case["cache"][:, 1, 0]
+    if spec.layout == "hnd":  # a strided [pages, H, page_size, D] view of the same memory
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    args = (kc, vc, case["k"], case["v"], case["indptr"], case["lengths"], case["table"])
+    return args, (kc, vc)
+
+
+def workload(spec, device: str):
+    """``(args, outputs)`` for calling ``spec``'s kernel function directly: ``args`` is the
+    argument tuple and ``outputs`` the tensors to compare between candidates."""
+    if spec.op == "append":
+        return append_workload(spec, device)
+    bench = importlib.import_module(f"kvtvm.bench.{spec.op}")
+    make = getattr(bench, "tuning_workload", None)
+    if make is None:
+        raise SystemExit(f"no tuning workload for op {spec.op!r}")
+    return make(spec, device)
+
+
+def candidates(spec, max_trials: int, seed: int = 0) -> list[dict]:
+    """Knob settings to try: the default first, then the space (sampled when too large)."""
+    sched = compiler._schedule_module(spec)
+    default = compiler.resolve_knobs(spec)
+    space = sched.KNOB_SPACES[spec.op](spec)
+    names = sorted(space)
+    grid = [dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names))]
+    grid = [dict(default, **g) for g in grid]
+    random.Random(seed).shuffle(grid)
+    out = [default] + [g for g in grid if g != default]
+    return out[:max_trials]
+
+
+def progress(i: int, n: int, text: str) -> None:
+    width = 30
+    done = int(width * i / n)
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {text[:60]:<60}")
+    sys.stderr.flush()
+    if i == n:
+        sys.stderr.write("\n")
+
+
+def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int = 3,
+         log_root: Path | None = None, write: bool = True) -> dict:
+    """Search ``spec``'s knobs; returns (and, with ``write``, records) the best entry."""
+    import torch
+
+    args, outputs = workload(spec, device)
+    snapshot = [t.clone() for t in outputs]
+    trials, reference = [], None
+    cands = candidates(spec, max_trials)
+    with tempfile.TemporaryDirectory(prefix="kvtvm-tune-") as tmp:
+        for i, knobs in enumerate(cands, 1):
+            progress(i - 1, len(cands), f"{knobs}")
+            cand = compiler.KernelSpec(**{**spec.__dict__, "knobs": knobs})
+            try:
+                path = compiler.build_spec(cand, tmp)
+                module = runtime.load_module(str(path), needs_cuda=cand.is_cuda)
+                fn = module[cand.func_name]
+                for out, snap in zip(outputs, snapshot):
+                    out.copy_(snap)
+                fn(*args)
+                result = [o.clone() for o in outputs]
+                if reference is None:
+                    reference = result
+                elif not all(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2,
+                                            equal_nan=False)
+                             for a, b in zip(reference, result)):
+                    trials.append({"knobs": knobs, "error": "result differs from the default"})
+                    continue
+                sec = median_seconds(lambda: fn(*args), device, repeat, warmup)
+                trials.append({"knobs": knobs, "median_ms": sec * 1e3})
+            except Exception as err:  # a knob setting that does not build is skipped
+                trials.append({"knobs": knobs, "error": str(err).splitlines()[-1][:200]})
+        progress(len(cands), len(cands), "done")
+    timed = [t for t in trials if "median_ms" in t]
+    if not timed:
+        raise SystemExit(f"no candidate of {spec.uri} could be built and run: {trials}")
+    best = min(timed, key=lambda t: t["median_ms"])
+    entry = {"uri": spec.uri, "target": spec.target_tag, "knobs": best["knobs"],
+             "median_ms": best["median_ms"], "default_ms": trials[0].get("median_ms"),
+             "date": date.today().isoformat(), "device": device_name(device),
+             "trials": trials}
+    if write:
+        path = compiler.tuning_log_path(spec, log_root)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(entry, indent=1) + "\n")
+        entry["path"] = str(path)
+    return entry
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtvm.tune", description=__doc__)
+    parser.add_argument("--op", required=True, choices=compiler.KERNEL_FAMILIES)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=1)
+    parser.add_argument("--layout", default="nhd", choices=compiler.LAYOUTS)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--max-trials", type=int, default=32)
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--log-root", type=Path, default=None,
+                        help="tuning_logs directory to write (default: the package's)")
+    parser.add_argument("--dry-run", action="store_true", help="search but write nothing")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda"):
+        from .boundary import target_of
+        import torch
+
+        tgt = target_of(torch.device(args.device))
+        target, arch = tgt.target, tgt.arch
+    else:
+        target, arch = "llvm", None
+    spec = compiler.KernelSpec(op=args.op, dtype=args.dtype, head_dim=args.head_dim,
+                               n_kv_heads=args.kv_heads, group_size=args.group_size,
+                               layout=args.layout, target=target, arch=arch)
+    entry = tune(spec, args.device, args.max_trials, args.repeat, log_root=args.log_root,
+                 write=not args.dry_run)
+    print(f"{spec.uri} on {entry['device']}: best {entry['knobs']} "
+          f"{entry['median_ms']:.4f} ms (default {entry['default_ms']} ms)")
+    if "path" in entry:
+        print(f"wrote {entry['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
