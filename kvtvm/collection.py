@@ -1,0 +1,234 @@
+"""Per-layer views over fetched KV cache inputs (seeds 001 and 003).
+
+A collection wraps one device's :class:`~kvtvm.inputs.RaggedKVCacheInputs`; ``get_key_cache``
+and ``get_value_cache`` return a per-layer :class:`LayerKVCache` whose ``blocks`` is a zero-copy
+strided view of the manager's cache tensor in the layout the kernels take:
+
+=============  ===========================================  ========  ======================
+strategy       per-layer K (or V) view                       layout    page_size
+=============  ===========================================  ========  ======================
+CONTINUOUS     ``blocks[:, 0, layer]`` ``[num_blocks, S, H, D]``   ``nhd``   ``max_seq_len``
+PAGED          ``blocks[:, 0, layer]`` ``[num_pages, P, H, D]``    ``nhd``   ``page_size``
+LINEAR         ``cache[layer, :, 0]`` ``[max_batch, H, S, D]``    ``hnd``   ``max_seq_len``
+=============  ===========================================  ========  ======================
+
+(``1`` instead of ``0`` selects V.) So an engine writes this step's K/V with::
+
+    c = inputs.collection()
+    kvtvm.ops.append_kv(c.get_key_cache(l).blocks, c.get_value_cache(l).blocks, k, v,
+                        inputs.qo_indptr, inputs.cache_lengths, inputs.lookup_table,
+                        layout=c.layout)
+
+The accessor methods (``cache_length``, ``row_idx``, ``load``, ...) read host copies of the
+tables; on a GPU, ``row_idx``/``load``/``store`` copy the lookup table to the host once (a
+sync): they are for inspection and tests, not for the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidArgumentError, describe
+from .params import KVCacheStrategy
+
+__all__ = ["LayerKVCache", "KVCacheCollection", "ContinuousBatchingKVCacheCollection",
+           "PagedKVCacheCollection", "LinearKVCacheCollection", "make_collection"]
+
+
+@dataclass
+class LayerKVCache:
+    """One layer's K (or V) cache for one step: the seed-003 ``PagedKVCache`` accessor.
+
+    Attributes
+    ----------
+    blocks : torch.Tensor
+        Strided view ``[num_pages, page_size, H, D]`` (``nhd``) or ``[num_pages, H, page_size,
+        D]`` (``hnd``).
+    cache_lengths : torch.Tensor
+        int32 ``[batch]``.
+    lookup_table : torch.Tensor
+        int32 ``[batch, W]``.
+    max_seq_length, max_cache_length : int
+        Max new tokens and max cache length (after the new tokens) of this step.
+    page_size : int
+        Tokens per page.
+    layout : str
+        ``"nhd"`` or ``"hnd"``.
+    """
+
+    blocks: Any
+    cache_lengths: Any
+    lookup_table: Any
+    max_seq_length: int
+    max_cache_length: int
+    page_size: int
+    layout: str
+    cache_lengths_host: np.ndarray
+    _lookup_host: np.ndarray | None = None
+
+    def _table(self) -> np.ndarray:
+        if self._lookup_host is None:
+            self._lookup_host = self.lookup_table.detach().cpu().numpy()
+        return self._lookup_host
+
+    def cache_length(self, batch_idx: int) -> int:
+        """Tokens cached for batch entry ``batch_idx`` before this step's tokens."""
+        return int(self.cache_lengths_host[batch_idx])
+
+    def empty_cache(self) -> bool:
+        """True if every batch entry has an empty cache."""
+        return not self.cache_lengths_host.any()
+
+    def max_prompt_length(self) -> int:
+        """Most new tokens of a batch entry this step."""
+        return self.max_seq_length
+
+    def max_context_length(self) -> int:
+        """Largest cache length of a batch entry once this step's tokens are in."""
+        return self.max_cache_length
+
+    def page_and_slot(self, batch_idx: int, tok_idx: int) -> tuple[int, int]:
+        """(page, slot in page) of token ``tok_idx`` of batch entry ``batch_idx``."""
+        page = int(self._table()[batch_idx, tok_idx // self.page_size])
+        return page, tok_idx % self.page_size
+
+    def row_idx(self, batch_idx: int, tok_idx: int) -> int:
+        """Row of the token when the layer's cache is viewed as ``[num_pages * page_size]``
+        token rows."""
+        page, slot = self.page_and_slot(batch_idx, tok_idx)
+        return page * self.page_size + slot
+
+    def col_idx(self, head_idx: int) -> int:
+        """Column of head ``head_idx`` when a token row is viewed as ``[H * D]``."""
+        return head_idx * int(self.blocks.shape[-1])
+
+    def _index(self, bs: int, head_idx: int, tok_idx: int):
+        page, slot = self.page_and_slot(bs, tok_idx)
+        return (page, slot, head_idx) if self.layout == "nhd" else (page, head_idx, slot)
+
+    def load(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx=slice(None)):
+        """Element(s) ``[head_dim_idx]`` of head ``head_idx`` at token ``tok_idx`` of ``bs``."""
+        return self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx]
+
+    def store(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx, val) -> None:
+        """Write ``val`` at element(s) ``[head_dim_idx]`` of head ``head_idx``, token
+        ``tok_idx`` of ``bs``."""
+        self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx] = val
+
+
+class KVCacheCollection:
+    """Per-layer views of one device's inputs for one step."""
+
+    layout = "nhd"
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+        self.num_layers = inputs.num_layers
+        ml = inputs.max_lengths
+        self.max_seq_length = int(ml[0, 0])
+        self.max_cache_length = int(ml[0, 1])
+        self._lookup_host = None
+
+    @property
+    def blocks(self):
+        return self.inputs.blocks
+
+    @property
+    def cache_lengths(self):
+        return self.inputs.cache_lengths
+
+    @property
+    def lookup_table(self):
+        return self.inputs.lookup_table
+
+    @property
+    def page_size(self) -> int:
+        raise NotImplementedError
+
+    def _view(self, layer: int, kv: int):
+        raise NotImplementedError
+
+    def _check_layer(self, layer) -> int:
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+            raise InvalidArgumentError(describe("layer", f"an int in [0, {self.num_layers})",
+                                                repr(layer)))
+        return int(layer)
+
+    def _layer(self, layer: int, kv: int) -> LayerKVCache:
+        layer = self._check_layer(layer)
+        acc = LayerKVCache(self._view(layer, kv), self.cache_lengths, self.lookup_table,
+                           self.max_seq_length, self.max_cache_length, self.page_size,
+                           self.layout, self.inputs.cache_lengths_host)
+        if self._lookup_host is not None:
+            acc._lookup_host = self._lookup_host
+        return acc
+
+    def get_key_cache(self, layer: int) -> LayerKVCache:
+        """Layer ``layer``'s K cache (zero-copy view)."""
+        return self._layer(layer, 0)
+
+    def get_value_cache(self, layer: int) -> LayerKVCache:
+        """Layer ``layer``'s V cache (zero-copy view)."""
+        return self._layer(layer, 1)
+
+    def cache_length(self, bs_idx: int) -> int:
+        """Tokens cached for batch entry ``bs_idx`` before this step's tokens."""
+        return int(self.inputs.cache_lengths_host[bs_idx])
+
+    def empty_cache(self) -> bool:
+        return not self.inputs.cache_lengths_host.any()
+
+    def max_prompt_length(self) -> int:
+        return self.max_seq_length
+
+    def max_context_length(self) -> int:
+        return self.max_cache_length
+
+
+class ContinuousBatchingKVCacheCollection(KVCacheCollection):
+    """Seed 001: views of a CONTINUOUS cache; a block is a page of ``max_seq_len`` tokens."""
+
+    @property
+    def page_size(self) -> int:
+        return int(self.blocks.shape[3])
+
+    def _view(self, layer, kv):
+        return self.blocks[:, kv, layer]
+
+
+class PagedKVCacheCollection(KVCacheCollection):
+    """Seed 003: views of a PAGED cache."""
+
+    @property
+    def page_size(self) -> int:
+        return int(self.blocks.shape[3])
+
+    def _view(self, layer, kv):
+        return self.blocks[:, kv, layer]
+
+
+class LinearKVCacheCollection(KVCacheCollection):
+    """Views of a LINEAR cache (head-major, ``hnd``); a batch slot is a page of
+    ``max_seq_len`` tokens."""
+
+    layout = "hnd"
+
+    @property
+    def page_size(self) -> int:
+        return int(self.blocks.shape[4])
+
+    def _view(self, layer, kv):
+        return self.blocks[layer, :, kv]
+
+
+_COLLECTIONS = {KVCacheStrategy.CONTINUOUS: ContinuousBatchingKVCacheCollection,
+                KVCacheStrategy.PAGED: PagedKVCacheCollection,
+                KVCacheStrategy.LINEAR: LinearKVCacheCollection}
+
+
+def make_collection(inputs) -> KVCacheCollection:
+    """The collection class matching ``inputs.params.cache_strategy``."""
+    return _COLLECTIONS[inputs.params.cache_strategy](inputs)

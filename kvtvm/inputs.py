@@ -1,0 +1,179 @@
+"""What a manager hands a model each step: batch items in, KV cache inputs out.
+
+``fetch`` takes a list of batch items (anything with ``.seq_id`` and ``.tokens``; :class:`BatchItem`
+is the plain one) and returns one :class:`RaggedKVCacheInputs` per device. The four seed-002
+fields (``blocks``, ``cache_lengths``, ``lookup_table``, ``max_lengths``) are what the attention
+kernels take; the extra fields carry what an engine needs to call :func:`kvtvm.ops.append_kv` and
+the attention ops straight from the inputs (``qo_indptr``, per-layer views through
+:meth:`RaggedKVCacheInputs.collection`) and host-side copies of the small tables, so reading a
+length never syncs a device.
+
+Lifetime: ``cache_lengths``, ``lookup_table`` and ``qo_indptr`` are views of the manager's
+preallocated per-step buffers (CUDA-graph friendly: fixed addresses, updated in place). They stay
+valid until the next ``fetch`` of the same manager overwrites them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .params import KVCacheParams, KVCacheStrategy
+
+__all__ = [
+    "BatchItem", "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs",
+    "KVCacheInputsSequence", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols",
+]
+
+
+@dataclass
+class BatchItem:
+    """One sequence of a batch: which sequence, and the tokens it adds to the cache this step.
+
+    Parameters
+    ----------
+    seq_id : int
+        An id returned by ``claim`` / ``external_claim`` / ``fork``.
+    tokens : sequence of int
+        Token ids added this step. For a new sequence with prefix caching this is the whole
+        prompt; the manager tells how many of them are already cached
+        (``RaggedKVCacheInputs.num_cached_tokens``). At ``step`` after a multistep fetch, the
+        fetched tokens followed by the tokens fed in the later steps.
+    """
+
+    seq_id: int
+    tokens: Sequence[int]
+
+
+class KVCacheInputs:
+    """Base class of the KV cache inputs of one device for one step."""
+
+
+class KVCacheInputSymbols:
+    """Base class of the symbolic (TVM Relax struct info) description of KV cache inputs."""
+
+
+@dataclass
+class RaggedKVCacheInputSymbols(KVCacheInputSymbols):
+    """Relax struct info of each tensor of :class:`RaggedKVCacheInputs` (seed 002)."""
+
+    blocks: Any
+    cache_lengths: Any
+    lookup_table: Any
+    max_lengths: Any
+
+
+@dataclass
+class RaggedKVCacheInputs(KVCacheInputs):
+    """KV cache inputs for a ragged batch, on one device.
+
+    Parameters
+    ----------
+    blocks : torch.Tensor
+        The device's whole cache tensor (shape per strategy, see :mod:`kvtvm.params`).
+    cache_lengths : torch.Tensor
+        int32 ``[batch]``: tokens already in the cache of each item before this step's tokens.
+    lookup_table : torch.Tensor
+        int32 ``[batch, W]``: PAGED: ``W = ceil(max_seq_len / page_size)`` page ids (entries past
+        a sequence's pages are 0); CONTINUOUS: ``W = 1``, the sequence's block; LINEAR:
+        ``W = 1``, the batch slot.
+    max_lengths : torch.Tensor
+        int32 ``[num_steps, 2]`` on the host: per remaining step, (max new tokens of an item,
+        max cache length of an item after the step's tokens).
+    qo_indptr : torch.Tensor
+        int32 ``[batch + 1]`` on the device: offsets of each item's new tokens in the ragged
+        token dimension (``input_row_offsets``).
+    seq_ids : tuple of int
+        The batch's sequence ids, in batch order.
+    num_cached_tokens : tuple of int
+        Per item, how many leading ``tokens`` were already in the cache (prefix-cache hits) and
+        must not be run through the model; the model computes ``tokens[num_cached_tokens[b]:]``.
+    cache_lengths_host, qo_indptr_host : numpy.ndarray
+        Host copies of ``cache_lengths`` and ``qo_indptr`` (reading them never syncs).
+    params : KVCacheParams
+        The cache parameters (``n_kv_heads`` is the per-device count here).
+    num_layers, max_seq_len : int
+        As given to the manager.
+    device_index : int
+        Index of this device in the manager's ``devices``.
+    """
+
+    blocks: Any
+    cache_lengths: Any
+    lookup_table: Any
+    max_lengths: Any
+    qo_indptr: Any = None
+    seq_ids: tuple = ()
+    num_cached_tokens: tuple = ()
+    cache_lengths_host: np.ndarray | None = None
+    qo_indptr_host: np.ndarray | None = None
+    params: KVCacheParams | None = None
+    num_layers: int = 0
+    max_seq_len: int = 0
+    device_index: int = 0
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.cache_lengths.shape[0])
+
+    def collection(self):
+        """The per-layer view of these inputs (:mod:`kvtvm.collection`)."""
+        from .collection import make_collection
+
+        return make_collection(self)
+
+    def k_cache(self, layer: int):
+        """Zero-copy K view of ``layer`` in the layout :func:`kvtvm.ops.append_kv` takes."""
+        return self.collection().get_key_cache(layer).blocks
+
+    def v_cache(self, layer: int):
+        """Zero-copy V view of ``layer`` in the layout :func:`kvtvm.ops.append_kv` takes."""
+        return self.collection().get_value_cache(layer).blocks
+
+    @property
+    def strategy(self) -> KVCacheStrategy:
+        return self.params.cache_strategy
+
+    @property
+    def layout(self) -> str:
+        """Token layout of the per-layer views: ``"hnd"`` for LINEAR, else ``"nhd"``."""
+        return "hnd" if self.params.cache_strategy is KVCacheStrategy.LINEAR else "nhd"
+
+
+@dataclass
+class PaddedKVCacheInputs(KVCacheInputs):
+    """KV cache inputs for padded (non-ragged) tensors (seed 002); kept for API parity.
+
+    Parameters
+    ----------
+    k_cache, v_cache : torch.Tensor
+        Key and value caches.
+    start_pos : torch.Tensor
+        Position of the first new token.
+    null_op : torch.Tensor
+        Placeholder kept from the seed API.
+    """
+
+    k_cache: Any
+    v_cache: Any
+    start_pos: Any
+    null_op: Any
+
+
+@dataclass
+class KVCacheInputsSequence(KVCacheInputs):
+    """A sequence of :class:`KVCacheInputs` (e.g. one per device or per step of a multistep run)."""
+
+    kv_cache_inputs: Sequence[KVCacheInputs]
+
+    def __len__(self):
+        return len(self.kv_cache_inputs)
+
+    def __getitem__(self, i):
+        return self.kv_cache_inputs[i]
+
+    def __iter__(self):
+        return iter(self.kv_cache_inputs)

@@ -1,0 +1,602 @@
+"""The abstract KV cache manager (seed 002) and the machinery its table-based managers share.
+
+A manager owns the cache memory (one torch tensor per device), the per-sequence cache lengths
+and lookup tables, and hands the model, each step, the inputs its attention needs::
+
+    ids = mgr.claim(2)                                  # reserve sequence slots
+    inputs = mgr.fetch([BatchItem(ids[0], prompt0),      # make room for the new tokens,
+                        BatchItem(ids[1], prompt1)])     # one RaggedKVCacheInputs per device
+    ... model runs, kvtvm.ops.append_kv writes K/V ...
+    mgr.step([BatchItem(ids[0], prompt0), ...])          # commit the tokens
+    ... fetch / step per generated token ...
+    mgr.release(ids[0])
+
+Choices written down here (the seeds are silent on them):
+
+- ``seq_id`` values are slots in ``[0, max_batch_size)``; ``claim`` hands out the lowest free ones.
+- A sequence has at most one fetch in flight: ``fetch`` of a sequence whose previous fetch was not
+  ``step``-ped raises :class:`SequenceStateError`; ``step`` of a sequence not fetched raises it too.
+  ``release`` is always allowed and drops an in-flight fetch.
+- ``fetch(batch, num_steps)`` reserves room for ``len(tokens) + num_steps - 1`` tokens; the
+  following ``step`` commits ``len(tokens)`` tokens, where its ``tokens`` are the fetched tokens
+  followed by 0 .. ``num_steps - 1`` tokens fed in the later steps of a multistep run.
+- Atomic or nothing: every public method validates and plans first, then mutates; a call that
+  raises leaves tables, lengths, refcounts and free lists as they were.
+- Thread safety: every public method holds the manager's ``RLock``.
+- Per-step tables (``cache_lengths``, ``qo_indptr``, ``lookup_table``) live in one preallocated
+  int32 buffer per device, filled on the host and moved with one host-to-device copy per step
+  (on a CPU device the host buffer *is* the device buffer: no copy at all).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import (InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
+                      SequenceTooLongError, UnknownSequenceError, describe)
+from ..inputs import KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols
+from ..params import KVCacheParams, KVCacheStrategy
+
+__all__ = ["KVCacheManager", "parse_devices", "check_positive_int"]
+
+
+def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
+    """``value`` as an int, or :class:`InvalidArgumentError` naming ``name``."""
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if not ok or value < (0 if allow_zero else 1):
+        raise InvalidArgumentError(describe(
+            name, "a non-negative int" if allow_zero else "a positive int", repr(value)))
+    return int(value)
+
+
+def parse_devices(devices) -> tuple:
+    """``devices`` (strings like ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or torch devices) as a
+    tuple of ``torch.device``."""
+    import torch
+
+    if isinstance(devices, (str, torch.device)):
+        devices = (devices,)
+    try:
+        parsed = tuple(torch.device(d) for d in devices)
+    except (TypeError, RuntimeError) as err:
+        raise InvalidArgumentError(describe("devices", "device names like 'cpu' or 'cuda:0'",
+                                            repr(devices))) from err
+    if not parsed:
+        raise InvalidArgumentError(describe("devices", "at least one device", repr(devices)))
+    return parsed
+
+
+def _table_elems(max_batch_size: int, width: int) -> int:
+    """int32 elements of the per-step table buffer: cache_lengths | qo_indptr | lookup_table."""
+    return max_batch_size + (max_batch_size + 1) + max_batch_size * width
+
+
+class _StepTables:
+    """Preallocated per-step tables: a host int32 buffer and one device buffer per device.
+
+    Layout (int32): ``cache_lengths[max_batch] | qo_indptr[max_batch + 1] |
+    lookup_table[max_batch, width]``. A step writes the host buffer, then :meth:`upload` copies
+    the used prefix to every non-CPU device in one copy per device.
+    """
+
+    def __init__(self, max_batch_size: int, width: int, devices):
+        import torch
+
+        self.max_batch_size, self.width = max_batch_size, width
+        n = _table_elems(max_batch_size, width)
+        any_cuda = any(d.type == "cuda" for d in devices)
+        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=any_cuda)
+        self.host_np = self.host.numpy()
+        mb = max_batch_size
+        self.cache_lengths = self.host_np[:mb]
+        self.qo_indptr = self.host_np[mb:2 * mb + 1]
+        self.lookup = self.host_np[2 * mb + 1:].reshape(mb, width)
+        self.device_bufs = []
+        self._events = []
+        for d in devices:
+            if d.type == "cpu":
+                self.device_bufs.append(self.host)
+                self._events.append(None)
+            else:
+                self.device_bufs.append(torch.zeros(n, dtype=torch.int32, device=d))
+                self._events.append(None)
+
+    def wait_host_free(self):
+        """Wait until the previous step's host-to-device copies have read the host buffer."""
+        for ev in self._events:
+            if ev is not None:
+                ev.synchronize()
+
+    def upload(self, batch: int):
+        """One copy per non-CPU device of the used part of the table buffer."""
+        import torch
+
+        used = 2 * self.max_batch_size + 1 + batch * self.width
+        for i, buf in enumerate(self.device_bufs):
+            if buf is self.host:
+                continue
+            buf[:used].copy_(self.host[:used], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(buf.device))
+            self._events[i] = ev
+
+    def views(self, dev: int, batch: int):
+        """(cache_lengths [batch], qo_indptr [batch+1], lookup_table [batch, width]) of a device."""
+        buf, mb = self.device_bufs[dev], self.max_batch_size
+        return (buf[:batch], buf[mb:mb + batch + 1],
+                buf[2 * mb + 1:2 * mb + 1 + batch * self.width].view(batch, self.width))
+
+    def device_nbytes(self) -> int:
+        return 4 * _table_elems(self.max_batch_size, self.width)
+
+
+class KVCacheManager(abc.ABC):
+    """Abstract KV cache manager (seed 002), snake_case.
+
+    Parameters
+    ----------
+    params : KVCacheParams
+        Cache parameters; ``params.cache_strategy`` must match the manager.
+    max_batch_size : int
+        Sequences that can be claimed at once; ``seq_id`` values lie in ``[0, max_batch_size)``.
+    max_seq_len : int
+        Most tokens one sequence may hold.
+    num_layers : int
+        Decoder layers; each has a K and a V view of the cache tensor.
+    devices : sequence of str or torch.device
+        Devices holding the cache; with several, the KV heads are split evenly across them and
+        ``fetch`` returns one inputs object per device.
+    """
+
+    #: The strategy a concrete manager implements.
+    strategy: KVCacheStrategy
+
+    def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int,
+                 num_layers: int, devices: Sequence = ("cpu",)):
+        if not isinstance(params, KVCacheParams):
+            raise InvalidArgumentError(describe("params", "a KVCacheParams", type(params).__name__))
+        if params.cache_strategy is not self.strategy:
+            raise InvalidArgumentError(describe(
+                "params.cache_strategy", f"{self.strategy.name} for {type(self).__name__}",
+                params.cache_strategy.name))
+        self.params = params
+        self.max_batch_size = check_positive_int("max_batch_size", max_batch_size)
+        self.max_seq_len = check_positive_int("max_seq_len", max_seq_len)
+        self.num_layers = check_positive_int("num_layers", num_layers)
+        self.devices = parse_devices(devices)
+        self.n_devices = len(self.devices)
+        heads = params.heads_per_device(self.n_devices)
+        #: Parameters of the cache one device holds (``n_kv_heads`` = heads per device).
+        self.device_params = dataclasses.replace(params, n_kv_heads=heads)
+        self._lock = threading.RLock()
+        mb = self.max_batch_size
+        self._claimed = np.zeros(mb, dtype=bool)
+        self._lengths = np.zeros(mb, dtype=np.int64)       # committed tokens per slot
+        self._pending = np.full(mb, -1, dtype=np.int64)    # tokens fetched, -1: none in flight
+        self._pending_steps = np.zeros(mb, dtype=np.int64)
+
+    # ------------------------------------------------------------------------------------
+    # Abstract / per-strategy parts
+    # ------------------------------------------------------------------------------------
+
+    @classmethod
+    @abc.abstractmethod
+    def estimated_memory_size(cls, params, max_batch_size, max_seq_len, num_layers,
+                              available_cache_memory=None, devices=("cpu",), **kwargs) -> int:
+        """Bytes the manager allocates on each device (cache tensor + per-step tables)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def infer_optimal_batch_size(cls, params, max_seq_len, num_layers, available_cache_memory,
+                                 devices=("cpu",), **kwargs) -> int:
+        """Largest batch whose sequences can all reach ``max_seq_len`` in the given memory."""
+
+    @abc.abstractmethod
+    def _fetch_plan_apply(self, batch, ids: np.ndarray, counts: np.ndarray, num_steps: int):
+        """Reserve room and fill the lookup rows of the host table buffer; atomic.
+
+        Returns ``(start, hits)``: int64 arrays ``[batch]`` of the cache length each item's new
+        tokens start at, and of the leading tokens already cached (prefix hits).
+        """
+
+    def _commit(self, batch, ids: np.ndarray, counts: np.ndarray) -> None:
+        """Strategy hook run by ``step`` after validation, before lengths change (no raise)."""
+
+    def _release_slot(self, seq_id: int) -> None:
+        """Strategy hook: return a released sequence's memory."""
+
+    # ------------------------------------------------------------------------------------
+    # Slots
+    # ------------------------------------------------------------------------------------
+
+    def claim(self, n: int) -> list[int]:
+        """Claim ``n`` sequence slots for incoming requests.
+
+        Parameters
+        ----------
+        n : int
+            Number of sequences.
+
+        Returns
+        -------
+        list of int
+            The new ``seq_id`` values (the lowest free slots), to pass to ``fetch``.
+
+        Raises
+        ------
+        KVCacheCapacityError
+            Fewer than ``n`` slots are free.
+        """
+        n = check_positive_int("n", n, allow_zero=True)
+        with self._lock:
+            free = np.flatnonzero(~self._claimed)
+            if n > free.size:
+                raise KVCacheCapacityError(
+                    f"claim: asked for {n} sequence slots, {free.size} of "
+                    f"{self.max_batch_size} are free")
+            ids = free[:n]
+            self._claim_ids(ids)
+            return [int(i) for i in ids]
+
+    def external_claim(self, seq_ids: Sequence[int]) -> None:
+        """Claim the given ``seq_ids`` (reserved by the caller).
+
+        Raises
+        ------
+        InvalidArgumentError
+            An id is not an int in ``[0, max_batch_size)`` or appears twice.
+        SequenceStateError
+            An id is already claimed.
+        """
+        if isinstance(seq_ids, (int, np.integer)):
+            seq_ids = [seq_ids]
+        ids = []
+        for s in seq_ids:
+            if not isinstance(s, (int, np.integer)) or isinstance(s, bool) \
+                    or not 0 <= s < self.max_batch_size:
+                raise InvalidArgumentError(describe(
+                    "seq_id", f"an int in [0, {self.max_batch_size})", repr(s)))
+            ids.append(int(s))
+        if len(set(ids)) != len(ids):
+            raise InvalidArgumentError(describe("seq_ids", "distinct ids", ids))
+        with self._lock:
+            taken = [s for s in ids if self._claimed[s]]
+            if taken:
+                raise SequenceStateError(
+                    f"external_claim: seq_id {taken[0]} is already claimed "
+                    f"(taken among those asked: {taken})")
+            self._claim_ids(np.asarray(ids, dtype=np.int64))
+
+    def _claim_ids(self, ids: np.ndarray) -> None:
+        self._claimed[ids] = True
+        self._lengths[ids] = 0
+        self._pending[ids] = -1
+
+    def contains(self, seq_id: int) -> bool:
+        """True if ``seq_id`` is claimed and not released."""
+        with self._lock:
+            return (isinstance(seq_id, (int, np.integer)) and not isinstance(seq_id, bool)
+                    and 0 <= seq_id < self.max_batch_size and bool(self._claimed[seq_id]))
+
+    @property
+    def slots_remaining(self) -> set[int]:
+        """The ``seq_id`` slots that can still be claimed."""
+        with self._lock:
+            return {int(i) for i in np.flatnonzero(~self._claimed)}
+
+    def release(self, seq_id: int) -> None:
+        """Release ``seq_id``: its memory returns to the pool and the id can be claimed again.
+
+        Raises
+        ------
+        UnknownSequenceError
+            ``seq_id`` was never claimed or was already released.
+        """
+        with self._lock:
+            self._check_known(seq_id, "release")
+            self._release_slot(int(seq_id))
+            self._claimed[seq_id] = False
+            self._lengths[seq_id] = 0
+            self._pending[seq_id] = -1
+
+    def _check_known(self, seq_id, what: str) -> int:
+        if not isinstance(seq_id, (int, np.integer)) or isinstance(seq_id, bool):
+            raise InvalidArgumentError(describe("seq_id", "an int", repr(seq_id)))
+        if not 0 <= seq_id < self.max_batch_size or not self._claimed[seq_id]:
+            raise UnknownSequenceError(
+                f"{what}: seq_id {seq_id} is not claimed (never claimed, or already released)")
+        return int(seq_id)
+
+    def cache_length(self, seq_id: int) -> int:
+        """Committed tokens of ``seq_id``."""
+        with self._lock:
+            return int(self._lengths[self._check_known(seq_id, "cache_length")])
+
+    # ------------------------------------------------------------------------------------
+    # Batches
+    # ------------------------------------------------------------------------------------
+
+    def _parse_batch(self, batch, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """Validated ``(ids, counts)`` of a batch: claimed, distinct, at least one token each."""
+        if not isinstance(batch, (list, tuple)):
+            raise InvalidArgumentError(describe(f"{what}: batch", "a list of batch items",
+                                                type(batch).__name__))
+        n = len(batch)
+        if n == 0:
+            raise InvalidArgumentError(describe(f"{what}: batch", "at least one item", "[]"))
+        try:
+            ids = np.array([it.seq_id for it in batch])
+            counts = np.array([len(it.tokens) for it in batch], dtype=np.int64)
+        except (AttributeError, TypeError) as err:
+            raise InvalidArgumentError(describe(
+                f"{what}: batch items", "objects with .seq_id (int) and .tokens (sequence)",
+                repr(err))) from None
+        if ids.dtype.kind not in "iu":
+            raise InvalidArgumentError(describe(f"{what}: seq_id", "ints", ids.tolist()))
+        bad = (ids < 0) | (ids >= self.max_batch_size)
+        if not bad.any():
+            bad = ~self._claimed[ids]
+        if bad.any():
+            s = int(ids[np.argmax(bad)])
+            raise UnknownSequenceError(
+                f"{what}: seq_id {s} is not claimed (never claimed, or already released)")
+        if n > 1 and np.unique(ids).size != n:
+            raise InvalidArgumentError(describe(f"{what}: seq_ids", "distinct ids",
+                                                ids.tolist()))
+        if (counts < 1).any():
+            b = int(np.argmin(counts))
+            raise InvalidArgumentError(describe(
+                f"{what}: tokens of seq_id {int(ids[b])}", "at least one token", 0))
+        return ids.astype(np.int64, copy=False), counts
+
+    def fetch(self, batch: Sequence[Any], num_steps: int = 1) -> list[RaggedKVCacheInputs]:
+        """Make room for the batch's new tokens and return the inputs of the KV cache kernels.
+
+        Parameters
+        ----------
+        batch : list of BatchItem
+            Items with ``seq_id`` and ``tokens`` (the tokens each sequence adds this step).
+        num_steps : int
+            Steps of a multistep run: room is reserved for ``len(tokens) + num_steps - 1``
+            tokens per sequence; advance between steps with :meth:`increment_cache_lengths`.
+
+        Returns
+        -------
+        list of RaggedKVCacheInputs
+            One per device. ``max_lengths`` is ``[num_steps, 2]``: per step, (max new tokens,
+            max cache length after the step's tokens), e.g. a prompt of 5 and 3 steps gives
+            ``[[5, 5], [1, 6], [1, 7]]``.
+
+        Raises
+        ------
+        UnknownSequenceError
+            A ``seq_id`` is not claimed.
+        SequenceStateError
+            A sequence already has a fetch in flight (no ``step`` since).
+        SequenceTooLongError
+            A sequence would pass ``max_seq_len``.
+        KVCacheCapacityError
+            Not enough free pages (PAGED).
+        """
+        num_steps = check_positive_int("num_steps", num_steps)
+        with self._lock:
+            ids, counts = self._parse_batch(batch, "fetch")
+            inflight = self._pending[ids] >= 0
+            if inflight.any():
+                s = int(ids[np.argmax(inflight)])
+                raise SequenceStateError(
+                    f"fetch: seq_id {s} already has a fetch in flight; call step() to commit "
+                    "it (or release() it) before fetching again")
+            total = self._lengths[ids] + counts + (num_steps - 1)
+            too_long = total > self.max_seq_len
+            if too_long.any():
+                b = int(np.argmax(too_long))
+                raise SequenceTooLongError(describe(
+                    f"fetch: length of seq_id {int(ids[b])} after this fetch "
+                    f"({int(self._lengths[ids[b]])} cached + {int(counts[b])} new + "
+                    f"{num_steps - 1} more steps)", f"at most max_seq_len={self.max_seq_len}",
+                    int(total[b])))
+            self._tables.wait_host_free()
+            start, hits = self._fetch_plan_apply(batch, ids, counts, num_steps)
+            # -- nothing below raises: fill the per-step tables and hand them out --------
+            n = ids.size
+            tables = self._tables
+            new = counts - hits
+            tables.cache_lengths[:n] = start
+            qo = tables.qo_indptr
+            qo[0] = 0
+            np.cumsum(new, out=qo[1:n + 1])
+            self._pending[ids] = counts
+            self._pending_steps[ids] = num_steps
+            tables.upload(n)
+            end0 = start + new
+            max_lengths = np.empty((num_steps, 2), dtype=np.int32)
+            max_lengths[0] = (new.max(), end0.max())
+            if num_steps > 1:
+                max_lengths[1:, 0] = 1
+                max_lengths[1:, 1] = end0.max() + np.arange(1, num_steps)
+            return self._make_inputs(ids, hits, max_lengths, n)
+
+    def _make_inputs(self, ids, hits, max_lengths, n) -> list[RaggedKVCacheInputs]:
+        import torch
+
+        tables = self._tables
+        seq_ids = tuple(ids.tolist())
+        cached = tuple(hits.tolist())
+        cl_host = tables.cache_lengths[:n].copy()
+        qo_host = tables.qo_indptr[:n + 1].copy()
+        max_t = torch.from_numpy(max_lengths)
+        out = []
+        for dev in range(self.n_devices):
+            cl, qo, lt = tables.views(dev, n)
+            out.append(RaggedKVCacheInputs(
+                blocks=self._blocks[dev], cache_lengths=cl, lookup_table=lt,
+                max_lengths=max_t, qo_indptr=qo, seq_ids=seq_ids, num_cached_tokens=cached,
+                cache_lengths_host=cl_host, qo_indptr_host=qo_host, params=self.device_params,
+                num_layers=self.num_layers, max_seq_len=self.max_seq_len, device_index=dev))
+        return out
+
+    def step(self, batch: Sequence[Any]) -> None:
+        """Commit the tokens of a fetched batch (and, with prefix caching, cache full pages).
+
+        Parameters
+        ----------
+        batch : list of BatchItem
+            For each sequence, the tokens fetched, followed by the tokens fed in the later
+            steps of a multistep fetch (0 .. ``num_steps - 1`` of them).
+
+        Raises
+        ------
+        UnknownSequenceError
+            A ``seq_id`` is not claimed.
+        SequenceStateError
+            A sequence has no fetch in flight, or the token count does not match the fetch.
+        """
+        with self._lock:
+            ids, counts = self._parse_batch(batch, "step")
+            pending = self._pending[ids]
+            if (pending < 0).any():
+                s = int(ids[np.argmax(pending < 0)])
+                raise SequenceStateError(
+                    f"step: seq_id {s} has no fetch in flight; call fetch() before step()")
+            bad = (counts < pending) | (counts > pending + self._pending_steps[ids] - 1)
+            if bad.any():
+                b = int(np.argmax(bad))
+                lo = int(pending[b])
+                hi = lo + int(self._pending_steps[ids[b]]) - 1
+                raise SequenceStateError(describe(
+                    f"step: tokens of seq_id {int(ids[b])}",
+                    f"between {lo} and {hi} tokens (as fetched)", int(counts[b])))
+            self._commit(batch, ids, counts)
+            self._lengths[ids] += counts
+            self._pending[ids] = -1
+
+    def increment_cache_lengths(self, kv_cache_inputs, prev_model_inputs=None):
+        """Inputs of the next step of a multistep run, computed on the device.
+
+        No host sync and no change to the manager's state: the batch stays in flight until
+        ``step``. ``cache_lengths`` grows by each item's new tokens of the previous step,
+        ``max_lengths`` drops its first row, and every item now adds one token
+        (``qo_indptr = arange(batch + 1)``).
+
+        Parameters
+        ----------
+        kv_cache_inputs : list of RaggedKVCacheInputs, or one
+            The previous step's inputs (one per device).
+        prev_model_inputs : object, optional
+            The previous step's model inputs: anything with ``qo_indptr`` or
+            ``input_row_offsets`` (int32 ``[batch + 1]``), or that tensor itself. Defaults to
+            the ``qo_indptr`` carried by ``kv_cache_inputs``.
+
+        Returns
+        -------
+        list of RaggedKVCacheInputs (or one, if one was given)
+        """
+        import torch
+
+        single = isinstance(kv_cache_inputs, KVCacheInputs)
+        items = [kv_cache_inputs] if single else list(kv_cache_inputs)
+        out = []
+        for inp in items:
+            if not isinstance(inp, RaggedKVCacheInputs):
+                raise InvalidArgumentError(describe("kv_cache_inputs", "RaggedKVCacheInputs",
+                                                    type(inp).__name__))
+            if inp.max_lengths.shape[0] < 2:
+                raise SequenceStateError(
+                    "increment_cache_lengths: no steps left in max_lengths (fetch with "
+                    "num_steps > 1 reserves room for more steps)")
+            qo_prev, qo_prev_host = _row_offsets(prev_model_inputs, inp)
+            b = inp.cache_lengths.shape[0]
+            if tuple(qo_prev.shape) != (b + 1,):
+                raise InvalidArgumentError(describe("prev_model_inputs row offsets",
+                                                    f"shape ({b + 1},)", tuple(qo_prev.shape)))
+            dev = inp.cache_lengths.device
+            qo_prev = qo_prev.to(dev, non_blocking=True)
+            new_cl = (inp.cache_lengths + (qo_prev[1:] - qo_prev[:-1])).to(torch.int32)
+            cl_host = None
+            if qo_prev_host is not None and inp.cache_lengths_host is not None:
+                cl_host = (inp.cache_lengths_host + np.diff(qo_prev_host)).astype(np.int32)
+            out.append(dataclasses.replace(
+                inp, cache_lengths=new_cl, max_lengths=inp.max_lengths[1:],
+                qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=dev),
+                num_cached_tokens=(0,) * b, cache_lengths_host=cl_host,
+                qo_indptr_host=np.arange(b + 1, dtype=np.int32)))
+        return out[0] if single else out
+
+    # ------------------------------------------------------------------------------------
+    # Graph integration
+    # ------------------------------------------------------------------------------------
+
+    def num_kv_inputs(self) -> int:
+        """KV inputs per device: blocks, cache_lengths, lookup_table, max_lengths."""
+        return 4
+
+    def input_symbols(self) -> list[RaggedKVCacheInputSymbols]:
+        """TVM Relax struct info of each input tensor, one entry per device.
+
+        ``batch`` and ``num_steps`` are symbolic (``tirx.Var`` int64); the cache shape and the
+        lookup table width are concrete.
+        """
+        from tvm import relax, tirx
+
+        batch = tirx.Var("batch", "int64")
+        steps = tirx.Var("num_steps", "int64")
+        out = []
+        for dev in range(self.n_devices):
+            shape = [int(s) for s in self._blocks[dev].shape]
+            out.append(RaggedKVCacheInputSymbols(
+                blocks=relax.TensorStructInfo(shape, self.params.dtype),
+                cache_lengths=relax.TensorStructInfo([batch], "int32"),
+                lookup_table=relax.TensorStructInfo([batch, self._tables.width], "int32"),
+                max_lengths=relax.TensorStructInfo([steps, 2], "int32")))
+        return out
+
+    # ------------------------------------------------------------------------------------
+    # Shared helpers
+    # ------------------------------------------------------------------------------------
+
+    @property
+    def blocks(self):
+        """The cache tensor of each device (list of torch tensors)."""
+        return list(self._blocks)
+
+    def _allocate_blocks(self, shape) -> list:
+        import torch
+
+        dtype = getattr(torch, self.params.dtype)
+        return [torch.zeros(shape, dtype=dtype, device=d) for d in self.devices]
+
+    def device_nbytes(self) -> int:
+        """Bytes this manager allocated on each device (cache + per-step tables)."""
+        b = self._blocks[0]
+        return b.numel() * b.element_size() + self._tables.device_nbytes()
+
+
+def _row_offsets(prev_model_inputs, inp):
+    """(tensor, host numpy or None) row offsets of the previous step."""
+    import torch
+
+    if prev_model_inputs is None:
+        return inp.qo_indptr, inp.qo_indptr_host
+    obj = prev_model_inputs
+    for name in ("qo_indptr", "input_row_offsets"):
+        if hasattr(obj, name):
+            host = getattr(obj, "qo_indptr_host", None) if name == "qo_indptr" else None
+            obj = getattr(obj, name)
+            break
+    else:
+        host = None
+    if isinstance(obj, np.ndarray):
+        obj = torch.from_numpy(obj)
+    if not isinstance(obj, torch.Tensor):
+        raise InvalidArgumentError(describe(
+            "prev_model_inputs", "a tensor of row offsets or an object with qo_indptr / "
+            "input_row_offsets", type(prev_model_inputs).__name__))
+    if host is None and obj.device.type == "cpu":
+        host = obj.numpy()
+    return obj, host

@@ -1,0 +1,379 @@
+"""Linear KV cache (seed 004): every batch slot holds one sequence up to ``max_seq_len``.
+
+Cache tensor per device: ``[num_layers, max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``
+(head-major inside a slot). All sequences of the active batch run prefill or decode together;
+batch slot ``b`` is sequence ``b``. State is the active batch size and one length per slot.
+
+Choices written down here:
+
+- ``commit_sequence_length(tensor)`` *adds* the given per-sequence token counts to the lengths
+  (a prefill of ``n[b]`` new tokens); ``commit_sequence_length(int)`` adds the same count to
+  every active sequence (decode). Both refuse a length past ``max_seq_len`` and change nothing
+  then.
+- ``set_active_batch_size(n)`` accepts ``0 <= n <= max_batch_size``; slots that become active
+  start empty (length 0). ``evict(keep)`` is the batch-eviction verb: it moves the kept
+  sequences to the front in their batch order with the copy kernel, then shrinks the batch.
+- The length tensor handed out by ``kv_cache_lengths`` is a view of a preallocated device
+  buffer updated in place (one host-to-device copy per change).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, SequenceTooLongError, describe
+from ..inputs import RaggedKVCacheInputs
+from ..params import KVCacheParams, KVCacheStrategy
+from .base import check_positive_int, parse_devices
+
+__all__ = ["LinearKVCache", "LinearCacheConfig"]
+
+
+@dataclass(frozen=True)
+class LinearCacheConfig:
+    """Configuration of a :class:`LinearKVCache` (seed 004's ``CacheConfig``)."""
+
+    num_layers: int
+    max_batch_size: int
+    max_seq_len: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+    devices: tuple
+
+
+class LinearKVCache:
+    """Static linear KV cache for synchronous batches (seed 004), snake_case.
+
+    Parameters
+    ----------
+    params : KVCacheParams
+        ``cache_strategy`` LINEAR.
+    max_batch_size, max_seq_len, num_layers : int
+        Slots, tokens per slot, decoder layers. Memory is allocated once.
+    devices : sequence of str
+        The KV heads are split evenly across them.
+    """
+
+    strategy = KVCacheStrategy.LINEAR
+
+    def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int,
+                 num_layers: int, devices=("cpu",)):
+        import torch
+
+        if not isinstance(params, KVCacheParams) or params.cache_strategy is not self.strategy:
+            raise InvalidArgumentError(describe(
+                "params", "KVCacheParams with cache_strategy LINEAR",
+                getattr(params, "cache_strategy", type(params).__name__)))
+        self.params = params
+        self.max_batch_size = check_positive_int("max_batch_size", max_batch_size)
+        self.max_seq_len = check_positive_int("max_seq_len", max_seq_len)
+        self.num_layers = check_positive_int("num_layers", num_layers)
+        self.devices = parse_devices(devices)
+        self.n_devices = len(self.devices)
+        self.device_params = dataclasses.replace(
+            params, n_kv_heads=params.heads_per_device(self.n_devices))
+        shape = params.cache_shape(self.num_layers, self.max_batch_size, self.max_seq_len,
+                                   n_devices=self.n_devices)
+        dtype = getattr(torch, params.dtype)
+        self._cache = [torch.zeros(shape, dtype=dtype, device=d) for d in self.devices]
+        self._lock = threading.RLock()
+        mb = self.max_batch_size
+        self._active = 0
+        self._lengths = np.zeros(mb, dtype=np.int64)
+        # host staging (int32): lengths[mb] | qo_indptr[mb + 1] | slots[mb]
+        self._host = torch.zeros(3 * mb + 1, dtype=torch.int32,
+                                 pin_memory=any(d.type == "cuda" for d in self.devices))
+        self._host_np = self._host.numpy()
+        self._host_np[2 * mb + 1:] = np.arange(mb)
+        self._dev = [self._host if d.type == "cpu" else
+                     torch.zeros(3 * mb + 1, dtype=torch.int32, device=d)
+                     for d in self.devices]
+        self._event = None
+        self._upload()
+
+    # ------------------------------------------------------------------------------------
+    # Sizes
+    # ------------------------------------------------------------------------------------
+
+    @classmethod
+    def estimated_memory_size(cls, params, max_batch_size, max_seq_len, num_layers,
+                              available_cache_memory=None, devices=("cpu",), **kwargs) -> int:
+        """Bytes allocated on each device: the cache tensor plus the int32 length / slot
+        buffer."""
+        n = len(parse_devices(devices))
+        return (params.cache_bytes(num_layers, max_batch_size, max_seq_len, n_devices=n)
+                + 4 * (3 * max_batch_size + 1))
+
+    @classmethod
+    def infer_optimal_batch_size(cls, params, max_seq_len, num_layers, available_cache_memory,
+                                 devices=("cpu",), **kwargs) -> int:
+        """Most slots of ``max_seq_len`` tokens that fit ``available_cache_memory`` bytes per
+        device; at least 1."""
+        available_cache_memory = check_positive_int("available_cache_memory",
+                                                    available_cache_memory)
+        n = len(parse_devices(devices))
+        per_slot = params.bytes_per_token(num_layers, n) * max_seq_len + 12
+        return max(1, (available_cache_memory - 4) // per_slot)
+
+    def device_nbytes(self) -> int:
+        """Bytes this cache allocated on each device."""
+        c = self._cache[0]
+        return c.numel() * c.element_size() + 4 * (3 * self.max_batch_size + 1)
+
+    # ------------------------------------------------------------------------------------
+    # Seed 004 verbs
+    # ------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> LinearCacheConfig:
+        """The cache's configuration."""
+        return LinearCacheConfig(self.num_layers, self.max_batch_size, self.max_seq_len,
+                                 self.params.n_kv_heads, self.params.head_dim,
+                                 self.params.dtype, tuple(str(d) for d in self.devices))
+
+    def get_kv_cache_buffer(self, device: int = 0):
+        """The whole cache tensor of device ``device`` (not a copy)."""
+        return self._cache[device]
+
+    def get_kv_cache_for_decoder_layer(self, layer: int, device: int = 0):
+        """Layer ``layer``'s cache, ``[max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``
+        (a view; ``[:, 0]`` is K and ``[:, 1]`` is V, each the ``hnd`` layout append_kv takes)."""
+        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+            raise InvalidArgumentError(describe("layer", f"an int in [0, {self.num_layers})",
+                                                repr(layer)))
+        return self._cache[device][layer]
+
+    @property
+    def active_batch_size(self) -> int:
+        """Sequences in the active batch (slots ``0 .. active_batch_size - 1``)."""
+        with self._lock:
+            return self._active
+
+    @property
+    def kv_cache_lengths(self):
+        """int32 ``[active_batch_size]`` lengths on the first device (a view of a
+        preallocated buffer)."""
+        with self._lock:
+            return self._dev[0][:self._active]
+
+    def kv_cache_lengths_of(self, device: int = 0):
+        """int32 ``[active_batch_size]`` lengths on device ``device``."""
+        with self._lock:
+            return self._dev[device][:self._active]
+
+    @property
+    def host_lengths(self) -> np.ndarray:
+        """A host copy of the active lengths."""
+        with self._lock:
+            return self._lengths[:self._active].copy()
+
+    @property
+    def kv_cache_all_empty(self) -> bool:
+        """True if every active sequence has length 0."""
+        with self._lock:
+            return not self._lengths[:self._active].any()
+
+    def reset_for_new_sequences(self, reuse_lengths) -> None:
+        """Start a new batch: one sequence per entry of ``reuse_lengths``.
+
+        Parameters
+        ----------
+        reuse_lengths : sequence of int, numpy array or host tensor
+            ``[batch]`` tokens already in each slot (precomputed K/V to reuse; 0 for none).
+        """
+        lengths = self._host_ints("reuse_lengths", reuse_lengths)
+        if lengths.size > self.max_batch_size:
+            raise InvalidArgumentError(describe("reuse_lengths", f"at most max_batch_size="
+                                                f"{self.max_batch_size} entries", lengths.size))
+        self._check_range("reuse_lengths", lengths)
+        with self._lock:
+            self._lengths[:] = 0
+            self._lengths[:lengths.size] = lengths
+            self._active = int(lengths.size)
+            self._upload()
+
+    def commit_sequence_length(self, new_lengths) -> None:
+        """Add this step's tokens to the active lengths.
+
+        Parameters
+        ----------
+        new_lengths : int or tensor
+            An int: every active sequence grew by it (decode). A tensor / array / list of
+            ``[active_batch_size]`` ints: sequence ``b`` grew by ``new_lengths[b]`` (prefill).
+
+        Raises
+        ------
+        SequenceTooLongError
+            A length would pass ``max_seq_len`` (nothing changes).
+        """
+        with self._lock:
+            if isinstance(new_lengths, (int, np.integer)) and not isinstance(new_lengths, bool):
+                inc = np.full(self._active, int(new_lengths), dtype=np.int64)
+            else:
+                inc = self._host_ints("new_lengths", new_lengths)
+                if inc.size != self._active:
+                    raise InvalidArgumentError(describe(
+                        "new_lengths", f"[active_batch_size={self._active}] values", inc.size))
+            if (inc < 0).any():
+                raise InvalidArgumentError(describe("new_lengths", ">= 0",
+                                                    int(inc[np.argmax(inc < 0)])))
+            total = self._lengths[:self._active] + inc
+            self._check_range("committed length", total)
+            self._lengths[:self._active] = total
+            self._upload()
+
+    def set_active_batch_size(self, n: int) -> None:
+        """Set the active batch size; slots that become active start empty."""
+        n = check_positive_int("n", n, allow_zero=True)
+        if n > self.max_batch_size:
+            raise InvalidArgumentError(describe("n", f"at most max_batch_size="
+                                                f"{self.max_batch_size}", n))
+        with self._lock:
+            if n > self._active:
+                self._lengths[self._active:n] = 0
+            else:
+                self._lengths[n:] = 0
+            self._active = n
+            self._upload()
+
+    def evict(self, keep) -> None:
+        """Keep only the sequences at batch indices ``keep``; move them to the front.
+
+        The kept sequences keep their relative batch order: the ``j``-th smallest index of
+        ``keep`` becomes batch index ``j``. Their K/V move with the copy kernel
+        (:func:`kvtvm.ops.copy_slots`), then the active batch shrinks to ``len(keep)``.
+
+        Parameters
+        ----------
+        keep : sequence of int
+            Distinct indices in ``[0, active_batch_size)``.
+        """
+        idx = self._host_ints("keep", keep)
+        with self._lock:
+            if idx.size and ((idx < 0).any() or (idx >= self._active).any()):
+                bad = int(idx[np.argmax((idx < 0) | (idx >= self._active))])
+                raise InvalidArgumentError(describe(
+                    "keep", f"indices in [0, active_batch_size={self._active})", bad))
+            if np.unique(idx).size != idx.size:
+                raise InvalidArgumentError(describe("keep", "distinct indices", idx.tolist()))
+            idx = np.sort(idx)
+            moves = [(int(s), j) for j, s in enumerate(idx.tolist()) if s != j]
+            if moves:
+                import torch
+
+                from ..ops import copy_slots
+
+                src = torch.tensor([s for s, _ in moves], dtype=torch.int32)
+                dst = torch.tensor([d for _, d in moves], dtype=torch.int32)
+                for cache in self._cache:
+                    if cache.device.type == "cpu":
+                        copy_slots(cache, src, dst)
+                    else:  # split into independent rounds on the host, then launch on device
+                        from .._copy_op import independent_rounds
+
+                        for rs, rd in independent_rounds(src.tolist(), dst.tolist()):
+                            copy_slots(cache, torch.tensor(rs, dtype=torch.int32,
+                                                           device=cache.device),
+                                       torch.tensor(rd, dtype=torch.int32,
+                                                    device=cache.device))
+            kept = self._lengths[idx].copy()
+            self._lengths[:] = 0
+            self._lengths[:idx.size] = kept
+            self._active = int(idx.size)
+            self._upload()
+
+    # ------------------------------------------------------------------------------------
+    # Inputs for the ops
+    # ------------------------------------------------------------------------------------
+
+    def step_inputs(self, new_tokens) -> list[RaggedKVCacheInputs]:
+        """Inputs of :func:`kvtvm.ops.append_kv` (layout ``hnd``) for this step, per device.
+
+        Parameters
+        ----------
+        new_tokens : int or sequence of int
+            New tokens per active sequence this step (an int: the same for all).
+
+        Returns
+        -------
+        list of RaggedKVCacheInputs
+            ``lookup_table`` is ``[batch, 1]`` holding each sequence's slot;
+            ``cache_lengths`` the current lengths. Valid until the next change of lengths.
+        """
+        import torch
+
+        with self._lock:
+            b = self._active
+            if isinstance(new_tokens, (int, np.integer)):
+                new = np.full(b, int(new_tokens), dtype=np.int64)
+            else:
+                new = self._host_ints("new_tokens", new_tokens)
+            if new.size != b:
+                raise InvalidArgumentError(describe("new_tokens", f"[{b}] values", new.size))
+            self._check_range("length after new_tokens", self._lengths[:b] + new)
+            mb = self.max_batch_size
+            self._wait_host()
+            qo = self._host_np[mb:2 * mb + 1]
+            qo[0] = 0
+            np.cumsum(new, out=qo[1:b + 1])
+            self._upload()
+            end = self._lengths[:b] + new
+            max_lengths = torch.tensor([[int(new.max(initial=0)), int(end.max(initial=0))]],
+                                       dtype=torch.int32)
+            out = []
+            for i, buf in enumerate(self._dev):
+                out.append(RaggedKVCacheInputs(
+                    blocks=self._cache[i], cache_lengths=buf[:b],
+                    lookup_table=buf[2 * mb + 1:2 * mb + 1 + b].view(b, 1),
+                    max_lengths=max_lengths, qo_indptr=buf[mb:mb + b + 1],
+                    seq_ids=tuple(range(b)), num_cached_tokens=(0,) * b,
+                    cache_lengths_host=self._host_np[:b].copy(),
+                    qo_indptr_host=qo[:b + 1].copy(), params=self.device_params,
+                    num_layers=self.num_layers, max_seq_len=self.max_seq_len, device_index=i))
+            return out
+
+    # ------------------------------------------------------------------------------------
+
+    def _host_ints(self, name: str, value) -> np.ndarray:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        arr = np.asarray(value)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise InvalidArgumentError(describe(name, "a 1-D sequence of ints",
+                                                f"{arr.dtype} shape {arr.shape}"))
+        return arr.astype(np.int64)
+
+    def _check_range(self, name: str, lengths: np.ndarray) -> None:
+        if (lengths < 0).any():
+            raise InvalidArgumentError(describe(name, ">= 0",
+                                                int(lengths[np.argmax(lengths < 0)])))
+        if (lengths > self.max_seq_len).any():
+            b = int(np.argmax(lengths > self.max_seq_len))
+            raise SequenceTooLongError(describe(
+                f"{name}[{b}]", f"at most max_seq_len={self.max_seq_len}", int(lengths[b])))
+
+    def _wait_host(self) -> None:
+        """Wait until the last host-to-device copy has read the host staging buffer."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+    def _upload(self) -> None:
+        """Lengths to the host staging buffer, then one copy per non-CPU device."""
+        import torch
+
+        mb = self.max_batch_size
+        self._wait_host()
+        self._host_np[:mb] = self._lengths
+        for buf in self._dev:
+            if buf is not self._host:
+                buf.copy_(self._host, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(torch.cuda.current_stream(buf.device))

@@ -1,0 +1,455 @@
+"""Paged manager (seed 003): a pool of pages with a free list, refcounts and a prefix cache.
+
+Cache tensor per device: ``[num_pages, 2, num_layers, page_size, n_kv_heads, head_dim]``.
+Sequence ``b`` of a batch owns pages ``lookup_table[b, :]``; its token ``t`` lives in page
+``lookup_table[b, t // page_size]`` at slot ``t % page_size``.
+
+Choices written down here:
+
+- ``fetch`` allocates only the pages the new tokens (plus ``num_steps - 1``) need; pages a
+  sequence holds past its length (reserved by a multistep fetch that ended early) are kept for
+  its next fetch and returned by ``release`` or ``pop``.
+- Prefix caching (``params.enable_prefix_caching``): at ``step`` every newly full page is cached
+  under a chained key of its tokens (:mod:`.prefix_cache`). A *new* sequence (no tokens cached)
+  reuses the longest cached chain of full pages of its ``tokens`` at its first ``fetch``, but
+  never the page holding its last token: at least one token is always computed, so the model
+  has a query to produce logits from. ``RaggedKVCacheInputs.num_cached_tokens[b]`` tells the
+  caller how many leading tokens it skips; ``cache_lengths[b]`` starts there.
+- ``fork`` shares every page of the parent (refcounts up). A write into a page that is shared
+  (refcount > 1) copies it first (copy-on-write, through :func:`kvtvm.ops.copy_pages`); a write
+  into a cached page no one else holds just uncaches it. Only the partial last page can be hit,
+  since writes start at the sequence's length.
+- ``pop(seq_id, n)`` drops the last ``n`` tokens (speculative decoding); pages past the new
+  length are released, full pages keep their cache entries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import (InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
+                      describe)
+from ..params import KVCacheParams, KVCacheStrategy
+from .base import KVCacheManager, _StepTables, _table_elems, check_positive_int, parse_devices
+from .prefix_cache import PagedCacheStats, PrefixCache
+
+__all__ = ["PagedKVCacheManager", "PagedCacheStats"]
+
+
+def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: int,
+                       num_layers: int, n_devices: int, num_pages=None,
+                       available_cache_memory=None) -> int:
+    width = params.pages_for_tokens(max_seq_len)
+    if num_pages is not None:
+        return check_positive_int("num_pages", num_pages)
+    if available_cache_memory is not None:
+        available_cache_memory = check_positive_int("available_cache_memory",
+                                                    available_cache_memory)
+        table_bytes = 4 * _table_elems(max_batch_size, width)
+        pages = (available_cache_memory - table_bytes) // params.bytes_per_page(num_layers,
+                                                                                  n_devices)
+        if pages < 1:
+            raise KVCacheCapacityError(
+                f"available_cache_memory={available_cache_memory} bytes holds no page: one page "
+                f"is {params.bytes_per_page(num_layers, n_devices)} bytes and the tables "
+                f"{table_bytes} bytes")
+        return int(pages)
+    return max_batch_size * width
+
+
+class PagedKVCacheManager(KVCacheManager):
+    """Paged KV cache with refcounted pages, prefix caching, fork and rollback.
+
+    Parameters
+    ----------
+    params : KVCacheParams
+        ``cache_strategy`` PAGED; ``page_size`` tokens per page; ``enable_prefix_caching``.
+    max_batch_size, max_seq_len, num_layers : int
+        Sequences at once, tokens per sequence, decoder layers.
+    devices : sequence of str
+        The KV heads are split evenly across them (every device holds every page).
+    num_pages : int, optional
+        Pages in the pool. Default: from ``available_cache_memory`` if given, else enough for
+        every sequence to reach ``max_seq_len`` (``max_batch_size * ceil(max_seq_len /
+        page_size)``).
+    available_cache_memory : int, optional
+        Bytes per device for the cache and its tables; sets ``num_pages``.
+    """
+
+    strategy = KVCacheStrategy.PAGED
+
+    def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int,
+                 num_layers: int, devices=("cpu",), num_pages: int | None = None,
+                 available_cache_memory: int | None = None):
+        super().__init__(params, max_batch_size, max_seq_len, num_layers, devices)
+        self.page_size = params.page_size
+        self.max_pages_per_seq = params.pages_for_tokens(self.max_seq_len)
+        self.num_pages = _resolve_num_pages(params, self.max_batch_size, self.max_seq_len,
+                                            self.num_layers, self.n_devices, num_pages,
+                                            available_cache_memory)
+        shape = self.params.cache_shape(self.num_layers, self.max_batch_size, self.max_seq_len,
+                                        num_pages=self.num_pages, n_devices=self.n_devices)
+        self._blocks = self._allocate_blocks(shape)
+        W, mb = self.max_pages_per_seq, self.max_batch_size
+        self._tables = _StepTables(mb, W, self.devices)
+        self._page_table = np.zeros((mb, W), dtype=np.int32)
+        self._npages = np.zeros(mb, dtype=np.int64)
+        self._refcount = np.zeros(self.num_pages, dtype=np.int32)
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> lowest page
+        self.prefix_caching = bool(params.enable_prefix_caching)
+        self._prefix = PrefixCache(self.num_pages)
+        if self.prefix_caching:
+            self._tokens = np.zeros((mb, self.max_seq_len), dtype=np.int64)
+            self._keys: list[list[int]] = [[] for _ in range(mb)]
+
+    # ------------------------------------------------------------------------------------
+    # Sizes
+    # ------------------------------------------------------------------------------------
+
+    @classmethod
+    def estimated_memory_size(cls, params, max_batch_size, max_seq_len, num_layers,
+                              available_cache_memory=None, devices=("cpu",), num_pages=None,
+                              **kwargs) -> int:
+        """Bytes allocated on each device: the page pool plus the per-step int32 tables
+        (``num_pages`` resolved as in the constructor)."""
+        n = len(parse_devices(devices))
+        pages = _resolve_num_pages(params, max_batch_size, max_seq_len, num_layers, n,
+                                   num_pages, available_cache_memory)
+        return (params.cache_bytes(num_layers, max_batch_size, max_seq_len, num_pages=pages,
+                                   n_devices=n)
+                + 4 * _table_elems(max_batch_size, params.pages_for_tokens(max_seq_len)))
+
+    @classmethod
+    def infer_optimal_batch_size(cls, params, max_seq_len, num_layers, available_cache_memory,
+                                 devices=("cpu",), **kwargs) -> int:
+        """Most sequences that can all reach ``max_seq_len`` at once in
+        ``available_cache_memory`` bytes per device (pages plus tables); at least 1."""
+        available_cache_memory = check_positive_int("available_cache_memory",
+                                                    available_cache_memory)
+        n = len(parse_devices(devices))
+        width = params.pages_for_tokens(max_seq_len)
+        per_seq = width * params.bytes_per_page(num_layers, n) + 4 * (2 + width)
+        return max(1, (available_cache_memory - 4) // per_seq)
+
+    # ------------------------------------------------------------------------------------
+    # Page pool
+    # ------------------------------------------------------------------------------------
+
+    def _available_pages(self) -> int:
+        return len(self._free) + len(self._prefix.lru)
+
+    def _take(self, k: int) -> list[int]:
+        """``k`` pages from the free list, evicting LRU cached pages when it runs out."""
+        free = self._free
+        if k <= len(free):
+            pages = free[len(free) - k:]
+            del free[len(free) - k:]
+            return pages[::-1]
+        pages = free[::-1]
+        free.clear()
+        while len(pages) < k:
+            pages.append(self._prefix.evict_one())
+        return pages
+
+    def _drop_refs(self, pages) -> None:
+        """One reference less on each page, deepest first; unreferenced pages go to the free
+        list, or to the LRU list if cached."""
+        rc, registered, lru = self._refcount, self._prefix.registered, self._prefix.lru
+        for p in reversed([int(p) for p in pages]):
+            rc[p] -= 1
+            if rc[p] == 0:
+                if registered[p]:
+                    lru[p] = None
+                else:
+                    self._free.append(p)
+
+    def _release_slot(self, seq_id: int) -> None:
+        k = int(self._npages[seq_id])
+        self._drop_refs(self._page_table[seq_id, :k])
+        self._page_table[seq_id, :k] = 0
+        self._npages[seq_id] = 0
+        if self.prefix_caching:
+            self._keys[seq_id] = []
+
+    # ------------------------------------------------------------------------------------
+    # fetch / step
+    # ------------------------------------------------------------------------------------
+
+    def _fetch_plan_apply(self, batch, ids, counts, num_steps):
+        P = self.page_size
+        n = ids.size
+        lengths = self._lengths[ids]
+        npages = self._npages[ids]
+        hits = np.zeros(n, dtype=np.int64)
+        hit_plan = []  # (b, pages, key ids)
+        prefix = self._prefix
+        if self.prefix_caching:
+            for b in np.flatnonzero((lengths == 0) & (npages == 0)):
+                toks = np.asarray(batch[b].tokens, dtype=np.int64)
+                full = (toks.size - 1) // P  # the last token is always recomputed
+                chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(full)]
+                pages, kids = prefix.lookup(chunks)
+                hit_plan.append((int(b), pages, kids, toks.size))
+                hits[b] = len(pages) * P
+        start = lengths + hits
+        have = npages + hits // P
+        need = -(-(lengths + counts + (num_steps - 1)) // P)
+        alloc = np.maximum(need - have, 0)
+        # copy-on-write: the page the writes start in, when it is already held and shared
+        cow, uncache = [], []
+        partial = np.flatnonzero(start % P != 0)
+        if partial.size:
+            sids = ids[partial]
+            pages = self._page_table[sids, start[partial] // P]
+            rc = self._refcount[pages]
+            left = {}  # page -> holders not yet moved off it by an earlier item's copy
+            for b, page, r in zip(partial.tolist(), pages.tolist(), rc.tolist()):
+                r = left.get(page, r)
+                if r > 1:  # shared: this item writes into a copy
+                    cow.append((b, page))
+                    left[page] = r - 1
+                elif prefix.registered[page] and page not in uncache:
+                    uncache.append(page)  # held by this item alone: write in place, uncached
+        n_new = int(alloc.sum()) + len(cow)
+        pinned = {p for _, pages, _, _ in hit_plan for p in pages if self._refcount[p] == 0}
+        available = self._available_pages() - len(pinned)
+        if n_new > available:
+            raise KVCacheCapacityError(
+                f"fetch: needs {n_new} new pages of {P} tokens ({int(alloc.sum())} for new "
+                f"tokens, {len(cow)} copy-on-write), {available} are free or evictable "
+                f"(pool of {self.num_pages} pages)")
+        # -- apply (only a failing page copy can raise from here; then everything is undone) --
+        snap = self._snapshot() if cow else None
+        try:
+            self._apply_fetch(ids, hit_plan, uncache, cow, alloc, have, start)
+        except BaseException:
+            if snap is not None:
+                self._restore(snap)
+            raise
+        np.take(self._page_table, ids, axis=0, out=self._tables.lookup[:n])
+        return start, hits
+
+    def _apply_fetch(self, ids, hit_plan, uncache, cow, alloc, have, start):
+        P = self.page_size
+        rc, pt, prefix = self._refcount, self._page_table, self._prefix
+        for b, pages, kids, ntok in hit_plan:
+            sid = int(ids[b])
+            prefix.queries += 1
+            prefix.query_tokens += ntok
+            prefix.hit_tokens += len(pages) * P
+            for p in pages:
+                if rc[p] == 0:
+                    del prefix.lru[p]
+                rc[p] += 1
+            pt[sid, :len(pages)] = pages
+            self._npages[sid] = len(pages)
+            self._keys[sid] = list(kids)
+        for page in uncache:
+            prefix.unregister(page)
+        src, dst = [], []
+        if cow:
+            new_pages = self._take(len(cow))
+            for (b, old), new in zip(cow, new_pages):
+                sid = int(ids[b])
+                rc[old] -= 1
+                rc[new] = 1
+                pt[sid, int(start[b]) // P] = new
+                src.append(old)
+                dst.append(new)
+        for b in np.flatnonzero(alloc):
+            sid, k, h = int(ids[b]), int(alloc[b]), int(have[b])
+            pages = self._take(k)
+            rc[pages] = 1
+            pt[sid, h:h + k] = pages
+            self._npages[sid] = h + k
+        if src:
+            self._copy_pages(src, dst)
+
+    def _copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages ``src[i] -> dst[i]`` on every device (through :mod:`kvtvm.ops`)."""
+        import torch
+
+        from ..ops import copy_pages
+
+        for blocks in self._blocks:
+            copy_pages(blocks, torch.tensor(src, dtype=torch.int32, device=blocks.device),
+                       torch.tensor(dst, dtype=torch.int32, device=blocks.device))
+
+    def _commit(self, batch, ids, counts):
+        if not self.prefix_caching:
+            return
+        P = self.page_size
+        lengths = self._lengths[ids]
+        toks = self._tokens
+        if (counts == 1).all():
+            toks[ids, lengths] = [it.tokens[0] for it in batch]
+        else:
+            for b, it in enumerate(batch):
+                L = int(lengths[b])
+                toks[ids[b], L:L + int(counts[b])] = np.asarray(it.tokens, dtype=np.int64)
+        full = (lengths + counts) // P
+        prefix, pt, keys_of = self._prefix, self._page_table, self._keys
+        nkeys = np.fromiter((len(keys_of[s]) for s in ids.tolist()), dtype=np.int64,
+                            count=ids.size)
+        for b in np.flatnonzero(full > nkeys):
+            sid = int(ids[b])
+            keys = keys_of[sid]
+            row = toks[sid]
+            for i in range(len(keys), int(full[b])):
+                parent = keys[i - 1] if i else -1
+                keys.append(prefix.insert(parent, row[i * P:(i + 1) * P].tobytes(),
+                                          int(pt[sid, i])))
+
+    # ------------------------------------------------------------------------------------
+    # fork / pop / stats
+    # ------------------------------------------------------------------------------------
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence with the same tokens as ``seq_id``, sharing its pages.
+
+        The partial last page is copied on the first write of either sequence
+        (copy-on-write). Returns the new ``seq_id`` (the lowest free slot).
+
+        Raises
+        ------
+        UnknownSequenceError
+            ``seq_id`` is not claimed.
+        SequenceStateError
+            ``seq_id`` has a fetch in flight.
+        KVCacheCapacityError
+            No free sequence slot.
+        """
+        with self._lock:
+            sid = self._check_known(seq_id, "fork")
+            if self._pending[sid] >= 0:
+                raise SequenceStateError(
+                    f"fork: seq_id {sid} has a fetch in flight; step() it before forking")
+            free = np.flatnonzero(~self._claimed)
+            if free.size == 0:
+                raise KVCacheCapacityError(
+                    f"fork: asked for 1 sequence slot, 0 of {self.max_batch_size} are free")
+            new = int(free[0])
+            L = int(self._lengths[sid])
+            k = -(-L // self.page_size)
+            pages = self._page_table[sid, :k]
+            self._refcount[pages] += 1
+            self._claim_ids(np.array([new]))
+            self._page_table[new, :k] = pages
+            self._npages[new] = k
+            self._lengths[new] = L
+            if self.prefix_caching:
+                self._tokens[new, :L] = self._tokens[sid, :L]
+                self._keys[new] = list(self._keys[sid])
+            return new
+
+    def pop(self, seq_id: int, n: int) -> None:
+        """Roll back the last ``n`` committed tokens of ``seq_id`` (speculative decoding).
+
+        Pages past the new length are released; the next fetch writes from the new length.
+
+        Raises
+        ------
+        UnknownSequenceError
+            ``seq_id`` is not claimed.
+        SequenceStateError
+            ``seq_id`` has a fetch in flight.
+        InvalidArgumentError
+            ``n`` is negative or more than the sequence's length.
+        """
+        with self._lock:
+            sid = self._check_known(seq_id, "pop")
+            n = check_positive_int("n", n, allow_zero=True)
+            if self._pending[sid] >= 0:
+                raise SequenceStateError(
+                    f"pop: seq_id {sid} has a fetch in flight; step() it before pop()")
+            L = int(self._lengths[sid])
+            if n > L:
+                raise InvalidArgumentError(describe(
+                    f"pop: n for seq_id {sid}", f"at most its cache length {L}", n))
+            new_len = L - n
+            keep = -(-new_len // self.page_size)
+            k = int(self._npages[sid])
+            if k > keep:
+                self._drop_refs(self._page_table[sid, keep:k])
+                self._page_table[sid, keep:k] = 0
+                self._npages[sid] = keep
+            self._lengths[sid] = new_len
+            if self.prefix_caching:
+                del self._keys[sid][new_len // self.page_size:]
+
+    def stats(self) -> PagedCacheStats:
+        """Pages used / free / cached / shared and the prefix-cache hit rate."""
+        with self._lock:
+            p = self._prefix
+            return PagedCacheStats(
+                pages_total=self.num_pages,
+                pages_used=int((self._refcount > 0).sum()),
+                pages_free=len(self._free),
+                pages_cached=len(p.lru),
+                pages_shared=int((self._refcount > 1).sum()),
+                prefix_queries=p.queries,
+                prefix_query_tokens=p.query_tokens,
+                prefix_hit_tokens=p.hit_tokens,
+                prefix_hit_rate=p.hit_tokens / p.query_tokens if p.query_tokens else 0.0,
+                evictions=p.evictions)
+
+    def pages_of(self, seq_id: int) -> list[int]:
+        """The pages ``seq_id`` holds, in token order (including pages reserved past its
+        length by a multistep fetch)."""
+        with self._lock:
+            sid = self._check_known(seq_id, "pages_of")
+            return self._page_table[sid, :int(self._npages[sid])].tolist()
+
+    # ------------------------------------------------------------------------------------
+    # Transactions and invariants
+    # ------------------------------------------------------------------------------------
+
+    def _snapshot(self):
+        keys = [list(k) for k in self._keys] if self.prefix_caching else None
+        return (self._page_table.copy(), self._npages.copy(), self._refcount.copy(),
+                list(self._free), keys, self._prefix.snapshot())
+
+    def _restore(self, snap) -> None:
+        pt, npages, rc, free, keys, prefix = snap
+        self._page_table[...] = pt
+        self._npages[...] = npages
+        self._refcount[...] = rc
+        self._free[:] = free
+        if keys is not None:
+            self._keys = keys
+        self._prefix.restore(prefix)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the page bookkeeping is inconsistent (for tests).
+
+        Every page is exactly one of: referenced (refcount = number of sequences holding it),
+        free (unreferenced, uncached) or cached-unreferenced (on the LRU list); cached pages
+        and prefix-table entries correspond one to one.
+        """
+        with self._lock:
+            owners = np.zeros(self.num_pages, dtype=np.int64)
+            for sid in np.flatnonzero(self._claimed):
+                k = int(self._npages[sid])
+                assert k >= -(-int(self._lengths[sid]) // self.page_size), f"seq {sid} short"
+                row = self._page_table[sid, :k]
+                assert len(set(row.tolist())) == k, f"seq {sid} holds a page twice"
+                np.add.at(owners, row, 1)
+                assert not self._page_table[sid, k:].any(), f"seq {sid} stale table entries"
+            for sid in np.flatnonzero(~self._claimed):
+                assert self._npages[sid] == 0 and not self._page_table[sid].any()
+            assert (owners == self._refcount).all(), "refcounts differ from owners"
+            free = set(self._free)
+            assert len(free) == len(self._free), "page on the free list twice"
+            lru = set(self._prefix.lru)
+            used = set(np.flatnonzero(owners).tolist())
+            assert not (free & lru) and not (free & used) and not (lru & used)
+            assert len(free) + len(lru) + len(used) == self.num_pages, "page leaked"
+            p = self._prefix
+            assert all(p.registered[q] and self._refcount[q] == 0 for q in lru)
+            assert not any(p.registered[q] for q in free)
+            assert set(np.flatnonzero(p.registered).tolist()) == set(p.page_key)
+            assert {page for _, page in p.table.values()} == set(p.page_key)
+            if self.prefix_caching:
+                for sid in np.flatnonzero(self._claimed):
+                    assert len(self._keys[sid]) == int(self._lengths[sid]) // self.page_size \
+                        or self._pending[sid] >= 0

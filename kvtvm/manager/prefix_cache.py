@@ -1,0 +1,132 @@
+"""Prefix cache of the paged manager: full pages keyed by a chained key of their tokens.
+
+The key of a sequence's page ``i`` is ``(key id of page i-1, bytes of the page's tokens)``
+(``-1`` for page 0): a chained hash where the dict's equality check compares the tokens exactly,
+so two prompts share a page only if they agree on *every* token up to the page's end (no hash
+collision can alias two prefixes). Each key gets a fresh integer id when it is inserted; ids are
+never reused, so a child whose parent was evicted can no longer be reached.
+
+Pages are refcounted by the manager (one reference per sequence whose page list holds the page).
+A cached page whose refcount drops to 0 stays cached and joins an LRU list; it is evicted (its
+key dropped, the page reused) only when the free list is empty. A sequence's pages join the LRU
+list deepest page first, so a released prompt loses its tail before its root.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["PrefixCache", "PagedCacheStats"]
+
+
+@dataclass(frozen=True)
+class PagedCacheStats:
+    """Pages and prefix-cache counters of a :class:`PagedKVCacheManager`.
+
+    Attributes
+    ----------
+    pages_total : int
+        Pages in the pool.
+    pages_used : int
+        Pages referenced by at least one sequence.
+    pages_free : int
+        Pages on the free list (hold nothing).
+    pages_cached : int
+        Pages referenced by no sequence but kept for the prefix cache (evictable, LRU).
+    pages_shared : int
+        Pages referenced by more than one sequence (prefix hits, forks).
+    prefix_queries : int
+        New sequences looked up in the prefix cache.
+    prefix_query_tokens, prefix_hit_tokens : int
+        Prompt tokens looked up, and tokens served from the cache (skipped by the model).
+    prefix_hit_rate : float
+        ``prefix_hit_tokens / prefix_query_tokens`` (0 when nothing was looked up).
+    evictions : int
+        Cached pages evicted to make room.
+    """
+
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    pages_cached: int
+    pages_shared: int
+    prefix_queries: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    evictions: int
+
+
+class PrefixCache:
+    """Key -> page map of full pages, with the LRU list of unreferenced cached pages."""
+
+    def __init__(self, num_pages: int):
+        self.table: dict[tuple, tuple[int, int]] = {}    # key -> (key id, page)
+        self.page_key: dict[int, tuple] = {}               # registered page -> its key
+        self.registered = np.zeros(num_pages, dtype=bool)
+        self.lru: OrderedDict[int, None] = OrderedDict()   # refcount-0 cached pages, oldest first
+        self.next_id = 0
+        self.queries = 0
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
+
+    # -- lookups ------------------------------------------------------------------------------
+    def lookup(self, token_bytes: list[bytes]) -> tuple[list[int], list[int]]:
+        """Longest cached chain of the given full pages: (pages, key ids)."""
+        pages, ids = [], []
+        parent = -1
+        table = self.table
+        for chunk in token_bytes:
+            hit = table.get((parent, chunk))
+            if hit is None:
+                break
+            parent, page = hit
+            ids.append(parent)
+            pages.append(page)
+        return pages, ids
+
+    def insert(self, parent: int, chunk: bytes, page: int) -> int:
+        """Register ``page`` under ``(parent, chunk)``; if the key is cached already (by
+        another page with the same content), keep that one. Returns the key id."""
+        key = (parent, chunk)
+        hit = self.table.get(key)
+        if hit is not None:
+            return hit[0]
+        kid = self.next_id
+        self.next_id += 1
+        if self.registered[page]:  # the page is cached under another key (defensive)
+            return kid  # a fresh id nobody holds: this page's children are never reached
+        self.table[key] = (kid, page)
+        self.page_key[page] = key
+        self.registered[page] = True
+        return kid
+
+    def unregister(self, page: int) -> None:
+        """Drop ``page``'s key (it is about to be overwritten or reused)."""
+        key = self.page_key.pop(page)
+        del self.table[key]
+        self.registered[page] = False
+        self.lru.pop(page, None)
+
+    def evict_one(self) -> int:
+        """Evict the least recently used unreferenced cached page; returns it."""
+        page, _ = self.lru.popitem(last=False)
+        key = self.page_key.pop(page)
+        del self.table[key]
+        self.registered[page] = False
+        self.evictions += 1
+        return page
+
+    # -- transactions -------------------------------------------------------------------------
+    def snapshot(self):
+        return (dict(self.table), dict(self.page_key), self.registered.copy(),
+                OrderedDict(self.lru), self.next_id, self.queries, self.query_tokens,
+                self.hit_tokens, self.evictions)
+
+    def restore(self, snap) -> None:
+        (self.table, self.page_key, self.registered, self.lru, self.next_id, self.queries,
+         self.query_tokens, self.hit_tokens, self.evictions) = snap
