@@ -19,6 +19,7 @@ when the TVM compiler is present, builds a missing spec once and caches it. Only
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -146,7 +147,7 @@ class KernelSpec:
         h = hashlib.sha256()
         h.update(repr((self.op, self.dtype, self.head_dim, self.n_kv_heads, self.group_size,
                        self.layout, self.target, self.arch, self.features,
-                       self.knobs)).encode())
+                       self.knobs, _cpu_key() if self.target == "llvm" else None)).encode())
         h.update(_tvm_version().encode())
         for path in _source_files(self):
             h.update(path.name.encode())
@@ -162,8 +163,52 @@ class KernelSpec:
         import tvm
 
         if self.target == "llvm":
-            return tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1})
+            target = {"kind": "llvm", "num-cores": os.cpu_count() or 1}
+            if llvm_mcpu():  # without it LLVM emits generic x86-64 (SSE2) code
+                target["mcpu"] = llvm_mcpu()
+            return tvm.target.Target(target)
         return tvm.target.Target({"kind": "cuda", "arch": self.arch})
+
+
+def llvm_mcpu() -> str:
+    """CPU that llvm specs are compiled for: ``KVTVM_LLVM_MCPU``, else the build host's CPU as
+    LLVM names it (e.g. ``"znver4"``); "" for generic code. Part of the spec digest, so a
+    module built for one CPU is never loaded for a spec resolved on another."""
+    if "KVTVM_LLVM_MCPU" in os.environ:
+        return os.environ["KVTVM_LLVM_MCPU"]
+    global _HOST_CPU
+    if _HOST_CPU is None:
+        try:
+            from tvm.target import codegen
+
+            _HOST_CPU = str(codegen.llvm_get_system_cpu())
+        except Exception:  # runtime-only TVM, or an LLVM without host detection
+            _HOST_CPU = ""
+    return _HOST_CPU
+
+
+_HOST_CPU = None
+
+
+def _cpu_key() -> str:
+    """What llvm modules are specialized for, readable without TVM's compiler (runtime-only
+    loads must compute the same digest): ``KVTVM_LLVM_MCPU`` when set, else the host's
+    instruction-set flags."""
+    if "KVTVM_LLVM_MCPU" in os.environ:
+        return os.environ["KVTVM_LLVM_MCPU"]
+    return _host_flags_key()
+
+
+@functools.lru_cache(maxsize=None)
+def _host_flags_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        import platform
+
+        flags = platform.machine() + platform.processor()
+    return "host:" + hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]
 
 
 def _tvm_version() -> str:
@@ -194,7 +239,8 @@ def _source_files(spec: KernelSpec) -> list[Path]:
     kernels = _ROOT / "kernels"
     return [Path(__file__), kernels / f"{spec.op}.py", kernels / "accessor.py",
             _schedules_dir() / f"{schedule_module_name(spec)}.py",
-            _schedules_dir() / "common.py", tuning_log_path(spec)]
+            _schedules_dir() / "common.py", tuning_log_path(spec)] \
+        + sorted(_schedules_dir().glob(f"*_{spec.op}.py"))  # per-op schedule files
 
 
 def tuned_knobs(spec: KernelSpec) -> dict:
