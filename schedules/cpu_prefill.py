@@ -1,21 +1,206 @@
-"""CPU (llvm) schedule of prefill attention."""
+"""CPU (llvm) schedule of prefill attention: a flash-attention style tiled kernel.
+
+Built directly from the knobs (same signature and block names as the definition in
+``kvtvm/kernels/prefill.py``; ``tile_q = 0`` schedules the definition itself instead, one
+(token, head) row per iteration, parallel over tokens).
+
+Work item = (tile of ``tile_q`` consecutive query rows, KV head); items run in parallel, tiles
+ordered small/large/small/... (tile ``i`` next to tile ``n-1-i``) so the contiguous chunks TVM
+hands each thread carry about the same causal work. A tile that spans several sequences is
+processed one sequence segment at a time. Per segment: Q (all ``group_size`` heads of the KV
+head: ``tile_q * group_size`` rows, pre-scaled by ``sm_scale * log2 e``) in float32; for each
+KV tile of ``tile_kv`` positions: gather K (transposed) and V through the page table into
+float32 tiles, S = Q K^T vectorized over the KV tile, masked online softmax (base 2), then
+O += P V vectorized over head_dim. Rows are blocked by ``row_block`` so each K/V vector load
+feeds several rows.
+"""
 
 from __future__ import annotations
+
+import math
+
+import tvm
+from tvm.script import tirx as T
+
+from kvtvm.kernels.accessor import cache_index, match_cache
+from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS
 
 from .common import new_schedule, under_locate
 
 
 def prefill_knobs(spec) -> dict:
-    return {"tile_q": 0}
+    return {"tile_q": 16 if spec.group_size <= 4 else 8, "tile_kv": 32, "row_block": 4}
 
 
 def prefill_knob_space(spec) -> dict:
-    return {"tile_q": [0]}
+    return {"tile_q": [4, 8, 16, 32], "tile_kv": [16, 32, 64], "row_block": [2, 4, 8]}
 
 
 def schedule_prefill(mod, spec, knobs):
-    sch = new_schedule(mod, spec)
-    block = sch.get_sblock("attn")
-    token = under_locate(sch, block)
-    sch.parallel(token)
-    return sch.mod
+    if knobs["tile_q"] == 0:
+        sch = new_schedule(mod, spec)
+        block = sch.get_sblock("attn")
+        token = under_locate(sch, block)
+        sch.parallel(token)
+        return sch.mod
+    func = tiled_prefill(spec, knobs["tile_q"], knobs["tile_kv"], knobs["row_block"])
+    return tvm.IRModule({spec.func_name: func.with_attr("global_symbol", spec.func_name)})
+
+
+def tiled_prefill(spec, TQ: int, N: int, RB: int):
+    """The tiled CPU prefill PrimFunc (see the module docstring)."""
+    H, G, D, dtype, layout = (spec.n_kv_heads, spec.group_size, spec.head_dim, spec.dtype,
+                              spec.layout)
+    HQ, R = H * G, TQ * G
+    RB = math.gcd(RB, R)
+    SLIDE = 1 if "sliding_window" in spec.features else 0
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
+                var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
+                var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
+                window: T.int32):
+        T.func_attr({"tirx.noalias": True})
+        num_pages, page_size = T.int64(), T.int64()
+        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
+        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
+        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(var_q, (ntok, HQ, D), dtype)
+        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
+                              [ks0, ks1, ks2, 1], koff)
+        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
+                              [vs0, vs1, vs2, 1], voff)
+        qo_indptr = T.match_buffer(var_qo_indptr, (batch + 1,), "int32")
+        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
+        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
+        out = T.match_buffer(var_out, (ntok, HQ, D), dtype)
+        lse = T.match_buffer(var_lse, (ntok, HQ), "float32")
+        for w in T.parallel((ntok + TQ - 1) // TQ * H):
+            with T.sblock("attn"):
+                vw = T.axis.spatial((ntok + TQ - 1) // TQ * H, w)
+                T.reads()
+                T.writes()
+                Qs = T.sblock_alloc_buffer((R, D), "float32", scope="local")
+                Kt = T.sblock_alloc_buffer((D, N), "float32", scope="local")
+                Vs = T.sblock_alloc_buffer((N, D), "float32", scope="local")
+                S = T.sblock_alloc_buffer((R, N), "float32", scope="local")
+                O = T.sblock_alloc_buffer((R, D), "float32", scope="local")
+                M = T.sblock_alloc_buffer((R,), "float32", scope="local")
+                L = T.sblock_alloc_buffer((R,), "float32", scope="local")
+                red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                ib = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                ir = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                ntiles: T.int64 = (ntok + TQ - 1) // TQ
+                u: T.int64 = vw // H
+                h: T.int64 = vw % H
+                t: T.int64 = T.if_then_else(u % 2 == 0, u // 2, ntiles - 1 - u // 2)
+                row1: T.int64 = T.min(t * TQ + TQ, ntok)
+                # locate: largest b with qo_indptr[b] <= first row of the tile
+                ib[0] = 0
+                ib[1] = T.Cast("int32", batch)
+                for _ in range(SEARCH_STEPS + 1):
+                    if ib[1] - ib[0] > 1:
+                        if T.Cast("int64", qo_indptr[(ib[0] + ib[1]) // 2]) <= t * TQ:
+                            ib[0] = (ib[0] + ib[1]) // 2
+                        else:
+                            ib[1] = (ib[0] + ib[1]) // 2
+                ir[0] = t * TQ
+                while ir[0] < row1 and T.Cast("int64", ib[0]) < batch:
+                    b: T.int32 = ib[0]
+                    r0: T.int64 = ir[0]
+                    r1: T.int64 = T.min(T.Cast("int64", qo_indptr[b + 1]), row1)
+                    if r1 > r0:
+                        mg: T.int64 = (r1 - r0) * G
+                        p0: T.int64 = T.Cast("int64", cache_lengths[b]) + r0 \
+                            - T.Cast("int64", qo_indptr[b])
+                        kv_hi: T.int64 = T.if_then_else(
+                            causal != 0, p0 + (r1 - r0),
+                            T.Cast("int64", cache_lengths[b] + qo_indptr[b + 1] - qo_indptr[b]))
+                        kv_lo: T.int64 = T.max(p0 - T.Cast("int64", window) + 1,
+                                               T.int64(0)) * SLIDE
+                        for i, g in T.grid(TQ, G):
+                            if r0 + i < r1:
+                                for d in T.vectorized(D):
+                                    Qs[i * G + g, d] = T.Cast(
+                                        "float32", q[r0 + i, h * G + g, d]) \
+                                        * (sm_scale * T.float32(LOG2E))
+                            else:
+                                for d in T.vectorized(D):
+                                    Qs[i * G + g, d] = T.float32(0)
+                        for r in range(R):
+                            M[r] = T.float32(NEG_INF)
+                            L[r] = T.float32(0)
+                            for d in T.vectorized(D):
+                                O[r, d] = T.float32(0)
+                        for kt in range((kv_hi - kv_lo + N - 1) // N):
+                            j0: T.int64 = kv_lo + kt * N
+                            for jj in range(N):
+                                if j0 + jj < kv_hi:
+                                    page: T.int64 = T.Cast(
+                                        "int64", lookup[b, T.truncdiv(j0 + jj, page_size)])
+                                    slot: T.int64 = T.truncmod(j0 + jj, page_size)
+                                    for d in range(D):
+                                        Kt[d, jj] = T.Cast("float32", k_cache[cache_index(
+                                            layout, page, slot, h, d)])
+                                    for d in T.vectorized(D):
+                                        Vs[jj, d] = T.Cast("float32", v_cache[cache_index(
+                                            layout, page, slot, h, d)])
+                                else:
+                                    for d in range(D):
+                                        Kt[d, jj] = T.float32(0)
+                                    for d in T.vectorized(D):
+                                        Vs[jj, d] = T.float32(0)
+                            # S = Q K^T, RB rows at a time
+                            for rb in range((mg + RB - 1) // RB):
+                                for rr in T.unroll(RB):
+                                    for jj in T.vectorized(N):
+                                        S[rb * RB + rr, jj] = T.float32(0)
+                                for d in range(D):
+                                    for rr in T.unroll(RB):
+                                        for jj in T.vectorized(N):
+                                            S[rb * RB + rr, jj] = S[rb * RB + rr, jj] \
+                                                + Qs[rb * RB + rr, d] * Kt[d, jj]
+                            # masked online softmax, base 2
+                            for r in range(mg):
+                                red[0] = M[r]
+                                for jj in range(N):
+                                    if (j0 + jj < kv_hi
+                                            and (causal == 0 or j0 + jj <= p0 + r // G)
+                                            and (SLIDE == 0
+                                                 or j0 + jj > p0 + r // G
+                                                 - T.Cast("int64", window))):
+                                        red[0] = T.max(red[0], S[r, jj])
+                                red[1] = T.float32(0)
+                                for jj in range(N):
+                                    if (j0 + jj < kv_hi
+                                            and (causal == 0 or j0 + jj <= p0 + r // G)
+                                            and (SLIDE == 0
+                                                 or j0 + jj > p0 + r // G
+                                                 - T.Cast("int64", window))):
+                                        S[r, jj] = T.exp2(S[r, jj] - red[0])
+                                    else:
+                                        S[r, jj] = T.float32(0)
+                                    red[1] = red[1] + S[r, jj]
+                                L[r] = L[r] * T.exp2(M[r] - red[0]) + red[1]
+                                for d in T.vectorized(D):
+                                    O[r, d] = O[r, d] * T.exp2(M[r] - red[0])
+                                M[r] = red[0]
+                            # O += P V
+                            for rb in range((mg + RB - 1) // RB):
+                                for jj in range(N):
+                                    for rr in T.unroll(RB):
+                                        for d in T.vectorized(D):
+                                            O[rb * RB + rr, d] = O[rb * RB + rr, d] \
+                                                + S[rb * RB + rr, jj] * Vs[jj, d]
+                        for i, g in T.grid(TQ, G):
+                            if r0 + i < r1:
+                                for d in T.vectorized(D):
+                                    out[r0 + i, h * G + g, d] = T.Cast(
+                                        dtype, O[i * G + g, d] / L[i * G + g])
+                                lse[r0 + i, h * G + g] = (M[i * G + g] + T.log2(L[i * G + g])) \
+                                    * T.float32(1.0 / LOG2E)
+                    ir[0] = T.max(r1, r0)
+                    ib[0] = ib[0] + 1
+    # fmt: on
+    return prefill
