@@ -43,3 +43,8 @@ def schedule_copy(mod, spec, knobs):
     _, d_vec = sch.split(d, [None, vector_lanes(spec, knobs["vector_bytes"])])
     sch.vectorize(d_vec)
     return sch.mod
+
+# -- decode (kvtvm.kernels.decode; schedule in cpu_decode.py) ------------------------------
+from .cpu_decode import schedule_decode, decode_knobs, decode_knob_space  # noqa: E402,F401
+KNOB_DEFAULTS["decode"] = decode_knobs
+KNOB_SPACES["decode"] = decode_knob_space

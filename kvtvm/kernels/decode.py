@@ -1,0 +1,198 @@
+"""Decode attention: one query token per sequence over its paged KV, split over the KV length.
+
+Compile-time: dtype, n_kv_heads, group_size (query heads per KV head, GQA), head_dim, token
+layout (nhd/hnd), feature ``"sliding_window"``.
+Runtime: batch, pages, page_size, max pages per sequence, cache strides and offset, number of
+KV splits (the first extent of the workspace), ``sm_scale``, window size.
+
+Inputs (``Hq = n_kv_heads * group_size``; query head ``h * group_size + g`` reads KV head ``h``)::
+
+    q                [batch, Hq, D]                        the cache's dtype
+    k_cache, v_cache [num_pages, page_size, H, D] (nhd) or [num_pages, H, page_size, D] (hnd)
+    cache_lengths    [batch] int32      tokens cached BEFORE this step; the current token was
+                                        already appended, so sequence b attends over positions
+                                        [start, cache_lengths[b] + 1)
+    lookup_table     [batch, max_pages] int32
+    out              [batch, Hq, D]     q's dtype
+    lse              [batch, Hq] float32  natural-log log-sum-exp of the scaled scores
+    o_part           [num_splits, batch, Hq, D] float32   workspace (unused when num_splits = 1)
+    lse_part         [num_splits, batch, Hq] float32      workspace, log2 units
+    sm_scale         float32
+    window           int32   sliding window in tokens (only with the feature; <= 0: none);
+                             start = max(0, cache_lengths[b] + 1 - window)
+
+Split ``s`` of sequence ``b`` covers positions ``[start + s*chunk, min(start + (s+1)*chunk,
+L))`` with ``L = cache_lengths[b] + 1`` and ``chunk = ceil((L - start) / num_splits)``; an
+empty split stores ``lse_part = NEG`` and zeros. With one split the ``attend`` stage writes
+``out``/``lse`` itself and ``merge`` does nothing.
+
+Blocks: ``attend`` (per sequence, KV head, split: online softmax in log2 units over the split)
+and ``merge`` (per sequence, query head: log-sum-exp merge of the splits).
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+
+from .accessor import cache_index, match_cache
+
+#: log2(e): scores are kept in log2 units so the kernels use exp2.
+LOG2E = math.log2(math.e)
+#: ln(2): converts a log2-unit log-sum-exp back to natural log.
+LN2 = math.log(2.0)
+#: Finite "minus infinity" (fast-math safe): lse of an empty split, score of a masked token.
+NEG = -3.0e38
+
+
+def kv_range(cache_length, window, sliding: bool):
+    """(start, end) int64 positions attended by a sequence with ``cache_length`` cached tokens
+    (the current token included)."""
+    end = T.Cast("int64", cache_length) + T.int64(1)
+    if not sliding:
+        return T.int64(0), end
+    w = T.Cast("int64", window)
+    return T.if_then_else(w > T.int64(0), T.max(end - w, T.int64(0)), T.int64(0)), end
+
+
+def split_range(cache_length, window, split, num_splits, sliding: bool):
+    """(lo, hi) int64 positions of KV split ``split`` of ``num_splits`` (hi <= lo: empty)."""
+    start, end = kv_range(cache_length, window, sliding)
+    chunk = T.floordiv(end - start + num_splits - T.int64(1), num_splits)
+    lo = start + T.Cast("int64", split) * chunk
+    return lo, T.min(lo + chunk, end)
+
+
+def signature(spec):
+    """Shapes shared by the definition and every schedule: (H, G, Hq, D, dtype, layout,
+    sliding)."""
+    H, G, D = spec.n_kv_heads, spec.group_size, spec.head_dim
+    return H, G, H * G, D, spec.dtype, spec.layout, "sliding_window" in spec.features
+
+
+def define(spec):
+    """The unscheduled decode PrimFunc of ``spec`` (serial; the schedules rebuild it tiled)."""
+    H, G, Hq, D, dtype, layout, sliding = signature(spec)
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
+               var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
+               var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
+               sm_scale: T.float32, window: T.int32):
+        T.func_attr({"tirx.noalias": True})
+        batch, num_pages, page_size, max_pages, splits = (T.int64(), T.int64(), T.int64(),
+                                                          T.int64(), T.int64())
+        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
+        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(var_q, (batch, Hq, D), dtype)
+        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
+                              [ks0, ks1, ks2, 1], koff)
+        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
+                              [vs0, vs1, vs2, 1], voff)
+        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
+        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
+        out = T.match_buffer(var_out, (batch, Hq, D), dtype)
+        lse = T.match_buffer(var_lse, (batch, Hq), "float32")
+        o_part = T.match_buffer(var_o_part, (splits, batch, Hq, D), "float32")
+        lse_part = T.match_buffer(var_lse_part, (splits, batch, Hq), "float32")
+        for b, h, s in T.grid(batch, H, splits):
+            with T.sblock("attend"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((D,), "float32")
+                m = T.sblock_alloc_buffer((1,), "float32")
+                den = T.sblock_alloc_buffer((1,), "float32")
+                score = T.sblock_alloc_buffer((1,), "float32")
+                m_new = T.sblock_alloc_buffer((1,), "float32")
+                lo, hi = split_range(cache_lengths[b], window, s, splits, sliding)
+                for g in range(G):
+                    m[0] = T.float32(NEG)
+                    den[0] = T.float32(0)
+                    for d in range(D):
+                        acc[d] = T.float32(0)
+                    for t in range(T.max(hi - lo, T.int64(0))):
+                        page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + t, page_size)])
+                        slot: T.int64 = T.floormod(lo + t, page_size)
+                        score[0] = T.float32(0)
+                        for d in range(D):
+                            score[0] = score[0] + T.Cast("float32", q[b, h * G + g, d]) * T.Cast(
+                                "float32", k_cache[cache_index(layout, page, slot, h, d)])
+                        score[0] = score[0] * sm_scale * T.float32(LOG2E)
+                        m_new[0] = T.max(m[0], score[0])
+                        den[0] = den[0] * T.exp2(m[0] - m_new[0]) + T.exp2(score[0] - m_new[0])
+                        for d in range(D):
+                            acc[d] = acc[d] * T.exp2(m[0] - m_new[0]) + T.exp2(
+                                score[0] - m_new[0]) * T.Cast(
+                                    "float32", v_cache[cache_index(layout, page, slot, h, d)])
+                        m[0] = m_new[0]
+                    if splits == T.int64(1):
+                        for d in range(D):
+                            out[b, h * G + g, d] = T.Cast(dtype, acc[d] / den[0])
+                        lse[b, h * G + g] = (m[0] + T.log2(den[0])) * T.float32(LN2)
+                    elif den[0] > T.float32(0):
+                        for d in range(D):
+                            o_part[s, b, h * G + g, d] = acc[d] / den[0]
+                        lse_part[s, b, h * G + g] = m[0] + T.log2(den[0])
+                    else:
+                        for d in range(D):
+                            o_part[s, b, h * G + g, d] = T.float32(0)
+                        lse_part[s, b, h * G + g] = T.float32(NEG)
+        for b, hq in T.grid(batch, Hq):
+            with T.sblock("merge"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((D,), "float32")
+                m = T.sblock_alloc_buffer((1,), "float32")
+                den = T.sblock_alloc_buffer((1,), "float32")
+                if splits > T.int64(1):
+                    m[0] = T.float32(NEG)
+                    den[0] = T.float32(0)
+                    for s in range(splits):
+                        m[0] = T.max(m[0], lse_part[s, b, hq])
+                    for d in range(D):
+                        acc[d] = T.float32(0)
+                    for s in range(splits):
+                        den[0] = den[0] + T.exp2(lse_part[s, b, hq] - m[0])
+                        for d in range(D):
+                            acc[d] = acc[d] + T.exp2(lse_part[s, b, hq] - m[0]) * o_part[s, b, hq, d]
+                    for d in range(D):
+                        out[b, hq, d] = T.Cast(dtype, acc[d] / den[0])
+                    lse[b, hq] = (m[0] + T.log2(den[0])) * T.float32(LN2)
+    # fmt: on
+    return decode
+
+
+def reference_decode(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout: str = "nhd",
+                     sm_scale: float | None = None, sliding_window: int | None = None):
+    """Plain numpy decode attention in float64: returns (out [batch, Hq, D] float64,
+    lse [batch, Hq] float64, natural log)."""
+    import numpy as np
+
+    q = np.asarray(q, np.float64)
+    k_cache, v_cache = np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64)
+    batch, Hq, D = q.shape
+    H = k_cache.shape[2] if layout == "nhd" else k_cache.shape[1]
+    page_size = k_cache.shape[1] if layout == "nhd" else k_cache.shape[2]
+    G = Hq // H
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    out = np.zeros((batch, Hq, D))
+    lse = np.zeros((batch, Hq))
+    for b in range(batch):
+        end = int(cache_lengths[b]) + 1
+        start = max(0, end - sliding_window) if sliding_window and sliding_window > 0 else 0
+        pos = np.arange(start, end)
+        pages = np.asarray(lookup_table)[b, pos // page_size]
+        slots = pos % page_size
+        if layout == "nhd":
+            k, v = k_cache[pages, slots], v_cache[pages, slots]            # [n, H, D]
+        else:
+            k, v = k_cache[pages, :, slots], v_cache[pages, :, slots]      # [n, H, D]
+        for hq in range(Hq):
+            s = k[:, hq // G] @ q[b, hq] * scale
+            mx = s.max()
+            p = np.exp(s - mx)
+            out[b, hq] = p @ v[:, hq // G] / p.sum()
+            lse[b, hq] = mx + np.log(p.sum())
+    return out, lse

@@ -1,0 +1,190 @@
+"""CPU (llvm) schedule of decode attention: parallel over (sequence, KV head, split), a tile of
+``tile_tokens`` KV rows at a time, explicit SIMD over head_dim.
+
+The schedule rebuilds the definition's PrimFunc from the knobs (same parameters, same block
+names ``attend`` and ``merge``, same split arithmetic from :mod:`kvtvm.kernels.decode`). Each
+task loads a K row once for all ``group_size`` query heads (GQA), keeps per-head dot products in
+``lanes``-wide vector accumulators, rescales the output once per tile (online softmax in log2
+units) and streams V rows once; with ``head_block = n_kv_heads`` a task reads each token's K and
+V rows of all heads as one contiguous run (nhd).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from kvtvm.kernels.decode import LN2, LOG2E, NEG, signature, split_range
+from kvtvm.kernels.accessor import cache_index, match_cache
+
+
+def decode_knobs(spec) -> dict:
+    # 64-byte vectors (one AVX-512 register of float32; LLVM splits them on narrower SIMD);
+    # 32-token tiles keep the scores and a K/V tile in L1.
+    # all KV heads of a token in one task: a token's K (V) row of every head is one contiguous
+    # run of n_kv_heads * head_dim elements in the nhd layout, which the prefetchers follow.
+    return {"tile_tokens": 32, "vector_bytes": 64, "head_block": spec.n_kv_heads}
+
+
+def decode_knob_space(spec) -> dict:
+    return {"tile_tokens": [8, 16, 32, 64], "vector_bytes": [16, 32, 64],
+            "head_block": [h for h in (1, 2, 4, 8, 16, 32) if spec.n_kv_heads % h == 0]}
+
+
+def _lanes(spec, vector_bytes: int) -> int:
+    lanes = max(1, vector_bytes // 4)  # computed in float32
+    while spec.head_dim % lanes:
+        lanes //= 2
+    return lanes
+
+
+def schedule_decode(mod, spec, knobs):
+    import tvm
+
+    H, G, Hq, D, dtype, layout, sliding = signature(spec)
+    TILE = int(knobs["tile_tokens"])
+    L = _lanes(spec, int(knobs["vector_bytes"]))
+    DV = D // L
+    HB = int(knobs.get("head_block", 1))
+    assert H % HB == 0, f"head_block {HB} must divide n_kv_heads {H}"
+    NHB = H // HB
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
+               var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
+               var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
+               sm_scale: T.float32, window: T.int32):
+        T.func_attr({"tirx.noalias": True})
+        batch, num_pages, page_size, max_pages, splits = (T.int64(), T.int64(), T.int64(),
+                                                          T.int64(), T.int64())
+        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
+        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(var_q, (batch, Hq, D), dtype)
+        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
+                              [ks0, ks1, ks2, 1], koff)
+        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
+                              [vs0, vs1, vs2, 1], voff)
+        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
+        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
+        out = T.match_buffer(var_out, (batch, Hq, D), dtype)
+        lse = T.match_buffer(var_lse, (batch, Hq), "float32")
+        o_part = T.match_buffer(var_o_part, (splits, batch, Hq, D), "float32")
+        lse_part = T.match_buffer(var_lse_part, (splits, batch, Hq), "float32")
+        for task in T.parallel(batch * NHB * splits):
+            with T.sblock("attend"):
+                T.reads()
+                T.writes()
+                qf = T.sblock_alloc_buffer((HB * G, D), "float32")
+                acc = T.sblock_alloc_buffer((HB * G, D), "float32")
+                sc = T.sblock_alloc_buffer((HB * G, TILE), "float32")
+                part = T.sblock_alloc_buffer((G, L), "float32")
+                row = T.sblock_alloc_buffer((L,), "float32")
+                m = T.sblock_alloc_buffer((HB * G,), "float32")
+                den = T.sblock_alloc_buffer((HB * G,), "float32")
+                mt = T.sblock_alloc_buffer((1,), "float32")
+                b: T.int64 = task // (NHB * splits)
+                h0: T.int64 = T.floormod(task // splits, NHB) * HB
+                s: T.int64 = T.floormod(task, splits)
+                lo, hi = split_range(cache_lengths[b], window, s, splits, sliding)
+                for r in range(HB * G):  # r = hh * G + g: query head h0 * G + r
+                    for dv in range(DV):
+                        for l in T.vectorized(L):
+                            qf[r, dv * L + l] = T.Cast("float32", q[b, h0 * G + r, dv * L + l]) \
+                                * sm_scale * T.float32(LOG2E)
+                            acc[r, dv * L + l] = T.float32(0)
+                    m[r] = T.float32(NEG)
+                    den[r] = T.float32(0)
+                for it in range(T.floordiv(T.max(hi - lo, T.int64(0)) + TILE - 1, TILE)):
+                    for t in range(TILE):
+                        if lo + it * TILE + t < hi:
+                            page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
+                            slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
+                            for hh in range(HB):
+                                for g in range(G):
+                                    for l in T.vectorized(L):
+                                        part[g, l] = T.float32(0)
+                                for dv in range(DV):
+                                    for l in T.vectorized(L):
+                                        row[l] = T.Cast("float32", k_cache[cache_index(layout, page, slot, h0 + hh, dv * L + l)])
+                                    for g in range(G):
+                                        for l in T.vectorized(L):
+                                            part[g, l] = part[g, l] + qf[hh * G + g, dv * L + l] * row[l]
+                                for g in range(G):
+                                    sc[hh * G + g, t] = T.float32(0)
+                                    for l in range(L):
+                                        sc[hh * G + g, t] = sc[hh * G + g, t] + part[g, l]
+                        else:
+                            for r in range(HB * G):
+                                sc[r, t] = T.float32(NEG)
+                    for r in range(HB * G):
+                        mt[0] = m[r]
+                        for t in range(TILE):
+                            mt[0] = T.max(mt[0], sc[r, t])
+                        if mt[0] > m[r]:
+                            den[r] = den[r] * T.exp2(m[r] - mt[0])
+                            for dv in range(DV):
+                                for l in T.vectorized(L):
+                                    acc[r, dv * L + l] = acc[r, dv * L + l] * T.exp2(m[r] - mt[0])
+                            m[r] = mt[0]
+                        for t in range(TILE):
+                            sc[r, t] = T.exp2(sc[r, t] - mt[0])
+                            den[r] = den[r] + sc[r, t]
+                    for t in range(TILE):
+                        if lo + it * TILE + t < hi:
+                            page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
+                            slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
+                            for hh in range(HB):
+                                for dv in range(DV):
+                                    for l in T.vectorized(L):
+                                        row[l] = T.Cast("float32", v_cache[cache_index(layout, page, slot, h0 + hh, dv * L + l)])
+                                    for g in range(G):
+                                        for l in T.vectorized(L):
+                                            acc[hh * G + g, dv * L + l] = acc[hh * G + g, dv * L + l] + sc[hh * G + g, t] * row[l]
+                for r in range(HB * G):
+                    if splits == T.int64(1):
+                        for dv in range(DV):
+                            for l in T.vectorized(L):
+                                out[b, h0 * G + r, dv * L + l] = T.Cast(dtype, acc[r, dv * L + l] / den[r])
+                        lse[b, h0 * G + r] = (m[r] + T.log2(den[r])) * T.float32(LN2)
+                    elif den[r] > T.float32(0):
+                        for dv in range(DV):
+                            for l in T.vectorized(L):
+                                o_part[s, b, h0 * G + r, dv * L + l] = acc[r, dv * L + l] / den[r]
+                        lse_part[s, b, h0 * G + r] = m[r] + T.log2(den[r])
+                    else:
+                        for dv in range(DV):
+                            for l in T.vectorized(L):
+                                o_part[s, b, h0 * G + r, dv * L + l] = T.float32(0)
+                        lse_part[s, b, h0 * G + r] = T.float32(NEG)
+        if splits > T.int64(1):
+            for task in T.parallel(batch * Hq):
+                with T.sblock("merge"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((D,), "float32")
+                    m = T.sblock_alloc_buffer((1,), "float32")
+                    den = T.sblock_alloc_buffer((1,), "float32")
+                    w = T.sblock_alloc_buffer((1,), "float32")
+                    b: T.int64 = task // Hq
+                    hq: T.int64 = T.floormod(task, Hq)
+                    m[0] = T.float32(NEG)
+                    den[0] = T.float32(0)
+                    for s in range(splits):
+                        m[0] = T.max(m[0], lse_part[s, b, hq])
+                    for dv in range(DV):
+                        for l in T.vectorized(L):
+                            acc[dv * L + l] = T.float32(0)
+                    for s in range(splits):
+                        w[0] = T.exp2(lse_part[s, b, hq] - m[0])
+                        den[0] = den[0] + w[0]
+                        for dv in range(DV):
+                            for l in T.vectorized(L):
+                                acc[dv * L + l] = acc[dv * L + l] + w[0] * o_part[s, b, hq, dv * L + l]
+                    for dv in range(DV):
+                        for l in T.vectorized(L):
+                            out[b, hq, dv * L + l] = T.Cast(dtype, acc[dv * L + l] / den[0])
+                    lse[b, hq] = (m[0] + T.log2(den[0])) * T.float32(LN2)
+    # fmt: on
+    (name, old), = mod.functions_items()
+    assert len(old.params) == len(decode.params), "decode signature drifted from the definition"
+    return tvm.IRModule({name: decode.with_attr("global_symbol", name.name_hint)})
