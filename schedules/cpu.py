@@ -44,6 +44,12 @@ def schedule_copy(mod, spec, knobs):
     sch.vectorize(d_vec)
     return sch.mod
 
+
+# -- prefill (kvtvm.kernels.prefill; schedule in cpu_prefill.py) ----------------------------
+from .cpu_prefill import schedule_prefill, prefill_knobs, prefill_knob_space  # noqa: E402
+KNOB_DEFAULTS["prefill"] = prefill_knobs
+KNOB_SPACES["prefill"] = prefill_knob_space
+
 # -- decode (kvtvm.kernels.decode; schedule in cpu_decode.py) ------------------------------
 from .cpu_decode import schedule_decode, decode_knobs, decode_knob_space  # noqa: E402,F401
 KNOB_DEFAULTS["decode"] = decode_knobs
