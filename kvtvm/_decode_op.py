@@ -1,0 +1,200 @@
+"""``decode_attention``: one query token per sequence over its paged KV cache (split-KV).
+
+Validates at the DLPack boundary (:mod:`kvtvm.boundary`), picks the number of KV splits, hands
+the kernel a reusable split workspace and launches ``kvtvm.kernels.decode``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+from .boundary import (as_tensor, check_batch_indices, check_cache_pair, check_contiguous,
+                       check_dim, check_dtype, check_rank, common_device,
+                       indices_on_host, launch)
+from .errors import InvalidArgumentError, describe
+
+#: A split holds at least this many KV positions (shorter ones cost more in merging than
+#: they win in parallelism).
+MIN_SPLIT_TOKENS = 256
+#: Upper bound on the number of KV splits.
+MAX_SPLITS = 128
+
+_workspaces: dict = {}
+_workspace_lock = threading.Lock()
+
+
+def _parallel_units(device) -> int:
+    """Independent workers to fill: SMs (x2, two resident CTAs each) or CPU cores."""
+    if device.type == "cuda":
+        import torch
+
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return os.cpu_count() or 1
+
+
+def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device) -> int:
+    """KV splits per sequence so ``batch x kv_heads x splits`` fills the device.
+
+    On the CPU a task holds every KV head of a sequence (see ``schedules/cpu_decode.py``), so
+    there the work units are the sequences.
+    """
+    units = batch * (n_kv_heads if device.type == "cuda" else 1)
+    want = -(-_parallel_units(device) // max(1, units))
+    cap = max(1, -(-max_kv_len // MIN_SPLIT_TOKENS))
+    return int(max(1, min(want, cap, MAX_SPLITS)))
+
+
+def split_workspace(device, num_splits: int, batch: int, n_q_heads: int, head_dim: int):
+    """Float32 views ``(o_part [S, batch, Hq, D], lse_part [S, batch, Hq])`` of one buffer per
+    (device, stream or thread), grown when a call needs more and reused otherwise, so steady
+    state decoding (and CUDA-graph capture) sees a fixed pointer."""
+    import torch
+
+    if device.type == "cuda":
+        key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+    else:
+        key = (str(device), threading.get_ident())
+    n_o = num_splits * batch * n_q_heads * head_dim
+    n_l = num_splits * batch * n_q_heads
+    with _workspace_lock:
+        buf = _workspaces.get(key)
+        if buf is None or buf.numel() < n_o + n_l:
+            buf = torch.empty(n_o + n_l, dtype=torch.float32, device=device)
+            _workspaces[key] = buf
+    return (buf[:n_o].view(num_splits, batch, n_q_heads, head_dim),
+            buf[n_o:n_o + n_l].view(num_splits, batch, n_q_heads))
+
+
+def decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout: str = "nhd",
+                     sm_scale: float | None = None, sliding_window: int | None = None,
+                     num_splits: int | None = None, out=None, lse=None,
+                     check_indices: bool | None = None):
+    """Attention of one new query token per sequence over its cached keys and values.
+
+    The current token's K/V must already be in the cache (``append_kv``), so sequence ``b``
+    attends over positions ``[start, cache_lengths[b] + 1)``, ``start = 0`` or, with a sliding
+    window ``w``, ``max(0, cache_lengths[b] + 1 - w)``.
+
+    Parameters
+    ----------
+    q : Tensor
+        ``[batch, n_q_heads, head_dim]``, contiguous, the cache's dtype; ``n_q_heads`` is a
+        multiple of ``n_kv_heads`` (query head ``i`` reads KV head ``i // group_size``).
+    k_cache, v_cache : Tensor
+        One layer of the cache, ``[num_pages, page_size, n_kv_heads, head_dim]`` (``"nhd"``:
+        PAGED, CONTINUOUS with ``page_size = max_seq_len``) or ``[num_pages, n_kv_heads,
+        page_size, head_dim]`` (``"hnd"``: LINEAR); strided views with a contiguous last axis.
+    cache_lengths : Tensor
+        int32 ``[batch]``, tokens each sequence held before this step.
+    lookup_table : Tensor
+        int32 ``[batch, max_pages_per_seq]``, each sequence's pages in order.
+    layout : {"nhd", "hnd"}
+    sm_scale : float, optional
+        Score scale; ``1 / sqrt(head_dim)`` by default.
+    sliding_window : int, optional
+        Attend to the last ``sliding_window`` positions only (compiles the windowed kernel).
+    num_splits : int, optional
+        KV splits per sequence (merged by log-sum-exp); chosen from ``batch x n_kv_heads``
+        against the device's SMs (CPU cores) by default.
+    out : Tensor, optional
+        ``[batch, n_q_heads, head_dim]`` of q's dtype, written in place.
+    lse : Tensor, optional
+        float32 ``[batch, n_q_heads]``, natural-log log-sum-exp of the scaled scores.
+    check_indices : bool, optional
+        Check lengths and page indices on the host before launch; by default only when they
+        are in host memory (free).
+
+    Returns
+    -------
+    (out, lse)
+
+    Raises
+    ------
+    DTypeMismatchError, DeviceMismatchError, InvalidArgumentError, SequenceTooLongError
+        Before anything is written.
+    """
+    import torch
+
+    tensors = {name: as_tensor(name, value) for name, value in (
+        ("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+        ("cache_lengths", cache_lengths), ("lookup_table", lookup_table))}
+    if out is not None:
+        tensors["out"] = as_tensor("out", out)
+    if lse is not None:
+        tensors["lse"] = as_tensor("lse", lse)
+    qt, kc, vc, lengths, table = (tensors[n] for n in ("q", "k_cache", "v_cache",
+                                                       "cache_lengths", "lookup_table"))
+    geo = check_cache_pair(kc, vc, layout)
+    check_rank("q", qt, 3, "[batch, n_q_heads, head_dim]")
+    check_dtype("q", qt, geo.dtype)
+    check_dim("q", qt, 2, geo.head_dim, "head_dim")
+    check_contiguous("q", qt)
+    n_q_heads = qt.shape[1]
+    if n_q_heads == 0 or n_q_heads % geo.n_kv_heads:
+        raise InvalidArgumentError(describe("q.shape[1] (n_q_heads)",
+                                            f"a positive multiple of n_kv_heads={geo.n_kv_heads}",
+                                            n_q_heads))
+    group_size = n_q_heads // geo.n_kv_heads
+    for name, t in (("cache_lengths", lengths), ("lookup_table", table)):
+        check_dtype(name, t, "int32")
+        check_contiguous(name, t)
+    check_rank("cache_lengths", lengths, 1, "[batch]")
+    batch = qt.shape[0]
+    check_dim("cache_lengths", lengths, 0, batch, "batch (q.shape[0])")
+    check_rank("lookup_table", table, 2, "[batch, max_pages_per_seq]")
+    check_dim("lookup_table", table, 0, batch, "batch (q.shape[0])")
+    if "out" in tensors:
+        o = tensors["out"]
+        check_dtype("out", o, geo.dtype)
+        if tuple(o.shape) != tuple(qt.shape):
+            raise InvalidArgumentError(describe("out.shape", list(qt.shape), list(o.shape)))
+        check_contiguous("out", o)
+    if "lse" in tensors:
+        ls = tensors["lse"]
+        check_dtype("lse", ls, "float32")
+        if tuple(ls.shape) != (batch, n_q_heads):
+            raise InvalidArgumentError(describe("lse.shape", [batch, n_q_heads],
+                                                list(ls.shape)))
+        check_contiguous("lse", ls)
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or int(sliding_window) != sliding_window
+                                       or sliding_window < 1):
+        raise InvalidArgumentError(describe("sliding_window", "None or an int >= 1",
+                                            repr(sliding_window)))
+    if num_splits is not None and (isinstance(num_splits, bool) or int(num_splits) != num_splits
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise InvalidArgumentError(describe("num_splits", f"None or an int in [1, {MAX_SPLITS}]",
+                                            repr(num_splits)))
+    device = common_device(tensors)
+    if check_indices is None:
+        check_indices = indices_on_host(lengths, table)
+    max_kv_len = table.shape[1] * geo.page_size
+    if check_indices:
+        indptr = torch.arange(batch + 1, dtype=torch.int32)  # one (appended) token each
+        check_batch_indices(indptr, lengths, table, geo, batch)
+        if batch and lengths.device.type == "cpu":
+            max_kv_len = int(lengths.max()) + 1
+    if sliding_window is not None:
+        max_kv_len = min(max_kv_len, int(sliding_window))
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, geo.n_kv_heads, max_kv_len, device)
+    num_splits = int(num_splits)
+
+    out_t = tensors.get("out")
+    if out_t is None:
+        out_t = torch.empty(qt.shape, dtype=qt.dtype, device=device)
+    lse_t = tensors.get("lse")
+    if lse_t is None:
+        lse_t = torch.empty((batch, n_q_heads), dtype=torch.float32, device=device)
+    if batch == 0:
+        return out_t, lse_t
+    o_part, lse_part = split_workspace(device, num_splits, batch, n_q_heads, geo.head_dim)
+    scale = 1.0 / math.sqrt(geo.head_dim) if sm_scale is None else float(sm_scale)
+    features = ("sliding_window",) if sliding_window is not None else ()
+    launch(dict(op="decode", dtype=geo.dtype, head_dim=geo.head_dim, n_kv_heads=geo.n_kv_heads,
+                group_size=group_size, layout=layout, features=features),
+           device, (qt, kc, vc, lengths, table, out_t, lse_t, o_part, lse_part, scale,
+                    int(sliding_window or 0)))
+    return out_t, lse_t
