@@ -135,7 +135,7 @@ def launch(spec_kwargs: dict, device, args):
     dictionary lookup once the kernel is loaded.
     """
     fn = _kernel_for(tuple(sorted(spec_kwargs.items())), target_of(device),
-                     tuple(compiler.kernel_dirs()))
+                     compiler.search_key())
     if device.type == "cuda":
         import torch
 

@@ -290,10 +290,22 @@ def add_kernel_dir(path: str | os.PathLike) -> None:
         _extra_dirs.append(path)
 
 
+def search_key() -> tuple:
+    """What decides where kernels are found (cheap: strings only); part of every memo key."""
+    return (os.environ.get("KVTVM_KERNEL_PATH", ""), os.environ.get("KVTVM_CACHE_DIR", ""),
+            tuple(_extra_dirs))
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel_dirs(key: tuple) -> tuple:
+    env = [Path(p) for p in key[0].split(os.pathsep) if p]
+    return tuple(env + list(key[2]) + [cache_dir()])
+
+
 def kernel_dirs() -> list[Path]:
-    """Directories searched for built kernels, in order."""
-    env = [Path(p) for p in os.environ.get("KVTVM_KERNEL_PATH", "").split(os.pathsep) if p]
-    return env + list(_extra_dirs) + [cache_dir()]
+    """Directories searched for built kernels, in order: ``KVTVM_KERNEL_PATH``, directories
+    added with :func:`add_kernel_dir`, then the cache."""
+    return list(_kernel_dirs(search_key()))
 
 
 def find_built(spec: KernelSpec) -> Path | None:
@@ -315,7 +327,7 @@ def get_kernel(spec: KernelSpec):
     DeviceUnavailableError
         A CUDA spec is requested on a machine that cannot run CUDA.
     """
-    key = (spec, tuple(kernel_dirs()))
+    key = (spec, search_key())
     with _load_lock:
         if key in _loaded:
             return _loaded[key][1]
