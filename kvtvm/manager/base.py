@@ -544,16 +544,18 @@ class KVCacheManager(abc.ABC):
         """
         from tvm import relax, tirx
 
+        # TVM 0.27 names Relax struct info ``relax.TensorType``; older TVM ``TensorStructInfo``
+        tensor_info = getattr(relax, "TensorStructInfo", None) or relax.TensorType
         batch = tirx.Var("batch", "int64")
         steps = tirx.Var("num_steps", "int64")
         out = []
         for dev in range(self.n_devices):
             shape = [int(s) for s in self._blocks[dev].shape]
             out.append(RaggedKVCacheInputSymbols(
-                blocks=relax.TensorStructInfo(shape, self.params.dtype),
-                cache_lengths=relax.TensorStructInfo([batch], "int32"),
-                lookup_table=relax.TensorStructInfo([batch, self._tables.width], "int32"),
-                max_lengths=relax.TensorStructInfo([steps, 2], "int32")))
+                blocks=tensor_info(shape, self.params.dtype),
+                cache_lengths=tensor_info([batch], "int32"),
+                lookup_table=tensor_info([batch, self._tables.width], "int32"),
+                max_lengths=tensor_info([steps, 2], "int32")))
         return out
 
     # ------------------------------------------------------------------------------------
