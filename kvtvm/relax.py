@@ -47,7 +47,7 @@ from .errors import InvalidArgumentError, describe
 
 __all__ = [
     "KVInputVars", "kv_input_types", "kv_input_vars", "kv_input_vars_for", "kv_call_args",
-    "add_kernel", "emit_append_kv", "emit_attention", "emit_decode_attention",
+    "add_kernel", "kernel_func", "llvm_target", "emit_append_kv", "emit_attention", "emit_decode_attention",
     "nn_kv_spec", "nn_append_kv", "nn_attention", "nn_decode_attention",
     "KV_INPUT_NAMES",
 ]
@@ -152,6 +152,11 @@ class KVInputVars:
     def num_layers(self) -> int:
         return len(self.k_caches)
 
+    @property
+    def batch(self):
+        """The batch-size var (``int64``), shared by the three tables' shapes."""
+        return self.cache_lengths.ty.shape.values[0]
+
     def params(self) -> list:
         """The vars in parameter order: ``k_cache_0, v_cache_0, k_cache_1, ...,
         qo_indptr, cache_lengths, lookup_table`` (the order of :func:`kv_call_args`)."""
@@ -223,6 +228,12 @@ def kv_call_args(inputs) -> list:
 # ------------------------------------------------------------------------------------------
 
 _LOWERED: dict = {}
+
+
+def llvm_target():
+    """The ``tvm.target.Target`` kvtvm's llvm kernels are scheduled for (host CPU, all
+    cores): compile a Relax module holding them with this target."""
+    return KernelSpec("append", "float32", 1, 1).tvm_target()
 
 
 def _lowered(spec: KernelSpec):
