@@ -32,7 +32,8 @@ def copy_pages(blocks, src_pages, dst_pages, *, check_indices: bool | None = Non
         ``[num_pages, 2, num_layers, page_size, n_kv_heads, head_dim]``. Every layer and both
         K and V of a page move together.
     src_pages, dst_pages : Tensor
-        int32 ``[n]`` page indices, on the device of ``blocks``.
+        int32 ``[n]`` page indices, on the host (split into rounds of independent copies,
+        then moved to the device) or on the device of ``blocks`` (one launch).
     check_indices : bool, optional
         Check ``0 <= index < num_pages`` before launch; default True for host-resident
         indices. Indices on a GPU are neither checked nor split into rounds (that would
@@ -55,7 +56,8 @@ def copy_slots(cache, src_slots, dst_slots, *, check_indices: bool | None = None
     cache : Tensor
         Contiguous ``[num_layers, max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``.
     src_slots, dst_slots : Tensor
-        int32 ``[n]`` slot indices, on the device of ``cache``.
+        int32 ``[n]`` slot indices, on the host or on the device of ``cache`` (as for
+        :func:`copy_pages`).
     check_indices : bool, optional
         As for :func:`copy_pages`.
     """
@@ -76,9 +78,11 @@ def _copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> None:
         check_contiguous(n_, t)
         if t.dim() != 1:
             raise InvalidArgumentError(describe(f"{n_} rank", "1 ([n])", list(t.shape)))
-        if t.device != buf.device:
-            raise DeviceMismatchError(describe(n_, f"device {buf.device} (as {name})",
+        if t.device != buf.device and t.device.type != "cpu":
+            raise DeviceMismatchError(describe(n_, f"device {buf.device} (as {name}) or cpu",
                                                t.device))
+    if src.device != dst.device:
+        raise DeviceMismatchError(describe("dst", f"device {src.device} (as src)", dst.device))
     if src.shape[0] != dst.shape[0]:
         raise InvalidArgumentError(describe("dst.shape[0]", f"{src.shape[0]} (as src)",
                                             dst.shape[0]))
@@ -108,8 +112,8 @@ def _copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> None:
     import torch
 
     for rs, rd in independent_rounds(host_array(src).tolist(), host_array(dst).tolist()):
-        launch(spec, buf.device, (view, torch.tensor(rs, dtype=torch.int32),
-                                  torch.tensor(rd, dtype=torch.int32)))
+        launch(spec, buf.device, (view, torch.tensor(rs, dtype=torch.int32, device=buf.device),
+                                  torch.tensor(rd, dtype=torch.int32, device=buf.device)))
 
 
 def independent_rounds(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:

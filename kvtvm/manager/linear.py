@@ -270,17 +270,8 @@ class LinearKVCache:
 
                 src = torch.tensor([s for s, _ in moves], dtype=torch.int32)
                 dst = torch.tensor([d for _, d in moves], dtype=torch.int32)
-                for cache in self._cache:
-                    if cache.device.type == "cpu":
-                        copy_slots(cache, src, dst)
-                    else:  # split into independent rounds on the host, then launch on device
-                        from .._copy_op import independent_rounds
-
-                        for rs, rd in independent_rounds(src.tolist(), dst.tolist()):
-                            copy_slots(cache, torch.tensor(rs, dtype=torch.int32,
-                                                           device=cache.device),
-                                       torch.tensor(rd, dtype=torch.int32,
-                                                    device=cache.device))
+                for cache in self._cache:  # host indices: split into rounds, then launched
+                    copy_slots(cache, src, dst)
             kept = self._lengths[idx].copy()
             self._lengths[:] = 0
             self._lengths[:idx.size] = kept

@@ -271,9 +271,10 @@ class PagedKVCacheManager(KVCacheManager):
 
         from ..ops import copy_pages
 
-        for blocks in self._blocks:
-            copy_pages(blocks, torch.tensor(src, dtype=torch.int32, device=blocks.device),
-                       torch.tensor(dst, dtype=torch.int32, device=blocks.device))
+        src_t = torch.tensor(src, dtype=torch.int32)
+        dst_t = torch.tensor(dst, dtype=torch.int32)
+        for blocks in self._blocks:  # fresh destinations: always one round of copies
+            copy_pages(blocks, src_t, dst_t)
 
     def _commit(self, batch, ids, counts):
         if not self.prefix_caching:
