@@ -192,23 +192,31 @@ def kv_input_vars_for(manager, device: int = 0) -> KVInputVars:
     The manager describes its whole cache tensor (``blocks``, concrete shape) and its tables
     (symbolic ``batch``, concrete lookup width); the per-layer views the kernels take are
     derived from the ``blocks`` shape of the manager's strategy, and ``qo_indptr`` gets
-    ``[batch + 1]`` over the same ``batch`` var.
+    ``[batch + 1]`` over the same ``batch`` var. A :class:`kvtvm.manager.LinearKVCache`
+    (no ``input_symbols``) is described from its buffer, with a ``[batch, 1]`` slot table.
     """
+    from tvm import tirx
+
     from .params import KVCacheStrategy
 
-    sym = manager.input_symbols()[device]
-    blocks = _static_dims(sym.blocks)
-    lookup = sym.lookup_table.shape.values
-    batch, width = lookup[0], _static_dims(sym.lookup_table)[1]
     strategy = manager.params.cache_strategy
+    if hasattr(manager, "input_symbols"):
+        sym = manager.input_symbols()[device]
+        blocks, dtype = _static_dims(sym.blocks), str(sym.blocks.dtype)
+        lookup = sym.lookup_table.shape.values
+        batch, width = lookup[0], _static_dims(sym.lookup_table)[1]
+    else:  # LinearKVCache (seed 004's API has no input_symbols): its buffer and [batch, 1]
+        buf = manager.get_kv_cache_buffer(device)
+        blocks, dtype = [int(d) for d in buf.shape], manager.params.dtype
+        batch, width = tirx.Var("batch", "int64"), 1
     if strategy is KVCacheStrategy.LINEAR:
         # [num_layers, max_batch_size, 2, H, max_seq_len, D] -> view [slots, H, seq, D]
         num_layers, slots, _, heads, seq, dim = blocks
-        return kv_input_vars(num_layers, heads, dim, sym.blocks.dtype, layout="hnd",
+        return kv_input_vars(num_layers, heads, dim, dtype, layout="hnd",
                              num_pages=slots, page_size=seq, width=width, batch=batch)
     # CONTINUOUS / PAGED: [num_pages, 2, num_layers, page_size, H, D] -> [pages, page, H, D]
     pages, _, num_layers, page_size, heads, dim = blocks
-    return kv_input_vars(num_layers, heads, dim, sym.blocks.dtype, layout="nhd",
+    return kv_input_vars(num_layers, heads, dim, dtype, layout="nhd",
                          num_pages=pages, page_size=page_size, width=width, batch=batch)
 
 
