@@ -1,0 +1,250 @@
+"""``python -m kvtvm.bench prefill``: ragged causal prefill attention over a paged cache.
+
+Peers, side by side in one run: kvtvm; torch SDPA (causal, bottom-right aligned when a
+cached prefix is present) on contiguous K/V (the non-paged ceiling); torch gather + SDPA (what
+a torch user writes over a paged cache); TVM 0.27's built-in paged prefill kernel from
+``tvm.relax.frontend.nn.llm`` built for the same target (its CPU variant on llvm); FlashInfer
+when importable.
+
+Shape: Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), page 16.
+FLOPs: ``4 * n_q_heads * head_dim * visible_pairs`` where ``visible_pairs`` counts the
+(query, key) pairs the causal mask keeps: ``sum_b n_b * c_b + n_b * (n_b + 1) / 2`` for
+``n_b`` new tokens over ``c_b`` cached ones (two matmuls, a multiply and an add each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+
+from .common import Row, add_common_args, median_seconds, report
+
+N_Q_HEADS, N_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+#: (batch, new tokens per sequence, cached tokens per sequence)
+GPU_CASES = [(1, 8192, 0), (1, 4096, 0), (4, 2048, 0), (16, 512, 0), (8, 1024, 3072),
+             (32, 128, 1920)]
+CPU_CASES = [(1, 512, 0), (4, 128, 384), (16, 16, 240)]
+
+
+def visible_pairs(batch, new, cached) -> int:
+    return batch * (new * cached + new * (new + 1) // 2)
+
+
+class Case:
+    """One (batch, new, cached) problem: paged cache, contiguous copies, tables."""
+
+    def __init__(self, batch, new, cached, dtype, device, seed=0):
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        tdt = getattr(torch, dtype)
+        self.batch, self.new, self.cached = batch, new, cached
+        kv_len = new + cached
+        pages = -(-kv_len // PAGE)
+        num_pages = batch * pages
+        perm = torch.randperm(num_pages, generator=g).to(torch.int32)
+        self.table = perm.reshape(batch, pages).contiguous()
+        self.k_cache = torch.randn(num_pages, PAGE, N_KV_HEADS, HEAD_DIM, generator=g).to(tdt)
+        self.v_cache = torch.randn(num_pages, PAGE, N_KV_HEADS, HEAD_DIM, generator=g).to(tdt)
+        self.q = torch.randn(batch * new, N_Q_HEADS, HEAD_DIM, generator=g).to(tdt)
+        self.indptr = torch.arange(0, batch * new + 1, new, dtype=torch.int32)
+        self.lengths = torch.full((batch,), cached, dtype=torch.int32)
+        # contiguous per-sequence K/V [batch, H, kv_len, D] and q [batch, HQ, new, D]
+        idx = self.table.long()
+        self.k_dense = self.k_cache[idx].reshape(batch, -1, N_KV_HEADS, HEAD_DIM)[:, :kv_len] \
+            .transpose(1, 2).contiguous()
+        self.v_dense = self.v_cache[idx].reshape(batch, -1, N_KV_HEADS, HEAD_DIM)[:, :kv_len] \
+            .transpose(1, 2).contiguous()
+        self.q_dense = self.q.reshape(batch, new, N_Q_HEADS, HEAD_DIM).transpose(1, 2) \
+            .contiguous()
+        for name in ("table", "k_cache", "v_cache", "q", "indptr", "lengths", "k_dense",
+                     "v_dense", "q_dense"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.out = torch.empty_like(self.q)
+        self.lse = torch.empty(self.q.shape[:2], dtype=torch.float32, device=device)
+        self.kv_len = kv_len
+
+    @property
+    def name(self) -> str:
+        return f"b{self.batch} n{self.new} c{self.cached}"
+
+    def flops(self) -> float:
+        return 4.0 * N_Q_HEADS * HEAD_DIM * visible_pairs(self.batch, self.new, self.cached)
+
+
+def _sdpa_mask(case):
+    if case.cached == 0:
+        return None, True
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(case.new, case.kv_len), False
+
+
+def run_kvtvm(case):
+    from kvtvm import ops
+
+    def fn():
+        ops.prefill_attention(case.q, case.k_cache, case.v_cache, case.indptr, case.lengths,
+                              case.table, out=case.out, lse=case.lse, check_indices=False)
+    return fn
+
+
+def run_sdpa(case):
+    import torch.nn.functional as F
+
+    mask, is_causal = _sdpa_mask(case)
+
+    def fn():
+        F.scaled_dot_product_attention(case.q_dense, case.k_dense, case.v_dense,
+                                       attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+    return fn
+
+
+def run_gather_sdpa(case):
+    import torch.nn.functional as F
+
+    mask, is_causal = _sdpa_mask(case)
+    idx = case.table.long()
+
+    def fn():
+        k = case.k_cache[idx].reshape(case.batch, -1, N_KV_HEADS, HEAD_DIM)[:, :case.kv_len]
+        v = case.v_cache[idx].reshape(case.batch, -1, N_KV_HEADS, HEAD_DIM)[:, :case.kv_len]
+        q = case.q.reshape(case.batch, case.new, N_Q_HEADS, HEAD_DIM)
+        F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                       v.transpose(1, 2), attn_mask=mask,
+                                       is_causal=is_causal, enable_gqa=True)
+    return fn
+
+
+_tvm_cache: dict = {}
+
+
+def build_tvm_builtin(dtype, device: str):
+    """TVM 0.27's own paged prefill kernel for the target of ``device``."""
+    key = (dtype, device)
+    if key in _tvm_cache:
+        return _tvm_cache[key]
+    import tvm
+    from tvm.relax.frontend.nn.llm import _prefill_kernels as pk
+
+    from kvtvm.compiler import KernelSpec
+
+    if device == "cpu":
+        target = KernelSpec(op="prefill", dtype=dtype, head_dim=HEAD_DIM,
+                            n_kv_heads=N_KV_HEADS).tvm_target()
+        func = pk._attention_prefill_cpu(N_KV_HEADS, N_Q_HEADS, HEAD_DIM, dtype, False, {},
+                                         page_size=PAGE)
+    else:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        target = tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}"})
+        func = pk._attention_prefill(N_KV_HEADS, N_Q_HEADS, HEAD_DIM, dtype, False, {},
+                                     target, page_size=PAGE)
+    name = func.attrs["global_symbol"]
+    with target:
+        lib = tvm.compile(tvm.IRModule({name: func}), target=target)
+    fn = lib[name]
+    _tvm_cache[key] = fn
+    return fn
+
+
+def run_tvm_builtin(case, dtype, device):
+    """Its cache is ``[num_pages, 2, H, page, D]`` (K and V interleaved, head-major)."""
+    import torch
+
+    fn = build_tvm_builtin(dtype, device)
+    pages = torch.stack([case.k_cache.transpose(1, 2), case.v_cache.transpose(1, 2)], 1) \
+        .contiguous()
+    n_pages = case.table.shape[1]
+    page_indptr = torch.arange(0, case.batch * n_pages + 1, n_pages, dtype=torch.int32,
+                               device=case.q.device)
+    page_values = case.table.reshape(-1).contiguous()
+    last_page_len = torch.full((case.batch,), case.kv_len - (n_pages - 1) * PAGE,
+                               dtype=torch.int32, device=case.q.device)
+    zeros_b = torch.zeros(case.batch, dtype=torch.int32, device=case.q.device)
+    q_pos = torch.zeros(case.q.shape[0], dtype=torch.int32, device=case.q.device)
+    out = torch.empty_like(case.q)
+    lse = torch.empty(case.q.shape[:2], dtype=torch.float32, device=case.q.device)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+
+    def call():
+        fn(case.q, case.indptr, pages, page_indptr, page_values, last_page_len, zeros_b, q_pos,
+           out, lse, 1, 0, 1.0, 1e4, scale)
+    return call, out
+
+
+def run_flashinfer(case, dtype):
+    import flashinfer  # noqa: F401
+    import torch
+
+    n_pages = case.table.shape[1]
+    dev = case.q.device
+    workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(case.indptr, torch.arange(0, case.batch * n_pages + 1, n_pages,
+                                           dtype=torch.int32, device=dev),
+                 case.table.reshape(-1).contiguous(),
+                 torch.full((case.batch,), case.kv_len - (n_pages - 1) * PAGE,
+                            dtype=torch.int32, device=dev),
+                 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, PAGE, causal=True,
+                 q_data_type=getattr(torch, dtype))
+
+    def fn():
+        wrapper.run(case.q, (case.k_cache, case.v_cache))
+    return fn
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtvm.bench prefill",
+                                     description=__doc__.split("\n\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--cases", help="batch:new:cached,... (default: per device)")
+    parser.add_argument("--skip", default="", help="comma-separated peers to skip")
+    args = parser.parse_args(argv)
+    device = args.device
+    import torch
+
+    if device == "cpu":
+        torch.set_num_threads(max(1, __import__("os").cpu_count() or 1))
+        if args.repeat == 20:  # the shared default; CPU runs are long
+            args.repeat, args.warmup = 5, 1
+    cases = CPU_CASES if device == "cpu" else GPU_CASES
+    if args.cases:
+        cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+    rows: list[Row] = []
+    notes = []
+    for batch, new, cached in cases:
+        case = Case(batch, new, cached, args.dtype, device)
+        peers = [("kvtvm", lambda: run_kvtvm(case)), ("torch_sdpa", lambda: run_sdpa(case)),
+                 ("gather_sdpa", lambda: run_gather_sdpa(case)),
+                 ("tvm_builtin", lambda: run_tvm_builtin(case, args.dtype, device)[0]),
+                 ("flashinfer", lambda: run_flashinfer(case, args.dtype))]
+        for impl, make in peers:
+            if impl in skip:
+                continue
+            try:
+                fn = make()
+            except Exception as err:  # a peer that cannot run here is reported, not fatal
+                note = f"{impl}: unavailable ({type(err).__name__}: {str(err)[:120]})"
+                if note not in notes:
+                    notes.append(note)
+                continue
+            sec = median_seconds(fn, device, args.repeat, args.warmup)
+            rows.append(Row(case.name, impl, sec * 1e3, case.flops() / sec / 1e12,
+                            extra={"batch": batch, "new": new, "cached": cached}))
+            print(f"  {case.name:<18} {impl:<12} {sec * 1e3:10.3f} ms "
+                  f"{case.flops() / sec / 1e12:8.3f} TFLOP/s", flush=True)
+    report(f"prefill attention ({args.dtype}, {N_Q_HEADS}q/{N_KV_HEADS}kv heads, d{HEAD_DIM}, "
+           f"page {PAGE}, causal)", rows, "TFLOP/s", "kvtvm", args, device)
+    for note in notes:
+        print(note)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
