@@ -282,17 +282,20 @@ def kernel_func(spec: KernelSpec, **scalars):
 def add_kernel(bb, spec: KernelSpec, **scalars):
     """Add ``spec``'s kernel (scalars bound) to the module being built by ``bb``, once.
 
-    Returns the kernel's ``GlobalVar``. The name is ``spec.func_name`` plus the spec's URI
-    and, when scalars are bound, their values; an identical function already in the module
-    is reused.
+    Returns the kernel's ``GlobalVar``. Its name (and global symbol) is ``kvtvm_`` plus the
+    spec's URI and, when scalars are bound, their values (``kvtvm_prefill_float32_h2_g4_d64_
+    nhd_causal1_sm_scale0p125_window0``); an identical function already in the module is
+    reused, so each specialization is added once however many layers call it.
     """
     func = kernel_func(spec, **scalars)
-    name = f"{spec.func_name}_{spec.uri}"
+    name = f"kvtvm_{spec.uri}"
     for key in sorted(scalars):
         value = scalars[key]
         text = f"{value:g}" if isinstance(value, float) else str(value)
         name += f"_{key}{text}".replace(".", "p").replace("-", "m").replace("+", "")
-    return bb.add_func(func, name)
+    # the kernel's global symbol must be unique in the module (two specializations of one
+    # kernel would otherwise both export ``kvtvm_prefill``)
+    return bb.add_func(func.with_attr("global_symbol", name), name)
 
 
 def _ty(expr):
@@ -346,6 +349,8 @@ def emit_append_kv(bb, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_
     -------
     (k_cache, v_cache) : relax.Var
         The written caches (aliases of the inputs): pass these, not the inputs, to attention.
+        Inside a dataflow block (``nn`` export) an append whose results are never used is
+        dead code to Relax and is removed; consuming them in attention keeps it.
     """
     from tvm import relax
 
