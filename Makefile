@@ -15,7 +15,7 @@ $(STAMP): setup.py Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PYTHON) examples/demo.py
+	$(PYTHON) examples/serve.py
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q tests

@@ -48,7 +48,9 @@ def build_model(seed: int = 0, num_layers: int = 4, hidden_size: int = 256, n_he
                 vocab_size: int = 1000, device: str = "cpu"):
     """A random-weight ``transformers`` Llama (float32, eval mode, fixed seed).
 
-    No end-of-sequence token is set, so every request generates exactly its
+    Weights are drawn with std 0.1 (``initializer_range``; transformers' default 0.02 gives a
+    model whose greedy tokens barely depend on attention, so a broken KV cache would go
+    unnoticed). No end-of-sequence token is set, so every request generates exactly its
     ``max_new_tokens``.
     """
     import transformers
@@ -59,7 +61,7 @@ def build_model(seed: int = 0, num_layers: int = 4, hidden_size: int = 256, n_he
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads, head_dim=head_dim, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=None,
+        rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=None,
         pad_token_id=0)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(device=device, dtype=torch.float32).eval()
@@ -324,6 +326,7 @@ class ServeStats:
     decode_steps: int = 0            # steps run with the decode kernel
     mixed_steps: int = 0             # steps mixing new prompts with ongoing decodes
     waited: int = 0                  # requests that waited in the queue at least one step
+    peak_running: int = 0            # most requests in the cache at once
     peak_live_bytes: int = 0
     allocated_bytes: int = 0
     seconds: float = 0.0
@@ -488,6 +491,7 @@ class Engine:
         self.stats.decode_steps += decode
         self.stats.mixed_steps += bool(new) and len(new) < len(batch)
         self.stats.steps += 1
+        self.stats.peak_running = max(self.stats.peak_running, len(batch))
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes,
                                          self.kv.live_bytes(self.running))
         self.kv.finish(batch, done)
@@ -568,19 +572,46 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def progress_bar(engine: Engine, total: int) -> None:
-    """One status line on stderr: requests finished, batch, queue, KV memory."""
-    done = len(engine.finished)
-    width = 30
-    fill = int(width * done / total) if total else width
-    live = engine.kv.live_bytes(engine.running)
-    line = (f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} requests | step "
-            f"{engine.step_no} | running {len(engine.running)} | queued {len(engine.queue)} "
-            f"| KV {_mib(live)} / {_mib(engine.stats.allocated_bytes)} ")
-    sys.stderr.write(line)
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+class ProgressBar:
+    """A status line on stderr: requests finished, running, queued, KV memory live/allocated.
+
+    On a terminal it redraws in place every step; otherwise it prints a line each time a request
+    finishes. :meth:`say` prints a message without tearing the bar.
+    """
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.open = False
+        self.last_done = -1
+
+    def say(self, msg: str) -> None:
+        if self.open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open = False
+        print(msg, flush=True)
+
+    def __call__(self, engine: "Engine", total: int) -> None:
+        done = len(engine.finished)
+        if not self.tty and done == self.last_done:
+            return
+        self.last_done = done
+        width = 30
+        fill = int(width * done / total) if total else width
+        live = engine.kv.live_bytes(engine.running)
+        line = (f"[{'#' * fill}{'.' * (width - fill)}] {done}/{total} requests | step "
+                f"{engine.step_no} | running {len(engine.running)} | queued "
+                f"{len(engine.queue)} | KV live {_mib(live)} of "
+                f"{_mib(engine.stats.allocated_bytes)}")
+        if self.tty:
+            self.stream.write("\r" + line + "\033[K")
+            self.open = done < total
+            if not self.open:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
 
 def run(cache: str = "paged", device: str = "cpu", requests=None, max_batch_size: int = 4,
@@ -591,7 +622,8 @@ def run(cache: str = "paged", device: str = "cpu", requests=None, max_batch_size
 
     Returns ``(engine, requests, problems)``; ``problems`` lists token mismatches.
     """
-    say = (lambda s: None) if quiet else (log or print)
+    bar = None if quiet else ProgressBar()
+    say = (lambda s: None) if quiet else (log or bar.say)
     if model is None:
         model = build_model(seed=seed, device=device)
     if requests is None:
@@ -614,7 +646,7 @@ def run(cache: str = "paged", device: str = "cpu", requests=None, max_batch_size
     say(f"kernels ready in {engine.warmup():.1f} s (loaded from disk or built once)")
     say(f"serving {len(requests)} requests arriving over "
         f"{max((r.arrival for r in requests), default=0) + 1} steps")
-    engine.serve(requests, progress=None if quiet else progress_bar)
+    engine.serve(requests, progress=bar)
     st = engine.stats
     served = [r for r in requests if r.status == "done"]
     rejected = [r for r in requests if r.status == "rejected"]

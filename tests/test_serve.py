@@ -1,0 +1,220 @@
+"""End to end: examples/serve.py serves a small random-weight Llama through kvtvm and every
+request's greedy tokens must equal transformers' own generate() on that request alone.
+
+Covers each cache strategy with: a prompt that fills pages exactly (and a request whose final
+length ends on a page boundary), requests arriving while others decode, a request reusing a
+cached system prompt (paged: hits > 0), more requests than slots or pages (they wait), and bad
+input (empty prompt, prompt longer than max_seq_len, too many new tokens, a request larger than
+the whole page pool, unknown --cache), each rejected with a message while the rest is served.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_serve():
+    spec = importlib.util.spec_from_file_location("kvtvm_example_serve",
+                                                  ROOT / "examples" / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+serve = _load_serve()
+Request = serve.Request
+
+PAGE = 16
+MAX_SEQ_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    # 2 layers keep the test quick; heads and head_dim are the example's (same kernels)
+    return serve.build_model(seed=0, num_layers=2)
+
+
+def _rand(rng, n):
+    return rng.integers(3, 1000, n).tolist()
+
+
+def workload():
+    """Requests exercising the engine; returns (requests, dict of named requests)."""
+    rng = np.random.default_rng(123)
+    system = _rand(rng, 2 * PAGE)                       # two full pages, shared
+    r = {
+        "sys_a": Request(0, system + _rand(rng, 5), 8, arrival=0),
+        # prompt fills two pages exactly; final length 32 + 17 - 1 = 48 = three pages exactly
+        "exact": Request(1, _rand(rng, 2 * PAGE), 17, arrival=0),
+        # arrives while sys_a and exact decode; reuses the system prompt's cached pages
+        "sys_b": Request(2, system + _rand(rng, 7), 6, arrival=3),
+        "one_token": Request(3, _rand(rng, 1), 4, arrival=3),
+        "single_new": Request(4, _rand(rng, PAGE), 1, arrival=4),
+        "late_a": Request(5, _rand(rng, 9), 5, arrival=4),
+        "late_b": Request(6, system + _rand(rng, 2), 3, arrival=5),
+        "empty": Request(7, [], 4, arrival=1),
+        "too_long": Request(8, _rand(rng, MAX_SEQ_LEN + 1), 4, arrival=2),
+        "too_many_new": Request(9, _rand(rng, 40), MAX_SEQ_LEN, arrival=2),
+        "bad_token": Request(10, [5, 1000, 7], 4, arrival=2),
+    }
+    return list(r.values()), r
+
+
+@pytest.mark.parametrize("cache", serve.CACHE_CHOICES)
+def test_serving_matches_transformers(model, cache):
+    requests, r = workload()
+    engine, requests, problems = serve.run(
+        cache, requests=requests, max_batch_size=3, max_seq_len=MAX_SEQ_LEN, page_size=PAGE,
+        num_pages=24, model=model, quiet=True)
+    assert problems == []
+    served = [q for q in requests if q.status == "done"]
+    assert len(served) == 7
+    for q in served:
+        assert len(q.output) == q.max_new_tokens
+    # bad input: rejected with a message, the rest served
+    assert r["empty"].status == "rejected" and "empty prompt" in r["empty"].error
+    assert r["too_long"].status == "rejected" and "longer than max_seq_len" in r["too_long"].error
+    assert r["too_many_new"].status == "rejected" and "max_seq_len" in r["too_many_new"].error
+    assert r["bad_token"].status == "rejected" and "vocabulary" in r["bad_token"].error
+    st = engine.stats
+    # a request arriving while others decode joins their batch at once
+    assert r["sys_b"].admitted_step == 3
+    assert st.mixed_steps > 0 and st.decode_steps > 0
+    # more requests than slots: some waited, never more than max_batch_size at once
+    assert st.waited > 0 and st.peak_running == 3
+    assert any(q.admitted_step > q.arrival for q in served)
+    # prefix cache (paged only): the system prompt's two pages are reused
+    if cache == "paged":
+        assert r["sys_b"].prefix_hit_tokens == 2 * PAGE
+        assert r["late_b"].prefix_hit_tokens == 2 * PAGE
+        assert st.prefix_hit_tokens > 0 and st.hit_rate > 0
+        engine.kv.mgr.check_invariants()
+        assert engine.kv.mgr.stats().pages_used == 0      # everything released
+    else:
+        assert st.prefix_hit_tokens == 0
+    assert 0 < st.peak_live_bytes <= st.allocated_bytes
+    assert not engine.running and not engine.queue
+
+
+def test_paged_requests_wait_for_pages(model):
+    """Slots are free but pages are not: requests wait for pages, then are served."""
+    rng = np.random.default_rng(7)
+    # each needs 30 + 10 - 1 = 39 tokens = 3 pages; a pool of 7 pages holds two at once
+    requests = [Request(i, _rand(rng, 30), 10, arrival=i) for i in range(4)]
+    engine, requests, problems = serve.run(
+        "paged", requests=requests, max_batch_size=4, max_seq_len=MAX_SEQ_LEN,
+        page_size=PAGE, num_pages=7, prefix_caching=False, model=model, quiet=True)
+    assert problems == []
+    assert all(q.status == "done" for q in requests)
+    assert engine.stats.peak_running == 2
+    assert engine.stats.waited == 2
+    engine.kv.mgr.check_invariants()
+
+
+def test_paged_request_larger_than_pool_is_rejected(model):
+    rng = np.random.default_rng(8)
+    requests = [Request(0, _rand(rng, 40), 20, arrival=0),     # 59 tokens: 4 pages > 3
+                Request(1, _rand(rng, 20), 5, arrival=0)]      # 24 tokens: 2 pages
+    engine, requests, problems = serve.run(
+        "paged", requests=requests, max_batch_size=2, max_seq_len=MAX_SEQ_LEN,
+        page_size=PAGE, num_pages=3, model=model, quiet=True)
+    assert problems == []
+    assert requests[0].status == "rejected" and "whole pool holds 3" in requests[0].error
+    assert requests[1].status == "done"
+
+
+def test_prefix_reuse_after_release(model):
+    """A finished request's full pages stay cached; a later request with the same prefix
+    reads them instead of recomputing, and still generates transformers' tokens."""
+    rng = np.random.default_rng(9)
+    system = _rand(rng, 3 * PAGE)
+    requests = [Request(0, system + _rand(rng, 4), 3, arrival=0),
+                Request(1, system + _rand(rng, 6), 5, arrival=10)]
+    engine, requests, problems = serve.run(
+        "paged", requests=requests, max_batch_size=2, max_seq_len=MAX_SEQ_LEN,
+        page_size=PAGE, num_pages=12, model=model, quiet=True)
+    assert problems == []
+    assert requests[0].finished_step < requests[1].admitted_step
+    assert requests[1].prefix_hit_tokens == 3 * PAGE
+    assert engine.stats.hit_rate > 0
+
+
+def test_mismatch_is_reported_with_position(model):
+    """The check can fail: a wrong token is named by request, position, expected and got."""
+    rng = np.random.default_rng(10)
+    req = Request(4, _rand(rng, 6), 5)
+    serve.run("continuous", requests=[req], max_batch_size=1, max_seq_len=32, model=model,
+              quiet=True, verify=False)
+    want = serve.reference_tokens(model, req.prompt, 5)
+    assert req.output == want
+    req.output[2] = (req.output[2] + 1) % 1000
+    (msg,) = serve.check_against_reference(model, [req])
+    assert msg.startswith("request 4: generated token 2 (sequence position 8)")
+    assert f"expected {want[2]}" in msg and f"got {req.output[2]}" in msg
+
+
+def test_broken_rope_is_caught(model, monkeypatch):
+    """A model bug (RoPE off) makes the served tokens differ and the run reports it."""
+    monkeypatch.setattr(serve, "rotate_half", lambda x: torch.zeros_like(x))
+    rng = np.random.default_rng(11)
+    reqs = [Request(i, _rand(rng, 12), 6) for i in range(2)]
+    _, _, problems = serve.run("paged", requests=reqs, max_batch_size=2, max_seq_len=32,
+                               num_pages=8, model=model, quiet=True)
+    assert problems and problems[0].startswith("request ")
+
+
+class _OffByOneDecode:
+    """kvtvm.ops with a classic bug: decode attends over the cache without the token just
+    appended."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def decode_attention(self, q, k_cache, v_cache, cache_lengths, lookup_table, **kw):
+        shorter = (cache_lengths - 1).clamp(min=0).to(torch.int32)
+        return self._ops.decode_attention(q, k_cache, v_cache, shorter, lookup_table, **kw)
+
+
+@pytest.mark.skipif(not hasattr(serve.ops, "decode_attention"), reason="no decode op yet")
+def test_off_by_one_decode_is_caught(model, monkeypatch):
+    monkeypatch.setattr(serve, "ops", _OffByOneDecode(serve.ops))
+    rng = np.random.default_rng(12)
+    reqs = [Request(i, _rand(rng, 10 + 3 * i), 6) for i in range(2)]
+    _, _, problems = serve.run("continuous", requests=reqs, max_batch_size=2, max_seq_len=32,
+                               model=model, quiet=True)
+    assert len(problems) == 2
+
+
+def test_cli_unknown_cache_lists_choices(capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--cache", "ring"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'ring'" in err
+    for c in serve.CACHE_CHOICES:
+        assert c in err
+
+
+def test_cli_exit_code_and_report(monkeypatch, capsys, model):
+    """main() serves the demo workload, prints the figures, exits 0; a mismatch exits 1."""
+    monkeypatch.setattr(serve, "build_model", lambda seed=0, device="cpu": model)
+    argv = ["--requests", "5", "--max-seq-len", "96", "--max-batch-size", "2"]
+    assert serve.main(argv) == 0
+    out = capsys.readouterr().out
+    for text in ("tokens/s", "KV memory: peak live", "prefix cache:", "hit rate",
+                 "rejected: empty prompt", "longer than max_seq_len",
+                 "match transformers' generate()"):
+        assert text in out
+    monkeypatch.setattr(serve, "rotate_half", lambda x: torch.zeros_like(x))
+    assert serve.main(argv + ["--cache", "linear"]) == 1
+    assert "MISMATCH request " in capsys.readouterr().out
