@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from .compiler import KernelSpec, lower
 from .errors import InvalidArgumentError, describe

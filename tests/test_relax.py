@@ -329,3 +329,22 @@ def test_example_run_reports(example):
     ok, report = ex.run(cfg, log=lines.append)
     assert ok and report["manager_ok"] and not report["mismatches"]
     assert any(line.startswith("OK: 5/5") for line in lines), lines[-1]
+
+
+def test_example_run_reports_mismatch(example, monkeypatch):
+    """run() says where the tokens differ and returns False (main() then exits 1)."""
+    ex, cfg, _ = example
+    real = ex.rope_tables
+
+    def wrong_rope(model, c):  # rotate_half with the opposite sign
+        cos, sin = real(model, c)
+        return cos, -sin
+
+    monkeypatch.setattr(ex, "rope_tables", wrong_rope)
+    lines = []
+    ok, report = ex.run(cfg, log=lines.append)
+    assert not ok and report["mismatches"]
+    r, at, got, want = report["mismatches"][0]
+    assert got[at] != want[at] and got[:at] == want[:at]
+    assert any(line.startswith(f"MISMATCH request {r}") for line in lines)
+    assert lines[-1].startswith("FAILED")
