@@ -1,0 +1,299 @@
+"""Stateful property test: random claim / fetch / write / step / fork / pop / release sequences
+against a dense shadow model, with real K/V written by the append kernel (llvm).
+
+After every rule: no page leaked or owned twice, refcounts equal owners
+(``check_invariants``), the claimed set and every length match the shadow, and the K/V read
+back through each sequence's pages equal what the shadow says was written. The K/V of a
+token are a function of the whole token prefix up to it (as in a real model), so a prefix
+cache hit must serve exactly the values the sequence would have computed.
+"""
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvtvm import KVCacheParams, ops
+from kvtvm.errors import KVCacheCapacityError, SequenceTooLongError, UnknownSequenceError
+from kvtvm.inputs import BatchItem
+from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+
+H, D, L, P = 2, 8, 2, 4
+MB, MAX_LEN, PAGES = 5, 24, 14
+FAMILIES = [list(range(100, 113)), list(range(200, 209)), [7] * 12]
+
+SETTINGS = settings(max_examples=40, stateful_step_count=30, deadline=None,
+                    suppress_health_check=list(HealthCheck))
+
+_kv_memo = {}
+
+
+def kv_of(prefix):
+    """[L, 2, H, D] K/V of the last token of ``prefix`` (a tuple)."""
+    v = _kv_memo.get(prefix)
+    if v is None:
+        rng = np.random.default_rng(abs(hash(prefix)) % (2 ** 32))
+        v = _kv_memo[prefix] = rng.standard_normal((L, 2, H, D)).astype(np.float32)
+    return v
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Rules shared by every manager; subclasses make the manager."""
+
+    def make(self):
+        raise NotImplementedError
+
+    def __init__(self):
+        super().__init__()
+        self.mgr = self.make()
+        for b in self.mgr.blocks:
+            b.copy_(torch.randn(b.shape))
+        self.shadow = {}  # seq_id -> committed tokens
+
+    # -- helpers ------------------------------------------------------------------------------
+    def live(self):
+        return sorted(self.shadow)
+
+    def snapshot(self):
+        state = {s: (self.mgr.cache_length(s), self.pages(s)) for s in self.live()}
+        return state, sorted(self.mgr.slots_remaining), self.stats()
+
+    def pages(self, s):
+        return None
+
+    def stats(self):
+        return None
+
+    def write(self, per_dev, batch_tokens, prevs):
+        """append_kv the new rows of every item (skipping prefix hits) on every device."""
+        inp = per_dev[0]
+        rows = []
+        for b, ((s, toks), prev) in enumerate(zip(batch_tokens, prevs)):
+            full = prev + toks
+            for i in range(inp.num_cached_tokens[b], len(toks)):
+                rows.append(kv_of(tuple(full[:len(prev) + i + 1])))
+        kv = np.stack(rows, axis=2)  # [L, 2, T, H, D]
+        n_dev = len(per_dev)
+        for dev, di in enumerate(per_dev):
+            c = di.collection()
+            hs = slice(dev * H // n_dev, (dev + 1) * H // n_dev)
+            for layer in range(L):
+                ops.append_kv(c.get_key_cache(layer).blocks, c.get_value_cache(layer).blocks,
+                              torch.tensor(kv[layer, 0][:, hs]),
+                              torch.tensor(kv[layer, 1][:, hs]),
+                              di.qo_indptr, di.cache_lengths, di.lookup_table)
+
+    def read_back(self, s, n):
+        """[L, 2, n, H, D] K/V of the first n tokens of s, from the cache."""
+        raise NotImplementedError
+
+    # -- rules --------------------------------------------------------------------------------
+    @initialize(n=st.integers(1, 3))
+    def start(self, n):
+        for s in self.mgr.claim(n):
+            self.shadow[s] = []
+
+    @rule()
+    def claim(self):
+        if not self.mgr.slots_remaining:
+            before = self.snapshot()
+            try:
+                self.mgr.claim(1)
+            except KVCacheCapacityError:
+                assert self.snapshot() == before
+                return
+            raise AssertionError("claim past capacity did not raise")
+        (s,) = self.mgr.claim(1)
+        assert s not in self.shadow
+        self.shadow[s] = []
+
+    @rule(data=st.data(), num_steps=st.sampled_from([1, 1, 2, 3]),
+          run_steps=st.integers(1, 3))
+    def fetch_write_step(self, data, num_steps, run_steps):
+        live = self.live()
+        if not live:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
+        batch_tokens = []
+        for s in chosen:
+            if not self.shadow[s]:  # a prompt, often sharing a prefix with another
+                fam = data.draw(st.sampled_from(FAMILIES))
+                cut = data.draw(st.integers(1, len(fam)))
+                extra = data.draw(st.lists(st.integers(0, 3), max_size=3))
+                toks = fam[:cut] + extra
+            else:
+                toks = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3))
+            batch_tokens.append((s, toks))
+        prevs = [list(self.shadow[s]) for s, _ in batch_tokens]
+        batch = [BatchItem(s, t) for s, t in batch_tokens]
+        before = self.snapshot()
+        try:
+            per_dev = self.mgr.fetch(batch, num_steps=num_steps)
+        except (KVCacheCapacityError, SequenceTooLongError):
+            assert self.snapshot() == before, "a failed fetch changed the manager"
+            return
+        inp = per_dev[0]
+        assert inp.seq_ids == tuple(chosen)
+        for b, (s, toks) in enumerate(batch_tokens):
+            hit = inp.num_cached_tokens[b]
+            assert hit % self.page_size() == 0 and hit < len(toks) + len(prevs[b])
+            assert hit == 0 or not prevs[b]
+            assert inp.cache_lengths_host[b] == len(prevs[b]) + hit
+            if self.pages(s) is not None:
+                pages = self.pages(s)
+                assert inp.lookup_table[b, :len(pages)].tolist() == pages
+        assert inp.cache_lengths.tolist() == inp.cache_lengths_host.tolist()
+        assert inp.max_lengths.shape == (num_steps, 2)
+        self.write(per_dev, batch_tokens, prevs)
+        # later steps of a multistep run: one token per sequence each
+        run_steps = min(run_steps, num_steps)
+        cur = per_dev
+        for _ in range(run_steps - 1):
+            cur = self.mgr.increment_cache_lengths(cur)
+            extra = [(s, [data.draw(st.integers(0, 3))]) for s, _ in batch_tokens]
+            done = [p + t for p, (_, t) in zip(prevs, batch_tokens)]
+            assert cur[0].cache_lengths.tolist() == [len(x) for x in done]
+            self.write(cur, extra, done)
+            batch_tokens = [(s, t + e) for (s, t), (_, e) in zip(batch_tokens, extra)]
+        self.mgr.step([BatchItem(s, t) for s, t in batch_tokens])
+        for s, t in batch_tokens:
+            self.shadow[s] = self.shadow[s] + t
+
+    @rule(data=st.data())
+    def fetch_then_release(self, data):
+        if not self.shadow:
+            return
+        s = data.draw(st.sampled_from(self.live()))
+        try:
+            self.mgr.fetch([BatchItem(s, [1])])
+        except (KVCacheCapacityError, SequenceTooLongError):
+            pass
+        self.mgr.release(s)
+        del self.shadow[s]
+
+    @rule(data=st.data())
+    def release(self, data):
+        if not self.shadow:
+            return
+        s = data.draw(st.sampled_from(self.live()))
+        self.mgr.release(s)
+        del self.shadow[s]
+        before = self.snapshot()
+        try:
+            self.mgr.release(s)
+        except UnknownSequenceError:
+            assert self.snapshot() == before
+            return
+        raise AssertionError("double release did not raise")
+
+    # -- invariants ---------------------------------------------------------------------------
+    @invariant()
+    def matches_shadow(self):
+        self.check_structure()
+        assert set(range(MB)) - self.mgr.slots_remaining == set(self.shadow)
+        for s, toks in self.shadow.items():
+            assert self.mgr.cache_length(s) == len(toks)
+            if toks:
+                want = np.stack([kv_of(tuple(toks[:t + 1])) for t in range(len(toks))], 2)
+                assert np.array_equal(self.read_back(s, len(toks)), want), s
+
+    def check_structure(self):
+        pass
+
+    def page_size(self):
+        return 1
+
+
+class PagedMachine(ManagerMachine):
+    prefix = True
+    devices = ("cpu",)
+
+    def make(self):
+        return PagedKVCacheManager(
+            KVCacheParams("float32", H, D, "paged", page_size=P,
+                          enable_prefix_caching=self.prefix),
+            MB, MAX_LEN, L, self.devices, num_pages=PAGES)
+
+    def pages(self, s):
+        return self.mgr.pages_of(s)
+
+    def stats(self):
+        st_ = self.mgr.stats()
+        return (st_.pages_used, st_.pages_free, st_.pages_cached, st_.pages_shared)
+
+    def page_size(self):
+        return P
+
+    def check_structure(self):
+        self.mgr.check_invariants()
+        for s, toks in self.shadow.items():
+            assert len(self.mgr.pages_of(s)) >= -(-len(toks) // P)
+
+    def read_back(self, s, n):
+        pages = self.mgr.pages_of(s)
+        parts = []
+        for blocks in self.mgr.blocks:
+            x = blocks[pages].numpy()  # [npages, 2, L, P, h, D]
+            x = x.transpose(2, 1, 0, 3, 4, 5).reshape(L, 2, len(pages) * P, -1, D)
+            parts.append(x[:, :, :n])
+        return np.concatenate(parts, axis=3)
+
+    @rule(data=st.data())
+    def fork(self, data):
+        if not self.shadow:
+            return
+        s = data.draw(st.sampled_from(self.live()))
+        if not self.mgr.slots_remaining:
+            before = self.snapshot()
+            try:
+                self.mgr.fork(s)
+            except KVCacheCapacityError:
+                assert self.snapshot() == before
+                return
+            raise AssertionError("fork without a free slot did not raise")
+        new = self.mgr.fork(s)
+        assert new not in self.shadow
+        self.shadow[new] = list(self.shadow[s])
+        k = -(-len(self.shadow[s]) // P)
+        assert self.mgr.pages_of(new) == self.mgr.pages_of(s)[:k]
+
+    @rule(data=st.data())
+    def pop(self, data):
+        if not any(self.shadow.values()):
+            return
+        s = data.draw(st.sampled_from([s for s in self.live() if self.shadow[s]]))
+        n_len = len(self.shadow[s])
+        before = self.snapshot()
+        try:
+            self.mgr.pop(s, n_len + 1)  # past zero
+        except ValueError:
+            assert self.snapshot() == before
+        else:
+            raise AssertionError("pop past zero did not raise")
+        n = data.draw(st.integers(0, n_len))
+        self.mgr.pop(s, n)
+        self.shadow[s] = self.shadow[s][:n_len - n]
+
+
+class PagedNoPrefixTwoDevices(PagedMachine):
+    prefix = False
+    devices = ("cpu", "cpu")
+
+
+class ContinuousMachine(ManagerMachine):
+    def make(self):
+        return ContinuousBatchingKVCacheManager(
+            KVCacheParams("float32", H, D, "continuous"), MB, MAX_LEN, L)
+
+    def read_back(self, s, n):
+        x = self.mgr.blocks[0][s].numpy()  # [2, L, S, H, D]
+        return x.transpose(1, 0, 2, 3, 4)[:, :, :n]
+
+
+TestPagedPrefixCaching = PagedMachine.TestCase
+TestPagedPrefixCaching.settings = SETTINGS
+TestPagedTwoDevices = PagedNoPrefixTwoDevices.TestCase
+TestPagedTwoDevices.settings = settings(SETTINGS, max_examples=12)
+TestContinuous = ContinuousMachine.TestCase
+TestContinuous.settings = settings(SETTINGS, max_examples=12)
