@@ -1,0 +1,118 @@
+"""Several threads claim / fetch / step / fork / pop / release on one manager at once.
+
+Each thread owns the sequences it claimed; their lengths must be exactly what that thread
+committed, the page bookkeeping must stay consistent while the threads run (a checker thread
+calls ``check_invariants`` concurrently), and everything must be free at the end.
+"""
+
+import random
+import threading
+
+import pytest
+
+from kvtvm import KVCacheParams
+from kvtvm.errors import KVCacheCapacityError
+from kvtvm.inputs import BatchItem
+from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+
+N_THREADS, ROUNDS = 6, 60
+
+
+def worker(mgr, seed, errors, paged):
+    rng = random.Random(seed)
+    mine = {}  # seq -> committed length
+    try:
+        for _ in range(ROUNDS):
+            op = rng.random()
+            if op < 0.25 or not mine:
+                try:
+                    (s,) = mgr.claim(1)
+                except KVCacheCapacityError:
+                    continue
+                mine[s] = 0
+            elif op < 0.35:
+                s = rng.choice(sorted(mine))
+                mgr.release(s)
+                del mine[s]
+            elif paged and op < 0.42:
+                s = rng.choice(sorted(mine))
+                try:
+                    f = mgr.fork(s)
+                except KVCacheCapacityError:
+                    continue
+                mine[f] = mine[s]
+            elif paged and op < 0.5:
+                s = rng.choice(sorted(mine))
+                n = rng.randint(0, mine[s])
+                mgr.pop(s, n)
+                mine[s] -= n
+            else:
+                chosen = rng.sample(sorted(mine), k=min(len(mine), rng.randint(1, 3)))
+                batch = [BatchItem(s, [rng.randrange(4) for _ in range(rng.randint(1, 5))])
+                         for s in chosen]
+                if any(mine[s] + len(b.tokens) + 1 > mgr.max_seq_len
+                       for s, b in zip(chosen, batch)):
+                    continue
+                try:
+                    inputs = mgr.fetch(batch, num_steps=2)
+                except KVCacheCapacityError:
+                    continue
+                inp = inputs[0]  # host copies are this call's own, whatever other threads do
+                assert inp.seq_ids == tuple(chosen)
+                for b, s in enumerate(chosen):
+                    assert inp.cache_lengths_host[b] == mine[s] + inp.num_cached_tokens[b]
+                mgr.step(batch)
+                for s, b in zip(chosen, batch):
+                    mine[s] += len(b.tokens)
+            for s, n in mine.items():
+                assert mgr.cache_length(s) == n, (s, n)
+        for s in list(mine):
+            mgr.release(s)
+    except BaseException as err:  # noqa: BLE001 - reported by the main thread
+        errors.append(err)
+
+
+def run_threads(mgr, paged):
+    errors, stop = [], threading.Event()
+
+    def checker():
+        while not stop.is_set():
+            try:
+                if paged:
+                    mgr.check_invariants()
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+                return
+
+    threads = [threading.Thread(target=worker, args=(mgr, i, errors, paged))
+               for i in range(N_THREADS)]
+    chk = threading.Thread(target=checker)
+    chk.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    stop.set()
+    chk.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    assert mgr.slots_remaining == set(range(mgr.max_batch_size))
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_paged_manager_under_threads(prefix):
+    mgr = PagedKVCacheManager(
+        KVCacheParams("float16", 2, 8, "paged", page_size=4, enable_prefix_caching=prefix),
+        12, 48, 1, num_pages=40)
+    run_threads(mgr, paged=True)
+    mgr.check_invariants()
+    st = mgr.stats()
+    assert st.pages_used == 0 and st.pages_free + st.pages_cached == 40
+    assert prefix or st.pages_cached == 0
+
+
+def test_continuous_manager_under_threads():
+    mgr = ContinuousBatchingKVCacheManager(KVCacheParams("float16", 2, 8, "continuous"),
+                                           8, 64, 1)
+    run_threads(mgr, paged=False)
