@@ -59,6 +59,12 @@ def schedule_copy(mod, spec, knobs):
     return sch.mod
 
 
+# -- decode (kvtvm.kernels.decode; schedule in cuda_decode.py) -----------------------------
+from .cuda_decode import schedule_decode, decode_knobs, decode_knob_space  # noqa: E402,F401
+KNOB_DEFAULTS["decode"] = decode_knobs
+KNOB_SPACES["decode"] = decode_knob_space
+
+
 # -- prefill (kvtvm.kernels.prefill; schedule in cuda_prefill.py) ---------------------------
 from .cuda_prefill import schedule_prefill, prefill_knobs, prefill_knob_space  # noqa: E402,F401
 KNOB_DEFAULTS["prefill"] = prefill_knobs

@@ -1,0 +1,225 @@
+"""``python -m kvtvm.bench decode``: decode attention over a paged cache, side by side in one run.
+
+Peers: kvtvm's ``decode_attention``; torch SDPA on a contiguous ``[batch, H, ctx, D]`` cache (the
+non-paged ceiling); torch gather + SDPA (what a torch user writes for a paged cache); TVM 0.27's
+built-in paged decode kernel from ``tvm.relax.frontend.nn.llm`` (its CPU variant on the CPU);
+FlashInfer when importable (CUDA). Shape: Llama-3-8B (32 query heads, 8 KV heads, head_dim 128),
+page 16. Effective bandwidth = K+V bytes of the attended tokens / median time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import numpy as np
+
+from .common import Row, add_common_args, median_seconds, report
+
+#: (batch, context) cases.
+DEFAULT_CASES = {
+    "cuda": [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024)],
+    "cpu": [(1, 4096), (4, 2048), (16, 1024)],
+}
+
+
+def make_case(batch: int, ctx: int, n_kv_heads: int, group: int, head_dim: int,
+              page_size: int, dtype: str, device: str, seed: int = 0) -> dict:
+    """Random paged cache with permuted pages, each sequence ``ctx`` tokens long (the current
+    token included), q, tables, and the same K/V as a contiguous tensor."""
+    import torch
+
+    from ..params import torch_dtype
+
+    tdt = torch_dtype(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = -(-ctx // page_size)
+    num_pages = batch * pages_per_seq
+    table = torch.randperm(num_pages, generator=gen).to(torch.int32).reshape(batch, -1)
+    k_cache = torch.randn(num_pages, page_size, n_kv_heads, head_dim, generator=gen).to(tdt)
+    v_cache = torch.randn(num_pages, page_size, n_kv_heads, head_dim, generator=gen).to(tdt)
+    q = torch.randn(batch, n_kv_heads * group, head_dim, generator=gen).to(tdt)
+    lengths = torch.full((batch,), ctx - 1, dtype=torch.int32)  # + the current token = ctx
+    case = dict(k_cache=k_cache, v_cache=v_cache, q=q, lengths=lengths, table=table)
+    case = {k: v.to(device) for k, v in case.items()}
+    idx = case["table"].long()
+    # contiguous [batch, H, ctx, D] copies for the SDPA ceiling
+    case["k_dense"] = case["k_cache"][idx].reshape(batch, -1, n_kv_heads, head_dim)[:, :ctx] \
+        .transpose(1, 2).contiguous()
+    case["v_dense"] = case["v_cache"][idx].reshape(batch, -1, n_kv_heads, head_dim)[:, :ctx] \
+        .transpose(1, 2).contiguous()
+    return case
+
+
+def _sdpa(q, k, v, scale):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+
+def torch_dense(case, scale):
+    q = case["q"].unsqueeze(2)  # [batch, Hq, 1, D]
+    return lambda: _sdpa(q, case["k_dense"], case["v_dense"], scale)
+
+
+def torch_gather(case, ctx, scale):
+    """Gather the pages into a contiguous tensor, then SDPA."""
+    q = case["q"].unsqueeze(2)
+    idx = case["table"].long()
+    batch, _, H, D = case["q"].shape[0], None, case["k_cache"].shape[2], case["q"].shape[2]
+
+    def run():
+        k = case["k_cache"][idx].reshape(batch, -1, H, D)[:, :ctx].transpose(1, 2)
+        v = case["v_cache"][idx].reshape(batch, -1, H, D)[:, :ctx].transpose(1, 2)
+        return _sdpa(q, k, v, scale)
+    return run
+
+
+def tvm_builtin(case, ctx, page_size, dtype, device, scale):
+    """TVM 0.27's built-in paged decode kernel (relax.frontend.nn.llm), built for this target.
+
+    Its cache layout is one ``[num_pages, 2, H, page_size, D]`` tensor (a copy is made here)."""
+    import torch
+    import tvm
+
+    from ..compiler import KernelSpec
+    from tvm.relax.frontend.nn.llm import _decode_kernels as dk
+
+    batch, Hq, D = case["q"].shape
+    H = case["k_cache"].shape[2]
+    if device.startswith("cuda"):
+        target = tvm.target.Target("cuda")
+        func = dk._attention_decode(H, Hq, D, dtype, False, {}, target, page_size)
+    else:
+        target = KernelSpec(op="decode", dtype=dtype, head_dim=D, n_kv_heads=H).tvm_target()
+        func = dk._attention_decode_cpu(H, Hq, D, dtype, False, {}, page_size)
+    with target:
+        lib = tvm.compile(tvm.IRModule({"decode": func.with_attr("global_symbol", "decode")}),
+                          target=target)
+    fn = lib.mod["decode"]
+    pages = torch.stack([case["k_cache"], case["v_cache"]], 1).transpose(2, 3).contiguous()
+    pages_per_seq = case["table"].shape[1]
+    indptr = (torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq).to(pages.device)
+    values = case["table"].reshape(-1).contiguous()
+    last = torch.full((batch,), ctx - (pages_per_seq - 1) * page_size, dtype=torch.int32,
+                      device=pages.device)
+    zeros = torch.zeros(batch, dtype=torch.int32, device=pages.device)
+    out = torch.empty_like(case["q"])
+    lse = torch.empty(batch, Hq, dtype=torch.float32, device=pages.device)
+    return lambda: fn(case["q"], pages, indptr, values, last, zeros, zeros, out, lse, 0, 1.0,
+                      1e4, scale)
+
+
+def flashinfer_decode(case, ctx, page_size, scale):
+    import flashinfer
+    import torch
+
+    batch, Hq, D = case["q"].shape
+    H = case["k_cache"].shape[2]
+    dev = case["q"].device
+    pages_per_seq = case["table"].shape[1]
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    indptr = (torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq).to(dev)
+    last = torch.full((batch,), ctx - (pages_per_seq - 1) * page_size, dtype=torch.int32,
+                      device=dev)
+    wrapper.plan(indptr, case["table"].reshape(-1).contiguous(), last, Hq, H, D, page_size,
+                 sm_scale=scale, q_data_type=case["q"].dtype, kv_data_type=case["q"].dtype)
+    kv = (case["k_cache"], case["v_cache"])
+    return lambda: wrapper.run(case["q"], kv)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtvm.bench decode", description=__doc__)
+    add_common_args(parser)
+    parser.add_argument("--dtype", default=None,
+                        help="float16 (default on CUDA) or float32 (default on the CPU, where "
+                             "torch's float16 SDPA is emulated and slow)")
+    parser.add_argument("--n-kv-heads", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--cases", nargs="*", metavar="BATCHxCTX",
+                        help="e.g. 1x4096 64x4096 (default: a per-device set)")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="peers to leave out: dense gather tvm flashinfer")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from .. import ops
+
+    device = args.device
+    cuda = device.startswith("cuda")
+    dtype = args.dtype or ("float16" if cuda else "float32")
+    if args.cases:
+        cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases]
+    else:
+        cases = DEFAULT_CASES["cuda" if cuda else "cpu"]
+    scale = 1.0 / math.sqrt(args.head_dim)
+    rows, notes = [], {}
+    for batch, ctx in cases:
+        name = f"b{batch} ctx{ctx}"
+        case = make_case(batch, ctx, args.n_kv_heads, args.group_size, args.head_dim,
+                         args.page_size, dtype, device)
+        kv_bytes = 2 * case["k_dense"].numel() * case["k_dense"].element_size()
+        out = torch.empty_like(case["q"])
+        lse = torch.empty(case["q"].shape[:2], dtype=torch.float32, device=device)
+
+        def kvtvm_run():
+            ops.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["lengths"],
+                                 case["table"], sm_scale=scale, out=out, lse=lse,
+                                 check_indices=False)
+
+        peers = [("kvtvm", lambda: kvtvm_run)]
+        if "dense" not in args.skip:
+            peers.append(("torch SDPA dense", lambda: torch_dense(case, scale)))
+        if "gather" not in args.skip:
+            peers.append(("torch gather+SDPA", lambda: torch_gather(case, ctx, scale)))
+        if "tvm" not in args.skip:
+            peers.append(("TVM builtin", lambda: tvm_builtin(case, ctx, args.page_size, dtype,
+                                                             device, scale)))
+        if cuda and "flashinfer" not in args.skip:
+            peers.append(("FlashInfer", lambda: flashinfer_decode(case, ctx, args.page_size,
+                                                                  scale)))
+        reference = None
+        for impl, make in peers:
+            try:
+                fn = make()
+                t0 = time.perf_counter()
+                result = fn()
+                if cuda:
+                    torch.cuda.synchronize()
+                once = time.perf_counter() - t0
+            except Exception as exc:  # a peer that cannot run here is reported, not fatal
+                notes[impl] = f"unavailable: {type(exc).__name__}: {str(exc)[:120]}"
+                continue
+            if impl == "kvtvm":
+                reference = out.float().clone()
+            elif impl == "torch SDPA dense" and reference is not None:
+                got = result.squeeze(2).float()
+                if not torch.allclose(got, reference, rtol=2e-2, atol=2e-2):
+                    raise SystemExit(f"{name}: kvtvm and torch SDPA disagree "
+                                     f"(max diff {(got - reference).abs().max().item():.3g})")
+            # slow peers (TVM's serial CPU kernel) get fewer runs so the table stays quick
+            repeat = args.repeat if once < 0.1 else max(3, min(args.repeat, int(2 / once)))
+            warmup = args.warmup if once < 0.1 else 1
+            sec = median_seconds(fn, device, repeat, warmup)
+            rows.append(Row(name, impl, sec * 1e3, kv_bytes / sec / 1e12,
+                            {"batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
+                             "dtype": dtype}))
+        del case
+    report(f"decode attention, {args.n_kv_heads * args.group_size} q / {args.n_kv_heads} kv "
+           f"heads x {args.head_dim}, {dtype}, page {args.page_size}", rows, "TB/s", "kvtvm",
+           args, device)
+    if not cuda and args.dtype is None:
+        print("(CPU default dtype float32: torch's CPU SDPA in float16 is far slower than in "
+              "float32; pass --dtype float16 to compare at half precision)")
+    for impl, note in notes.items():
+        print(f"{impl}: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

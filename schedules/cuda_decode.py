@@ -1,0 +1,278 @@
+"""CUDA schedule of decode attention (sm_90a, also used for sm_80): split-KV with a merge kernel.
+
+The schedule builds the thread-bound TIR from the knobs (as TVM's own decode kernels do) with
+the definition's parameters and block names (``attend``, ``merge``) and the split arithmetic of
+:mod:`kvtvm.kernels.decode`; tests check it against the same numpy reference.
+
+``attend``: one CTA per (sequence, KV head, split). Threads are ``(tx, ty, tz)``: ``tx`` covers
+head_dim with ``vec`` elements each (16-byte vectors), ``ty`` is the query head of the GQA group
+(a K/V row staged once serves the whole group), ``tz`` splits the rows of a tile. K and V tiles
+of ``tile_tokens`` rows are copied global -> shared with 16-byte ``cp.async`` (every thread of
+the CTA copies), ``stages`` deep (2 = double buffering: the copy of tile i+1 is in flight while
+tile i is computed). Scores are reduced across ``tx`` with warp shuffles (xor butterfly inside a
+``bdx``-lane segment), the online softmax is kept in log2 units in registers, and the ``tz``
+partial states are merged through shared memory at the end. With one split the CTA writes
+``out``/``lse``; otherwise float32 partials go to the workspace.
+
+``merge``: launched only when ``num_splits > 1``; one thread per 4 float32 of a query head's
+output, log-sum-exp merge over the splits.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from kvtvm.kernels.accessor import cache_index, match_cache
+from kvtvm.kernels.decode import LN2, LOG2E, NEG, signature, split_range
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+#: Static shared memory kept for the K/V stages (of the 48 KiB a kernel may declare statically).
+SMEM_KV_BYTES = 40 * 1024
+
+_CP_ASYNC = r"""
+__device__ __forceinline__ void kvtvm_cp_async16(void* smem, const void* gmem) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem) : "memory");
+}
+"""
+_COMMIT = r"""
+__device__ __forceinline__ void kvtvm_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+"""
+
+
+def _wait_source(n: int) -> str:
+    return (f"\n__device__ __forceinline__ void kvtvm_cp_async_wait_{n}() {{\n"
+            f"  asm volatile(\"cp.async.wait_group {n};\\n\" ::: \"memory\");\n}}\n")
+
+
+def _copy16(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_size):
+    """``cp.async`` of the 16-byte chunk ``col`` of token ``pos``'s row into ``smem[stage, row]``."""
+    # positions and page sizes fit in int32: 32-bit division (64-bit is emulated on the GPU)
+    pos32, ps32 = T.Cast("int32", pos), T.Cast("int32", page_size)
+    page = T.Cast("int64", lookup[b, T.truncdiv(pos32, ps32)])
+    slot = T.Cast("int64", T.truncmod(pos32, ps32))
+    src = cache[cache_index(layout, page, slot, h, col)]
+    return T.cuda.func_call("kvtvm_cp_async16", T.address_of(smem[stage, row, col]),
+                            T.address_of(src), source_code=_CP_ASYNC)
+
+
+def decode_knobs(spec) -> dict:
+    # 128 threads and 32-row tiles, double buffered: ~32 KiB of K/V in flight per CTA (fp16,
+    # D=128), several CTAs per SM.
+    return {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 128}
+
+
+def decode_knob_space(spec) -> dict:
+    return {"threads": [64, 128, 256], "tile_tokens": [8, 16, 32, 64], "stages": [1, 2, 3],
+            "merge_threads": [64, 128, 256]}
+
+
+def geometry(spec, knobs) -> dict:
+    """Thread and tile shape of the attend kernel for ``spec`` and ``knobs``."""
+    H, G, Hq, D, dtype, layout, sliding = signature(spec)
+    esize = DTYPE_BYTES[dtype]
+    vec = max(16 // esize, D // 32)          # elements per thread along head_dim
+    bdx = D // vec                           # <= 32: one warp segment reduces a score
+    # row groups; more than 8 leaves 1-2 rows per group per tile (no ILP) and made ptxas
+    # spill on sm_80 (head_dim 64, group 1)
+    bdz = min(8, max(1, int(knobs["threads"]) // (bdx * G)))
+    stages = max(1, int(knobs["stages"]))
+    tile = int(knobs["tile_tokens"])
+    while tile > bdz and 2 * stages * tile * D * esize > SMEM_KV_BYTES:
+        tile //= 2
+    tile = max(tile, bdz)
+    tile -= tile % bdz                       # rows per tz are equal
+    chunk = 16 // esize                      # elements per 16-byte copy
+    return dict(esize=esize, vec=vec, bdx=bdx, bdy=G, bdz=bdz, threads=bdx * G * bdz,
+                stages=stages, tile=tile, rows_per_z=tile // bdz, chunk=chunk,
+                chunks_per_row=D // chunk, sub=vec // chunk if vec >= chunk else 1)
+
+
+def schedule_decode(mod, spec, knobs):
+    import tvm
+
+    H, G, Hq, D, dtype, layout, sliding = signature(spec)
+    g = geometry(spec, knobs)
+    VEC, BDX, BDY, BDZ, NT = g["vec"], g["bdx"], g["bdy"], g["bdz"], g["threads"]
+    S, TILE, RPZ, CH, CPR = g["stages"], g["tile"], g["rows_per_z"], g["chunk"], g["chunks_per_row"]
+    SUB = VEC // CH                          # 16-byte pieces per thread vector
+    COPIES = -(-TILE * CPR // NT)            # 16-byte chunks per thread per tile (K and V each)
+    MX = D // 4                              # merge: threads along head_dim (float4 each)
+    MY = 1
+    while MY * 2 * MX <= int(knobs["merge_threads"]) and Hq % (MY * 2) == 0:
+        MY *= 2
+    WAIT = _wait_source(S - 1)
+
+    # fmt: off
+    @T.prim_func(s_tir=True)
+    def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
+               var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
+               var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
+               sm_scale: T.float32, window: T.int32):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        batch, num_pages, page_size, max_pages, splits = (T.int64(), T.int64(), T.int64(),
+                                                          T.int64(), T.int64())
+        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
+        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(var_q, (batch, Hq, D), dtype)
+        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
+                              [ks0, ks1, ks2, 1], koff)
+        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
+                              [vs0, vs1, vs2, 1], voff)
+        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
+        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
+        out = T.match_buffer(var_out, (batch, Hq, D), dtype)
+        lse = T.match_buffer(var_lse, (batch, Hq), "float32")
+        o_part = T.match_buffer(var_o_part, (splits, batch, Hq, D), "float32")
+        lse_part = T.match_buffer(var_lse_part, (splits, batch, Hq), "float32")
+        for bx in T.thread_binding(T.Cast("int32", batch * H * splits), thread="blockIdx.x"):
+            for tz in T.thread_binding(BDZ, thread="threadIdx.z"):
+                for ty in T.thread_binding(BDY, thread="threadIdx.y"):
+                    for tx in T.thread_binding(BDX, thread="threadIdx.x"):
+                        with T.sblock("attend"):
+                            T.reads()
+                            T.writes()
+                            k_smem = T.sblock_alloc_buffer((S, TILE, D), dtype, scope="shared")
+                            v_smem = T.sblock_alloc_buffer((S, TILE, D), dtype, scope="shared")
+                            o_red = T.sblock_alloc_buffer((BDZ, BDY, D), "float32", scope="shared")
+                            md_red = T.sblock_alloc_buffer((BDZ, BDY, 2), "float32", scope="shared")
+                            q_reg = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
+                            o_reg = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
+                            kv_reg = T.sblock_alloc_buffer((VEC,), dtype, scope="local")
+                            s_reg = T.sblock_alloc_buffer((RPZ,), "float32", scope="local")
+                            st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, dot
+                            ns: T.int32 = T.Cast("int32", splits)
+                            b: T.int32 = T.truncdiv(bx, H * ns)
+                            h: T.int32 = T.truncmod(T.truncdiv(bx, ns), H)
+                            s: T.int32 = T.truncmod(bx, ns)
+                            tid: T.int32 = (tz * BDY + ty) * BDX + tx
+                            lo64, hi64 = split_range(cache_lengths[b], window, s, splits, sliding)
+                            lo: T.int32 = T.Cast("int32", lo64)  # positions fit in int32
+                            hi: T.int32 = T.Cast("int32", hi64)
+                            ntiles: T.int32 = T.truncdiv(T.max(hi - lo, 0) + TILE - 1, TILE)
+                            for v in T.unroll(VEC):
+                                q_reg[v] = T.Cast("float32", q[b, h * G + ty, tx * VEC + v]) * sm_scale * T.float32(LOG2E)
+                                o_reg[v] = T.float32(0)
+                            st[0] = T.float32(NEG)
+                            st[1] = T.float32(0)
+                            # prologue: tiles 0 .. S-2 in flight
+                            for pre in T.unroll(S - 1):
+                                if pre < ntiles:
+                                    for c in T.unroll(COPIES):
+                                        if c * NT + tid < TILE * CPR:
+                                            if lo + pre * TILE + (c * NT + tid) // CPR < hi:
+                                                T.evaluate(_copy16(k_smem, pre, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, lo + pre * TILE + (c * NT + tid) // CPR, h, page_size))
+                                                T.evaluate(_copy16(v_smem, pre, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, lo + pre * TILE + (c * NT + tid) // CPR, h, page_size))
+                                T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
+                            for it in T.serial(ntiles):
+                                # issue tile it + S - 1 into the stage freed at the end of it - 1
+                                if it + (S - 1) < ntiles:
+                                    for c in T.unroll(COPIES):
+                                        if c * NT + tid < TILE * CPR:
+                                            if lo + (it + S - 1) * TILE + (c * NT + tid) // CPR < hi:
+                                                T.evaluate(_copy16(k_smem, T.floormod(it + S - 1, S), (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, lo + (it + S - 1) * TILE + (c * NT + tid) // CPR, h, page_size))
+                                                T.evaluate(_copy16(v_smem, T.floormod(it + S - 1, S), (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, lo + (it + S - 1) * TILE + (c * NT + tid) // CPR, h, page_size))
+                                T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
+                                T.evaluate(T.cuda.func_call(f"kvtvm_cp_async_wait_{S - 1}", source_code=WAIT))
+                                T.tvm_storage_sync("shared")
+                                # scores of this thread's rows: dot over tx's slice, butterfly over tx
+                                st[2] = st[0]
+                                for j in T.unroll(RPZ):
+                                    for c in T.unroll(SUB):
+                                        for v in T.vectorized(CH):
+                                            kv_reg[c * CH + v] = k_smem[T.floormod(it, S), tz * RPZ + j, tx * VEC + c * CH + v]
+                                    st[3] = T.float32(0)
+                                    for v in T.unroll(VEC):
+                                        st[3] = st[3] + q_reg[v] * T.Cast("float32", kv_reg[v])
+                                    for x in T.unroll(BDX.bit_length() - 1):
+                                        st[3] = st[3] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[3], BDX >> (x + 1), BDX, 32)
+                                    s_reg[j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, st[3], T.float32(NEG))
+                                    st[2] = T.max(st[2], s_reg[j])
+                                # online softmax (log2 units): rescale once per tile
+                                st[1] = st[1] * T.exp2(st[0] - st[2])
+                                for v in T.unroll(VEC):
+                                    o_reg[v] = o_reg[v] * T.exp2(st[0] - st[2])
+                                st[0] = st[2]
+                                for j in T.unroll(RPZ):
+                                    s_reg[j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, T.exp2(s_reg[j] - st[0]), T.float32(0))
+                                    st[1] = st[1] + s_reg[j]
+                                    for c in T.unroll(SUB):
+                                        for v in T.vectorized(CH):
+                                            kv_reg[c * CH + v] = v_smem[T.floormod(it, S), tz * RPZ + j, tx * VEC + c * CH + v]
+                                    for v in T.unroll(VEC):
+                                        o_reg[v] = o_reg[v] + s_reg[j] * T.Cast("float32", kv_reg[v])
+                                T.tvm_storage_sync("shared")
+                            # merge the BDZ row groups through shared memory
+                            for c in T.unroll(VEC // 4):
+                                for v in T.vectorized(4):
+                                    o_red[tz, ty, tx * VEC + c * 4 + v] = o_reg[c * 4 + v]
+                            md_red[tz, ty, 0] = st[0]
+                            md_red[tz, ty, 1] = st[1]
+                            T.tvm_storage_sync("shared")
+                            if tz == 0:
+                                st[2] = T.float32(NEG)
+                                for z in T.unroll(BDZ):
+                                    st[2] = T.max(st[2], md_red[z, ty, 0])
+                                st[1] = T.float32(0)
+                                for v in T.unroll(VEC):
+                                    o_reg[v] = T.float32(0)
+                                for z in T.unroll(BDZ):
+                                    st[3] = T.exp2(md_red[z, ty, 0] - st[2])
+                                    st[1] = st[1] + md_red[z, ty, 1] * st[3]
+                                    for v in T.unroll(VEC):
+                                        o_reg[v] = o_reg[v] + o_red[z, ty, tx * VEC + v] * st[3]
+                                if splits == T.int64(1):
+                                    for c in T.unroll(VEC // 4):
+                                        for v in T.vectorized(4):
+                                            out[b, h * G + ty, tx * VEC + c * 4 + v] = T.Cast(dtype, o_reg[c * 4 + v] / st[1])
+                                    if tx == 0:
+                                        lse[b, h * G + ty] = (st[2] + T.log2(st[1])) * T.float32(LN2)
+                                elif st[1] > T.float32(0):
+                                    for c in T.unroll(VEC // 4):
+                                        for v in T.vectorized(4):
+                                            o_part[s, b, h * G + ty, tx * VEC + c * 4 + v] = o_reg[c * 4 + v] / st[1]
+                                    if tx == 0:
+                                        lse_part[s, b, h * G + ty] = st[2] + T.log2(st[1])
+                                else:
+                                    for c in T.unroll(VEC // 4):
+                                        for v in T.vectorized(4):
+                                            o_part[s, b, h * G + ty, tx * VEC + c * 4 + v] = T.float32(0)
+                                    if tx == 0:
+                                        lse_part[s, b, h * G + ty] = T.float32(NEG)
+        if splits > T.int64(1):
+            for bx in T.thread_binding(T.Cast("int32", batch * (Hq // MY)), thread="blockIdx.x"):
+                for ty in T.thread_binding(MY, thread="threadIdx.y"):
+                    for tx in T.thread_binding(MX, thread="threadIdx.x"):
+                        with T.sblock("merge"):
+                            T.reads()
+                            T.writes()
+                            acc = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                            part = T.sblock_alloc_buffer((4,), "float32", scope="local")
+                            mm = T.sblock_alloc_buffer((3,), "float32", scope="local")  # max, sum, w
+                            b: T.int32 = T.truncdiv(bx, Hq // MY)
+                            hq: T.int32 = T.truncmod(bx, Hq // MY) * MY + ty
+                            ns: T.int32 = T.Cast("int32", splits)
+                            mm[0] = T.float32(NEG)
+                            for s in T.serial(ns):
+                                mm[0] = T.max(mm[0], lse_part[s, b, hq])
+                            mm[1] = T.float32(0)
+                            for v in T.vectorized(4):
+                                acc[v] = T.float32(0)
+                            for s in T.serial(ns):
+                                mm[2] = T.exp2(lse_part[s, b, hq] - mm[0])
+                                mm[1] = mm[1] + mm[2]
+                                for v in T.vectorized(4):
+                                    part[v] = o_part[s, b, hq, tx * 4 + v]
+                                for v in T.unroll(4):
+                                    acc[v] = acc[v] + mm[2] * part[v]
+                            mm[2] = T.float32(1) / mm[1]
+                            for v in T.unroll(4):
+                                out[b, hq, tx * 4 + v] = T.Cast(dtype, acc[v] * mm[2])
+                            if tx == 0:
+                                lse[b, hq] = (mm[0] + T.log2(mm[1])) * T.float32(LN2)
+    # fmt: on
+    (name, old), = mod.functions_items()
+    assert len(old.params) == len(decode.params), "decode signature drifted from the definition"
+    return tvm.IRModule({name: decode.with_attr("global_symbol", name.name_hint)})
