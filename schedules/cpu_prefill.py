@@ -28,6 +28,27 @@ from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS
 from .common import new_schedule, under_locate
 
 
+#: score of a masked (query, key) pair: below every real score and the initial running max
+MASKED = -3.0e38
+
+# 2**f on [-0.5, 0.5]: 1 + f * P(f) (Cephes exp2f coefficients, ~2e-7 relative error)
+_EXP2_P = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3,
+           5.550332471162809e-2, 2.402264791363012e-1, 6.931472028550421e-1)
+
+
+def fast_exp2(x):
+    """Vectorizable 2**x for x <= 0 (LLVM scalarizes ``llvm.exp2`` on vectors): round to
+    the nearest integer n, polynomial for the fraction, exponent bits for 2**n."""
+    x = T.max(x, T.float32(-125.0))
+    n = T.round(x)
+    f = x - n
+    p = T.float32(_EXP2_P[0])
+    for c in _EXP2_P[1:]:
+        p = p * f + T.float32(c)
+    p = p * f + T.float32(1.0)
+    return p * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+
+
 def prefill_knobs(spec) -> dict:
     return {"tile_q": 16 if spec.group_size <= 4 else 8, "tile_kv": 32, "row_block": 4}
 
@@ -54,6 +75,15 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
     HQ, R = H * G, TQ * G
     RB = math.gcd(RB, R)
     SLIDE = 1 if "sliding_window" in spec.features else 0
+    DCH = math.gcd(D, 64)  # O columns per register block
+
+    def visible(r, pos, p0, kv_hi, causal, window):
+        cond = tvm.tirx.all(pos < kv_hi,
+                            tvm.tirx.any(causal == 0, pos <= p0 + T.Cast("int64", r // G)))
+        if SLIDE:
+            cond = tvm.tirx.all(cond, pos > p0 + T.Cast("int64", r // G)
+                                - T.Cast("int64", window))
+        return cond
 
     # fmt: off
     @T.prim_func(s_tir=True)
@@ -161,38 +191,35 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
                                         for jj in T.vectorized(N):
                                             S[rb * RB + rr, jj] = S[rb * RB + rr, jj] \
                                                 + Qs[rb * RB + rr, d] * Kt[d, jj]
-                            # masked online softmax, base 2
+                            # masked online softmax, base 2 (vectorized over the KV tile)
                             for r in range(mg):
+                                for jj in T.vectorized(N):
+                                    S[r, jj] = T.Select(visible(r, j0 + jj, p0, kv_hi, causal,
+                                                                window),
+                                                        S[r, jj], T.float32(MASKED))
                                 red[0] = M[r]
                                 for jj in range(N):
-                                    if (j0 + jj < kv_hi
-                                            and (causal == 0 or j0 + jj <= p0 + r // G)
-                                            and (SLIDE == 0
-                                                 or j0 + jj > p0 + r // G
-                                                 - T.Cast("int64", window))):
-                                        red[0] = T.max(red[0], S[r, jj])
+                                    red[0] = T.max(red[0], S[r, jj])
+                                for jj in T.vectorized(N):
+                                    S[r, jj] = T.Select(S[r, jj] > T.float32(MASKED / 2),
+                                                        fast_exp2(S[r, jj] - red[0]),
+                                                        T.float32(0))
                                 red[1] = T.float32(0)
                                 for jj in range(N):
-                                    if (j0 + jj < kv_hi
-                                            and (causal == 0 or j0 + jj <= p0 + r // G)
-                                            and (SLIDE == 0
-                                                 or j0 + jj > p0 + r // G
-                                                 - T.Cast("int64", window))):
-                                        S[r, jj] = T.exp2(S[r, jj] - red[0])
-                                    else:
-                                        S[r, jj] = T.float32(0)
                                     red[1] = red[1] + S[r, jj]
                                 L[r] = L[r] * T.exp2(M[r] - red[0]) + red[1]
                                 for d in T.vectorized(D):
                                     O[r, d] = O[r, d] * T.exp2(M[r] - red[0])
                                 M[r] = red[0]
-                            # O += P V
+                            # O += P V, RB rows x DCH columns of O in registers
                             for rb in range((mg + RB - 1) // RB):
-                                for jj in range(N):
-                                    for rr in T.unroll(RB):
-                                        for d in T.vectorized(D):
-                                            O[rb * RB + rr, d] = O[rb * RB + rr, d] \
-                                                + S[rb * RB + rr, jj] * Vs[jj, d]
+                                for dc in range(D // DCH):
+                                    for jj in range(N):
+                                        for rr in T.unroll(RB):
+                                            for d in T.vectorized(DCH):
+                                                O[rb * RB + rr, dc * DCH + d] = \
+                                                    O[rb * RB + rr, dc * DCH + d] \
+                                                    + S[rb * RB + rr, jj] * Vs[jj, dc * DCH + d]
                         for i, g in T.grid(TQ, G):
                             if r0 + i < r1:
                                 for d in T.vectorized(D):
