@@ -690,6 +690,10 @@ def main(argv=None) -> int:
                         help="pages in the paged pool (small, so requests queue for room)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: for a model this small, "
+                             "torch's thread pool and the kernels' TVM thread pool spin-waiting "
+                             "on the same few cores cost far more than they win)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the token-for-token check against transformers")
     args = parser.parse_args(argv)
@@ -699,6 +703,8 @@ def main(argv=None) -> int:
         compiler.add_kernel_dir(args.kernels)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
     model = build_model(seed=args.seed, device=args.device)
     requests = demo_requests(model.config.vocab_size, args.max_seq_len, n=args.requests)
     _, _, problems = run(args.cache, args.device, requests, args.max_batch_size,

@@ -37,8 +37,12 @@ MAX_SEQ_LEN = 96
 
 @pytest.fixture(scope="module")
 def model():
-    # 2 layers keep the test quick; heads and head_dim are the example's (same kernels)
-    return serve.build_model(seed=0, num_layers=2)
+    # 2 layers keep the test quick; heads and head_dim are the example's (same kernels).
+    # One torch thread, as examples/serve.py uses (torch's and TVM's pools fight otherwise).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield serve.build_model(seed=0, num_layers=2)
+    torch.set_num_threads(threads)
 
 
 def _rand(rng, n):
