@@ -34,6 +34,9 @@ from tvm.script import tirx as T
 from kvtvm.kernels.accessor import cache_index, match_cache
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS
 
+#: a masked score: exp2(MASKED - running max) is exactly 0 (running max >= NEG_INF)
+MASKED = -3.0e38
+
 
 
 def prefill_knobs(spec) -> dict:
@@ -186,12 +189,22 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
     LN2 = 1.0 / LOG2E
 
     def visible(row, pos, m, p0, kv_hi, causal, window):
-        """Row ``row`` of the tile (token row // G of the segment) sees KV position ``pos``."""
-        token = T.Cast("int64", row // G)
+        """Row ``row`` of the tile (token ``row // G`` of the segment) sees KV ``pos`` (int32)."""
+        token = row // G
         cond = tvm.tirx.all(row < R, token < m, pos < kv_hi,
                             tvm.tirx.any(causal == 0, pos <= p0 + token))
         if SLIDE:
-            cond = tvm.tirx.all(cond, pos > p0 + token - T.Cast("int64", window))
+            cond = tvm.tirx.all(cond, pos > p0 + token - window)
+        return cond
+
+    def full_tile(j0, p0, m, kv_hi, causal, window):
+        """Every (row, key) pair of the KV tile at ``j0`` is visible (CTA-uniform)."""
+        cond = tvm.tirx.all(m >= TQ, j0 + BN <= kv_hi,
+                            tvm.tirx.any(causal == 0, j0 + BN - 1 <= p0))
+        if R < BM:
+            cond = tvm.tirx.const(False)
+        if SLIDE:
+            cond = tvm.tirx.all(cond, j0 > p0 + m - 1 - window)
         return cond
 
     @T.macro
@@ -285,6 +298,10 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                                     kv_lo: T.int64 = T.max(p0 - T.Cast("int64", window) + 1,
                                                            T.int64(0)) * SLIDE
                                     n_kv: T.int64 = (kv_hi - kv_lo + BN - 1) // BN
+                                    # positions fit int32 (the ops layer caps lengths at 2**31)
+                                    mi: T.int32 = T.Cast("int32", m)
+                                    p0i: T.int32 = T.Cast("int32", p0)
+                                    kv_hii: T.int32 = T.Cast("int32", kv_hi)
                                     # ---- Q tile -> shared (zero rows past the segment) ----
                                     for it in T.unroll(Q_ITERS):
                                         if it * NT + tid < BM * DC:
@@ -345,7 +362,7 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                                         T.evaluate(T.ptx.cp.async_.commit_group())
                                         T.evaluate(T.ptx.cp.async_.wait_group(STAGES - 1))
                                         T.tvm_storage_sync("shared")
-                                        j0: T.int64 = kv_lo + kt * BN
+                                        j0i: T.int32 = T.Cast("int32", kv_lo + kt * BN)
                                         sbase: T.int32 = T.Cast("int32", kt % STAGES) * (BN * DP)
                                         # S = Q K^T
                                         for i in T.unroll(NB * 4):
@@ -369,17 +386,22 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                                                         qf.data, kstep * 8 * Q_REGS, kf.data,
                                                         half * 4, sf.data, (kb * 2 + half) * 4,
                                                         False, dtype="float32"))
-                                        # mask, scale (base 2), running max
+                                        # scale (base 2); mask only tiles that need it
+                                        for i in T.unroll(NB * 4):
+                                            sf[i] = sf[i] * (sm_scale * T.float32(LOG2E))
+                                        if not full_tile(j0i, p0i, mi, kv_hii, causal, window):
+                                            for nb in T.unroll(NB):
+                                                for e in T.unroll(4):
+                                                    if not visible(
+                                                            w * 16 + lane // 4 + e // 2 * 8,
+                                                            j0i + nb * 8 + lane % 4 * 2 + e % 2,
+                                                            mi, p0i, kv_hii, causal, window):
+                                                        sf[nb * 4 + e] = T.float32(MASKED)
+                                        # running max over the 4 threads sharing a row
                                         for hh in T.unroll(2):
                                             mx[hh] = mr[hh]
-                                        for nb in T.unroll(NB):
-                                            for e in T.unroll(4):
-                                                if visible(w * 16 + lane // 4 + e // 2 * 8,
-                                                           j0 + nb * 8 + lane % 4 * 2 + e % 2,
-                                                           m, p0, kv_hi, causal, window):
-                                                    sf[nb * 4 + e] = sf[nb * 4 + e] \
-                                                        * (sm_scale * T.float32(LOG2E))
-                                                    mx[e // 2] = T.max(mx[e // 2], sf[nb * 4 + e])
+                                        for i in T.unroll(NB * 4):
+                                            mx[i % 4 // 2] = T.max(mx[i % 4 // 2], sf[i])
                                         for hh in T.unroll(2):
                                             mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(
                                                 T.uint32(0xFFFFFFFF), mx[hh], 1, 32, 32))
@@ -393,15 +415,10 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                                             of[i] = of[i] * mr[i % 4 // 2]
                                         for hh in T.unroll(2):
                                             mr[hh] = mx[hh]
-                                        # P = exp2(S - m) (0 where masked), in registers
+                                        # P = exp2(S - m) (masked scores give exactly 0)
                                         for nb in T.unroll(NB):
                                             for e in T.unroll(4):
-                                                if visible(w * 16 + lane // 4 + e // 2 * 8,
-                                                           j0 + nb * 8 + lane % 4 * 2 + e % 2,
-                                                           m, p0, kv_hi, causal, window):
-                                                    sf[nb * 4 + e] = T.exp2(sf[nb * 4 + e] - mx[e // 2])
-                                                else:
-                                                    sf[nb * 4 + e] = T.float32(0)
+                                                sf[nb * 4 + e] = T.exp2(sf[nb * 4 + e] - mx[e // 2])
                                                 lr[e // 2] = lr[e // 2] + sf[nb * 4 + e]
                                                 # S fragment (n-blocks 2j, 2j+1) = A fragment j
                                                 pf[nb // 2 * 8 + nb % 2 * 4 + e] = T.Cast(
