@@ -197,6 +197,33 @@ def run_flashinfer(case, dtype):
     return fn
 
 
+def tuning_workload(spec, device: str):
+    """``(args, outputs)`` of one direct call of ``spec``'s kernel for ``python -m kvtvm.tune``:
+    chunked prefill over a cached prefix (CPU: 2 x 256 new over 256 cached; GPU: 4 x 2048 new
+    over 2048 cached), page 16, the spec's heads, dtype, layout and features."""
+    import torch
+
+    batch, new, cached = (2, 256, 256) if device == "cpu" else (4, 2048, 2048)
+    H, G, D = spec.n_kv_heads, spec.group_size, spec.head_dim
+    tdt = getattr(torch, spec.dtype)
+    g = torch.Generator().manual_seed(0)
+    pages = -(-(new + cached) // PAGE)
+    table = torch.randperm(batch * pages, generator=g).to(torch.int32).reshape(batch, pages)
+    cache = torch.randn(batch * pages, 2, PAGE, H, D, generator=g).to(tdt).to(device)
+    kc, vc = cache[:, 0], cache[:, 1]
+    if spec.layout == "hnd":  # a strided [pages, H, page_size, D] view of the same memory
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    q = torch.randn(batch * new, H * G, D, generator=g).to(tdt).to(device)
+    indptr = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=device)
+    lengths = torch.full((batch,), cached, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
+    window = 1024 if "sliding_window" in spec.features else 0
+    args = (q, kc, vc, indptr, lengths, table.to(device), out, lse, 1, 1.0 / math.sqrt(D),
+            window)
+    return args, (out, lse)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench prefill",
                                      description=__doc__.split("\n\n")[0])
