@@ -26,11 +26,11 @@ _workspace_lock = threading.Lock()
 
 
 def _parallel_units(device) -> int:
-    """Independent workers to fill: SMs (x2, two resident CTAs each) or CPU cores."""
+    """Independent workers to fill: 4 CTAs per SM (latency hiding) or the CPU cores."""
     if device.type == "cuda":
         import torch
 
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return os.cpu_count() or 1
 
 

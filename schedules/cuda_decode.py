@@ -78,6 +78,8 @@ def geometry(spec, knobs) -> dict:
     # row groups; more than 8 leaves 1-2 rows per group per tile (no ILP) and made ptxas
     # spill on sm_80 (head_dim 64, group 1)
     bdz = min(8, max(1, int(knobs["threads"]) // (bdx * G)))
+    while (bdx * G * bdz) % 32:              # whole warps: the shuffles use a full lane mask
+        bdz += 1
     stages = max(1, int(knobs["stages"]))
     tile = int(knobs["tile_tokens"])
     while tile > bdz and 2 * stages * tile * D * esize > SMEM_KV_BYTES:
@@ -198,11 +200,14 @@ def schedule_decode(mod, spec, knobs):
                                 for j in T.unroll(RPZ):
                                     s_reg[j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, T.exp2(s_reg[j] - st[0]), T.float32(0))
                                     st[1] = st[1] + s_reg[j]
-                                    for c in T.unroll(SUB):
-                                        for v in T.vectorized(CH):
-                                            kv_reg[c * CH + v] = v_smem[T.floormod(it, S), tz * RPZ + j, tx * VEC + c * CH + v]
-                                    for v in T.unroll(VEC):
-                                        o_reg[v] = o_reg[v] + s_reg[j] * T.Cast("float32", kv_reg[v])
+                                    # rows past the split were not copied: stale shared memory
+                                    # may hold NaN bit patterns, and 0 * NaN is NaN
+                                    if lo + it * TILE + tz * RPZ + j < hi:
+                                        for c in T.unroll(SUB):
+                                            for v in T.vectorized(CH):
+                                                kv_reg[c * CH + v] = v_smem[T.floormod(it, S), tz * RPZ + j, tx * VEC + c * CH + v]
+                                        for v in T.unroll(VEC):
+                                            o_reg[v] = o_reg[v] + s_reg[j] * T.Cast("float32", kv_reg[v])
                                 T.tvm_storage_sync("shared")
                             # merge the BDZ row groups through shared memory
                             for c in T.unroll(VEC // 4):

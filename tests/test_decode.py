@@ -255,3 +255,30 @@ def test_out_of_range_table(good):
     neg[1] = -2
     with pytest.raises(InvalidArgumentError, match="cache_lengths"):
         _call_poisoned((q, kv, vv, neg, table))
+
+
+def test_choose_num_splits(monkeypatch):
+    """Splits fill the device when batch x kv_heads cannot, never below 256 tokens a split."""
+    from kvtvm import _decode_op
+
+    monkeypatch.setattr(_decode_op, "_parallel_units", lambda device: 528)  # 4 x 132 SMs
+    cuda = torch.device("cuda")
+    assert _decode_op.choose_num_splits(1, 8, 32768, cuda) == 66
+    assert _decode_op.choose_num_splits(64, 8, 4096, cuda) == 2
+    assert _decode_op.choose_num_splits(256, 8, 1024, cuda) == 1
+    assert _decode_op.choose_num_splits(1, 8, 300, cuda) == 2  # capped by MIN_SPLIT_TOKENS
+    assert _decode_op.choose_num_splits(1, 8, 10, cuda) == 1
+    monkeypatch.setattr(_decode_op, "_parallel_units", lambda device: 8)
+    cpu = torch.device("cpu")  # a CPU task holds all KV heads of a sequence
+    assert _decode_op.choose_num_splits(1, 8, 4096, cpu) == 8
+    assert _decode_op.choose_num_splits(16, 8, 4096, cpu) == 1
+
+
+def test_split_workspace_is_reused():
+    from kvtvm._decode_op import split_workspace
+
+    cpu = torch.device("cpu")
+    o1, l1 = split_workspace(cpu, 4, 8, 32, 128)
+    o2, l2 = split_workspace(cpu, 2, 8, 32, 128)  # smaller: same buffer
+    assert o1.data_ptr() == o2.data_ptr() and o2.shape == (2, 8, 32, 128)
+    assert l2.shape == (2, 8, 32) and l2.data_ptr() == o2.data_ptr() + o2.numel() * 4

@@ -130,6 +130,30 @@ def flashinfer_decode(case, ctx, page_size, scale):
     return lambda: wrapper.run(case["q"], kv)
 
 
+def tuning_workload(spec, device: str):
+    """``(args, outputs)`` calling ``spec``'s kernel directly (for ``python -m kvtvm.tune``):
+    a batch of 4 x 2K tokens on the CPU, 16 x 4K on a GPU, page 16, splits as the op picks."""
+    import torch
+
+    from .._decode_op import choose_num_splits, split_workspace
+
+    batch, ctx = (16, 4096) if device.startswith("cuda") else (4, 2048)
+    case = make_case(batch, ctx, spec.n_kv_heads, spec.group_size, spec.head_dim, 16,
+                     spec.dtype, device)
+    kc, vc = case["k_cache"], case["v_cache"]
+    if spec.layout == "hnd":  # a strided [pages, H, page_size, D] view of the same memory
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    dev = torch.device(device)
+    splits = choose_num_splits(batch, spec.n_kv_heads, ctx, dev)
+    o_part, lse_part = split_workspace(dev, splits, batch, case["q"].shape[1], spec.head_dim)
+    out = torch.empty_like(case["q"])
+    lse = torch.empty(case["q"].shape[:2], dtype=torch.float32, device=device)
+    window = 1024 if "sliding_window" in spec.features else 0
+    args = (case["q"], kc, vc, case["lengths"], case["table"], out, lse, o_part, lse_part,
+            1.0 / math.sqrt(spec.head_dim), window)
+    return args, (out, lse)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench decode", description=__doc__)
     add_common_args(parser)
