@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import operator
 import threading
 from typing import Any, Sequence
 
@@ -43,6 +44,9 @@ from ..inputs import KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbo
 from ..params import KVCacheParams, KVCacheStrategy
 
 __all__ = ["KVCacheManager", "parse_devices", "check_positive_int"]
+
+_SEQ_ID = operator.attrgetter("seq_id")
+_TOKENS = operator.attrgetter("tokens")
 
 
 def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
@@ -179,6 +183,8 @@ class KVCacheManager(abc.ABC):
         self._lengths = np.zeros(mb, dtype=np.int64)       # committed tokens per slot
         self._pending = np.full(mb, -1, dtype=np.int64)    # tokens fetched, -1: none in flight
         self._pending_steps = np.zeros(mb, dtype=np.int64)
+        self._mark = np.zeros(mb, dtype=np.int64)         # scratch of the duplicate check
+        self._positions = np.arange(mb, dtype=np.int64)
 
     # ------------------------------------------------------------------------------------
     # Abstract / per-strategy parts
@@ -330,8 +336,8 @@ class KVCacheManager(abc.ABC):
         if n == 0:
             raise InvalidArgumentError(describe(f"{what}: batch", "at least one item", "[]"))
         try:
-            ids = np.array([it.seq_id for it in batch])
-            counts = np.array([len(it.tokens) for it in batch], dtype=np.int64)
+            ids = np.array(list(map(_SEQ_ID, batch)))
+            counts = np.fromiter(map(len, map(_TOKENS, batch)), dtype=np.int64, count=n)
         except (AttributeError, TypeError) as err:
             raise InvalidArgumentError(describe(
                 f"{what}: batch items", "objects with .seq_id (int) and .tokens (sequence)",
@@ -345,9 +351,12 @@ class KVCacheManager(abc.ABC):
             s = int(ids[np.argmax(bad)])
             raise UnknownSequenceError(
                 f"{what}: seq_id {s} is not claimed (never claimed, or already released)")
-        if n > 1 and np.unique(ids).size != n:
-            raise InvalidArgumentError(describe(f"{what}: seq_ids", "distinct ids",
-                                                ids.tolist()))
+        if n > 1:  # duplicates: the last write of a repeated id wins, so positions differ
+            mark, pos = self._mark, self._positions[:n]
+            mark[ids] = pos
+            if (mark[ids] != pos).any():
+                raise InvalidArgumentError(describe(f"{what}: seq_ids", "distinct ids",
+                                                    ids.tolist()))
         if (counts < 1).any():
             b = int(np.argmin(counts))
             raise InvalidArgumentError(describe(

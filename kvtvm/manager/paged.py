@@ -25,6 +25,8 @@ Choices written down here:
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from ..errors import (InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
@@ -34,6 +36,9 @@ from .base import KVCacheManager, _StepTables, _table_elems, check_positive_int,
 from .prefix_cache import PagedCacheStats, PrefixCache
 
 __all__ = ["PagedKVCacheManager", "PagedCacheStats"]
+
+_TOKENS = operator.attrgetter("tokens")
+_FIRST = operator.itemgetter(0)
 
 
 def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: int,
@@ -96,6 +101,9 @@ class PagedKVCacheManager(KVCacheManager):
         self._npages = np.zeros(mb, dtype=np.int64)
         self._refcount = np.zeros(self.num_pages, dtype=np.int32)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> lowest page
+        self._dirty = np.zeros(mb, dtype=bool)  # page-table row changed since last fetch
+        self._lookup_ids = np.zeros(mb, dtype=np.int64)  # batch of the last lookup fill
+        self._lookup_n = -1
         self.prefix_caching = bool(params.enable_prefix_caching)
         self._prefix = PrefixCache(self.num_pages)
         if self.prefix_caching:
@@ -164,6 +172,7 @@ class PagedKVCacheManager(KVCacheManager):
                     self._free.append(p)
 
     def _release_slot(self, seq_id: int) -> None:
+        self._invalidate_lookup()
         k = int(self._npages[seq_id])
         self._drop_refs(self._page_table[seq_id, :k])
         self._page_table[seq_id, :k] = 0
@@ -199,9 +208,10 @@ class PagedKVCacheManager(KVCacheManager):
         cow, uncache = [], []
         partial = np.flatnonzero(start % P != 0)
         if partial.size:
-            sids = ids[partial]
-            pages = self._page_table[sids, start[partial] // P]
+            pages = self._page_table[ids[partial], start[partial] // P]
             rc = self._refcount[pages]
+            odd = np.flatnonzero((rc > 1) | prefix.registered[pages])  # shared or cached
+            partial, pages, rc = partial[odd], pages[odd], rc[odd]
             left = {}  # page -> holders not yet moved off it by an earlier item's copy
             for b, page, r in zip(partial.tolist(), pages.tolist(), rc.tolist()):
                 r = left.get(page, r)
@@ -226,8 +236,27 @@ class PagedKVCacheManager(KVCacheManager):
             if snap is not None:
                 self._restore(snap)
             raise
-        np.take(self._page_table, ids, axis=0, out=self._tables.lookup[:n])
+        self._fill_lookup(ids, touched=bool(hit_plan or cow or alloc.any()))
         return start, hits
+
+    def _fill_lookup(self, ids, touched: bool) -> None:
+        """Rows of the per-step lookup table. A decode loop fetches the same batch step after
+        step: then only rows whose pages changed since the last fetch are rewritten."""
+        n = ids.size
+        lookup = self._tables.lookup
+        if n == self._lookup_n and np.array_equal(ids, self._lookup_ids[:n]):
+            if touched:
+                rows = np.flatnonzero(self._dirty[ids])
+                if rows.size:
+                    lookup[rows] = self._page_table[ids[rows]]
+        else:
+            np.take(self._page_table, ids, axis=0, out=lookup[:n])
+            self._lookup_ids[:n] = ids
+            self._lookup_n = n
+        self._dirty[ids] = False
+
+    def _invalidate_lookup(self) -> None:
+        self._lookup_n = -1
 
     def _apply_fetch(self, ids, hit_plan, uncache, cow, alloc, have, start):
         P = self.page_size
@@ -243,6 +272,7 @@ class PagedKVCacheManager(KVCacheManager):
                 rc[p] += 1
             pt[sid, :len(pages)] = pages
             self._npages[sid] = len(pages)
+            self._dirty[sid] = True
             self._keys[sid] = list(kids)
         for page in uncache:
             prefix.unregister(page)
@@ -254,14 +284,24 @@ class PagedKVCacheManager(KVCacheManager):
                 rc[old] -= 1
                 rc[new] = 1
                 pt[sid, int(start[b]) // P] = new
+                self._dirty[sid] = True
                 src.append(old)
                 dst.append(new)
-        for b in np.flatnonzero(alloc):
-            sid, k, h = int(ids[b]), int(alloc[b]), int(have[b])
-            pages = self._take(k)
+        sel = np.flatnonzero(alloc)
+        if sel.size:
+            k_sel = alloc[sel]
+            pages = np.array(self._take(int(k_sel.sum())), dtype=np.int32)
             rc[pages] = 1
-            pt[sid, h:h + k] = pages
-            self._npages[sid] = h + k
+            sids = ids[sel]
+            if (k_sel == 1).all():  # decode: one new page per sequence that needs one
+                pt[sids, have[sel]] = pages
+            else:
+                off = 0
+                for sid, k, h in zip(sids.tolist(), k_sel.tolist(), have[sel].tolist()):
+                    pt[sid, h:h + k] = pages[off:off + k]
+                    off += k
+            self._npages[sids] = have[sel] + k_sel
+            self._dirty[sids] = True
         if src:
             self._copy_pages(src, dst)
 
@@ -283,16 +323,16 @@ class PagedKVCacheManager(KVCacheManager):
         lengths = self._lengths[ids]
         toks = self._tokens
         if (counts == 1).all():
-            toks[ids, lengths] = [it.tokens[0] for it in batch]
+            toks[ids, lengths] = list(map(_FIRST, map(_TOKENS, batch)))
         else:
             for b, it in enumerate(batch):
                 L = int(lengths[b])
                 toks[ids[b], L:L + int(counts[b])] = np.asarray(it.tokens, dtype=np.int64)
         full = (lengths + counts) // P
         prefix, pt, keys_of = self._prefix, self._page_table, self._keys
-        nkeys = np.fromiter((len(keys_of[s]) for s in ids.tolist()), dtype=np.int64,
-                            count=ids.size)
-        for b in np.flatnonzero(full > nkeys):
+        # a sequence's keys cover its full pages (or, fresh, its prefix hits): only those
+        # that complete a page this step have pages to cache
+        for b in np.flatnonzero(full > lengths // P):
             sid = int(ids[b])
             keys = keys_of[sid]
             row = toks[sid]
@@ -330,6 +370,7 @@ class PagedKVCacheManager(KVCacheManager):
                 raise KVCacheCapacityError(
                     f"fork: asked for 1 sequence slot, 0 of {self.max_batch_size} are free")
             new = int(free[0])
+            self._invalidate_lookup()
             L = int(self._lengths[sid])
             k = -(-L // self.page_size)
             pages = self._page_table[sid, :k]
@@ -368,6 +409,7 @@ class PagedKVCacheManager(KVCacheManager):
                 raise InvalidArgumentError(describe(
                     f"pop: n for seq_id {sid}", f"at most its cache length {L}", n))
             new_len = L - n
+            self._invalidate_lookup()
             keep = -(-new_len // self.page_size)
             k = int(self._npages[sid])
             if k > keep:
@@ -412,6 +454,7 @@ class PagedKVCacheManager(KVCacheManager):
 
     def _restore(self, snap) -> None:
         pt, npages, rc, free, keys, prefix = snap
+        self._invalidate_lookup()
         self._page_table[...] = pt
         self._npages[...] = npages
         self._refcount[...] = rc
