@@ -91,7 +91,7 @@ def test_paged_permuted_pages(dtype, page_size):
     check(args)
 
 
-@pytest.mark.parametrize("group_size", [1, 4, 8])
+@pytest.mark.parametrize("group_size", [1, 3, 4, 8])
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_gqa_and_layouts(group_size, layout):
     """nhd paged, and hnd LINEAR (one slot of max_seq_len per sequence)."""
