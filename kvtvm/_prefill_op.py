@@ -115,6 +115,13 @@ def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tabl
         check_contiguous("lse", lse)
     common_device(dict(tensors, out=out, lse=lse))
 
+    if device.type == "cuda":  # the tensor-core kernel moves q, K and V in 16-byte chunks
+        elem = qt.element_size()
+        for name, t in (("q", qt), ("k_cache", kc), ("v_cache", vc)):
+            if t.data_ptr() % 16 or any(st * elem % 16 for st in t.stride()[:-1]):
+                raise InvalidArgumentError(describe(
+                    name, "16-byte aligned data and strides on CUDA",
+                    f"data_ptr % 16 = {t.data_ptr() % 16}, strides {list(t.stride())}"))
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)
     if check_indices:
