@@ -6,8 +6,8 @@ import torch
 
 from kvtvm import KVCacheParams, ops
 from kvtvm.collection import ContinuousBatchingKVCacheCollection
-from kvtvm.errors import (InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
-                          SequenceTooLongError, UnknownSequenceError)
+from kvtvm.errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapacityError,
+                          SequenceStateError, SequenceTooLongError, UnknownSequenceError)
 from kvtvm.inputs import (BatchItem, KVCacheInputsSequence, PaddedKVCacheInputs,
                           RaggedKVCacheInputs)
 from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
@@ -46,6 +46,13 @@ def test_constructor_checks():
         ContinuousBatchingKVCacheManager(params(), 2, 8, 1, ("cpu", "cpu", "cpu"))
     with pytest.raises(InvalidArgumentError, match="params"):
         ContinuousBatchingKVCacheManager("float32", 2, 8, 1)
+    with pytest.raises(InvalidArgumentError, match="devices"):
+        ContinuousBatchingKVCacheManager(params(), 2, 8, 1, ())
+    with pytest.raises(InvalidArgumentError, match="devices"):
+        ContinuousBatchingKVCacheManager(params(), 2, 8, 1, ("meta",))
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceUnavailableError, match="CUDA is not available"):
+            ContinuousBatchingKVCacheManager(params(), 2, 8, 1, ("cuda:0",))
 
 
 def test_cache_tensor_shape_and_memory_estimate_are_exact():

@@ -51,15 +51,17 @@ def decode_step_us(kind: str, batch: int, context: int, page_size: int, steps: i
         prompt = rng.integers(0, 32000, int(n)).tolist()
         mgr.fetch([BatchItem(s, prompt)])
         mgr.step([BatchItem(s, prompt)])
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
         batch_items = [BatchItem(s, [int(t)]) for s, t in zip(ids, rng.integers(0, 32000, batch))]
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         mgr.fetch(batch_items)
         mgr.step(batch_items)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
     return {"median_us": 1e6 * statistics.median(times),
-            "p90_us": 1e6 * float(np.percentile(times, 90))}
+            "p90_us": 1e6 * float(np.percentile(times, 90)),
+            "cpu_median_us": 1e6 * statistics.median(cpu)}
 
 
 def memory_efficiency(num_requests: int, max_batch: int, max_seq_len: int, page_size: int,
@@ -134,12 +136,13 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     timing = {}
     print(f"host time per decode step (fetch + step), context ~{args.context}, page size "
-          f"{args.page_size}, median of {args.steps} steps, microseconds")
-    print(f"{'batch':>6}" + "".join(f"{k:>16}" for k in kinds))
+          f"{args.page_size}, median of {args.steps} steps, microseconds: wall (thread CPU)")
+    print(f"{'batch':>6}" + "".join(f"{k:>20}" for k in kinds))
     for b in batches:
         row = {k: decode_step_us(k, b, args.context, args.page_size, args.steps) for k in kinds}
         timing[b] = row
-        print(f"{b:>6}" + "".join(f"{row[k]['median_us']:>16.1f}" for k in kinds))
+        print(f"{b:>6}" + "".join(
+            f"{row[k]['median_us']:>12.1f} ({row[k]['cpu_median_us']:5.1f})" for k in kinds))
     mem = memory_efficiency(args.requests, args.max_batch, args.max_seq_len, args.page_size)
     print(f"\nmemory efficiency: {args.requests} requests, prompt lengths log-normal (mean "
           f"{mem['prompt_len_mean']:.0f}, p99 {mem['prompt_len_p99']:.0f}), output lengths "

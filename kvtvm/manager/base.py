@@ -38,8 +38,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import (InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
-                      SequenceTooLongError, UnknownSequenceError, describe)
+from ..errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapacityError,
+                      SequenceStateError, SequenceTooLongError, UnknownSequenceError,
+                      describe)
 from ..inputs import KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols
 from ..params import KVCacheParams, KVCacheStrategy
 
@@ -72,6 +73,12 @@ def parse_devices(devices) -> tuple:
                                             repr(devices))) from err
     if not parsed:
         raise InvalidArgumentError(describe("devices", "at least one device", repr(devices)))
+    for d in parsed:
+        if d.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(describe("devices", "cpu or cuda devices", str(d)))
+        if d.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceUnavailableError(
+                f"devices: {d} was asked for but CUDA is not available on this machine")
     return parsed
 
 

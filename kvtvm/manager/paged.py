@@ -109,6 +109,7 @@ class PagedKVCacheManager(KVCacheManager):
         if self.prefix_caching:
             self._tokens = np.zeros((mb, self.max_seq_len), dtype=np.int64)
             self._keys: list[list[int]] = [[] for _ in range(mb)]
+            self._page_offsets = np.arange(self.page_size, dtype=np.int64)[None, :]
 
     # ------------------------------------------------------------------------------------
     # Sizes
@@ -332,7 +333,22 @@ class PagedKVCacheManager(KVCacheManager):
         prefix, pt, keys_of = self._prefix, self._page_table, self._keys
         # a sequence's keys cover its full pages (or, fresh, its prefix hits): only those
         # that complete a page this step have pages to cache
-        for b in np.flatnonzero(full > lengths // P):
+        cand = np.flatnonzero(full > lengths // P)
+        if not cand.size:
+            return
+        if (counts[cand] < P).all() and (lengths[cand] > 0).all():
+            # decode-like: each candidate completes exactly one page, page full[b] - 1;
+            # gather all their tokens in one numpy call
+            sids, last = ids[cand], full[cand] - 1
+            chunks = toks[sids[:, None], (last * P)[:, None] + self._page_offsets]
+            data, width = chunks.tobytes(), P * toks.itemsize
+            pages = pt[sids, last].tolist()
+            for j, sid in enumerate(sids.tolist()):
+                keys = keys_of[sid]
+                keys.append(prefix.insert(keys[-1] if keys else -1,
+                                          data[j * width:(j + 1) * width], pages[j]))
+            return
+        for b in cand:
             sid = int(ids[b])
             keys = keys_of[sid]
             row = toks[sid]
