@@ -31,11 +31,17 @@ import numpy as np
 import torch
 
 from kvtvm import KVCacheParams, ops
-from kvtvm.errors import KVCacheCapacityError
+from kvtvm.errors import CompilerUnavailableError, KVCacheCapacityError
 from kvtvm.manager import (BatchItem, ContinuousBatchingKVCacheManager, LinearKVCache,
                            PagedKVCacheManager)
 
 CACHE_CHOICES = ("paged", "continuous", "linear")
+
+#: Builds every kernel this example loads for an H100 (copy runs with n_kv_heads=1: it moves
+#: whole slots for the linear cache's eviction). Use --arch sm_80 for an A100.
+CUDA_BUILD_COMMAND = ("python -m kvtvm build --target cuda --arch sm_90a "
+                      "--ops append,prefill,decode,copy --dtypes float32 --head-dims 32 "
+                      "--kv-heads 1,2 --group-sizes 4 --layouts nhd,hnd --out build/kernels")
 
 
 # ------------------------------------------------------------------------------------------
@@ -244,6 +250,11 @@ class _TableCache:
     def add(self, req: Request) -> None:
         (req.seq_id,) = self.mgr.claim(1)
 
+    def remove(self, new) -> None:
+        """Undo :meth:`add` of requests that were never fetched."""
+        for r in new:
+            self.mgr.release(r.seq_id)
+
     def fetch(self, reqs, tokens):
         return self.mgr.fetch([BatchItem(r.seq_id, t) for r, t in zip(reqs, tokens)])[0]
 
@@ -287,6 +298,10 @@ class _LinearCache:
     def add(self, req: Request) -> None:
         req.seq_id = self.mgr.active_batch_size
         self.mgr.set_active_batch_size(req.seq_id + 1)
+
+    def remove(self, new) -> None:
+        """Undo :meth:`add` of the last requests (never fetched)."""
+        self.mgr.set_active_batch_size(self.mgr.active_batch_size - len(new))
 
     def fetch(self, reqs, tokens):
         assert [r.seq_id for r in reqs] == list(range(len(reqs))), "slots out of order"
@@ -461,7 +476,23 @@ class Engine:
         is_new = {id(r) for r in new}
         batch = self.running + new
         tokens = [r.prompt if id(r) in is_new else r.output[-1:] for r in batch]
-        kv = self.kv.fetch(batch, tokens)
+        try:
+            kv = self.kv.fetch(batch, tokens)
+        except KVCacheCapacityError as err:
+            if not new:     # admission reserves room for running requests: not expected
+                raise
+            # no room after all: the new requests go back to the head of the queue
+            self.log(f"requests {[r.rid for r in new]} wait: {err}")
+            self.kv.remove(new)
+            for r in reversed(new):
+                r.status, r.seq_id, r.admitted_step = "waiting", -1, -1
+                self.queue.insert(0, r)
+            new, is_new, batch = [], set(), self.running
+            if not batch:
+                self.step_no += 1
+                return
+            tokens = [r.output[-1:] for r in batch]
+            kv = self.kv.fetch(batch, tokens)
         self.running = batch
         hits = kv.num_cached_tokens
         ids, counts = [], []
@@ -707,10 +738,15 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.torch_threads)
     model = build_model(seed=args.seed, device=args.device)
     requests = demo_requests(model.config.vocab_size, args.max_seq_len, n=args.requests)
-    _, _, problems = run(args.cache, args.device, requests, args.max_batch_size,
-                         args.max_seq_len, args.page_size, args.num_pages,
-                         not args.no_prefix_caching, args.seed, not args.no_verify,
-                         model=model)
+    try:
+        _, _, problems = run(args.cache, args.device, requests, args.max_batch_size,
+                             args.max_seq_len, args.page_size, args.num_pages,
+                             not args.no_prefix_caching, args.seed, not args.no_verify,
+                             model=model)
+    except CompilerUnavailableError as err:   # runtime-only install, kernels not built
+        print(f"error: {err}\nbuild them with:\n  {CUDA_BUILD_COMMAND}\nthen pass "
+              "--kernels build/kernels (or set KVTVM_KERNEL_PATH)", file=sys.stderr)
+        return 2
     return 1 if problems else 0
 
 

@@ -222,3 +222,28 @@ def test_cli_exit_code_and_report(monkeypatch, capsys, model):
     monkeypatch.setattr(serve, "rotate_half", lambda x: torch.zeros_like(x))
     assert serve.main(argv + ["--cache", "linear"]) == 1
     assert "MISMATCH request " in capsys.readouterr().out
+
+
+def test_capacity_error_at_fetch_requeues(model, monkeypatch):
+    """If the manager refuses a fetch despite admission (e.g. another user of the pool took
+    pages), the new requests go back to the queue and are served later; nothing crashes."""
+    rng = np.random.default_rng(13)
+    requests = [Request(0, _rand(rng, 10), 6, arrival=0), Request(1, _rand(rng, 12), 4,
+                                                                     arrival=2)]
+    engine = serve.Engine(model, "paged", max_batch_size=2, max_seq_len=MAX_SEQ_LEN,
+                          page_size=PAGE, num_pages=8)
+    engine.log = lambda s: None
+    real_fetch, calls = engine.kv.mgr.fetch, []
+
+    def flaky_fetch(batch, *a, **kw):
+        calls.append(len(batch))
+        if len(batch) == 2 and calls.count(2) == 1:
+            raise serve.KVCacheCapacityError("fetch: needs 1 new pages, 0 are free (test)")
+        return real_fetch(batch, *a, **kw)
+
+    monkeypatch.setattr(engine.kv.mgr, "fetch", flaky_fetch)
+    engine.serve(requests)
+    assert all(r.status == "done" for r in requests)
+    assert requests[1].admitted_step > requests[1].arrival
+    assert serve.check_against_reference(model, requests) == []
+    engine.kv.mgr.check_invariants()
