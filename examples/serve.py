@@ -184,7 +184,7 @@ class Request:
 
 
 def demo_requests(vocab_size: int = 1000, max_seq_len: int = 128, seed: int = 1,
-                  n: int = 16, system_len: int = 48, bad: bool = True) -> list[Request]:
+                  n: int = 24, system_len: int = 48, bad: bool = True) -> list[Request]:
     """A workload: ``n`` requests arriving over time, half of them sharing a ``system_len``
     token system prompt, one whose prompt fills pages of 16 exactly, plus (with ``bad``) an
     empty prompt and a prompt longer than ``max_seq_len``."""
@@ -198,7 +198,7 @@ def demo_requests(vocab_size: int = 1000, max_seq_len: int = 128, seed: int = 1,
             prompt = rng.integers(3, vocab_size, 32).tolist()
         else:
             prompt = rng.integers(3, vocab_size, int(rng.integers(2, 40))).tolist()
-        reqs.append(Request(i, prompt, int(rng.integers(4, 24)), arrival=2 * i))
+        reqs.append(Request(i, prompt, int(rng.integers(4, 32)), arrival=2 * i))
     if bad:
         reqs.append(Request(n, [], 8, arrival=3))
         reqs.append(Request(n + 1, rng.integers(3, vocab_size, max_seq_len + 8).tolist(), 8,
@@ -387,8 +387,7 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.cache, self.device = cache, torch.device(device)
         self.max_seq_len = max_seq_len
-        strategy = {"paged": "paged", "continuous": "continuous", "linear": "linear"}[cache]
-        params = KVCacheParams("float32", self.model.n_kv_heads, self.model.head_dim, strategy,
+        params = KVCacheParams("float32", self.model.n_kv_heads, self.model.head_dim, cache,
                                page_size=page_size if cache == "paged" else None,
                                enable_prefix_caching=prefix_caching and cache == "paged")
         self.params = params
@@ -713,7 +712,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", default=None, metavar="DIR",
                         help="directory of kernels built with `python -m kvtvm build` "
                              "(also KVTVM_KERNEL_PATH)")
-    parser.add_argument("--requests", type=int, default=16, help="requests to serve")
+    parser.add_argument("--requests", type=int, default=24,
+                        help="requests to serve (plus two bad ones)")
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
