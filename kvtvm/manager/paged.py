@@ -100,6 +100,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._page_table = np.zeros((mb, W), dtype=np.int32)
         self._npages = np.zeros(mb, dtype=np.int64)
         self._refcount = np.zeros(self.num_pages, dtype=np.int32)
+        self._n_shared = 0  # pages with refcount > 1
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> lowest page
         self._dirty = np.zeros(mb, dtype=bool)  # page-table row changed since last fetch
         self._lookup_ids = np.zeros(mb, dtype=np.int64)  # batch of the last lookup fill
@@ -166,7 +167,9 @@ class PagedKVCacheManager(KVCacheManager):
         rc, registered, lru = self._refcount, self._prefix.registered, self._prefix.lru
         for p in reversed([int(p) for p in pages]):
             rc[p] -= 1
-            if rc[p] == 0:
+            if rc[p] == 1:
+                self._n_shared -= 1
+            elif rc[p] == 0:
                 if registered[p]:
                     lru[p] = None
                 else:
@@ -201,14 +204,17 @@ class PagedKVCacheManager(KVCacheManager):
                 pages, kids = prefix.lookup(chunks)
                 hit_plan.append((int(b), pages, kids, toks.size))
                 hits[b] = len(pages) * P
-        start = lengths + hits
-        have = npages + hits // P
+        if hit_plan:
+            start, have = lengths + hits, npages + hits // P
+        else:
+            start, have = lengths, npages
         need = -(-(lengths + counts + (num_steps - 1)) // P)
         alloc = np.maximum(need - have, 0)
         # copy-on-write: the page the writes start in, when it is already held and shared
         cow, uncache = [], []
-        partial = np.flatnonzero(start % P != 0)
-        if partial.size:
+        # (only when some page is shared or cached: a counter, not a scan of the pool)
+        partial = np.flatnonzero(start % P != 0) if self._n_shared or prefix.page_key else ()
+        if len(partial):
             pages = self._page_table[ids[partial], start[partial] // P]
             rc = self._refcount[pages]
             odd = np.flatnonzero((rc > 1) | prefix.registered[pages])  # shared or cached
@@ -271,6 +277,8 @@ class PagedKVCacheManager(KVCacheManager):
                 if rc[p] == 0:
                     del prefix.lru[p]
                 rc[p] += 1
+                if rc[p] == 2:
+                    self._n_shared += 1
             pt[sid, :len(pages)] = pages
             self._npages[sid] = len(pages)
             self._dirty[sid] = True
@@ -283,6 +291,8 @@ class PagedKVCacheManager(KVCacheManager):
             for (b, old), new in zip(cow, new_pages):
                 sid = int(ids[b])
                 rc[old] -= 1
+                if rc[old] == 1:
+                    self._n_shared -= 1
                 rc[new] = 1
                 pt[sid, int(start[b]) // P] = new
                 self._dirty[sid] = True
@@ -391,6 +401,7 @@ class PagedKVCacheManager(KVCacheManager):
             k = -(-L // self.page_size)
             pages = self._page_table[sid, :k]
             self._refcount[pages] += 1
+            self._n_shared += int((self._refcount[pages] == 2).sum())
             self._claim_ids(np.array([new]))
             self._page_table[new, :k] = pages
             self._npages[new] = k
@@ -474,6 +485,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._page_table[...] = pt
         self._npages[...] = npages
         self._refcount[...] = rc
+        self._n_shared = int((rc > 1).sum())
         self._free[:] = free
         if keys is not None:
             self._keys = keys
@@ -498,6 +510,7 @@ class PagedKVCacheManager(KVCacheManager):
             for sid in np.flatnonzero(~self._claimed):
                 assert self._npages[sid] == 0 and not self._page_table[sid].any()
             assert (owners == self._refcount).all(), "refcounts differ from owners"
+            assert self._n_shared == int((owners > 1).sum()), "shared-page count is off"
             free = set(self._free)
             assert len(free) == len(self._free), "page on the free list twice"
             lru = set(self._prefix.lru)
