@@ -6,8 +6,9 @@ serving speed before and after.
    largest call in the run (the real cache views, tables and queries of a serving step).
 2. ``kvtvm.tune.tune(spec, "cpu", ...)`` each spec on that recorded call: every knob setting of
    the spec's schedule is built, checked against the default build's output and timed.
-3. Measure serving tokens/s with the default knobs and with the tuned ones (each in a fresh
-   process, best of ``--runs`` runs, the check against transformers off).
+3. Measure serving tokens/s with the knobs in use before tuning and with the tuned ones, each
+   in a fresh process (the check against transformers off), alternating ``--rounds`` times
+   so a busy machine slows both alike; the best figure of each counts.
 
 By default the tuning logs go to a temporary copy of ``tuning_logs/`` that only this script's
 processes read; ``--write`` writes them into the package's ``tuning_logs/`` instead, so every
@@ -142,6 +143,13 @@ def _measure_here(cache: str, runs: int) -> float:
     return best
 
 
+def package_logs_dir() -> Path:
+    """The package's ``tuning_logs/`` directory."""
+    from kvtvm import compiler
+
+    return compiler.tuning_log_path(compiler.KernelSpec("append", "float32", 8, 1)).parent.parent
+
+
 # ------------------------------------------------------------------------------------------
 
 
@@ -152,7 +160,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-trials", type=int, default=8,
                         help="knob settings tried per spec (the default first)")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per candidate")
-    parser.add_argument("--runs", type=int, default=3, help="serving runs per speed figure")
+    parser.add_argument("--runs", type=int, default=2, help="serving runs per measurement")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating before/after measurements (the best of each counts)")
     parser.add_argument("--write", action="store_true",
                         help="write the logs into the package's tuning_logs/ (default: a "
                              "temporary directory)")
@@ -178,20 +188,19 @@ def main(argv=None) -> int:
         print("tuning logs: writing into the package's tuning_logs/")
     else:
         tmp = tempfile.mkdtemp(prefix="kvtvm-autotune-")
-        package_logs = compiler.tuning_log_path(
-            compiler.KernelSpec("append", "float32", 8, 1)).parent.parent
         log_root = Path(tmp) / "tuning_logs"
-        if package_logs.is_dir():
-            shutil.copytree(package_logs, log_root)
+        if package_logs_dir().is_dir():
+            shutil.copytree(package_logs_dir(), log_root)
         else:
             log_root.mkdir(parents=True)
         print(f"tuning logs: {log_root} (temporary; --write keeps them in the package)")
 
-    print(f"serving speed with the current knobs ({args.cache} cache, best of {args.runs}) ...",
-          flush=True)
-    before = measure(args.cache, args.runs, str(log_root) if log_root else None,
-                     args.torch_threads)
-    print(f"  before: {before:.1f} tokens/s")
+    # the knobs in use now (for the "before" figure): a copy of the logs as they are
+    before_root = Path(tempfile.mkdtemp(prefix="kvtvm-autotune-before-")) / "tuning_logs"
+    if package_logs_dir().is_dir():
+        shutil.copytree(package_logs_dir(), before_root)
+    else:
+        before_root.mkdir(parents=True)
 
     if log_root is not None:
         use_tuning_logs(log_root)
@@ -224,9 +233,15 @@ def main(argv=None) -> int:
         print(f"  default {entry['default_ms']:.4f} ms -> best {entry['median_ms']:.4f} ms "
               f"{entry['knobs']} ({len(failed)} candidates skipped); {entry['path']}")
 
-    print(f"serving speed with the tuned knobs ...", flush=True)
-    after = measure(args.cache, args.runs, str(log_root) if log_root else None,
+    print(f"serving speed, default vs tuned knobs, alternating ({args.rounds} rounds of best of "
+          f"{args.runs} runs, {args.cache} cache) ...", flush=True)
+    before, after = 0.0, 0.0
+    for i in range(args.rounds):
+        b = measure(args.cache, args.runs, str(before_root), args.torch_threads)
+        a = measure(args.cache, args.runs, str(log_root) if log_root else None,
                     args.torch_threads)
+        print(f"  round {i + 1}: {b:.1f} tokens/s before, {a:.1f} after", flush=True)
+        before, after = max(before, b), max(after, a)
     print()
     print(f"{'kernel':<40} {'default ms':>11} {'tuned ms':>9}")
     for uri, d, b, _ in results:
@@ -235,6 +250,7 @@ def main(argv=None) -> int:
           f"({after / before:.2f}x)")
     print("(on a shared or busy CPU the run-to-run spread of the serving figure can exceed "
           "what the kernels gain; compare the per-kernel times above)")
+    shutil.rmtree(before_root.parent, ignore_errors=True)
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
