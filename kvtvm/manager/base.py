@@ -109,6 +109,7 @@ class _StepTables:
         self.lookup = self.host_np[2 * mb + 1:].reshape(mb, width)
         self.device_bufs = []
         self._events = []
+        self._views = {}
         for d in devices:
             if d.type == "cpu":
                 self.device_bufs.append(self.host)
@@ -137,10 +138,16 @@ class _StepTables:
             self._events[i] = ev
 
     def views(self, dev: int, batch: int):
-        """(cache_lengths [batch], qo_indptr [batch+1], lookup_table [batch, width]) of a device."""
-        buf, mb = self.device_bufs[dev], self.max_batch_size
-        return (buf[:batch], buf[mb:mb + batch + 1],
+        """(cache_lengths [batch], qo_indptr [batch+1], lookup_table [batch, width]) of a device
+        (views of the fixed buffer, made once per batch size and reused)."""
+        key = (dev, batch)
+        v = self._views.get(key)
+        if v is None:
+            buf, mb = self.device_bufs[dev], self.max_batch_size
+            v = self._views[key] = (
+                buf[:batch], buf[mb:mb + batch + 1],
                 buf[2 * mb + 1:2 * mb + 1 + batch * self.width].view(batch, self.width))
+        return v
 
     def device_nbytes(self) -> int:
         return 4 * _table_elems(self.max_batch_size, self.width)
@@ -422,7 +429,7 @@ class KVCacheManager(abc.ABC):
             # -- nothing below raises: fill the per-step tables and hand them out --------
             n = ids.size
             tables = self._tables
-            new = counts - hits
+            new = counts - hits if hits.any() else counts
             tables.cache_lengths[:n] = start
             qo = tables.qo_indptr
             qo[0] = 0

@@ -47,6 +47,8 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
                                         n_devices=self.n_devices)
         self._blocks = self._allocate_blocks(shape)
         self._tables = _StepTables(self.max_batch_size, 1, self.devices)
+        self._no_hits = np.zeros(self.max_batch_size, dtype=np.int64)
+        self._no_hits.flags.writeable = False
 
     @property
     def num_blocks(self) -> int:
@@ -77,4 +79,4 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
     def _fetch_plan_apply(self, batch, ids, counts, num_steps):
         n = ids.size
         self._tables.lookup[:n, 0] = ids
-        return self._lengths[ids], np.zeros(n, dtype=np.int64)
+        return self._lengths[ids], self._no_hits[:n]

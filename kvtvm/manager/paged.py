@@ -101,6 +101,9 @@ class PagedKVCacheManager(KVCacheManager):
         self._npages = np.zeros(mb, dtype=np.int64)
         self._refcount = np.zeros(self.num_pages, dtype=np.int32)
         self._n_shared = 0  # pages with refcount > 1
+        self._tail_check = np.zeros(mb, dtype=bool)  # last page may be shared or cached
+        self._no_hits = np.zeros(mb, dtype=np.int64)
+        self._no_hits.flags.writeable = False
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> lowest page
         self._dirty = np.zeros(mb, dtype=bool)  # page-table row changed since last fetch
         self._lookup_ids = np.zeros(mb, dtype=np.int64)  # batch of the last lookup fill
@@ -181,6 +184,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._drop_refs(self._page_table[seq_id, :k])
         self._page_table[seq_id, :k] = 0
         self._npages[seq_id] = 0
+        self._tail_check[seq_id] = False
         if self.prefix_caching:
             self._keys[seq_id] = []
 
@@ -193,11 +197,14 @@ class PagedKVCacheManager(KVCacheManager):
         n = ids.size
         lengths = self._lengths[ids]
         npages = self._npages[ids]
-        hits = np.zeros(n, dtype=np.int64)
+        hits = self._no_hits[:n]  # read-only zeros, replaced below on a prefix hit
         hit_plan = []  # (b, pages, key ids)
         prefix = self._prefix
         if self.prefix_caching:
-            for b in np.flatnonzero((lengths == 0) & (npages == 0)):
+            fresh = np.flatnonzero((lengths == 0) & (npages == 0))
+            if fresh.size:
+                hits = np.zeros(n, dtype=np.int64)
+            for b in fresh:
                 toks = np.asarray(batch[b].tokens, dtype=np.int64)
                 full = (toks.size - 1) // P  # the last token is always recomputed
                 chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(full)]
@@ -212,8 +219,10 @@ class PagedKVCacheManager(KVCacheManager):
         alloc = np.maximum(need - have, 0)
         # copy-on-write: the page the writes start in, when it is already held and shared
         cow, uncache = [], []
-        # (only when some page is shared or cached: a counter, not a scan of the pool)
-        partial = np.flatnonzero(start % P != 0) if self._n_shared or prefix.page_key else ()
+        # Only a sequence flagged by fork or pop can start writing into a page that is shared
+        # or cached (a page is cached only once full, and writes start at the length).
+        flagged = self._tail_check[ids]
+        partial = np.flatnonzero(flagged & (start % P != 0)) if flagged.any() else ()
         if len(partial):
             pages = self._page_table[ids[partial], start[partial] // P]
             rc = self._refcount[pages]
@@ -243,6 +252,7 @@ class PagedKVCacheManager(KVCacheManager):
             if snap is not None:
                 self._restore(snap)
             raise
+        self._tail_check[ids] = False  # every write page of the batch is now exclusive
         self._fill_lookup(ids, touched=bool(hit_plan or cow or alloc.any()))
         return start, hits
 
@@ -406,6 +416,7 @@ class PagedKVCacheManager(KVCacheManager):
             self._page_table[new, :k] = pages
             self._npages[new] = k
             self._lengths[new] = L
+            self._tail_check[[sid, new]] = True
             if self.prefix_caching:
                 self._tokens[new, :L] = self._tokens[sid, :L]
                 self._keys[new] = list(self._keys[sid])
@@ -444,6 +455,7 @@ class PagedKVCacheManager(KVCacheManager):
                 self._page_table[sid, keep:k] = 0
                 self._npages[sid] = keep
             self._lengths[sid] = new_len
+            self._tail_check[sid] = True
             if self.prefix_caching:
                 del self._keys[sid][new_len // self.page_size:]
 
@@ -477,10 +489,11 @@ class PagedKVCacheManager(KVCacheManager):
     def _snapshot(self):
         keys = [list(k) for k in self._keys] if self.prefix_caching else None
         return (self._page_table.copy(), self._npages.copy(), self._refcount.copy(),
-                list(self._free), keys, self._prefix.snapshot())
+                list(self._free), keys, self._prefix.snapshot(), self._tail_check.copy())
 
     def _restore(self, snap) -> None:
-        pt, npages, rc, free, keys, prefix = snap
+        pt, npages, rc, free, keys, prefix, tail = snap
+        self._tail_check[...] = tail
         self._invalidate_lookup()
         self._page_table[...] = pt
         self._npages[...] = npages
@@ -511,6 +524,12 @@ class PagedKVCacheManager(KVCacheManager):
                 assert self._npages[sid] == 0 and not self._page_table[sid].any()
             assert (owners == self._refcount).all(), "refcounts differ from owners"
             assert self._n_shared == int((owners > 1).sum()), "shared-page count is off"
+            for sid in np.flatnonzero(self._claimed & ~self._tail_check):
+                L = int(self._lengths[sid])
+                if L % self.page_size and self._pending[sid] < 0:
+                    tail = int(self._page_table[sid, L // self.page_size])
+                    assert owners[tail] == 1 and not self._prefix.registered[tail], \
+                        f"seq {sid}: unflagged last page {tail} is shared or cached"
             free = set(self._free)
             assert len(free) == len(self._free), "page on the free list twice"
             lru = set(self._prefix.lru)
