@@ -420,17 +420,24 @@ class Engine:
 
     def _validate(self, req: Request) -> str:
         """Why ``req`` can never be served, or ``""``."""
-        n = len(req.prompt)
+        try:
+            prompt = [int(t) for t in req.prompt]
+        except (TypeError, ValueError):
+            return "prompt must be a sequence of integer token ids"
+        if prompt != list(req.prompt):
+            return "prompt must be a sequence of integer token ids"
+        n = len(prompt)
         if n == 0:
             return "empty prompt (at least one token is needed)"
         if n > self.max_seq_len:
             return f"prompt of {n} tokens is longer than max_seq_len={self.max_seq_len}"
-        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+        if (not isinstance(req.max_new_tokens, int) or isinstance(req.max_new_tokens, bool)
+                or req.max_new_tokens < 1):
             return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
         if req.length > self.max_seq_len:
             return (f"prompt of {n} tokens + max_new_tokens={req.max_new_tokens} needs "
                     f"{req.length} cache positions, more than max_seq_len={self.max_seq_len}")
-        bad = [t for t in req.prompt if not 0 <= int(t) < self.vocab_size]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
         return self.kv.never_fits(req)

@@ -67,6 +67,8 @@ def workload():
         "too_long": Request(8, _rand(rng, MAX_SEQ_LEN + 1), 4, arrival=2),
         "too_many_new": Request(9, _rand(rng, 40), MAX_SEQ_LEN, arrival=2),
         "bad_token": Request(10, [5, 1000, 7], 4, arrival=2),
+        "not_tokens": Request(11, ["hello"], 4, arrival=2),
+        "zero_new": Request(12, [5, 6], 0, arrival=2),
     }
     return list(r.values()), r
 
@@ -87,6 +89,8 @@ def test_serving_matches_transformers(model, cache):
     assert r["too_long"].status == "rejected" and "longer than max_seq_len" in r["too_long"].error
     assert r["too_many_new"].status == "rejected" and "max_seq_len" in r["too_many_new"].error
     assert r["bad_token"].status == "rejected" and "vocabulary" in r["bad_token"].error
+    assert r["not_tokens"].status == "rejected" and "token ids" in r["not_tokens"].error
+    assert r["zero_new"].status == "rejected" and "max_new_tokens" in r["zero_new"].error
     st = engine.stats
     # a request arriving while others decode joins their batch at once
     assert r["sys_b"].admitted_step == 3
@@ -247,3 +251,18 @@ def test_capacity_error_at_fetch_requeues(model, monkeypatch):
     assert requests[1].admitted_step > requests[1].arrival
     assert serve.check_against_reference(model, requests) == []
     engine.kv.mgr.check_invariants()
+
+
+@pytest.mark.parametrize("cache", ["paged", "linear"])
+def test_decode_steps_through_prefill_kernel(model, cache):
+    """A decode step is also a prefill of one token each: with the decode kernel off, the
+    prefill kernel serves every step and the tokens are the same."""
+    rng = np.random.default_rng(14)
+    requests = [Request(i, _rand(rng, 5 + 7 * i), 5 + i, arrival=i) for i in range(3)]
+    engine = serve.Engine(model, cache, max_batch_size=2, max_seq_len=MAX_SEQ_LEN,
+                          page_size=PAGE, num_pages=12)
+    engine.log = lambda s: None
+    engine.model.use_decode_kernel = False
+    engine.serve(requests)
+    assert engine.stats.decode_steps > 0
+    assert serve.check_against_reference(model, requests) == []
