@@ -452,3 +452,33 @@ def test_collection_accessors_follow_the_page_table():
     assert np.array_equal(kc.load(0, 1, 5).numpy(), want)
     kc.store(0, 1, 5, slice(None), torch.zeros(D))
     assert not mgr.blocks[0][pages[1], 0, 1, 1, 1].any()
+
+
+def test_lookup_rows_track_pages_over_repeated_decode_batches():
+    """The lookup table is refreshed incrementally when the same batch is fetched again;
+    it must still equal every sequence's pages, across page crossings, copies, pops and
+    release + reclaim of the same ids."""
+    mgr = make(mb=4, max_seq_len=64, num_pages=40)
+    ids = mgr.claim(3)
+    rng = np.random.default_rng(5)
+    for s, n in zip(ids, (3, 7, 10)):
+        mgr.fetch([BatchItem(s, range(n))])
+        mgr.step([BatchItem(s, range(n))])
+    batch = [BatchItem(s, [1]) for s in ids]
+    for step in range(40):
+        if step == 10:
+            f = mgr.fork(ids[1])  # ids[1]'s next write copies its last page
+            mgr.release(f)
+            mgr.fork(ids[1])
+        if step == 20:
+            mgr.pop(ids[2], 6)
+        if step == 30:
+            mgr.release(ids[0])
+            mgr.external_claim([ids[0]])
+        inp = mgr.fetch(batch, num_steps=int(rng.integers(1, 3)))[0]
+        for b, s in enumerate(ids):
+            pages = mgr.pages_of(s)
+            assert inp.lookup_table[b, :len(pages)].tolist() == pages, (step, s)
+            assert inp.cache_lengths[b] == mgr.cache_length(s)
+        mgr.step(batch)
+        mgr.check_invariants()
