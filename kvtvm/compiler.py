@@ -442,7 +442,12 @@ def nvcc_fatbin(source: str, archs: Iterable[str], workdir: Path) -> tuple[bytes
 
 
 def spill_report(ptxas_text: str) -> dict[str, dict[str, int]]:
-    """Per (arch, kernel) registers and spill bytes parsed from a ptxas ``-v`` report."""
+    """Per (arch, kernel) registers and spill bytes parsed from a ptxas ``-v`` report.
+
+    Spill bytes are read from each function's "Function properties" line; ptxas's separate
+    "Registers are spilled ... in function 'f'" warning can come after the next function's
+    heading, so it is attributed by the name it gives.
+    """
     result: dict[str, dict[str, int]] = {}
     current = None
     for line in ptxas_text.splitlines():
@@ -455,8 +460,12 @@ def spill_report(ptxas_text: str) -> dict[str, dict[str, int]]:
             continue
         m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m:
-            result[current]["spill_stores"] = int(m.group(1))
-            result[current]["spill_loads"] = int(m.group(2))
+            named = re.search(r"in function '(\w+)'", line)
+            key = f"{current.split(':')[0]}:{named.group(1)}" if named else current
+            entry = result.setdefault(key, {"registers": 0, "spill_stores": 0,
+                                            "spill_loads": 0})
+            entry["spill_stores"] = max(entry["spill_stores"], int(m.group(1)))
+            entry["spill_loads"] = max(entry["spill_loads"], int(m.group(2)))
         m = re.search(r"Used (\d+) registers", line)
         if m:
             result[current]["registers"] = int(m.group(1))

@@ -44,3 +44,21 @@ def test_import_blob_rewrite_roundtrip():
     assert source.encode() not in new
     with pytest.raises(ValueError):
         compiler.replace_cuda_source_with_fatbin(new, source, b"x")
+
+
+def test_spill_report_attributes_warnings_by_name():
+    report = "\n".join([
+        "ptxas info    : Compiling entry function 'a_kernel' for 'sm_80'",
+        "ptxas info    : Function properties for a_kernel",
+        "    8 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads",
+        "ptxas info    : Used 255 registers, used 1 barriers",
+        "ptxas info    : Compiling entry function 'b_kernel' for 'sm_80'",
+        "ptxas warning : Registers are spilled to local memory in function 'a_kernel', "
+        "8 bytes spill stores, 4 bytes spill loads",
+        "ptxas info    : Function properties for b_kernel",
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+        "ptxas info    : Used 40 registers, used 0 barriers",
+    ])
+    usage = compiler.spill_report(report)
+    assert usage["sm_80:a_kernel"] == {"registers": 255, "spill_stores": 8, "spill_loads": 4}
+    assert usage["sm_80:b_kernel"] == {"registers": 40, "spill_stores": 0, "spill_loads": 0}
