@@ -63,6 +63,10 @@ def workload():
         "single_new": Request(4, _rand(rng, PAGE), 1, arrival=4),
         "late_a": Request(5, _rand(rng, 9), 5, arrival=4),
         "late_b": Request(6, system + _rand(rng, 2), 3, arrival=5),
+        # exactly the system prompt: its last page holds the last token, so only one page hits
+        "sys_only": Request(13, list(system), 4, arrival=6),
+        # final length 60 + 37 - 1 = 96 = max_seq_len: fills a continuous/linear block exactly
+        "full_block": Request(14, _rand(rng, 60), 37, arrival=6),
         "empty": Request(7, [], 4, arrival=1),
         "too_long": Request(8, _rand(rng, MAX_SEQ_LEN + 1), 4, arrival=2),
         "too_many_new": Request(9, _rand(rng, 40), MAX_SEQ_LEN, arrival=2),
@@ -81,7 +85,7 @@ def test_serving_matches_transformers(model, cache):
         num_pages=24, model=model, quiet=True)
     assert problems == []
     served = [q for q in requests if q.status == "done"]
-    assert len(served) == 7
+    assert len(served) == 9
     for q in served:
         assert len(q.output) == q.max_new_tokens
     # bad input: rejected with a message, the rest served
@@ -102,6 +106,7 @@ def test_serving_matches_transformers(model, cache):
     if cache == "paged":
         assert r["sys_b"].prefix_hit_tokens == 2 * PAGE
         assert r["late_b"].prefix_hit_tokens == 2 * PAGE
+        assert r["sys_only"].prefix_hit_tokens == PAGE
         assert st.prefix_hit_tokens > 0 and st.hit_rate > 0
         engine.kv.mgr.check_invariants()
         assert engine.kv.mgr.stats().pages_used == 0      # everything released
