@@ -104,13 +104,16 @@ def record_serving_kernels(serve, cache: str, model):
         finally:
             in_kernels[0] += time.perf_counter() - t0
 
+    engine = serve.Engine(model, cache, num_pages=20)   # the demo's cache geometry
+    engine.log = lambda msg: None
+    engine.warmup()                           # load (or build) the kernels before timing
     patched = [m for m in list(sys.modules.values())
                if getattr(m, "__name__", "").startswith("kvtvm")
                and getattr(m, "launch", None) is original]
     for m in patched:
         m.launch = spy
     try:
-        engine, _, _ = serve.run(cache, model=model, quiet=True, verify=False)
+        engine.serve(serve.demo_requests(model.config.vocab_size, engine.max_seq_len))
     finally:
         for m in patched:
             m.launch = original
@@ -138,9 +141,35 @@ def _measure_here(cache: str, runs: int) -> float:
     model = serve.build_model()
     best = 0.0
     for _ in range(runs):
-        engine, _, _ = serve.run(cache, model=model, quiet=True, verify=False)
+        engine.serve(serve.demo_requests(model.config.vocab_size, engine.max_seq_len))
         best = max(best, engine.stats.tokens_per_second)
     return best
+
+
+def tune_recorded(recorded: dict, max_trials: int, repeat: int, log_root):
+    """Yield ``(spec, entry)`` for each recorded spec: ``kvtvm.tune.tune`` run on the spec's
+    recorded serving call (``entry`` None when its schedule declares no knobs)."""
+    from kvtvm import compiler
+    from kvtvm import tune as kvtune
+
+    def serving_workload(spec, device):
+        base = next(s for s in recorded if s.uri == spec.uri)
+        call = tuple(_clone(a) for a in recorded[base])
+        return call, tuple(call[i] for i in OUTPUTS[spec.op])
+
+    original = kvtune.workload
+    kvtune.workload = serving_workload      # tune on the recorded serving call
+    try:
+        for spec in recorded:
+            spaces = getattr(compiler._schedule_module(spec), "KNOB_SPACES", {})
+            if spec.op not in OUTPUTS or spec.op not in spaces:
+                yield spec, None
+                continue
+            print(f"tuning {spec.uri} ({max_trials} candidates)", flush=True)
+            yield spec, kvtune.tune(spec, "cpu", max_trials=max_trials, repeat=repeat,
+                                    log_root=log_root, write=True)
+    finally:
+        kvtune.workload = original
 
 
 def package_logs_dir() -> Path:
@@ -179,9 +208,6 @@ def main(argv=None) -> int:
         print(json.dumps({"tokens_per_second": tps}))
         return 0
 
-    from kvtvm import compiler
-    from kvtvm import tune as kvtune
-
     tmp = None
     if args.write:
         log_root = None
@@ -206,28 +232,17 @@ def main(argv=None) -> int:
         use_tuning_logs(log_root)
     serve = _serve_module()
     model = serve.build_model()
-    serve.run(args.cache, model=model, quiet=True, verify=False)   # load or build the kernels
     recorded, kernel_s, serving_s = record_serving_kernels(serve, args.cache, model)
     print(f"the serving run loads {len(recorded)} kernels: "
           + ", ".join(s.uri for s in recorded))
     print(f"kernel launches take {1e3 * kernel_s:.0f} ms of its {1e3 * serving_s:.0f} ms "
           f"({100 * kernel_s / serving_s:.0f}%; the rest is the torch model and Python)")
 
-    def serving_workload(spec, device):
-        base = next(s for s in recorded if s.uri == spec.uri)
-        call = tuple(_clone(a) for a in recorded[base])
-        return call, tuple(call[i] for i in OUTPUTS[spec.op])
-
-    kvtune.workload = serving_workload      # tune on the recorded serving call
     results = []
-    for spec in recorded:
-        spaces = getattr(compiler._schedule_module(spec), "KNOB_SPACES", {})
-        if spec.op not in OUTPUTS or spec.op not in spaces:
+    for spec, entry in tune_recorded(recorded, args.max_trials, args.repeat, log_root):
+        if entry is None:
             print(f"{spec.uri}: no knob space, skipped")
             continue
-        print(f"tuning {spec.uri} ({args.max_trials} candidates)", flush=True)
-        entry = kvtune.tune(spec, "cpu", max_trials=args.max_trials, repeat=args.repeat,
-                            log_root=log_root, write=True)
         failed = [t for t in entry["trials"] if "error" in t]
         results.append((spec.uri, entry["default_ms"], entry["median_ms"], entry["knobs"]))
         print(f"  default {entry['default_ms']:.4f} ms -> best {entry['median_ms']:.4f} ms "

@@ -271,3 +271,28 @@ def test_decode_steps_through_prefill_kernel(model, cache):
     engine.serve(requests)
     assert engine.stats.decode_steps > 0
     assert serve.check_against_reference(model, requests) == []
+
+
+def _load_autotune():
+    spec = importlib.util.spec_from_file_location("kvtvm_example_autotune",
+                                                  ROOT / "examples" / "autotune.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_autotune_tunes_the_kernels_serving_loads(model, tmp_path):
+    """examples/autotune.py records the specs a linear-cache serving run launches (append,
+    prefill, decode in the hnd layout, copy for eviction) and tunes one on its recorded call,
+    writing the log under the given root only."""
+    autotune = _load_autotune()
+    recorded, kernel_s, serving_s = autotune.record_serving_kernels(serve, "linear", model)
+    assert {s.op for s in recorded} == {"append", "prefill", "decode", "copy"}
+    assert all(s.layout == "hnd" for s in recorded if s.op != "copy")
+    assert 0 < kernel_s < serving_s
+    decode = {s: a for s, a in recorded.items() if s.op == "decode"}
+    (spec, entry), = list(autotune.tune_recorded(decode, max_trials=2, repeat=2,
+                                                 log_root=tmp_path))
+    assert entry["median_ms"] > 0 and len(entry["trials"]) == 2
+    assert Path(entry["path"]) == tmp_path / "llvm" / f"{spec.uri}.json"
+    assert Path(entry["path"]).exists()
