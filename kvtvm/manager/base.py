@@ -217,11 +217,14 @@ class KVCacheManager(abc.ABC):
         """Largest batch whose sequences can all reach ``max_seq_len`` in the given memory."""
 
     @abc.abstractmethod
-    def _fetch_plan_apply(self, batch, ids: np.ndarray, counts: np.ndarray, num_steps: int):
+    def _fetch_plan_apply(self, batch, ids: np.ndarray, counts: np.ndarray, num_steps: int,
+                          lengths: np.ndarray, total: np.ndarray):
         """Reserve room and fill the lookup rows of the host table buffer; atomic.
 
-        Returns ``(start, hits)``: int64 arrays ``[batch]`` of the cache length each item's new
-        tokens start at, and of the leading tokens already cached (prefix hits).
+        ``lengths`` are the committed lengths of ``ids`` and ``total`` the lengths to make room
+        for (``lengths + counts + num_steps - 1``). Returns ``(start, hits)``: int64 arrays
+        ``[batch]`` of the cache length each item's new tokens start at, and of the leading
+        tokens already cached (prefix hits), or None when there are none.
         """
 
     def _commit(self, batch, ids: np.ndarray, counts: np.ndarray) -> None:
@@ -415,7 +418,8 @@ class KVCacheManager(abc.ABC):
                 raise SequenceStateError(
                     f"fetch: seq_id {s} already has a fetch in flight; call step() to commit "
                     "it (or release() it) before fetching again")
-            total = self._lengths[ids] + counts + (num_steps - 1)
+            lengths = self._lengths[ids]
+            total = lengths + counts + (num_steps - 1)
             too_long = total > self.max_seq_len
             if too_long.any():
                 b = int(np.argmax(too_long))
@@ -425,11 +429,12 @@ class KVCacheManager(abc.ABC):
                     f"{num_steps - 1} more steps)", f"at most max_seq_len={self.max_seq_len}",
                     int(total[b])))
             self._tables.wait_host_free()
-            start, hits = self._fetch_plan_apply(batch, ids, counts, num_steps)
+            start, hits = self._fetch_plan_apply(batch, ids, counts, num_steps, lengths,
+                                                 total)
             # -- nothing below raises: fill the per-step tables and hand them out --------
             n = ids.size
             tables = self._tables
-            new = counts - hits if hits.any() else counts
+            new = counts if hits is None else counts - hits
             tables.cache_lengths[:n] = start
             qo = tables.qo_indptr
             qo[0] = 0
@@ -437,12 +442,12 @@ class KVCacheManager(abc.ABC):
             self._pending[ids] = counts
             self._pending_steps[ids] = num_steps
             tables.upload(n)
-            end0 = start + new
+            end0 = int(total.max()) - (num_steps - 1)  # max of lengths + counts
             max_lengths = np.empty((num_steps, 2), dtype=np.int32)
-            max_lengths[0] = (new.max(), end0.max())
+            max_lengths[0] = (new.max(), end0)
             if num_steps > 1:
                 max_lengths[1:, 0] = 1
-                max_lengths[1:, 1] = end0.max() + np.arange(1, num_steps)
+                max_lengths[1:, 1] = end0 + np.arange(1, num_steps)
             return self._make_inputs(ids, hits, max_lengths, n)
 
     def _make_inputs(self, ids, hits, max_lengths, n) -> list[RaggedKVCacheInputs]:
@@ -450,7 +455,7 @@ class KVCacheManager(abc.ABC):
 
         tables = self._tables
         seq_ids = tuple(ids.tolist())
-        cached = tuple(hits.tolist())
+        cached = (0,) * n if hits is None else tuple(hits.tolist())
         cl_host = tables.cache_lengths[:n].copy()
         qo_host = tables.qo_indptr[:n + 1].copy()
         max_t = torch.from_numpy(max_lengths)

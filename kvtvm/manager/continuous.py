@@ -9,8 +9,6 @@ paged cache with one page of ``max_seq_len`` per sequence, which is what the ker
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager, _StepTables, _table_elems, check_positive_int, parse_devices
 
@@ -47,8 +45,6 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
                                         n_devices=self.n_devices)
         self._blocks = self._allocate_blocks(shape)
         self._tables = _StepTables(self.max_batch_size, 1, self.devices)
-        self._no_hits = np.zeros(self.max_batch_size, dtype=np.int64)
-        self._no_hits.flags.writeable = False
 
     @property
     def num_blocks(self) -> int:
@@ -76,7 +72,6 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
         per_seq = params.bytes_per_token(num_layers, n) * max_seq_len + 4 * 3
         return max(1, (available_cache_memory - 4) // per_seq)
 
-    def _fetch_plan_apply(self, batch, ids, counts, num_steps):
-        n = ids.size
-        self._tables.lookup[:n, 0] = ids
-        return self._lengths[ids], self._no_hits[:n]
+    def _fetch_plan_apply(self, batch, ids, counts, num_steps, lengths, total):
+        self._tables.lookup[:ids.size, 0] = ids
+        return lengths, None

@@ -102,8 +102,6 @@ class PagedKVCacheManager(KVCacheManager):
         self._refcount = np.zeros(self.num_pages, dtype=np.int32)
         self._n_shared = 0  # pages with refcount > 1
         self._tail_check = np.zeros(mb, dtype=bool)  # last page may be shared or cached
-        self._no_hits = np.zeros(mb, dtype=np.int64)
-        self._no_hits.flags.writeable = False
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> lowest page
         self._dirty = np.zeros(mb, dtype=bool)  # page-table row changed since last fetch
         self._lookup_ids = np.zeros(mb, dtype=np.int64)  # batch of the last lookup fill
@@ -192,12 +190,11 @@ class PagedKVCacheManager(KVCacheManager):
     # fetch / step
     # ------------------------------------------------------------------------------------
 
-    def _fetch_plan_apply(self, batch, ids, counts, num_steps):
+    def _fetch_plan_apply(self, batch, ids, counts, num_steps, lengths, total):
         P = self.page_size
         n = ids.size
-        lengths = self._lengths[ids]
         npages = self._npages[ids]
-        hits = self._no_hits[:n]  # read-only zeros, replaced below on a prefix hit
+        hits = None  # no prefix hits
         hit_plan = []  # (b, pages, key ids)
         prefix = self._prefix
         if self.prefix_caching:
@@ -215,7 +212,7 @@ class PagedKVCacheManager(KVCacheManager):
             start, have = lengths + hits, npages + hits // P
         else:
             start, have = lengths, npages
-        need = -(-(lengths + counts + (num_steps - 1)) // P)
+        need = (total + (P - 1)) // P
         alloc = np.maximum(need - have, 0)
         # copy-on-write: the page the writes start in, when it is already held and shared
         cow, uncache = [], []
