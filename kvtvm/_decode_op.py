@@ -12,7 +12,7 @@ import threading
 
 from .boundary import (as_tensor, check_batch_indices, check_cache_pair, check_contiguous,
                        check_dim, check_dtype, check_rank, common_device,
-                       indices_on_host, launch)
+                       check_vector_aligned, indices_on_host, launch)
 from .errors import InvalidArgumentError, describe
 
 #: A split holds at least this many KV positions (shorter ones cost more in merging than
@@ -169,13 +169,7 @@ def decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout
                                             repr(num_splits)))
     device = common_device(tensors)
     if device.type == "cuda":  # K/V rows are staged with 16-byte cp.async copies
-        for name, t in (("k_cache", kc), ("v_cache", vc)):
-            esize = t.element_size()
-            bad = [st * esize for st in t.stride()[:-1] if (st * esize) % 16]
-            if t.data_ptr() % 16 or bad:
-                raise InvalidArgumentError(describe(
-                    name, "16-byte aligned rows on CUDA (data pointer and strides)",
-                    f"pointer % 16 = {t.data_ptr() % 16}, byte strides {bad}"))
+        check_vector_aligned({"k_cache": kc, "v_cache": vc})
     if check_indices is None:
         check_indices = indices_on_host(lengths, table)
     max_kv_len = table.shape[1] * geo.page_size

@@ -8,7 +8,7 @@ import numbers
 
 from .boundary import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
                        check_contiguous, check_dim, check_dtype, check_rank, common_device,
-                       indices_on_host, launch)
+                       check_vector_aligned, indices_on_host, launch)
 from .errors import InvalidArgumentError, describe
 
 
@@ -116,12 +116,7 @@ def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tabl
     common_device(dict(tensors, out=out, lse=lse))
 
     if device.type == "cuda":  # the tensor-core kernel moves q, K and V in 16-byte chunks
-        elem = qt.element_size()
-        for name, t in (("q", qt), ("k_cache", kc), ("v_cache", vc)):
-            if t.data_ptr() % 16 or any(st * elem % 16 for st in t.stride()[:-1]):
-                raise InvalidArgumentError(describe(
-                    name, "16-byte aligned data and strides on CUDA",
-                    f"data_ptr % 16 = {t.data_ptr() % 16}, strides {list(t.stride())}"))
+        check_vector_aligned({"q": qt, "k_cache": kc, "v_cache": vc})
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)
     if check_indices:

@@ -80,6 +80,18 @@ def check_contiguous(name: str, t) -> None:
                                             f"strides {list(t.stride())}"))
 
 
+def check_vector_aligned(tensors: dict, nbytes: int = 16) -> None:
+    """Each tensor's data pointer and every byte stride but the innermost are multiples of
+    ``nbytes`` (CUDA kernels move rows in ``nbytes`` vectors)."""
+    for name, t in tensors.items():
+        esize = t.element_size()
+        bad = [st * esize for st in t.stride()[:-1] if (st * esize) % nbytes]
+        if t.data_ptr() % nbytes or bad:
+            raise InvalidArgumentError(describe(
+                name, f"{nbytes}-byte aligned rows on CUDA (data pointer and strides)",
+                f"pointer % {nbytes} = {t.data_ptr() % nbytes}, byte strides {bad}"))
+
+
 def common_device(tensors: dict):
     """The one device every tensor of a call lives on; raises when they differ."""
     first_name, first = next(iter(tensors.items()))

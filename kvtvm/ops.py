@@ -13,8 +13,8 @@ each sequence's new tokens; ``lookup_table`` (int32 ``[batch, max_pages]``) its 
 from __future__ import annotations
 
 from .boundary import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
-                       check_contiguous, check_dim, check_dtype, check_rank, common_device,
-                       indices_on_host, launch)
+                       check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
+                       common_device, indices_on_host, launch)
 from .errors import InvalidArgumentError, describe
 
 
@@ -76,6 +76,8 @@ def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
         raise InvalidArgumentError(describe("v.shape", list(kt.shape), list(vt.shape)))
     check_batch_tables(indptr, lengths, table)
     device = common_device(tensors)
+    if device.type == "cuda":  # rows move as 16-byte vectors
+        check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)
     if check_indices:

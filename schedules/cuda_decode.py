@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from kvtvm.kernels.accessor import cache_index, match_cache
+from kvtvm.kernels.accessor import cache_index, match_cache, match_tensor
 from kvtvm.kernels.decode import LN2, LOG2E, NEG, signature, split_range
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -118,17 +118,17 @@ def schedule_decode(mod, spec, knobs):
                                                           T.int64(), T.int64())
         ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
         vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(var_q, (batch, Hq, D), dtype)
+        q = match_tensor(var_q, (batch, Hq, D), dtype)
         k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
                               [ks0, ks1, ks2, 1], koff)
         v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
                               [vs0, vs1, vs2, 1], voff)
-        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
-        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
-        out = T.match_buffer(var_out, (batch, Hq, D), dtype)
-        lse = T.match_buffer(var_lse, (batch, Hq), "float32")
-        o_part = T.match_buffer(var_o_part, (splits, batch, Hq, D), "float32")
-        lse_part = T.match_buffer(var_lse_part, (splits, batch, Hq), "float32")
+        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
+        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
+        out = match_tensor(var_out, (batch, Hq, D), dtype)
+        lse = match_tensor(var_lse, (batch, Hq), "float32")
+        o_part = match_tensor(var_o_part, (splits, batch, Hq, D), "float32")
+        lse_part = match_tensor(var_lse_part, (splits, batch, Hq), "float32")
         for bx in T.thread_binding(T.Cast("int32", batch * H * splits), thread="blockIdx.x"):
             for tz in T.thread_binding(BDZ, thread="threadIdx.z"):
                 for ty in T.thread_binding(BDY, thread="threadIdx.y"):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from kvtvm.kernels.accessor import cache_index, match_cache
+from kvtvm.kernels.accessor import cache_index, match_cache, match_tensor
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS
 
 #: a masked score: exp2(MASKED - running max) is exactly 0 (running max >= NEG_INF)
@@ -85,16 +85,16 @@ def simt_prefill(spec, NW: int):
         ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
         vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
         ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(var_q, (ntok, HQ, D), dtype)
+        q = match_tensor(var_q, (ntok, HQ, D), dtype)
         k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
                               [ks0, ks1, ks2, 1], koff)
         v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
                               [vs0, vs1, vs2, 1], voff)
-        qo_indptr = T.match_buffer(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
-        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
-        out = T.match_buffer(var_out, (ntok, HQ, D), dtype)
-        lse = T.match_buffer(var_lse, (ntok, HQ), "float32")
+        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
+        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
+        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
+        out = match_tensor(var_out, (ntok, HQ, D), dtype)
+        lse = match_tensor(var_lse, (ntok, HQ), "float32")
         for lbx in T.thread_binding((ntok * HQ + NW - 1) // NW, thread="blockIdx.x"):
             for lty in T.thread_binding(NW, thread="threadIdx.y"):
                 for ltx in T.thread_binding(32, thread="threadIdx.x"):
@@ -234,16 +234,16 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
         ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
         vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
         ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(var_q, (ntok, HQ, D), dtype)
+        q = match_tensor(var_q, (ntok, HQ, D), dtype)
         k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
                               [ks0, ks1, ks2, 1], koff)
         v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
                               [vs0, vs1, vs2, 1], voff)
-        qo_indptr = T.match_buffer(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
-        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
-        out = T.match_buffer(var_out, (ntok, HQ, D), dtype)
-        lse = T.match_buffer(var_lse, (ntok, HQ), "float32")
+        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
+        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
+        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
+        out = match_tensor(var_out, (ntok, HQ, D), dtype)
+        lse = match_tensor(var_lse, (ntok, HQ), "float32")
         for lbx in T.thread_binding((ntok + TQ - 1) // TQ, thread="blockIdx.x"):
             for lby in T.thread_binding(H, thread="blockIdx.y"):
                 for lty in T.thread_binding(NW, thread="threadIdx.y"):

@@ -37,9 +37,22 @@ def cache_index(layout: str, page, slot, head, dim):
     return (page, head, slot, dim)
 
 
+#: Bytes per element: the only alignment kvtvm assumes of a tensor it is given.
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8}
+
+
+def match_tensor(handle, shape, dtype: str, **kwargs):
+    """``T.match_buffer`` of a caller's tensor, assuming only element alignment.
+
+    TVM's default (64 bytes) lets LLVM emit aligned vector accesses, which fault on a numpy
+    array or a view that starts elsewhere; unaligned vector accesses cost nothing on aligned
+    data. (CUDA kernels that move 16-byte vectors have their ops check 16-byte alignment.)
+    """
+    return T.match_buffer(handle, shape, dtype, align=_ITEMSIZE[dtype], **kwargs)
+
+
 def match_cache(handle, layout: str, num_pages, page_size, n_kv_heads: int, head_dim: int,
                 dtype: str, strides, elem_offset):
     """``T.match_buffer`` of a strided per-layer cache (call inside a TVMScript function)."""
-    return T.match_buffer(handle, cache_shape(layout, num_pages, page_size, n_kv_heads,
-                                              head_dim),
-                          dtype, strides=[i64(s) for s in strides], elem_offset=elem_offset)
+    return match_tensor(handle, cache_shape(layout, num_pages, page_size, n_kv_heads, head_dim),
+                        dtype, strides=[i64(s) for s in strides], elem_offset=elem_offset)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .accessor import cache_index, match_cache
+from .accessor import cache_index, match_cache, match_tensor
 
 #: Binary-search steps of ``locate``: enough for a batch of 2**16 sequences.
 SEARCH_STEPS = 16
@@ -45,11 +45,11 @@ def define(spec):
                               [ks0, ks1, ks2, 1], koff)
         v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
                               [vs0, vs1, vs2, 1], voff)
-        k = T.match_buffer(var_k, (ntok, H, D), dtype)
-        v = T.match_buffer(var_v, (ntok, H, D), dtype)
-        qo_indptr = T.match_buffer(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
-        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
+        k = match_tensor(var_k, (ntok, H, D), dtype)
+        v = match_tensor(var_v, (ntok, H, D), dtype)
+        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
+        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
+        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
         seq_of = T.sblock_alloc_buffer((ntok,), "int32")
         for n in range(ntok):
             with T.sblock("locate"):

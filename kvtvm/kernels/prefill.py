@@ -36,7 +36,7 @@ import math
 
 from tvm.script import tirx as T
 
-from .accessor import cache_index, match_cache
+from .accessor import cache_index, match_cache, match_tensor
 
 #: Binary-search steps of ``locate``: enough for a batch of 2**16 sequences.
 SEARCH_STEPS = 16
@@ -64,16 +64,16 @@ def define(spec):
         ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
         vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
         ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(var_q, (ntok, HQ, D), dtype)
+        q = match_tensor(var_q, (ntok, HQ, D), dtype)
         k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
                               [ks0, ks1, ks2, 1], koff)
         v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
                               [vs0, vs1, vs2, 1], voff)
-        qo_indptr = T.match_buffer(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = T.match_buffer(var_cache_lengths, (batch,), "int32")
-        lookup = T.match_buffer(var_lookup, (batch, max_pages), "int32")
-        out = T.match_buffer(var_out, (ntok, HQ, D), dtype)
-        lse = T.match_buffer(var_lse, (ntok, HQ), "float32")
+        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
+        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
+        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
+        out = match_tensor(var_out, (ntok, HQ, D), dtype)
+        lse = match_tensor(var_lse, (ntok, HQ), "float32")
         seq_of = T.sblock_alloc_buffer((ntok,), "int32")
         for n in range(ntok):
             with T.sblock("locate"):
