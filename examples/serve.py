@@ -67,8 +67,8 @@ def build_model(seed: int = 0, num_layers: int = 4, hidden_size: int = 256, n_he
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads, head_dim=head_dim, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=None,
-        pad_token_id=0)
+        rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=None, pad_token_id=0)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(device=device, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
@@ -124,24 +124,25 @@ class KVTVMLlama:
         x = self.model.embed_tokens(token_ids)                            # [T, hidden]
         cos, sin = self.model.rotary_emb(x, positions[None])              # [1, T, D]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]                 # [T, 1, D]
-        tables = (kv.cache_lengths, kv.lookup_table)
-        cache = kv.collection()
+        cache = kv.collection()                                           # per-layer views
+        lengths, table, indptr = kv.cache_lengths, kv.lookup_table, kv.qo_indptr
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_proj(h).view(T, Hq, D)
             k = attn.k_proj(h).view(T, Hkv, D)
-            v = attn.v_proj(h).view(T, Hkv, D)
-            q = (q * cos + rotate_half(q) * sin).contiguous()
+            v = attn.v_proj(h).view(T, Hkv, D).contiguous()
+            q = (q * cos + rotate_half(q) * sin).contiguous()            # RoPE
             k = (k * cos + rotate_half(k) * sin).contiguous()
+            # kvtvm: write this step's K/V into the cache, then attend over the cache
             k_cache = cache.get_key_cache(i).blocks
             v_cache = cache.get_value_cache(i).blocks
-            ops.append_kv(k_cache, v_cache, k, v.contiguous(), kv.qo_indptr, *tables,
-                          layout=kv.layout)
+            ops.append_kv(k_cache, v_cache, k, v, indptr, lengths, table, layout=kv.layout)
             if decode and self.use_decode_kernel:
-                o, _ = ops.decode_attention(q, k_cache, v_cache, *tables, layout=kv.layout)
+                o, _ = ops.decode_attention(q, k_cache, v_cache, lengths, table,
+                                            layout=kv.layout)
             else:
-                o, _ = ops.prefill_attention(q, k_cache, v_cache, kv.qo_indptr, *tables,
+                o, _ = ops.prefill_attention(q, k_cache, v_cache, indptr, lengths, table,
                                              layout=kv.layout, causal=True)
             x = x + attn.o_proj(o.reshape(T, Hq * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
