@@ -103,7 +103,6 @@ class PagedKVCacheManager(KVCacheManager):
         self._n_shared = 0  # pages with refcount > 1
         self._tail_check = np.zeros(mb, dtype=bool)  # last page may be shared or cached
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> lowest page
-        self._dirty = np.zeros(mb, dtype=bool)  # page-table row changed since last fetch
         self._lookup_ids = np.zeros(mb, dtype=np.int64)  # batch of the last lookup fill
         self._lookup_n = -1
         self.prefix_caching = bool(params.enable_prefix_caching)
@@ -212,14 +211,17 @@ class PagedKVCacheManager(KVCacheManager):
             start, have = lengths + hits, npages + hits // P
         else:
             start, have = lengths, npages
-        need = (total + (P - 1)) // P
-        alloc = np.maximum(need - have, 0)
+        # sequences whose pages cannot hold ``total`` tokens, and how many pages each needs
+        short = np.flatnonzero(total > have * P)
+        have_short = have[short]
+        alloc = (total[short] - have_short * P + (P - 1)) // P
         # copy-on-write: the page the writes start in, when it is already held and shared
         cow, uncache = [], []
         # Only a sequence flagged by fork or pop can start writing into a page that is shared
         # or cached (a page is cached only once full, and writes start at the length).
         flagged = self._tail_check[ids]
-        partial = np.flatnonzero(flagged & (start % P != 0)) if flagged.any() else ()
+        any_flagged = flagged.any()
+        partial = np.flatnonzero(flagged & (start % P != 0)) if any_flagged else ()
         if len(partial):
             pages = self._page_table[ids[partial], start[partial] // P]
             rc = self._refcount[pages]
@@ -233,46 +235,51 @@ class PagedKVCacheManager(KVCacheManager):
                     left[page] = r - 1
                 elif prefix.registered[page] and page not in uncache:
                     uncache.append(page)  # held by this item alone: write in place, uncached
-        n_new = int(alloc.sum()) + len(cow)
+        n_alloc = int(alloc.sum())
+        n_new = n_alloc + len(cow)
         pinned = {p for _, pages, _, _ in hit_plan for p in pages if self._refcount[p] == 0}
         available = self._available_pages() - len(pinned)
         if n_new > available:
             raise KVCacheCapacityError(
-                f"fetch: needs {n_new} new pages of {P} tokens ({int(alloc.sum())} for new "
+                f"fetch: needs {n_new} new pages of {P} tokens ({n_alloc} for new "
                 f"tokens, {len(cow)} copy-on-write), {available} are free or evictable "
                 f"(pool of {self.num_pages} pages)")
         # -- apply (only a failing page copy can raise from here; then everything is undone) --
         snap = self._snapshot() if cow else None
         try:
-            self._apply_fetch(ids, hit_plan, uncache, cow, alloc, have, start)
+            self._apply_fetch(ids, hit_plan, uncache, cow, short, alloc, have_short, start)
         except BaseException:
             if snap is not None:
                 self._restore(snap)
             raise
-        self._tail_check[ids] = False  # every write page of the batch is now exclusive
-        self._fill_lookup(ids, touched=bool(hit_plan or cow or alloc.any()))
+        if any_flagged:
+            self._tail_check[ids] = False  # every write page of the batch is now exclusive
+        changed = short
+        if hit_plan or cow:
+            changed = np.concatenate([short, [b for b, *_ in hit_plan], [b for b, _ in cow]])
+        self._fill_lookup(ids, changed)
         return start, hits
 
-    def _fill_lookup(self, ids, touched: bool) -> None:
+    def _fill_lookup(self, ids, changed) -> None:
         """Rows of the per-step lookup table. A decode loop fetches the same batch step after
-        step: then only rows whose pages changed since the last fetch are rewritten."""
+        step: then only the rows of items whose pages this fetch changed are rewritten (any
+        other change of a page list -- release, fork, pop, an undone fetch -- invalidates the
+        table and the next fetch rewrites every row)."""
         n = ids.size
         lookup = self._tables.lookup
         if n == self._lookup_n and np.array_equal(ids, self._lookup_ids[:n]):
-            if touched:
-                rows = np.flatnonzero(self._dirty[ids])
-                if rows.size:
-                    lookup[rows] = self._page_table[ids[rows]]
+            if len(changed):
+                changed = np.asarray(changed, dtype=np.int64)
+                lookup[changed] = self._page_table[ids[changed]]
         else:
             np.take(self._page_table, ids, axis=0, out=lookup[:n])
             self._lookup_ids[:n] = ids
             self._lookup_n = n
-        self._dirty[ids] = False
 
     def _invalidate_lookup(self) -> None:
         self._lookup_n = -1
 
-    def _apply_fetch(self, ids, hit_plan, uncache, cow, alloc, have, start):
+    def _apply_fetch(self, ids, hit_plan, uncache, cow, short, alloc, have_short, start):
         P = self.page_size
         rc, pt, prefix = self._refcount, self._page_table, self._prefix
         for b, pages, kids, ntok in hit_plan:
@@ -288,7 +295,6 @@ class PagedKVCacheManager(KVCacheManager):
                     self._n_shared += 1
             pt[sid, :len(pages)] = pages
             self._npages[sid] = len(pages)
-            self._dirty[sid] = True
             self._keys[sid] = list(kids)
         for page in uncache:
             prefix.unregister(page)
@@ -302,24 +308,20 @@ class PagedKVCacheManager(KVCacheManager):
                     self._n_shared -= 1
                 rc[new] = 1
                 pt[sid, int(start[b]) // P] = new
-                self._dirty[sid] = True
                 src.append(old)
                 dst.append(new)
-        sel = np.flatnonzero(alloc)
-        if sel.size:
-            k_sel = alloc[sel]
-            pages = np.array(self._take(int(k_sel.sum())), dtype=np.int32)
+        if short.size:
+            pages = np.array(self._take(int(alloc.sum())), dtype=np.int32)
             rc[pages] = 1
-            sids = ids[sel]
-            if (k_sel == 1).all():  # decode: one new page per sequence that needs one
-                pt[sids, have[sel]] = pages
+            sids = ids[short]
+            if (alloc == 1).all():  # decode: one new page per sequence that needs one
+                pt[sids, have_short] = pages
             else:
                 off = 0
-                for sid, k, h in zip(sids.tolist(), k_sel.tolist(), have[sel].tolist()):
+                for sid, k, h in zip(sids.tolist(), alloc.tolist(), have_short.tolist()):
                     pt[sid, h:h + k] = pages[off:off + k]
                     off += k
-            self._npages[sids] = have[sel] + k_sel
-            self._dirty[sids] = True
+            self._npages[sids] = have_short + alloc
         if src:
             self._copy_pages(src, dst)
 
