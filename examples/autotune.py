@@ -132,8 +132,10 @@ def measure(cache: str, runs: int, log_root: str | None, threads: int) -> float:
            "--runs", str(runs), "--torch-threads", str(threads)]
     if log_root:
         cmd += ["--log-root", log_root]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["tokens_per_second"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"serving measurement failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["tokens_per_second"]
 
 
 def _measure_here(cache: str, runs: int) -> float:
@@ -141,7 +143,7 @@ def _measure_here(cache: str, runs: int) -> float:
     model = serve.build_model()
     best = 0.0
     for _ in range(runs):
-        engine.serve(serve.demo_requests(model.config.vocab_size, engine.max_seq_len))
+        engine, _, _ = serve.run(cache, model=model, quiet=True, verify=False)
         best = max(best, engine.stats.tokens_per_second)
     return best
 

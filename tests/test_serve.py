@@ -296,3 +296,17 @@ def test_autotune_tunes_the_kernels_serving_loads(model, tmp_path):
     assert entry["median_ms"] > 0 and len(entry["trials"]) == 2
     assert Path(entry["path"]) == tmp_path / "llvm" / f"{spec.uri}.json"
     assert Path(entry["path"]).exists()
+
+
+def test_autotune_measure_only_reports_tokens_per_second(capsys):
+    """The child-process entry of examples/autotune.py prints the serving speed as JSON."""
+    import json
+
+    autotune = _load_autotune()
+    threads = torch.get_num_threads()
+    try:
+        assert autotune.main(["--measure-only", "--runs", "1", "--cache", "linear"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(out)["tokens_per_second"] > 0
