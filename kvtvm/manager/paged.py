@@ -106,7 +106,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._lookup_ids = np.zeros(mb, dtype=np.int64)  # batch of the last lookup fill
         self._lookup_n = -1
         self.prefix_caching = bool(params.enable_prefix_caching)
-        self._prefix = PrefixCache(self.num_pages)
+        self._prefix = PrefixCache()
         if self.prefix_caching:
             self._tokens = np.zeros((mb, self.max_seq_len), dtype=np.int64)
             self._keys: list[list[int]] = [[] for _ in range(mb)]
@@ -164,13 +164,13 @@ class PagedKVCacheManager(KVCacheManager):
     def _drop_refs(self, pages) -> None:
         """One reference less on each page, deepest first; unreferenced pages go to the free
         list, or to the LRU list if cached."""
-        rc, registered, lru = self._refcount, self._prefix.registered, self._prefix.lru
+        rc, cached, lru = self._refcount, self._prefix.page_key, self._prefix.lru
         for p in reversed([int(p) for p in pages]):
             rc[p] -= 1
             if rc[p] == 1:
                 self._n_shared -= 1
             elif rc[p] == 0:
-                if registered[p]:
+                if p in cached:
                     lru[p] = None
                 else:
                     self._free.append(p)
@@ -196,7 +196,7 @@ class PagedKVCacheManager(KVCacheManager):
         hits = None  # no prefix hits
         hit_plan = []  # (b, pages, key ids)
         prefix = self._prefix
-        if self.prefix_caching:
+        if self.prefix_caching and not lengths.all():
             fresh = np.flatnonzero((lengths == 0) & (npages == 0))
             if fresh.size:
                 hits = np.zeros(n, dtype=np.int64)
@@ -225,15 +225,13 @@ class PagedKVCacheManager(KVCacheManager):
         if len(partial):
             pages = self._page_table[ids[partial], start[partial] // P]
             rc = self._refcount[pages]
-            odd = np.flatnonzero((rc > 1) | prefix.registered[pages])  # shared or cached
-            partial, pages, rc = partial[odd], pages[odd], rc[odd]
             left = {}  # page -> holders not yet moved off it by an earlier item's copy
             for b, page, r in zip(partial.tolist(), pages.tolist(), rc.tolist()):
                 r = left.get(page, r)
                 if r > 1:  # shared: this item writes into a copy
                     cow.append((b, page))
                     left[page] = r - 1
-                elif prefix.registered[page] and page not in uncache:
+                elif page in prefix.page_key and page not in uncache:
                     uncache.append(page)  # held by this item alone: write in place, uncached
         n_alloc = int(alloc.sum())
         n_new = n_alloc + len(cow)
@@ -527,7 +525,7 @@ class PagedKVCacheManager(KVCacheManager):
                 L = int(self._lengths[sid])
                 if L % self.page_size and self._pending[sid] < 0:
                     tail = int(self._page_table[sid, L // self.page_size])
-                    assert owners[tail] == 1 and not self._prefix.registered[tail], \
+                    assert owners[tail] == 1 and tail not in self._prefix.page_key, \
                         f"seq {sid}: unflagged last page {tail} is shared or cached"
             free = set(self._free)
             assert len(free) == len(self._free), "page on the free list twice"
@@ -536,9 +534,8 @@ class PagedKVCacheManager(KVCacheManager):
             assert not (free & lru) and not (free & used) and not (lru & used)
             assert len(free) + len(lru) + len(used) == self.num_pages, "page leaked"
             p = self._prefix
-            assert all(p.registered[q] and self._refcount[q] == 0 for q in lru)
-            assert not any(p.registered[q] for q in free)
-            assert set(np.flatnonzero(p.registered).tolist()) == set(p.page_key)
+            assert all(q in p.page_key and self._refcount[q] == 0 for q in lru)
+            assert not any(q in p.page_key for q in free)
             assert {page for _, page in p.table.values()} == set(p.page_key)
             if self.prefix_caching:
                 for sid in np.flatnonzero(self._claimed):

@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-
 __all__ = ["PrefixCache", "PagedCacheStats"]
 
 
@@ -63,10 +61,9 @@ class PagedCacheStats:
 class PrefixCache:
     """Key -> page map of full pages, with the LRU list of unreferenced cached pages."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self):
         self.table: dict[tuple, tuple[int, int]] = {}    # key -> (key id, page)
-        self.page_key: dict[int, tuple] = {}               # registered page -> its key
-        self.registered = np.zeros(num_pages, dtype=bool)
+        self.page_key: dict[int, tuple] = {}               # cached page -> its key
         self.lru: OrderedDict[int, None] = OrderedDict()   # refcount-0 cached pages, oldest first
         self.next_id = 0
         self.queries = 0
@@ -97,19 +94,17 @@ class PrefixCache:
         if hit is not None:
             return hit[0]
         kid = self.next_id
-        self.next_id += 1
-        if self.registered[page]:  # the page is cached under another key (defensive)
+        self.next_id = kid + 1
+        if page in self.page_key:  # the page is cached under another key (defensive)
             return kid  # a fresh id nobody holds: this page's children are never reached
         self.table[key] = (kid, page)
         self.page_key[page] = key
-        self.registered[page] = True
         return kid
 
     def unregister(self, page: int) -> None:
         """Drop ``page``'s key (it is about to be overwritten or reused)."""
         key = self.page_key.pop(page)
         del self.table[key]
-        self.registered[page] = False
         self.lru.pop(page, None)
 
     def evict_one(self) -> int:
@@ -117,16 +112,14 @@ class PrefixCache:
         page, _ = self.lru.popitem(last=False)
         key = self.page_key.pop(page)
         del self.table[key]
-        self.registered[page] = False
         self.evictions += 1
         return page
 
     # -- transactions -------------------------------------------------------------------------
     def snapshot(self):
-        return (dict(self.table), dict(self.page_key), self.registered.copy(),
-                OrderedDict(self.lru), self.next_id, self.queries, self.query_tokens,
-                self.hit_tokens, self.evictions)
+        return (dict(self.table), dict(self.page_key), OrderedDict(self.lru), self.next_id,
+                self.queries, self.query_tokens, self.hit_tokens, self.evictions)
 
     def restore(self, snap) -> None:
-        (self.table, self.page_key, self.registered, self.lru, self.next_id, self.queries,
+        (self.table, self.page_key, self.lru, self.next_id, self.queries,
          self.query_tokens, self.hit_tokens, self.evictions) = snap
