@@ -47,14 +47,7 @@ def _serve_module():
 def use_tuning_logs(root: Path) -> None:
     """Make this process read (and digest) tuning logs under ``root`` instead of the
     package's ``tuning_logs/``."""
-    from kvtvm import compiler
-
-    original = compiler.tuning_log_path
-
-    def tuning_log_path(spec, log_root=None):
-        return original(spec, root if log_root is None else log_root)
-
-    compiler.tuning_log_path = tuning_log_path
+    os.environ["KVTVM_TUNING_LOGS"] = str(root)
 
 
 # ------------------------------------------------------------------------------------------
@@ -154,31 +147,25 @@ def tune_recorded(recorded: dict, max_trials: int, repeat: int, log_root):
     from kvtvm import compiler
     from kvtvm import tune as kvtune
 
-    def serving_workload(spec, device):
-        base = next(s for s in recorded if s.uri == spec.uri)
-        call = tuple(_clone(a) for a in recorded[base])
+    def serving_inputs(spec):
+        call = tuple(_clone(a) for a in recorded[spec])
         return call, tuple(call[i] for i in OUTPUTS[spec.op])
 
-    original = kvtune.workload
-    kvtune.workload = serving_workload      # tune on the recorded serving call
-    try:
-        for spec in recorded:
-            spaces = getattr(compiler._schedule_module(spec), "KNOB_SPACES", {})
-            if spec.op not in OUTPUTS or spec.op not in spaces:
-                yield spec, None
-                continue
-            print(f"tuning {spec.uri} ({max_trials} candidates)", flush=True)
-            yield spec, kvtune.tune(spec, "cpu", max_trials=max_trials, repeat=repeat,
-                                    log_root=log_root, write=True)
-    finally:
-        kvtune.workload = original
+    for spec in recorded:  # tune each kernel on its recorded serving call
+        spaces = getattr(compiler._schedule_module(spec), "KNOB_SPACES", {})
+        if spec.op not in OUTPUTS or spec.op not in spaces:
+            yield spec, None
+            continue
+        print(f"tuning {spec.uri} ({max_trials} candidates)", flush=True)
+        yield spec, kvtune.tune(spec, "cpu", max_trials=max_trials, repeat=repeat,
+                                log_root=log_root, write=True, inputs=serving_inputs(spec))
 
 
 def package_logs_dir() -> Path:
     """The package's ``tuning_logs/`` directory."""
     from kvtvm import compiler
 
-    return compiler.tuning_log_path(compiler.KernelSpec("append", "float32", 8, 1)).parent.parent
+    return compiler.tuning_logs_dir()
 
 
 # ------------------------------------------------------------------------------------------

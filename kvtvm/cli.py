@@ -20,9 +20,15 @@ def _csv(kind):
 
 def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_heads, groups,
                   layouts):
-    """The cross product of the requested axes, for every family whose kernel exists."""
+    """The cross product of the requested axes, for every family whose kernel exists.
+
+    The copy kernel moves whole rows whatever the head count and layout, so the copy op
+    always loads it with ``n_kv_heads=1`` and layout ``nhd``; it is built that way.
+    """
     specs = []
     for op, dtype, d, h, layout in itertools.product(ops, dtypes, head_dims, kv_heads, layouts):
+        if op == "copy":
+            h, layout = 1, "nhd"
         for g in (groups if op in ("decode", "prefill") else [1]):
             specs.append(compiler.KernelSpec(op=op, dtype=dtype, head_dim=d, n_kv_heads=h,
                                              group_size=g, layout=layout, target=target,

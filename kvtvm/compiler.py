@@ -227,12 +227,18 @@ def _schedules_dir() -> Path:
     return installed if installed.is_dir() else _REPO / "schedules"
 
 
+def tuning_logs_dir() -> Path:
+    """Root of the tuning logs builds read: ``KVTVM_TUNING_LOGS`` if set, else the package's
+    ``tuning_logs/``."""
+    if os.environ.get("KVTVM_TUNING_LOGS"):
+        return Path(os.environ["KVTVM_TUNING_LOGS"])
+    installed = _ROOT / "tuning_logs"
+    return installed if installed.is_dir() else _REPO / "tuning_logs"
+
+
 def tuning_log_path(spec: KernelSpec, root: Path | None = None) -> Path:
-    """``tuning_logs/<target_tag>/<uri>.json`` for ``spec``."""
-    if root is None:
-        installed = _ROOT / "tuning_logs"
-        root = installed if installed.is_dir() else _REPO / "tuning_logs"
-    return Path(root) / spec.target_tag / f"{spec.uri}.json"
+    """``<root>/<target_tag>/<uri>.json`` for ``spec`` (root: :func:`tuning_logs_dir`)."""
+    return Path(root or tuning_logs_dir()) / spec.target_tag / f"{spec.uri}.json"
 
 
 def _source_files(spec: KernelSpec) -> list[Path]:

@@ -70,11 +70,15 @@ def progress(i: int, n: int, text: str) -> None:
 
 
 def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int = 3,
-         log_root: Path | None = None, write: bool = True) -> dict:
-    """Search ``spec``'s knobs; returns (and, with ``write``, records) the best entry."""
+         log_root: Path | None = None, write: bool = True, inputs=None) -> dict:
+    """Search ``spec``'s knobs; returns (and, with ``write``, records) the best entry.
+
+    ``inputs`` is ``(args, outputs)`` for calling the kernel directly (``args`` the argument
+    tuple, ``outputs`` the tensors it writes); by default :func:`workload` makes them.
+    """
     import torch
 
-    args, outputs = workload(spec, device)
+    args, outputs = inputs if inputs is not None else workload(spec, device)
     snapshot = [t.clone() for t in outputs]
     trials, reference = [], None
     cands = candidates(spec, max_trials)
