@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .boundary import as_tensor, check_contiguous, check_dtype, host_array, launch
+from .boundary import (as_tensor, check_contiguous, check_dtype, check_vector_aligned,
+                       host_array, launch)
 from .errors import DeviceMismatchError, InvalidArgumentError, describe
 from .params import DTYPE_SIZES
 
@@ -104,6 +105,11 @@ def _copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> None:
     outer = int(np.prod(buf.shape[:axis], dtype=np.int64)) if axis else 1
     inner = int(np.prod(buf.shape[axis + 1:], dtype=np.int64)) // head_dim
     view = buf.view(outer, rows, inner, head_dim)
+    if buf.device.type == "cuda":  # the CUDA schedule moves up-to-16-byte vectors of a row
+        lanes = 16 // buf.element_size()
+        while head_dim % lanes:
+            lanes //= 2
+        check_vector_aligned({name: view}, lanes * buf.element_size())
     spec = dict(op="copy", dtype=str(buf.dtype).replace("torch.", ""), head_dim=head_dim,
                 n_kv_heads=1, layout="nhd")
     if not on_host:

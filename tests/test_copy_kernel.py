@@ -157,3 +157,11 @@ def test_copy_on_gpu_matches_reference(dtype):
     gpu = cache.cuda()
     ops.copy_slots(gpu, i32([5, 7]).cuda(), i32([0, 1]).cuda())  # device indices: one launch
     assert np.array_equal(as_numpy(gpu.cpu()), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_copy_on_gpu_rejects_unaligned_view():
+    base = torch.zeros(1 + 4 * 2 * 64, dtype=torch.float16, device="cuda")
+    blocks = base[1:].view(4, 2, 64)
+    with pytest.raises(InvalidArgumentError, match="16-byte aligned"):
+        ops.copy_pages(blocks, i32([0]), i32([1]))

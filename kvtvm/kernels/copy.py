@@ -35,18 +35,18 @@ def define(spec):
     """The unscheduled copy PrimFunc of ``spec`` (``spec.head_dim`` is the innermost extent)."""
     from tvm.script import tirx as T
 
+    from .accessor import _ITEMSIZE, match_tensor
+
     D, dtype = spec.head_dim, spec.dtype
-    # a view of a cache tensor may start anywhere: assume only element alignment (TVM's
-    # default, 64 bytes, lets LLVM emit aligned vector accesses that fault on such a view)
-    align = {"float16": 2, "bfloat16": 2, "float32": 4}[dtype]
+    align = _ITEMSIZE[dtype]  # only element alignment is assumed (see match_tensor)
 
     # fmt: off
     @T.prim_func(s_tir=True)
     def copy(var_buf: T.handle, var_src: T.handle, var_dst: T.handle):
         outer, rows, inner, n = T.int64(), T.int64(), T.int64(), T.int64()
-        buf = T.match_buffer(var_buf, (outer, rows, inner, T.int64(D)), dtype, align=align)
-        src = T.match_buffer(var_src, (n,), "int32")
-        dst = T.match_buffer(var_dst, (n,), "int32")
+        buf = match_tensor(var_buf, (outer, rows, inner, T.int64(D)), dtype)
+        src = match_tensor(var_src, (n,), "int32")
+        dst = match_tensor(var_dst, (n,), "int32")
         # the written side of ``buf``: same memory, a second buffer object, so the block's
         # reads and writes are distinct buffers for the scheduler
         out = T.decl_buffer((outer, rows, inner, T.int64(D)), dtype, data=buf.data,
