@@ -22,8 +22,8 @@ import math
 import tvm
 from tvm.script import tirx as T
 
-from kvtvm.kernels.accessor import cache_index, match_cache, match_tensor
-from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS
+from kvtvm.kernels.accessor import cache_index
+from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS, match_params
 
 from .common import new_schedule, under_locate
 
@@ -72,7 +72,7 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
     """The tiled CPU prefill PrimFunc (see the module docstring)."""
     H, G, D, dtype, layout = (spec.n_kv_heads, spec.group_size, spec.head_dim, spec.dtype,
                               spec.layout)
-    HQ, R = H * G, TQ * G
+    R = TQ * G
     RB = math.gcd(RB, R)
     SLIDE = 1 if "sliding_window" in spec.features else 0
     DCH = math.gcd(D, 64)  # O columns per register block
@@ -92,20 +92,10 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
                 window: T.int32):
         T.func_attr({"tirx.noalias": True})
-        num_pages, page_size = T.int64(), T.int64()
-        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
-        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
-        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        q = match_tensor(var_q, (ntok, HQ, D), dtype)
-        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
-                              [ks0, ks1, ks2, 1], koff)
-        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
-                              [vs0, vs1, vs2, 1], voff)
-        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
-        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        out = match_tensor(var_out, (ntok, HQ, D), dtype)
-        lse = match_tensor(var_lse, (ntok, HQ), "float32")
+        (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
+         cache_lengths, lookup, out, lse) = match_params(
+            spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
+            var_lookup, var_out, var_lse)
         for w in T.parallel((ntok + TQ - 1) // TQ * H):
             with T.sblock("attn"):
                 vw = T.axis.spatial((ntok + TQ - 1) // TQ * H, w)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from kvtvm.kernels.accessor import cache_index, match_cache, match_tensor
-from kvtvm.kernels.decode import LN2, LOG2E, NEG, signature, split_range
+from kvtvm.kernels.accessor import cache_index
+from kvtvm.kernels.decode import LN2, LOG2E, NEG, match_params, signature, split_range
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 #: Static shared memory kept for the K/V stages (of the 48 KiB a kernel may declare statically).
@@ -114,21 +114,10 @@ def schedule_decode(mod, spec, knobs):
                var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
                sm_scale: T.float32, window: T.int32):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        batch, num_pages, page_size, max_pages, splits = (T.int64(), T.int64(), T.int64(),
-                                                          T.int64(), T.int64())
-        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
-        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
-        q = match_tensor(var_q, (batch, Hq, D), dtype)
-        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
-                              [ks0, ks1, ks2, 1], koff)
-        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
-                              [vs0, vs1, vs2, 1], voff)
-        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
-        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        out = match_tensor(var_out, (batch, Hq, D), dtype)
-        lse = match_tensor(var_lse, (batch, Hq), "float32")
-        o_part = match_tensor(var_o_part, (splits, batch, Hq, D), "float32")
-        lse_part = match_tensor(var_lse_part, (splits, batch, Hq), "float32")
+        (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
+         lookup, out, lse, o_part, lse_part) = match_params(
+            spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
+            var_lse, var_o_part, var_lse_part)
         for bx in T.thread_binding(T.Cast("int32", batch * H * splits), thread="blockIdx.x"):
             for tz in T.thread_binding(BDZ, thread="threadIdx.z"):
                 for ty in T.thread_binding(BDY, thread="threadIdx.y"):

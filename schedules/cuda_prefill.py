@@ -31,8 +31,8 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from kvtvm.kernels.accessor import cache_index, match_cache, match_tensor
-from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS
+from kvtvm.kernels.accessor import cache_index
+from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS, match_params
 
 #: a masked score: exp2(MASKED - running max) is exactly 0 (running max >= NEG_INF)
 MASKED = -3.0e38
@@ -81,20 +81,10 @@ def simt_prefill(spec, NW: int):
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
                 window: T.int32):
         T.func_attr({"tirx.noalias": True})
-        num_pages, page_size = T.int64(), T.int64()
-        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
-        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
-        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        q = match_tensor(var_q, (ntok, HQ, D), dtype)
-        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
-                              [ks0, ks1, ks2, 1], koff)
-        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
-                              [vs0, vs1, vs2, 1], voff)
-        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
-        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        out = match_tensor(var_out, (ntok, HQ, D), dtype)
-        lse = match_tensor(var_lse, (ntok, HQ), "float32")
+        (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
+         cache_lengths, lookup, out, lse) = match_params(
+            spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
+            var_lookup, var_out, var_lse)
         for lbx in T.thread_binding((ntok * HQ + NW - 1) // NW, thread="blockIdx.x"):
             for lty in T.thread_binding(NW, thread="threadIdx.y"):
                 for ltx in T.thread_binding(32, thread="threadIdx.x"):
@@ -172,7 +162,6 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                               spec.layout)
     assert dtype in ("float16", "bfloat16") and D % 16 == 0 and BN % 16 == 0
     AB = "fp16" if dtype == "float16" else "bf16"
-    HQ = H * G
     BM = 16 * NW          # query rows per CTA
     TQ = BM // G          # tokens per CTA (each token brings G rows)
     R = TQ * G            # rows actually used (<= BM)
@@ -230,20 +219,10 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
                 window: T.int32):
         T.func_attr({"tirx.noalias": True})
-        num_pages, page_size = T.int64(), T.int64()
-        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
-        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
-        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        q = match_tensor(var_q, (ntok, HQ, D), dtype)
-        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
-                              [ks0, ks1, ks2, 1], koff)
-        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
-                              [vs0, vs1, vs2, 1], voff)
-        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
-        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        out = match_tensor(var_out, (ntok, HQ, D), dtype)
-        lse = match_tensor(var_lse, (ntok, HQ), "float32")
+        (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
+         cache_lengths, lookup, out, lse) = match_params(
+            spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
+            var_lookup, var_out, var_lse)
         for lbx in T.thread_binding((ntok + TQ - 1) // TQ, thread="blockIdx.x"):
             for lby in T.thread_binding(H, thread="blockIdx.y"):
                 for lty in T.thread_binding(NW, thread="threadIdx.y"):

@@ -5,8 +5,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from kvtvm import compiler
 
 SPEC = dict(op="append", dtype="float32", head_dim=16, n_kv_heads=2)

@@ -13,8 +13,6 @@ import argparse
 import math
 import time
 
-import numpy as np
-
 from .common import Row, add_common_args, median_seconds, report
 
 #: (batch, context) cases.

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 
-import numpy as np
-
 from .common import Row, add_common_args, median_seconds, report
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16

@@ -56,3 +56,16 @@ def match_cache(handle, layout: str, num_pages, page_size, n_kv_heads: int, head
     """``T.match_buffer`` of a strided per-layer cache (call inside a TVMScript function)."""
     return match_tensor(handle, cache_shape(layout, num_pages, page_size, n_kv_heads, head_dim),
                         dtype, strides=[i64(s) for s in strides], elem_offset=elem_offset)
+
+
+def match_cache_pair(var_k_cache, var_v_cache, layout: str, n_kv_heads: int, head_dim: int,
+                     dtype: str):
+    """Bind the per-layer K and V caches of a kernel signature (call inside a TVMScript
+    function). They share ``num_pages`` and ``page_size``; each has its own strides and
+    offset. Returns ``(num_pages, page_size, k_cache, v_cache)``."""
+    num_pages, page_size = T.int64(), T.int64()
+    k_cache = match_cache(var_k_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
+                          dtype, [T.int64(), T.int64(), T.int64(), 1], T.int64())
+    v_cache = match_cache(var_v_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
+                          dtype, [T.int64(), T.int64(), T.int64(), 1], T.int64())
+    return num_pages, page_size, k_cache, v_cache

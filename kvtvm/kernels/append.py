@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .accessor import cache_index, match_cache, match_tensor
+from .accessor import cache_index, match_cache_pair, match_tensor
 
 #: Binary-search steps of ``locate``: enough for a batch of 2**16 sequences.
 SEARCH_STEPS = 16
@@ -37,14 +37,9 @@ def define(spec):
     def append(var_k_cache: T.handle, var_v_cache: T.handle, var_k: T.handle, var_v: T.handle,
                var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle):
         T.func_attr({"tirx.noalias": True})
-        num_pages, page_size = T.int64(), T.int64()
-        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
-        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
+        num_pages, page_size, k_cache, v_cache = match_cache_pair(var_k_cache, var_v_cache,
+                                                                  layout, H, D, dtype)
         ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
-                              [ks0, ks1, ks2, 1], koff)
-        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
-                              [vs0, vs1, vs2, 1], voff)
         k = match_tensor(var_k, (ntok, H, D), dtype)
         v = match_tensor(var_v, (ntok, H, D), dtype)
         qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")

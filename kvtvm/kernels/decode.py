@@ -36,7 +36,7 @@ import math
 
 from tvm.script import tirx as T
 
-from .accessor import cache_index, match_cache, match_tensor
+from .accessor import cache_index, match_cache_pair, match_tensor
 
 #: log2(e): scores are kept in log2 units so the kernels use exp2.
 LOG2E = math.log2(math.e)
@@ -71,6 +71,29 @@ def signature(spec):
     return H, G, H * G, D, spec.dtype, spec.layout, "sliding_window" in spec.features
 
 
+def match_params(spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
+                 var_lse, var_o_part, var_lse_part):
+    """Bind the buffers of the decode signature (call inside a TVMScript function; the
+    definition and every schedule that writes its own PrimFunc share it).
+
+    Returns ``(batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache,
+    cache_lengths, lookup, out, lse, o_part, lse_part)``.
+    """
+    H, _, Hq, D, dtype, layout, _ = signature(spec)
+    batch, max_pages, splits = T.int64(), T.int64(), T.int64()
+    q = match_tensor(var_q, (batch, Hq, D), dtype)
+    num_pages, page_size, k_cache, v_cache = match_cache_pair(var_k_cache, var_v_cache,
+                                                              layout, H, D, dtype)
+    cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
+    lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
+    out = match_tensor(var_out, (batch, Hq, D), dtype)
+    lse = match_tensor(var_lse, (batch, Hq), "float32")
+    o_part = match_tensor(var_o_part, (splits, batch, Hq, D), "float32")
+    lse_part = match_tensor(var_lse_part, (splits, batch, Hq), "float32")
+    return (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
+            lookup, out, lse, o_part, lse_part)
+
+
 def define(spec):
     """The unscheduled decode PrimFunc of ``spec`` (serial; the schedules rebuild it tiled)."""
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
@@ -82,21 +105,10 @@ def define(spec):
                var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
                sm_scale: T.float32, window: T.int32):
         T.func_attr({"tirx.noalias": True})
-        batch, num_pages, page_size, max_pages, splits = (T.int64(), T.int64(), T.int64(),
-                                                          T.int64(), T.int64())
-        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
-        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
-        q = match_tensor(var_q, (batch, Hq, D), dtype)
-        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
-                              [ks0, ks1, ks2, 1], koff)
-        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
-                              [vs0, vs1, vs2, 1], voff)
-        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
-        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        out = match_tensor(var_out, (batch, Hq, D), dtype)
-        lse = match_tensor(var_lse, (batch, Hq), "float32")
-        o_part = match_tensor(var_o_part, (splits, batch, Hq, D), "float32")
-        lse_part = match_tensor(var_lse_part, (splits, batch, Hq), "float32")
+        (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
+         lookup, out, lse, o_part, lse_part) = match_params(
+            spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
+            var_lse, var_o_part, var_lse_part)
         for b, h, s in T.grid(batch, H, splits):
             with T.sblock("attend"):
                 T.reads()

@@ -36,7 +36,7 @@ import math
 
 from tvm.script import tirx as T
 
-from .accessor import cache_index, match_cache, match_tensor
+from .accessor import cache_index, match_cache_pair, match_tensor
 
 #: Binary-search steps of ``locate``: enough for a batch of 2**16 sequences.
 SEARCH_STEPS = 16
@@ -44,6 +44,29 @@ SEARCH_STEPS = 16
 LOG2E = math.log2(math.e)
 #: "minus infinity" of the running max (finite, so max - max never makes a NaN).
 NEG_INF = -1.0e30
+
+
+def match_params(spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
+                 var_lookup, var_out, var_lse):
+    """Bind the buffers of the prefill signature (call inside a TVMScript function; the
+    definition and every schedule that writes its own PrimFunc share it).
+
+    Returns ``(ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
+    cache_lengths, lookup, out, lse)``.
+    """
+    H, D, dtype = spec.n_kv_heads, spec.head_dim, spec.dtype
+    HQ = H * spec.group_size
+    ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
+    q = match_tensor(var_q, (ntok, HQ, D), dtype)
+    num_pages, page_size, k_cache, v_cache = match_cache_pair(var_k_cache, var_v_cache,
+                                                              spec.layout, H, D, dtype)
+    qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
+    cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
+    lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
+    out = match_tensor(var_out, (ntok, HQ, D), dtype)
+    lse = match_tensor(var_lse, (ntok, HQ), "float32")
+    return (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
+            cache_lengths, lookup, out, lse)
 
 
 def define(spec):
@@ -60,20 +83,10 @@ def define(spec):
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
                 window: T.int32):
         T.func_attr({"tirx.noalias": True})
-        num_pages, page_size = T.int64(), T.int64()
-        ks0, ks1, ks2, koff = T.int64(), T.int64(), T.int64(), T.int64()
-        vs0, vs1, vs2, voff = T.int64(), T.int64(), T.int64(), T.int64()
-        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        q = match_tensor(var_q, (ntok, HQ, D), dtype)
-        k_cache = match_cache(var_k_cache, layout, num_pages, page_size, H, D, dtype,
-                              [ks0, ks1, ks2, 1], koff)
-        v_cache = match_cache(var_v_cache, layout, num_pages, page_size, H, D, dtype,
-                              [vs0, vs1, vs2, 1], voff)
-        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
-        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        out = match_tensor(var_out, (ntok, HQ, D), dtype)
-        lse = match_tensor(var_lse, (ntok, HQ), "float32")
+        (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
+         cache_lengths, lookup, out, lse) = match_params(
+            spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
+            var_lookup, var_out, var_lse)
         seq_of = T.sblock_alloc_buffer((ntok,), "int32")
         for n in range(ntok):
             with T.sblock("locate"):
