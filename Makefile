@@ -22,7 +22,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PYTHON) -m kvtvm.bench append
+	$(PYTHON) -m kvtvm.bench copy
 	$(PYTHON) -m kvtvm.bench manager
+	$(PYTHON) -m kvtvm.bench decode
+	$(PYTHON) -m kvtvm.bench prefill
 
 build: $(STAMP)
 	$(PYTHON) -m kvtvm build --target cuda --arch sm_90a --out build/kernels

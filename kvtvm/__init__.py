@@ -28,6 +28,7 @@ _LAZY = {
     "PaddedKVCacheInputs": "kvtvm.inputs",
     "KVCacheInputs": "kvtvm.inputs",
     "KVCacheInputsSequence": "kvtvm.inputs",
+    "BatchItem": "kvtvm.inputs",
 }
 
 

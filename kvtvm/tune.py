@@ -145,6 +145,8 @@ def main(argv=None) -> int:
         target, arch = tgt.target, tgt.arch
     else:
         target, arch = "llvm", None
+    if args.op == "copy":  # the copy op always loads the copy kernel this way
+        args.kv_heads, args.group_size, args.layout = 1, 1, "nhd"
     spec = compiler.KernelSpec(op=args.op, dtype=args.dtype, head_dim=args.head_dim,
                                n_kv_heads=args.kv_heads, group_size=args.group_size,
                                layout=args.layout, target=target, arch=arch)
