@@ -19,6 +19,25 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", help="also draw the results (needs matplotlib)")
 
 
+#: ``--skip`` key -> the name a peer has in every benchmark's table.
+PEERS = {"dense": "torch SDPA dense", "gather": "torch gather+SDPA", "tvm": "TVM builtin",
+         "flashinfer": "FlashInfer"}
+
+
+def add_skip_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--skip", nargs="*", default=[], metavar="PEER",
+                        help=f"peers to leave out ({', '.join(PEERS)}; space or comma separated)")
+
+
+def parse_skip(args) -> set[str]:
+    """The ``--skip`` keys given; an unknown one is an error naming the choices."""
+    keys = {k for item in args.skip for k in item.split(",") if k}
+    unknown = keys - set(PEERS)
+    if unknown:
+        raise SystemExit(f"--skip: unknown peer(s) {sorted(unknown)}; choose from {list(PEERS)}")
+    return keys
+
+
 def synchronize(device: str) -> None:
     if device.startswith("cuda"):
         import torch

@@ -13,7 +13,7 @@ import argparse
 import math
 import time
 
-from .common import Row, add_common_args, median_seconds, report
+from .common import PEERS, Row, add_common_args, add_skip_arg, median_seconds, parse_skip, report
 
 #: (batch, context) cases.
 DEFAULT_CASES = {
@@ -164,9 +164,9 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--cases", nargs="*", metavar="BATCHxCTX",
                         help="e.g. 1x4096 64x4096 (default: a per-device set)")
-    parser.add_argument("--skip", nargs="*", default=[],
-                        help="peers to leave out: dense gather tvm flashinfer")
+    add_skip_arg(parser)
     args = parser.parse_args(argv)
+    skip = parse_skip(args)
 
     import torch
 
@@ -195,16 +195,17 @@ def main(argv=None) -> int:
                                  check_indices=False)
 
         peers = [("kvtvm", lambda: kvtvm_run)]
-        if "dense" not in args.skip:
-            peers.append(("torch SDPA dense", lambda: torch_dense(case, scale)))
-        if "gather" not in args.skip:
-            peers.append(("torch gather+SDPA", lambda: torch_gather(case, ctx, scale)))
-        if "tvm" not in args.skip:
-            peers.append(("TVM builtin", lambda: tvm_builtin(case, ctx, args.page_size, dtype,
-                                                             device, scale)))
-        if cuda and "flashinfer" not in args.skip:
-            peers.append(("FlashInfer", lambda: flashinfer_decode(case, ctx, args.page_size,
-                                                                  scale)))
+        if "dense" not in skip:
+            peers.append((PEERS["dense"], lambda: torch_dense(case, scale)))
+        if "gather" not in skip:
+            peers.append((PEERS["gather"], lambda: torch_gather(case, ctx, scale)))
+        if "tvm" not in skip:
+            peers.append((PEERS["tvm"], lambda: tvm_builtin(case, ctx, args.page_size, dtype,
+                                                            device, scale)))
+        if cuda and "flashinfer" not in skip:
+            peers.append((PEERS["flashinfer"], lambda: flashinfer_decode(case, ctx,
+                                                                         args.page_size,
+                                                                         scale)))
         reference = None
         for impl, make in peers:
             try:
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
                 continue
             if impl == "kvtvm":
                 reference = out.float().clone()
-            elif impl == "torch SDPA dense" and reference is not None:
+            elif impl == PEERS["dense"] and reference is not None:
                 got = result.squeeze(2).float()
                 if not torch.allclose(got, reference, rtol=2e-2, atol=2e-2):
                     raise SystemExit(f"{name}: kvtvm and torch SDPA disagree "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from .common import Row, add_common_args, median_seconds, report
+from .common import PEERS, Row, add_common_args, add_skip_arg, median_seconds, parse_skip, report
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 #: (batch, new tokens per sequence, cached tokens per sequence)
@@ -95,8 +95,9 @@ def run_sdpa(case):
     mask, is_causal = _sdpa_mask(case)
 
     def fn():
-        F.scaled_dot_product_attention(case.q_dense, case.k_dense, case.v_dense,
-                                       attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+        return F.scaled_dot_product_attention(case.q_dense, case.k_dense, case.v_dense,
+                                              attn_mask=mask, is_causal=is_causal,
+                                              enable_gqa=True)
     return fn
 
 
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
     add_common_args(parser)
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--cases", help="batch:new:cached,... (default: per device)")
-    parser.add_argument("--skip", default="", help="comma-separated peers to skip")
+    add_skip_arg(parser)
     args = parser.parse_args(argv)
     device = args.device
     import torch
@@ -240,25 +241,32 @@ def main(argv=None) -> int:
     cases = CPU_CASES if device == "cpu" else GPU_CASES
     if args.cases:
         cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
-    skip = set(filter(None, args.skip.split(",")))
+    skip = parse_skip(args)
     rows: list[Row] = []
     notes = []
     for batch, new, cached in cases:
         case = Case(batch, new, cached, args.dtype, device)
-        peers = [("kvtvm", lambda: run_kvtvm(case)), ("torch_sdpa", lambda: run_sdpa(case)),
-                 ("gather_sdpa", lambda: run_gather_sdpa(case)),
-                 ("tvm_builtin", lambda: run_tvm_builtin(case, args.dtype, device)[0]),
-                 ("flashinfer", lambda: run_flashinfer(case, args.dtype))]
-        for impl, make in peers:
-            if impl in skip:
+        peers = [("kvtvm", None, lambda: run_kvtvm(case)),
+                 (PEERS["dense"], "dense", lambda: run_sdpa(case)),
+                 (PEERS["gather"], "gather", lambda: run_gather_sdpa(case)),
+                 (PEERS["tvm"], "tvm", lambda: run_tvm_builtin(case, args.dtype, device)[0]),
+                 (PEERS["flashinfer"], "flashinfer", lambda: run_flashinfer(case, args.dtype))]
+        for impl, key, make in peers:
+            if key in skip:
                 continue
             try:
                 fn = make()
+                result = fn()
             except Exception as err:  # a peer that cannot run here is reported, not fatal
                 note = f"{impl}: unavailable ({type(err).__name__}: {str(err)[:120]})"
                 if note not in notes:
                     notes.append(note)
                 continue
+            if key == "dense":  # kvtvm and the non-paged ceiling must agree before timing
+                got = result.transpose(1, 2).reshape(case.out.shape).float()
+                if not torch.allclose(got, case.out.float(), rtol=2e-2, atol=2e-2):
+                    raise SystemExit(f"{case.name}: kvtvm and torch SDPA disagree (max diff "
+                                     f"{(got - case.out.float()).abs().max().item():.3g})")
             sec = median_seconds(fn, device, args.repeat, args.warmup)
             rows.append(Row(case.name, impl, sec * 1e3, case.flops() / sec / 1e12,
                             extra={"batch": batch, "new": new, "cached": cached}))

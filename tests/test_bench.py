@@ -1,0 +1,30 @@
+"""Every benchmark runs end to end on small cases and prints its side-by-side table."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CASES = {
+    "decode": ["--cases", "2x256", "--skip", "tvm", "--repeat", "2", "--warmup", "1"],
+    "prefill": ["--cases", "2:32:16", "--skip", "tvm", "--repeat", "2", "--warmup", "1"],
+    "copy": ["--n-kv-heads", "1", "--head-dim", "16", "--repeat", "2", "--warmup", "1"],
+    "manager": ["--batches", "1,4", "--context", "64", "--steps", "20", "--requests", "40",
+                "--max-batch", "8", "--max-seq-len", "256"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bench_runs(name, tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtvm.bench", name, *CASES[name],
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    assert out.exists() and json.loads(out.read_text())
+    if name in ("decode", "prefill", "copy"):
+        assert "/ kvtvm" in proc.stdout  # ratio columns of the side-by-side table
+        rows = json.loads(out.read_text())["rows"]
+        impls = {r["impl"] for r in rows}
+        assert "kvtvm" in impls and len(impls) >= 2
+        assert all(r["ms"] > 0 for r in rows)
