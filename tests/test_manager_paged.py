@@ -294,6 +294,24 @@ def test_write_into_cached_partial_page_after_pop_uncaches_it():
     mgr.check_invariants()
 
 
+def test_same_batch_hit_on_a_page_another_item_writes_gets_a_copy():
+    """Found by a long soak of the state machine: a prompt hits a cached page that another
+    item of the same batch, after a pop, is about to write into. The writer must get a copy;
+    the hit keeps the cached page and its contents."""
+    mgr = make(mb=3, max_seq_len=32, prefix=True)
+    w = Writer(mgr)
+    a, b = mgr.claim(2)
+    w.run([(a, [100, 101, 102, 103])])  # one full page, cached
+    w.pop(a, 1)  # a holds 3 tokens: its page is partial again, still cached
+    page = mgr.pages_of(a)[0]
+    inp = w.run([(a, [7]), (b, [100, 101, 102, 103, 104])])
+    assert inp.num_cached_tokens == (0, 4)
+    assert mgr.pages_of(b)[0] == page and mgr.pages_of(a)[0] != page
+    w.check(a)
+    w.check(b)
+    mgr.check_invariants()
+
+
 # -- fork / copy-on-write --------------------------------------------------------------------
 
 @pytest.mark.parametrize("prefix", [False, True])

@@ -225,9 +225,15 @@ class PagedKVCacheManager(KVCacheManager):
         if len(partial):
             pages = self._page_table[ids[partial], start[partial] // P]
             rc = self._refcount[pages]
+            # prefix hits of this same batch hold the pages they hit too: a page another item
+            # is about to share must be copied, never written in place (nor uncached)
+            hit_refs: dict[int, int] = {}
+            for _, hit_pages, _, _ in hit_plan:
+                for p in hit_pages:
+                    hit_refs[p] = hit_refs.get(p, 0) + 1
             left = {}  # page -> holders not yet moved off it by an earlier item's copy
             for b, page, r in zip(partial.tolist(), pages.tolist(), rc.tolist()):
-                r = left.get(page, r)
+                r = left.get(page, r + hit_refs.get(page, 0))
                 if r > 1:  # shared: this item writes into a copy
                     cow.append((b, page))
                     left[page] = r - 1
