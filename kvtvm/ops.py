@@ -17,6 +17,10 @@ from .boundary import (as_tensor, check_batch_indices, check_batch_tables, check
                        common_device, indices_on_host, launch)
 from .errors import InvalidArgumentError, describe
 
+#: On the CPU, appends of fewer rows run on one thread: a decode step's few rows take a few µs
+#: serially, while waking TVM's thread pool costs tens of µs (measured on the dev machine).
+CPU_PARALLEL_APPEND_TOKENS = 1024
+
 
 # ------------------------------------------------------------------------------------------
 # append_kv
@@ -84,9 +88,11 @@ def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
         check_batch_indices(indptr, lengths, table, geo, kt.shape[0])
     if kt.shape[0] == 0:
         return
-    launch(dict(op="append", dtype=geo.dtype, head_dim=geo.head_dim,
-                 n_kv_heads=geo.n_kv_heads, layout=layout),
-            device, (kc, vc, kt, vt, indptr, lengths, table))
+    spec = dict(op="append", dtype=geo.dtype, head_dim=geo.head_dim, n_kv_heads=geo.n_kv_heads,
+                layout=layout)
+    if device.type == "cpu" and kt.shape[0] < CPU_PARALLEL_APPEND_TOKENS:
+        spec["knobs"] = (("parallel", False),)  # waking the thread pool costs more than it saves
+    launch(spec, device, (kc, vc, kt, vt, indptr, lengths, table))
 from ._copy_op import copy_pages, copy_slots  # noqa: E402,F401
 from ._prefill_op import prefill_attention  # noqa: E402,F401
 from ._decode_op import decode_attention  # noqa: E402,F401

@@ -6,7 +6,7 @@ from .common import new_schedule, under_locate, vector_lanes
 
 
 #: op -> function(spec) giving that op's default knobs on this target.
-KNOB_DEFAULTS = {"append": lambda spec: {"vector_bytes": 32}}
+KNOB_DEFAULTS = {"append": lambda spec: {"vector_bytes": 32, "parallel": True}}
 #: op -> function(spec) giving the values ``kvtvm.tune`` searches for each knob.
 KNOB_SPACES = {"append": lambda spec: {"vector_bytes": [8, 16, 32, 64]}}
 
@@ -21,7 +21,8 @@ def schedule_append(mod, spec, knobs):
     token = under_locate(sch, block)
     _, d = sch.get_loops(block)[-2:]
     _, d_vec = sch.split(d, [None, vector_lanes(spec, knobs["vector_bytes"])])
-    sch.parallel(token)
+    if knobs["parallel"]:  # a serial variant serves small batches (no thread-pool wake-up)
+        sch.parallel(token)
     sch.vectorize(d_vec)
     return sch.mod
 

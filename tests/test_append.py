@@ -117,3 +117,15 @@ def test_large_batch_binary_search():
     num_pages = sum(-(-(s + n) // 16) for s, n in zip(starts, counts)) + 1
     args = random_batch(rng, 16, counts, starts, max(num_pages, 1), "nhd", "float16")
     check_against_reference(args, "nhd")
+
+
+def test_large_append_uses_the_parallel_variant():
+    """At or above ops.CPU_PARALLEL_APPEND_TOKENS rows the parallel CPU kernel runs; it
+    must write exactly what the serial one and the reference write."""
+    rng = np.random.default_rng(5)
+    counts = [ops.CPU_PARALLEL_APPEND_TOKENS - 100, 0, 130]
+    starts = [7, 3, 16]
+    num_pages = sum(-(-(s + n) // 16) for s, n in zip(starts, counts)) + 2
+    args = random_batch(rng, 16, counts, starts, num_pages, "nhd", "float16")
+    assert sum(counts) >= ops.CPU_PARALLEL_APPEND_TOKENS
+    check_against_reference(args, "nhd")
