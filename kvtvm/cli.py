@@ -50,6 +50,7 @@ def cmd_build(args) -> int:
     ops = args.ops or available_ops()
     specs = default_specs(args.target, arch, ops, args.dtypes, args.head_dims, args.kv_heads,
                           args.group_sizes, args.layouts)
+    specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
     out = Path(args.out)
     print(f"building {len(specs)} kernels for {args.target}"
           f"{' ' + arch if arch else ''} into {out}")

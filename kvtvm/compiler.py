@@ -405,6 +405,13 @@ def build_spec(spec: KernelSpec, out_dir: str | os.PathLike) -> Path:
     return out
 
 
+def with_runtime_variants(spec: KernelSpec) -> list[KernelSpec]:
+    """``spec`` and the knob variants of it the ops layer may load at run time (declared by
+    the schedule module's ``RUNTIME_VARIANTS``): what an ahead-of-time build must hold."""
+    variants = getattr(_schedule_module(spec), "RUNTIME_VARIANTS", {}).get(spec.op, [])
+    return [spec] + [spec.with_knobs(**v) for v in variants]
+
+
 def build_specs(specs: Iterable[KernelSpec], out_dir, progress=None) -> list[Path]:
     """Build every spec into ``out_dir`` (skipping ones already built there)."""
     paths = []

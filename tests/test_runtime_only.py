@@ -51,7 +51,7 @@ RUNTIME_SCRIPT = textwrap.dedent("""
 
 def test_runtime_only_load_and_run(tmp_path):
     out = tmp_path / "kernels"
-    compiler.build_spec(compiler.KernelSpec(**SPEC), out)
+    compiler.build_specs(compiler.with_runtime_variants(compiler.KernelSpec(**SPEC)), out)
     has_gpu = False
     try:
         import torch
