@@ -367,6 +367,24 @@ def emit_append_kv(bb, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_
             bb.emit(relax.TupleGetItem(out, 1), name_hint="v_cache"))
 
 
+def _attention_spec(op, rows, q, k_cache, v_cache, layout, sm_scale, sliding_window, target,
+                    arch, knobs):
+    """Check ``q`` against the caches; returns ``(spec, q shape, sm_scale)`` of ``op``."""
+    heads, dim, dtype = _check_cache(k_cache, v_cache, layout)
+    qshape, qdtype = _ty(q)
+    if len(qshape) != 3 or qdtype != dtype:
+        raise InvalidArgumentError(describe("q", f"[{rows}, n_q_heads, {dim}] {dtype}",
+                                            f"{qshape} {qdtype}"))
+    hq = _static(qshape[1], "n_q_heads of q")
+    if hq % heads:
+        raise InvalidArgumentError(describe("n_q_heads", f"a multiple of {heads}", hq))
+    scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
+    features = ("sliding_window",) if sliding_window is not None else ()
+    spec = KernelSpec(op, dtype, dim, heads, group_size=hq // heads, layout=layout,
+                      target=target, arch=arch, features=features, knobs=knobs)
+    return spec, qshape, scale
+
+
 def emit_attention(bb, q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, *,
                    layout: str = "nhd", causal: bool = True, sm_scale: float | None = None,
                    sliding_window: int | None = None, return_lse: bool = False,
@@ -399,18 +417,9 @@ def emit_attention(bb, q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tab
     """
     from tvm import relax
 
-    heads, dim, dtype = _check_cache(k_cache, v_cache, layout)
-    qshape, qdtype = _ty(q)
-    if len(qshape) != 3 or qdtype != dtype:
-        raise InvalidArgumentError(describe("q", f"[num_tokens, n_q_heads, {dim}] {dtype}",
-                                            f"{qshape} {qdtype}"))
-    hq = _static(qshape[1], "n_q_heads of q")
-    if hq % heads:
-        raise InvalidArgumentError(describe("n_q_heads", f"a multiple of {heads}", hq))
-    scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
-    features = ("sliding_window",) if sliding_window is not None else ()
-    spec = KernelSpec("prefill", dtype, dim, heads, group_size=hq // heads, layout=layout,
-                      target=target, arch=arch, features=features, knobs=knobs)
+    spec, qshape, scale = _attention_spec("prefill", "num_tokens", q, k_cache, v_cache, layout,
+                                          sm_scale, sliding_window, target, arch, knobs)
+    hq, dim, dtype = spec.n_kv_heads * spec.group_size, spec.head_dim, spec.dtype
     gv = add_kernel(bb, spec, causal=int(bool(causal)), sm_scale=scale,
                     window=int(sliding_window or 0))
     args = [q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table]
@@ -454,20 +463,11 @@ def emit_decode_attention(bb, q, k_cache, v_cache, cache_lengths, lookup_table, 
     """
     from tvm import relax
 
-    heads, dim, dtype = _check_cache(k_cache, v_cache, layout)
-    qshape, qdtype = _ty(q)
-    if len(qshape) != 3 or qdtype != dtype:
-        raise InvalidArgumentError(describe("q", f"[batch, n_q_heads, {dim}] {dtype}",
-                                            f"{qshape} {qdtype}"))
-    hq = _static(qshape[1], "n_q_heads of q")
-    if hq % heads:
-        raise InvalidArgumentError(describe("n_q_heads", f"a multiple of {heads}", hq))
+    spec, qshape, scale = _attention_spec("decode", "batch", q, k_cache, v_cache, layout,
+                                          sm_scale, sliding_window, target, arch, knobs)
+    hq, dim, dtype = spec.n_kv_heads * spec.group_size, spec.head_dim, spec.dtype
     if not isinstance(num_splits, int) or num_splits < 1:
         raise InvalidArgumentError(describe("num_splits", "a positive int", repr(num_splits)))
-    scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
-    features = ("sliding_window",) if sliding_window is not None else ()
-    spec = KernelSpec("decode", dtype, dim, heads, group_size=hq // heads, layout=layout,
-                      target=target, arch=arch, features=features, knobs=knobs)
     gv = add_kernel(bb, spec, sm_scale=scale, window=int(sliding_window or 0))
     args = [q, k_cache, v_cache, cache_lengths, lookup_table]
     args = [a._expr if hasattr(a, "_expr") else a for a in args]
