@@ -22,8 +22,8 @@ import math
 import tvm
 from tvm.script import tirx as T
 
-from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS, match_params
+from kvtvm.kernels.accessor import cache_index, find_sequence
+from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params
 
 from .common import new_schedule, under_locate
 
@@ -117,14 +117,7 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
                 t: T.int64 = T.if_then_else(u % 2 == 0, u // 2, ntiles - 1 - u // 2)
                 row1: T.int64 = T.min(t * TQ + TQ, ntok)
                 # locate: largest b with qo_indptr[b] <= first row of the tile
-                ib[0] = 0
-                ib[1] = T.Cast("int32", batch)
-                for _ in range(SEARCH_STEPS + 1):
-                    if ib[1] - ib[0] > 1:
-                        if T.Cast("int64", qo_indptr[(ib[0] + ib[1]) // 2]) <= t * TQ:
-                            ib[0] = (ib[0] + ib[1]) // 2
-                        else:
-                            ib[1] = (ib[0] + ib[1]) // 2
+                find_sequence(qo_indptr, ib, batch, t * TQ)
                 ir[0] = t * TQ
                 while ir[0] < row1 and T.Cast("int64", ib[0]) < batch:
                     b: T.int32 = ib[0]

@@ -31,8 +31,8 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.prefill import LOG2E, NEG_INF, SEARCH_STEPS, match_params
+from kvtvm.kernels.accessor import cache_index, find_sequence
+from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params
 
 #: a masked score: exp2(MASKED - running max) is exactly 0 (running max >= NEG_INF)
 MASKED = -3.0e38
@@ -100,14 +100,7 @@ def simt_prefill(spec, NW: int):
                         if row < ntok * HQ:
                             vn: T.int64 = row // HQ
                             vh: T.int64 = row % HQ
-                            ib[0] = 0
-                            ib[1] = T.Cast("int32", batch)
-                            for _ in range(SEARCH_STEPS + 1):
-                                if ib[1] - ib[0] > 1:
-                                    if T.Cast("int64", qo_indptr[(ib[0] + ib[1]) // 2]) <= vn:
-                                        ib[0] = (ib[0] + ib[1]) // 2
-                                    else:
-                                        ib[1] = (ib[0] + ib[1]) // 2
+                            find_sequence(qo_indptr, ib, batch, vn)
                             b: T.int32 = ib[0]
                             pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
                                 - T.Cast("int64", qo_indptr[b])
@@ -252,14 +245,7 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                             t: T.int64 = ntiles - 1 - bx
                             row1: T.int64 = T.min(t * TQ + TQ, ntok)
                             # locate: largest b with qo_indptr[b] <= first row of the tile
-                            ib[0] = 0
-                            ib[1] = T.Cast("int32", batch)
-                            for _ in range(SEARCH_STEPS + 1):
-                                if ib[1] - ib[0] > 1:
-                                    if T.Cast("int64", qo_indptr[(ib[0] + ib[1]) // 2]) <= t * TQ:
-                                        ib[0] = (ib[0] + ib[1]) // 2
-                                    else:
-                                        ib[1] = (ib[0] + ib[1]) // 2
+                            find_sequence(qo_indptr, ib, batch, t * TQ)
                             ir[0] = t * TQ
                             while T.tvm_thread_invariant(ir[0] < row1
                                                          and T.Cast("int64", ib[0]) < batch):

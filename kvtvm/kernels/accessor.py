@@ -69,3 +69,22 @@ def match_cache_pair(var_k_cache, var_v_cache, layout: str, n_kv_heads: int, hea
     v_cache = match_cache(var_v_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
                           dtype, [T.int64(), T.int64(), T.int64(), 1], T.int64())
     return num_pages, page_size, k_cache, v_cache
+
+
+#: Binary-search steps of :func:`find_sequence`: enough for a batch of 2**16 sequences.
+SEARCH_STEPS = 16
+
+
+@T.macro
+def find_sequence(qo_indptr, bounds, batch, row):
+    """Set ``bounds[0]`` to the sequence of ragged row ``row``: the largest ``b`` with
+    ``qo_indptr[b] <= row`` (binary search; ``bounds`` is a local int32 ``[2]`` buffer).
+    Expands inside a TVMScript function."""
+    bounds[0] = 0
+    bounds[1] = T.Cast("int32", batch)
+    for _ in range(SEARCH_STEPS + 1):
+        if bounds[1] - bounds[0] > 1:
+            if T.Cast("int64", qo_indptr[(bounds[0] + bounds[1]) // 2]) <= row:
+                bounds[0] = (bounds[0] + bounds[1]) // 2
+            else:
+                bounds[1] = (bounds[0] + bounds[1]) // 2

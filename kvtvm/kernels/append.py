@@ -22,10 +22,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .accessor import cache_index, match_cache_pair, match_tensor
-
-#: Binary-search steps of ``locate``: enough for a batch of 2**16 sequences.
-SEARCH_STEPS = 16
+from .accessor import cache_index, find_sequence, match_cache_pair, match_tensor
 
 
 def define(spec):
@@ -52,17 +49,9 @@ def define(spec):
                 T.reads(qo_indptr[0:batch + 1])
                 T.writes(seq_of[vn])
                 # largest b with qo_indptr[b] <= vn
-                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                lo[0] = 0
-                hi[0] = T.Cast("int32", batch)
-                for _ in range(SEARCH_STEPS + 1):
-                    if hi[0] - lo[0] > 1:
-                        if T.Cast("int64", qo_indptr[(lo[0] + hi[0]) // 2]) <= vn:
-                            lo[0] = (lo[0] + hi[0]) // 2
-                        else:
-                            hi[0] = (lo[0] + hi[0]) // 2
-                seq_of[vn] = lo[0]
+                bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                find_sequence(qo_indptr, bounds, batch, vn)
+                seq_of[vn] = bounds[0]
         for n, h, d in T.grid(ntok, H, D):
             with T.sblock("append"):
                 vn, vh, vd = T.axis.remap("SSS", [n, h, d])

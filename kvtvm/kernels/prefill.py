@@ -36,10 +36,8 @@ import math
 
 from tvm.script import tirx as T
 
-from .accessor import cache_index, match_cache_pair, match_tensor
+from .accessor import cache_index, find_sequence, match_cache_pair, match_tensor
 
-#: Binary-search steps of ``locate``: enough for a batch of 2**16 sequences.
-SEARCH_STEPS = 16
 #: log2(e): the kernels softmax in base 2.
 LOG2E = math.log2(math.e)
 #: "minus infinity" of the running max (finite, so max - max never makes a NaN).
@@ -93,17 +91,9 @@ def define(spec):
                 vn = T.axis.spatial(ntok, n)
                 T.reads(qo_indptr[0:batch + 1])
                 T.writes(seq_of[vn])
-                lo = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                hi = T.sblock_alloc_buffer((1,), "int32", scope="local")
-                lo[0] = 0
-                hi[0] = T.Cast("int32", batch)
-                for _ in range(SEARCH_STEPS + 1):
-                    if hi[0] - lo[0] > 1:
-                        if T.Cast("int64", qo_indptr[(lo[0] + hi[0]) // 2]) <= vn:
-                            lo[0] = (lo[0] + hi[0]) // 2
-                        else:
-                            hi[0] = (lo[0] + hi[0]) // 2
-                seq_of[vn] = lo[0]
+                bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                find_sequence(qo_indptr, bounds, batch, vn)
+                seq_of[vn] = bounds[0]
         for n, h in T.grid(ntok, HQ):
             with T.sblock("attn"):
                 vn, vh = T.axis.remap("SS", [n, h])
