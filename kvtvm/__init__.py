@@ -29,6 +29,7 @@ _LAZY = {
     "KVCacheInputs": "kvtvm.inputs",
     "KVCacheInputsSequence": "kvtvm.inputs",
     "BatchItem": "kvtvm.inputs",
+    "TokenBatch": "kvtvm.inputs",
 }
 
 

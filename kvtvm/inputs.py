@@ -20,10 +20,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .errors import InvalidArgumentError, describe
 from .params import KVCacheParams, KVCacheStrategy
 
 __all__ = [
-    "BatchItem", "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs",
+    "BatchItem", "TokenBatch", "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs",
     "KVCacheInputsSequence", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols",
 ]
 
@@ -45,6 +46,101 @@ class BatchItem:
 
     seq_id: int
     tokens: Sequence[int]
+
+
+def _host_int_vector(name: str, values) -> np.ndarray:
+    """``values`` (a list, numpy array or CPU torch tensor of ints) as a 1-D int64 array."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, RuntimeError) as err:  # e.g. a CUDA tensor: a host copy would sync
+        raise InvalidArgumentError(describe(name, "a host (CPU) array of ints",
+                                            type(values).__name__)) from err
+    if arr.ndim != 1:
+        raise InvalidArgumentError(describe(f"{name} rank", "a 1-D array", arr.ndim))
+    if arr.dtype.kind not in "iu" and arr.size:
+        raise InvalidArgumentError(describe(f"{name} dtype", "integers", arr.dtype))
+    return arr.astype(np.int64, copy=False)
+
+
+class TokenBatch:
+    """A batch held as arrays: what :class:`BatchItem` lists say, without a Python object per
+    sequence.
+
+    ``fetch`` and ``step`` take a ``TokenBatch`` wherever they take a list of batch items. An
+    engine that keeps its batch in numpy or torch (sampled tokens come out of the model as a
+    tensor) hands it over with no per-sequence Python work, which at batch 256 is most of the
+    host cost of a step. The arrays are read, not kept: the manager copies what it stores.
+
+    Parameters
+    ----------
+    seq_ids : array of int, ``[n]``
+        Sequence ids, in batch order (host memory: list, numpy array or CPU tensor).
+    tokens : array of int, ``[sum(counts)]``
+        The new tokens of every item, item after item: item ``b`` adds
+        ``tokens[offsets[b]:offsets[b + 1]]``.
+    counts : array of int, ``[n]``, optional
+        Tokens per item; by default one each (a decode step), so ``tokens`` is ``[n]``.
+
+    Examples
+    --------
+    >>> TokenBatch([3, 7], [11, 12, 13], counts=[2, 1]).tokens_of(0)
+    array([11, 12])
+    """
+
+    __slots__ = ("seq_ids", "tokens", "counts", "offsets")
+
+    def __init__(self, seq_ids, tokens, counts=None):
+        ids = _host_int_vector("TokenBatch seq_ids", seq_ids)
+        toks = _host_int_vector("TokenBatch tokens", tokens)
+        n = ids.size
+        if counts is None:
+            if toks.size != n:
+                raise InvalidArgumentError(describe(
+                    "TokenBatch tokens", f"{n} tokens (one per sequence, no counts given)",
+                    toks.size))
+            cnt = np.ones(n, dtype=np.int64)
+        else:
+            cnt = _host_int_vector("TokenBatch counts", counts)
+            if cnt.size != n:
+                raise InvalidArgumentError(describe("TokenBatch counts", f"{n} values", cnt.size))
+            if (cnt < 0).any():
+                raise InvalidArgumentError(describe("TokenBatch counts", "non-negative counts",
+                                                    cnt.tolist()))
+            if int(cnt.sum()) != toks.size:
+                raise InvalidArgumentError(describe(
+                    "TokenBatch tokens", f"sum(counts) = {int(cnt.sum())} tokens", toks.size))
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(cnt, out=offsets[1:])
+        self.seq_ids, self.tokens, self.counts, self.offsets = ids, toks, cnt, offsets
+
+    @classmethod
+    def from_items(cls, items) -> "TokenBatch":
+        """The same batch as a list of :class:`BatchItem` (or anything with ``seq_id`` and
+        ``tokens``)."""
+        seqs = [list(it.tokens) for it in items]
+        flat = [t for s in seqs for t in s]
+        return cls([it.seq_id for it in items], np.array(flat, dtype=np.int64),
+                   [len(s) for s in seqs])
+
+    def tokens_of(self, b: int) -> np.ndarray:
+        """int64 ``[counts[b]]``: the tokens item ``b`` adds."""
+        return self.tokens[self.offsets[b]:self.offsets[b + 1]]
+
+    def __len__(self) -> int:
+        return self.seq_ids.size
+
+    def __getitem__(self, b: int) -> BatchItem:
+        if not -len(self) <= b < len(self):
+            raise IndexError(f"TokenBatch index {b} out of range for {len(self)} items")
+        b %= len(self)
+        return BatchItem(int(self.seq_ids[b]), self.tokens_of(b).tolist())
+
+    def __iter__(self):
+        return (self[b] for b in range(len(self)))
+
+    def __repr__(self) -> str:
+        return (f"TokenBatch(seq_ids={self.seq_ids.tolist()}, counts={self.counts.tolist()}, "
+                f"tokens={self.tokens.size})")
 
 
 class KVCacheInputs:

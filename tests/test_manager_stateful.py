@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvtvm import KVCacheParams, ops
 from kvtvm.errors import KVCacheCapacityError, SequenceTooLongError, UnknownSequenceError
-from kvtvm.inputs import BatchItem
+from kvtvm.inputs import BatchItem, TokenBatch
 from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 
 H, D, L, P = 2, 8, 2, 4
@@ -36,6 +36,14 @@ def kv_of(prefix):
         rng = np.random.default_rng(abs(hash(prefix)) % (2 ** 32))
         v = _kv_memo[prefix] = rng.standard_normal((L, 2, H, D)).astype(np.float32)
     return v
+
+
+def as_batch(pairs, form):
+    """``[(seq_id, tokens)]`` as a list of BatchItem or as a TokenBatch."""
+    if form == "arrays":
+        return TokenBatch([s for s, _ in pairs], [t for _, ts in pairs for t in ts],
+                          [len(ts) for _, ts in pairs])
+    return [BatchItem(s, t) for s, t in pairs]
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -109,8 +117,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.shadow[s] = []
 
     @rule(data=st.data(), num_steps=st.sampled_from([1, 1, 2, 3]),
-          run_steps=st.integers(1, 3))
-    def fetch_write_step(self, data, num_steps, run_steps):
+          run_steps=st.integers(1, 3), forms=st.sampled_from(["items", "arrays"]) | st.just(
+              "mixed"))
+    def fetch_write_step(self, data, num_steps, run_steps, forms):
+        fetch_form = "arrays" if forms == "mixed" else forms  # mixed: arrays, then items
         live = self.live()
         if not live:
             return
@@ -126,7 +136,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 toks = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3))
             batch_tokens.append((s, toks))
         prevs = [list(self.shadow[s]) for s, _ in batch_tokens]
-        batch = [BatchItem(s, t) for s, t in batch_tokens]
+        batch = as_batch(batch_tokens, fetch_form)
         before = self.snapshot()
         try:
             per_dev = self.mgr.fetch(batch, num_steps=num_steps)
@@ -156,7 +166,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert cur[0].cache_lengths.tolist() == [len(x) for x in done]
             self.write(cur, extra, done)
             batch_tokens = [(s, t + e) for (s, t), (_, e) in zip(batch_tokens, extra)]
-        self.mgr.step([BatchItem(s, t) for s, t in batch_tokens])
+        self.mgr.step(as_batch(batch_tokens, "items" if forms == "mixed" else forms))
         for s, t in batch_tokens:
             self.shadow[s] = self.shadow[s] + t
 

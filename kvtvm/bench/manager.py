@@ -2,8 +2,10 @@
 
 1. **Host time per decode step** (``fetch`` + ``step`` of one token per sequence; no kernel
    runs) at several batch sizes, with every sequence at a ~4K-token context, page size 16:
-   the paged manager with and without prefix caching, and the continuous-batching manager.
+   the paged manager with and without prefix caching, and the continuous-batching manager;
+   the batch handed over as seed 002's list of ``BatchItem`` and as a ``TokenBatch`` of arrays.
    Median over ``--steps`` consecutive steps (so 1 in 16 steps of a sequence opens a page).
+   Building the batch is the caller's and is not timed.
 2. **Memory efficiency** under a synthetic workload with long-tailed (log-normal) prompt and
    output lengths, served with continuous batching through the real managers: the share of the
    KV bytes held by running sequences that hold live tokens, averaged over decode steps; paged
@@ -19,7 +21,7 @@ import time
 
 import numpy as np
 
-from ..inputs import BatchItem
+from ..inputs import BatchItem, TokenBatch
 from ..params import KVCacheParams
 
 
@@ -32,9 +34,10 @@ def _params(strategy, page_size, prefix=False):
 
 
 def decode_step_us(kind: str, batch: int, context: int, page_size: int, steps: int,
-                   seed: int = 0) -> dict:
+                   seed: int = 0, form: str = "items") -> dict:
     """Median host microseconds of one decode step (fetch + step) for ``batch`` sequences
-    whose context is about ``context`` tokens."""
+    whose context is about ``context`` tokens; ``form`` is ``"items"`` (a list of
+    ``BatchItem``) or ``"arrays"`` (a ``TokenBatch``)."""
     from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 
     rng = np.random.default_rng(seed)
@@ -53,7 +56,11 @@ def decode_step_us(kind: str, batch: int, context: int, page_size: int, steps: i
         mgr.step([BatchItem(s, prompt)])
     times, cpu = [], []
     for _ in range(steps):
-        batch_items = [BatchItem(s, [int(t)]) for s, t in zip(ids, rng.integers(0, 32000, batch))]
+        sampled = rng.integers(0, 32000, batch)
+        if form == "arrays":
+            batch_items = TokenBatch(ids, sampled)
+        else:
+            batch_items = [BatchItem(s, [int(t)]) for s, t in zip(ids, sampled)]
         c0, t0 = time.thread_time(), time.perf_counter()
         mgr.fetch(batch_items)
         mgr.step(batch_items)
@@ -137,12 +144,17 @@ def main(argv=None) -> int:
     timing = {}
     print(f"host time per decode step (fetch + step), context ~{args.context}, page size "
           f"{args.page_size}, median of {args.steps} steps, microseconds: wall (thread CPU)")
-    print(f"{'batch':>6}" + "".join(f"{k:>20}" for k in kinds))
-    for b in batches:
-        row = {k: decode_step_us(k, b, args.context, args.page_size, args.steps) for k in kinds}
-        timing[b] = row
-        print(f"{b:>6}" + "".join(
-            f"{row[k]['median_us']:>12.1f} ({row[k]['cpu_median_us']:5.1f})" for k in kinds))
+    for form, title in (("items", "batch as a list of BatchItem (seed 002)"),
+                        ("arrays", "batch as a TokenBatch (numpy arrays)")):
+        print(f"{title}\n{'batch':>6}" + "".join(f"{k:>20}" for k in kinds))
+        timing[form] = {}
+        for b in batches:
+            row = {k: decode_step_us(k, b, args.context, args.page_size, args.steps,
+                                     form=form) for k in kinds}
+            timing[form][b] = row
+            print(f"{b:>6}" + "".join(
+                f"{row[k]['median_us']:>12.1f} ({row[k]['cpu_median_us']:5.1f})"
+                for k in kinds))
     mem = memory_efficiency(args.requests, args.max_batch, args.max_seq_len, args.page_size)
     print(f"\nmemory efficiency: {args.requests} requests, prompt lengths log-normal (mean "
           f"{mem['prompt_len_mean']:.0f}, p99 {mem['prompt_len_p99']:.0f}), output lengths "

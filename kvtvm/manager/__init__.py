@@ -9,7 +9,7 @@ manager                                strategy    seeds
 =====================================  ==========  =========================================
 """
 
-from ..inputs import BatchItem
+from ..inputs import BatchItem, TokenBatch
 from .base import KVCacheManager
 from .continuous import ContinuousBatchingKVCacheManager
 from .linear import LinearCacheConfig, LinearKVCache
@@ -17,7 +17,7 @@ from .paged import PagedCacheStats, PagedKVCacheManager
 
 __all__ = ["KVCacheManager", "ContinuousBatchingKVCacheManager", "PagedKVCacheManager",
            "PagedCacheStats", "LinearKVCache", "LinearCacheConfig", "BatchItem",
-           "manager_for"]
+           "TokenBatch", "manager_for"]
 
 
 def manager_for(params, max_batch_size, max_seq_len, num_layers, devices=("cpu",), **kwargs):

@@ -34,6 +34,7 @@ import abc
 import dataclasses
 import operator
 import threading
+from itertools import chain
 from typing import Any, Sequence
 
 import numpy as np
@@ -41,13 +42,45 @@ import numpy as np
 from ..errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapacityError,
                       SequenceStateError, SequenceTooLongError, UnknownSequenceError,
                       describe)
-from ..inputs import KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols
+from ..inputs import KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols, TokenBatch
 from ..params import KVCacheParams, KVCacheStrategy
 
 __all__ = ["KVCacheManager", "parse_devices", "check_positive_int"]
 
 _SEQ_ID = operator.attrgetter("seq_id")
 _TOKENS = operator.attrgetter("tokens")
+
+
+class _ItemTokens:
+    """The tokens of a list of batch items, converted to int64 arrays only when read."""
+
+    __slots__ = ("seqs", "counts", "what", "_flat")
+
+    def __init__(self, seqs: list, counts: np.ndarray, what: str):
+        self.seqs, self.counts, self.what, self._flat = seqs, counts, what, None
+
+    def _ints(self, values, count: int) -> np.ndarray:
+        try:
+            arr = np.array(values if isinstance(values, list) else list(values))
+        except (TypeError, ValueError) as err:
+            raise InvalidArgumentError(describe(f"{self.what}: tokens", "ints",
+                                                repr(err))) from None
+        if arr.ndim != 1 or arr.size != count or (arr.size and arr.dtype.kind not in "iu"):
+            raise InvalidArgumentError(describe(f"{self.what}: tokens", "flat sequences of ints",
+                                                f"{arr.dtype} array of shape {arr.shape}"))
+        return arr.astype(np.int64, copy=False)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """int64 ``[sum(counts)]``: every item's tokens, item after item."""
+        if self._flat is None:
+            self._flat = self._ints(list(chain.from_iterable(self.seqs)),
+                                    int(self.counts.sum()))
+        return self._flat
+
+    def tokens_of(self, b: int) -> np.ndarray:
+        """int64 ``[counts[b]]``: the tokens of item ``b``."""
+        return self._ints(self.seqs[b], int(self.counts[b]))
 
 
 def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
@@ -217,7 +250,7 @@ class KVCacheManager(abc.ABC):
         """Largest batch whose sequences can all reach ``max_seq_len`` in the given memory."""
 
     @abc.abstractmethod
-    def _fetch_plan_apply(self, batch, ids: np.ndarray, counts: np.ndarray, num_steps: int,
+    def _fetch_plan_apply(self, tokens, ids: np.ndarray, counts: np.ndarray, num_steps: int,
                           lengths: np.ndarray, total: np.ndarray):
         """Reserve room and fill the lookup rows of the host table buffer; atomic.
 
@@ -227,8 +260,9 @@ class KVCacheManager(abc.ABC):
         tokens already cached (prefix hits), or None when there are none.
         """
 
-    def _commit(self, batch, ids: np.ndarray, counts: np.ndarray) -> None:
-        """Strategy hook run by ``step`` after validation, before lengths change (no raise)."""
+    def _commit(self, tokens, ids: np.ndarray, counts: np.ndarray) -> None:
+        """Strategy hook run by ``step`` after validation, before lengths change; it may raise
+        only before it changes anything (reading ``tokens``)."""
 
     def _release_slot(self, seq_id: int) -> None:
         """Strategy hook: return a released sequence's memory."""
@@ -344,41 +378,50 @@ class KVCacheManager(abc.ABC):
     # Batches
     # ------------------------------------------------------------------------------------
 
-    def _parse_batch(self, batch, what: str) -> tuple[np.ndarray, np.ndarray]:
-        """Validated ``(ids, counts)`` of a batch: claimed, distinct, at least one token each."""
-        if not isinstance(batch, (list, tuple)):
-            raise InvalidArgumentError(describe(f"{what}: batch", "a list of batch items",
+    def _parse_batch(self, batch, what: str):
+        """Validated ``(ids, counts, tokens)`` of a batch (a list of batch items or a
+        :class:`TokenBatch`): claimed, distinct, at least one token each. ``tokens`` reads the
+        items' tokens (``.tokens``: all, flat int64; ``.tokens_of(b)``) only when asked."""
+        if isinstance(batch, TokenBatch):
+            ids, counts, tokens = batch.seq_ids, batch.counts, batch
+            n = ids.size
+        elif isinstance(batch, (list, tuple)):
+            n = len(batch)
+            try:
+                ids = np.array(list(map(_SEQ_ID, batch)))
+                seqs = list(map(_TOKENS, batch))
+                counts = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
+            except (AttributeError, TypeError) as err:
+                raise InvalidArgumentError(describe(
+                    f"{what}: batch items", "objects with .seq_id (int) and .tokens (sequence)",
+                    repr(err))) from None
+            tokens = _ItemTokens(seqs, counts, what)
+        else:
+            raise InvalidArgumentError(describe(f"{what}: batch",
+                                                "a list of batch items or a TokenBatch",
                                                 type(batch).__name__))
-        n = len(batch)
         if n == 0:
             raise InvalidArgumentError(describe(f"{what}: batch", "at least one item", "[]"))
-        try:
-            ids = np.array(list(map(_SEQ_ID, batch)))
-            counts = np.fromiter(map(len, map(_TOKENS, batch)), dtype=np.int64, count=n)
-        except (AttributeError, TypeError) as err:
-            raise InvalidArgumentError(describe(
-                f"{what}: batch items", "objects with .seq_id (int) and .tokens (sequence)",
-                repr(err))) from None
         if ids.dtype.kind not in "iu":
             raise InvalidArgumentError(describe(f"{what}: seq_id", "ints", ids.tolist()))
-        bad = (ids < 0) | (ids >= self.max_batch_size)
-        if not bad.any():
-            bad = ~self._claimed[ids]
-        if bad.any():
+        if ids.min() < 0 or ids.max() >= self.max_batch_size or not self._claimed[ids].all():
+            inside = (ids >= 0) & (ids < self.max_batch_size)
+            bad = ~inside
+            bad[inside] = ~self._claimed[ids[inside]]
             s = int(ids[np.argmax(bad)])
             raise UnknownSequenceError(
                 f"{what}: seq_id {s} is not claimed (never claimed, or already released)")
         if n > 1:  # duplicates: the last write of a repeated id wins, so positions differ
             mark, pos = self._mark, self._positions[:n]
             mark[ids] = pos
-            if (mark[ids] != pos).any():
+            if np.count_nonzero(mark[ids] != pos):
                 raise InvalidArgumentError(describe(f"{what}: seq_ids", "distinct ids",
                                                     ids.tolist()))
-        if (counts < 1).any():
+        if counts.min() < 1:
             b = int(np.argmin(counts))
             raise InvalidArgumentError(describe(
                 f"{what}: tokens of seq_id {int(ids[b])}", "at least one token", 0))
-        return ids.astype(np.int64, copy=False), counts
+        return ids.astype(np.int64, copy=False), counts, tokens
 
     def fetch(self, batch: Sequence[Any], num_steps: int = 1) -> list[RaggedKVCacheInputs]:
         """Make room for the batch's new tokens and return the inputs of the KV cache kernels.
@@ -411,25 +454,24 @@ class KVCacheManager(abc.ABC):
         """
         num_steps = check_positive_int("num_steps", num_steps)
         with self._lock:
-            ids, counts = self._parse_batch(batch, "fetch")
-            inflight = self._pending[ids] >= 0
-            if inflight.any():
-                s = int(ids[np.argmax(inflight)])
+            ids, counts, tokens = self._parse_batch(batch, "fetch")
+            if self._pending[ids].max() >= 0:
+                s = int(ids[np.argmax(self._pending[ids] >= 0)])
                 raise SequenceStateError(
                     f"fetch: seq_id {s} already has a fetch in flight; call step() to commit "
                     "it (or release() it) before fetching again")
             lengths = self._lengths[ids]
             total = lengths + counts + (num_steps - 1)
-            too_long = total > self.max_seq_len
-            if too_long.any():
-                b = int(np.argmax(too_long))
+            end = int(total.max())
+            if end > self.max_seq_len:
+                b = int(np.argmax(total))
                 raise SequenceTooLongError(describe(
                     f"fetch: length of seq_id {int(ids[b])} after this fetch "
                     f"({int(self._lengths[ids[b]])} cached + {int(counts[b])} new + "
                     f"{num_steps - 1} more steps)", f"at most max_seq_len={self.max_seq_len}",
                     int(total[b])))
             self._tables.wait_host_free()
-            start, hits = self._fetch_plan_apply(batch, ids, counts, num_steps, lengths,
+            start, hits = self._fetch_plan_apply(tokens, ids, counts, num_steps, lengths,
                                                  total)
             # -- nothing below raises: fill the per-step tables and hand them out --------
             n = ids.size
@@ -442,7 +484,7 @@ class KVCacheManager(abc.ABC):
             self._pending[ids] = counts
             self._pending_steps[ids] = num_steps
             tables.upload(n)
-            end0 = int(total.max()) - (num_steps - 1)  # max of lengths + counts
+            end0 = end - (num_steps - 1)  # max of lengths + counts
             max_lengths = np.empty((num_steps, 2), dtype=np.int32)
             max_lengths[0] = (new.max(), end0)
             if num_steps > 1:
@@ -486,21 +528,23 @@ class KVCacheManager(abc.ABC):
             A sequence has no fetch in flight, or the token count does not match the fetch.
         """
         with self._lock:
-            ids, counts = self._parse_batch(batch, "step")
+            ids, counts, tokens = self._parse_batch(batch, "step")
             pending = self._pending[ids]
-            if (pending < 0).any():
+            if pending.min() < 0:
                 s = int(ids[np.argmax(pending < 0)])
                 raise SequenceStateError(
                     f"step: seq_id {s} has no fetch in flight; call fetch() before step()")
-            bad = (counts < pending) | (counts > pending + self._pending_steps[ids] - 1)
-            if bad.any():
+            bad = None
+            if np.count_nonzero(counts != pending):  # fine only within a multistep fetch
+                bad = (counts < pending) | (counts > pending + self._pending_steps[ids] - 1)
+            if bad is not None and np.count_nonzero(bad):
                 b = int(np.argmax(bad))
                 lo = int(pending[b])
                 hi = lo + int(self._pending_steps[ids[b]]) - 1
                 raise SequenceStateError(describe(
                     f"step: tokens of seq_id {int(ids[b])}",
                     f"between {lo} and {hi} tokens (as fetched)", int(counts[b])))
-            self._commit(batch, ids, counts)
+            self._commit(tokens, ids, counts)
             self._lengths[ids] += counts
             self._pending[ids] = -1
 

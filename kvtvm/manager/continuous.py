@@ -72,6 +72,6 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
         per_seq = params.bytes_per_token(num_layers, n) * max_seq_len + 4 * 3
         return max(1, (available_cache_memory - 4) // per_seq)
 
-    def _fetch_plan_apply(self, batch, ids, counts, num_steps, lengths, total):
+    def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total):
         self._tables.lookup[:ids.size, 0] = ids
         return lengths, None

@@ -25,8 +25,6 @@ Choices written down here:
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
 from ..errors import (InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
@@ -37,8 +35,6 @@ from .prefix_cache import PagedCacheStats, PrefixCache
 
 __all__ = ["PagedKVCacheManager", "PagedCacheStats"]
 
-_TOKENS = operator.attrgetter("tokens")
-_FIRST = operator.itemgetter(0)
 
 
 def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: int,
@@ -189,7 +185,7 @@ class PagedKVCacheManager(KVCacheManager):
     # fetch / step
     # ------------------------------------------------------------------------------------
 
-    def _fetch_plan_apply(self, batch, ids, counts, num_steps, lengths, total):
+    def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total):
         P = self.page_size
         n = ids.size
         npages = self._npages[ids]
@@ -201,7 +197,7 @@ class PagedKVCacheManager(KVCacheManager):
             if fresh.size:
                 hits = np.zeros(n, dtype=np.int64)
             for b in fresh:
-                toks = np.asarray(batch[b].tokens, dtype=np.int64)
+                toks = tokens.tokens_of(b)
                 full = (toks.size - 1) // P  # the last token is always recomputed
                 chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(full)]
                 pages, kids = prefix.lookup(chunks)
@@ -212,7 +208,7 @@ class PagedKVCacheManager(KVCacheManager):
         else:
             start, have = lengths, npages
         # sequences whose pages cannot hold ``total`` tokens, and how many pages each needs
-        short = np.flatnonzero(total > have * P)
+        short = (total > have * P).nonzero()[0]
         have_short = have[short]
         alloc = (total[short] - have_short * P + (P - 1)) // P
         # copy-on-write: the page the writes start in, when it is already held and shared
@@ -220,8 +216,8 @@ class PagedKVCacheManager(KVCacheManager):
         # Only a sequence flagged by fork or pop can start writing into a page that is shared
         # or cached (a page is cached only once full, and writes start at the length).
         flagged = self._tail_check[ids]
-        any_flagged = flagged.any()
-        partial = np.flatnonzero(flagged & (start % P != 0)) if any_flagged else ()
+        any_flagged = np.count_nonzero(flagged) > 0
+        partial = (flagged & (start % P != 0)).nonzero()[0] if any_flagged else ()
         if len(partial):
             pages = self._page_table[ids[partial], start[partial] // P]
             rc = self._refcount[pages]
@@ -271,7 +267,7 @@ class PagedKVCacheManager(KVCacheManager):
         table and the next fetch rewrites every row)."""
         n = ids.size
         lookup = self._tables.lookup
-        if n == self._lookup_n and np.array_equal(ids, self._lookup_ids[:n]):
+        if n == self._lookup_n and not np.count_nonzero(ids != self._lookup_ids[:n]):
             if len(changed):
                 changed = np.asarray(changed, dtype=np.int64)
                 lookup[changed] = self._page_table[ids[changed]]
@@ -340,36 +336,39 @@ class PagedKVCacheManager(KVCacheManager):
         for blocks in self._blocks:  # fresh destinations: always one round of copies
             copy_pages(blocks, src_t, dst_t)
 
-    def _commit(self, batch, ids, counts):
+    def _commit(self, tokens, ids, counts):
         if not self.prefix_caching:
             return
+        flat = tokens.tokens  # may raise (not ints): before anything changes
         P = self.page_size
         lengths = self._lengths[ids]
         toks = self._tokens
-        if (counts == 1).all():
-            toks[ids, lengths] = list(map(_FIRST, map(_TOKENS, batch)))
+        if flat.size == ids.size:  # one token each
+            toks[ids, lengths] = flat
         else:
-            for b, it in enumerate(batch):
-                L = int(lengths[b])
-                toks[ids[b], L:L + int(counts[b])] = np.asarray(it.tokens, dtype=np.int64)
+            rows = np.repeat(ids, counts)
+            starts = np.cumsum(counts) - counts
+            cols = np.arange(flat.size) - np.repeat(starts - lengths, counts)
+            toks[rows, cols] = flat
         full = (lengths + counts) // P
         prefix, pt, keys_of = self._prefix, self._page_table, self._keys
         # a sequence's keys cover its full pages (or, fresh, its prefix hits): only those
         # that complete a page this step have pages to cache
-        cand = np.flatnonzero(full > lengths // P)
+        cand = (full > lengths // P).nonzero()[0]
         if not cand.size:
             return
-        if (counts[cand] < P).all() and (lengths[cand] > 0).all():
+        if counts[cand].max() < P and lengths[cand].min() > 0:
             # decode-like: each candidate completes exactly one page, page full[b] - 1;
             # gather all their tokens in one numpy call
             sids, last = ids[cand], full[cand] - 1
             chunks = toks[sids[:, None], (last * P)[:, None] + self._page_offsets]
             data, width = chunks.tobytes(), P * toks.itemsize
             pages = pt[sids, last].tolist()
+            insert = prefix.insert
             for j, sid in enumerate(sids.tolist()):
                 keys = keys_of[sid]
-                keys.append(prefix.insert(keys[-1] if keys else -1,
-                                          data[j * width:(j + 1) * width], pages[j]))
+                keys.append(insert(keys[-1] if keys else -1,
+                                   data[j * width:(j + 1) * width], pages[j]))
             return
         for b in cand:
             sid = int(ids[b])
