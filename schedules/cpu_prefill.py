@@ -7,12 +7,13 @@ Built directly from the knobs (same signature and block names as the definition 
 Work item = (tile of ``tile_q`` consecutive query rows, KV head); items run in parallel, tiles
 ordered small/large/small/... (tile ``i`` next to tile ``n-1-i``) so the contiguous chunks TVM
 hands each thread carry about the same causal work. A tile that spans several sequences is
-processed one sequence segment at a time. Per segment: Q (all ``group_size`` heads of the KV
-head: ``tile_q * group_size`` rows, pre-scaled by ``sm_scale * log2 e``) in float32; for each
-KV tile of ``tile_kv`` positions: gather K (transposed) and V through the page table into
-float32 tiles, S = Q K^T vectorized over the KV tile, masked online softmax (base 2), then
-O += P V vectorized over head_dim. Rows are blocked by ``row_block`` so each K/V vector load
-feeds several rows.
+processed one sequence segment at a time. Per segment: Q^T (all ``group_size`` heads of the KV
+head: ``R = tile_q * group_size`` rows, pre-scaled by ``sm_scale * log2 e``) in float32; for
+each KV tile of ``tile_kv`` positions: gather K and V through the page table into float32 tiles
+(vector copies), S^T = K Q^T with ``key_block`` keys x up to 64 query rows of accumulators held
+in vector registers, then the masked online softmax (base 2) vectorized over the query rows --
+row max and row sum are element-wise vector operations down the keys, no horizontal reduction
+-- and O += P V with ``row_block`` rows x 64 columns of O in registers.
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ def fast_exp2(x):
 
 
 def prefill_knobs(spec) -> dict:
-    return {"tile_q": 16 if spec.group_size <= 4 else 8, "tile_kv": 32, "row_block": 4}
+    return {"tile_q": 16 if spec.group_size <= 4 else 8, "tile_kv": 32, "row_block": 4,
+            "key_block": 4}
 
 
 def prefill_knob_space(spec) -> dict:
-    return {"tile_q": [4, 8, 16, 32], "tile_kv": [16, 32, 64], "row_block": [2, 4, 8]}
+    return {"tile_q": [4, 8, 16, 32], "tile_kv": [16, 32, 64], "row_block": [2, 4, 8],
+            "key_block": [2, 4, 8]}
 
 
 def schedule_prefill(mod, spec, knobs):
@@ -64,16 +67,19 @@ def schedule_prefill(mod, spec, knobs):
         token = under_locate(sch, block)
         sch.parallel(token)
         return sch.mod
-    func = tiled_prefill(spec, knobs["tile_q"], knobs["tile_kv"], knobs["row_block"])
+    func = tiled_prefill(spec, knobs["tile_q"], knobs["tile_kv"], knobs["row_block"],
+                         knobs.get("key_block", 4))
     return tvm.IRModule({spec.func_name: func.with_attr("global_symbol", spec.func_name)})
 
 
-def tiled_prefill(spec, TQ: int, N: int, RB: int):
+def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
     """The tiled CPU prefill PrimFunc (see the module docstring)."""
     H, G, D, dtype, layout = (spec.n_kv_heads, spec.group_size, spec.head_dim, spec.dtype,
                               spec.layout)
     R = TQ * G
     RB = math.gcd(RB, R)
+    JB = math.gcd(JB, N)
+    RC = math.gcd(R, 64)  # query rows per vector chunk of the score tile
     SLIDE = 1 if "sliding_window" in spec.features else 0
     DCH = math.gcd(D, 64)  # O columns per register block
 
@@ -101,14 +107,15 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
                 vw = T.axis.spatial((ntok + TQ - 1) // TQ * H, w)
                 T.reads()
                 T.writes()
-                Qs = T.sblock_alloc_buffer((R, D), "float32", scope="local")
-                Kt = T.sblock_alloc_buffer((D, N), "float32", scope="local")
+                Qt = T.sblock_alloc_buffer((D, R), "float32", scope="local")
+                Ks = T.sblock_alloc_buffer((N, D), "float32", scope="local")
                 Vs = T.sblock_alloc_buffer((N, D), "float32", scope="local")
-                S = T.sblock_alloc_buffer((R, N), "float32", scope="local")
+                St = T.sblock_alloc_buffer((N, R), "float32", scope="local")
                 O = T.sblock_alloc_buffer((R, D), "float32", scope="local")
                 M = T.sblock_alloc_buffer((R,), "float32", scope="local")
+                Mn = T.sblock_alloc_buffer((R,), "float32", scope="local")
                 L = T.sblock_alloc_buffer((R,), "float32", scope="local")
-                red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                Ls = T.sblock_alloc_buffer((R,), "float32", scope="local")
                 ib = T.sblock_alloc_buffer((2,), "int32", scope="local")
                 ir = T.sblock_alloc_buffer((1,), "int64", scope="local")
                 ntiles: T.int64 = (ntok + TQ - 1) // TQ
@@ -125,6 +132,7 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
                     r1: T.int64 = T.min(T.Cast("int64", qo_indptr[b + 1]), row1)
                     if r1 > r0:
                         mg: T.int64 = (r1 - r0) * G
+                        nrc: T.int64 = (mg + RC - 1) // RC
                         p0: T.int64 = T.Cast("int64", cache_lengths[b]) + r0 \
                             - T.Cast("int64", qo_indptr[b])
                         kv_hi: T.int64 = T.if_then_else(
@@ -132,18 +140,20 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
                             T.Cast("int64", cache_lengths[b] + qo_indptr[b + 1] - qo_indptr[b]))
                         kv_lo: T.int64 = T.max(p0 - T.Cast("int64", window) + 1,
                                                T.int64(0)) * SLIDE
+                        # Q^T of the segment's rows (r = token * G + head in group), pre-scaled
                         for i, g in T.grid(TQ, G):
                             if r0 + i < r1:
-                                for d in T.vectorized(D):
-                                    Qs[i * G + g, d] = T.Cast(
+                                for d in range(D):
+                                    Qt[d, i * G + g] = T.Cast(
                                         "float32", q[r0 + i, h * G + g, d]) \
                                         * (sm_scale * T.float32(LOG2E))
                             else:
-                                for d in T.vectorized(D):
-                                    Qs[i * G + g, d] = T.float32(0)
-                        for r in range(R):
+                                for d in range(D):
+                                    Qt[d, i * G + g] = T.float32(0)
+                        for r in T.vectorized(R):
                             M[r] = T.float32(NEG_INF)
                             L[r] = T.float32(0)
+                        for r in range(R):
                             for d in T.vectorized(D):
                                 O[r, d] = T.float32(0)
                         for kt in range((kv_hi - kv_lo + N - 1) // N):
@@ -153,47 +163,60 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
                                     page: T.int64 = T.Cast(
                                         "int64", lookup[b, T.truncdiv(j0 + jj, page_size)])
                                     slot: T.int64 = T.truncmod(j0 + jj, page_size)
-                                    for d in range(D):
-                                        Kt[d, jj] = T.Cast("float32", k_cache[cache_index(
+                                    for d in T.vectorized(D):
+                                        Ks[jj, d] = T.Cast("float32", k_cache[cache_index(
                                             layout, page, slot, h, d)])
                                     for d in T.vectorized(D):
                                         Vs[jj, d] = T.Cast("float32", v_cache[cache_index(
                                             layout, page, slot, h, d)])
                                 else:
-                                    for d in range(D):
-                                        Kt[d, jj] = T.float32(0)
+                                    for d in T.vectorized(D):
+                                        Ks[jj, d] = T.float32(0)
                                     for d in T.vectorized(D):
                                         Vs[jj, d] = T.float32(0)
-                            # S = Q K^T, RB rows at a time
-                            for rb in range((mg + RB - 1) // RB):
-                                for rr in T.unroll(RB):
-                                    for jj in T.vectorized(N):
-                                        S[rb * RB + rr, jj] = T.float32(0)
-                                for d in range(D):
-                                    for rr in T.unroll(RB):
-                                        for jj in T.vectorized(N):
-                                            S[rb * RB + rr, jj] = S[rb * RB + rr, jj] \
-                                                + Qs[rb * RB + rr, d] * Kt[d, jj]
-                            # masked online softmax, base 2 (vectorized over the KV tile)
-                            for r in range(mg):
-                                for jj in T.vectorized(N):
-                                    S[r, jj] = T.Select(visible(r, j0 + jj, p0, kv_hi, causal,
-                                                                window),
-                                                        S[r, jj], T.float32(MASKED))
-                                red[0] = M[r]
+                            # S^T = K Q^T: JB keys x RC rows of accumulators, vectors over rows
+                            for rc in range(nrc):
+                                for jb in range(N // JB):
+                                    for jj in T.unroll(JB):
+                                        for r in T.vectorized(RC):
+                                            St[jb * JB + jj, rc * RC + r] = T.float32(0)
+                                    for d in range(D):
+                                        for jj in T.unroll(JB):
+                                            for r in T.vectorized(RC):
+                                                St[jb * JB + jj, rc * RC + r] = \
+                                                    St[jb * JB + jj, rc * RC + r] \
+                                                    + Ks[jb * JB + jj, d] * Qt[d, rc * RC + r]
+                                # masked online softmax, base 2, vectorized over the rows
                                 for jj in range(N):
-                                    red[0] = T.max(red[0], S[r, jj])
-                                for jj in T.vectorized(N):
-                                    S[r, jj] = T.Select(S[r, jj] > T.float32(MASKED / 2),
-                                                        fast_exp2(S[r, jj] - red[0]),
-                                                        T.float32(0))
-                                red[1] = T.float32(0)
+                                    for r in T.vectorized(RC):
+                                        St[jj, rc * RC + r] = T.Select(
+                                            visible(rc * RC + r, j0 + jj, p0, kv_hi, causal,
+                                                    window),
+                                            St[jj, rc * RC + r], T.float32(MASKED))
+                                for r in T.vectorized(RC):
+                                    Mn[rc * RC + r] = M[rc * RC + r]
+                                    Ls[rc * RC + r] = T.float32(0)
                                 for jj in range(N):
-                                    red[1] = red[1] + S[r, jj]
-                                L[r] = L[r] * T.exp2(M[r] - red[0]) + red[1]
-                                for d in T.vectorized(D):
-                                    O[r, d] = O[r, d] * T.exp2(M[r] - red[0])
-                                M[r] = red[0]
+                                    for r in T.vectorized(RC):
+                                        Mn[rc * RC + r] = T.max(Mn[rc * RC + r],
+                                                                St[jj, rc * RC + r])
+                                for jj in range(N):
+                                    for r in T.vectorized(RC):
+                                        St[jj, rc * RC + r] = T.Select(
+                                            St[jj, rc * RC + r] > T.float32(MASKED / 2),
+                                            fast_exp2(St[jj, rc * RC + r] - Mn[rc * RC + r]),
+                                            T.float32(0))
+                                        Ls[rc * RC + r] = Ls[rc * RC + r] + St[jj, rc * RC + r]
+                                for r in T.vectorized(RC):
+                                    # M becomes the rescale factor of the old O and L
+                                    M[rc * RC + r] = fast_exp2(M[rc * RC + r] - Mn[rc * RC + r])
+                                    L[rc * RC + r] = L[rc * RC + r] * M[rc * RC + r] \
+                                        + Ls[rc * RC + r]
+                                for r in range(RC):
+                                    for d in T.vectorized(D):
+                                        O[rc * RC + r, d] = O[rc * RC + r, d] * M[rc * RC + r]
+                                for r in T.vectorized(RC):
+                                    M[rc * RC + r] = Mn[rc * RC + r]
                             # O += P V, RB rows x DCH columns of O in registers
                             for rb in range((mg + RB - 1) // RB):
                                 for dc in range(D // DCH):
@@ -202,7 +225,7 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int):
                                             for d in T.vectorized(DCH):
                                                 O[rb * RB + rr, dc * DCH + d] = \
                                                     O[rb * RB + rr, dc * DCH + d] \
-                                                    + S[rb * RB + rr, jj] * Vs[jj, dc * DCH + d]
+                                                    + St[jj, rb * RB + rr] * Vs[jj, dc * DCH + d]
                         for i, g in T.grid(TQ, G):
                             if r0 + i < r1:
                                 for d in T.vectorized(D):

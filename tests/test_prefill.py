@@ -139,6 +139,8 @@ def test_non_causal_and_scale():
     {"tile_q": 0},  # the definition itself, one (token, head) row per iteration
     {"tile_q": 4, "tile_kv": 16, "row_block": 2},
     {"tile_q": 32, "tile_kv": 64, "row_block": 8},
+    {"tile_q": 8, "tile_kv": 32, "row_block": 4, "key_block": 8},
+    {"tile_q": 16, "tile_kv": 16, "row_block": 2, "key_block": 2},
 ])
 def test_schedule_variants(knobs):
     """Tiles that span several sequences, partial KV tiles, all row blockings."""
