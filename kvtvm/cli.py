@@ -18,21 +18,28 @@ def _csv(kind):
     return parse
 
 
+#: compile-time features of the attention families, as ``--features`` names them
+ATTENTION_FEATURES = {"none": (), "sliding_window": ("sliding_window",)}
+
+
 def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_heads, groups,
-                  layouts):
+                  layouts, features=("none",)):
     """The cross product of the requested axes, for every family whose kernel exists.
 
     The copy kernel moves whole rows whatever the head count and layout, so the copy op
     always loads it with ``n_kv_heads=1`` and layout ``nhd``; it is built that way.
+    ``features`` (names of :data:`ATTENTION_FEATURES`) apply to decode and prefill.
     """
     specs = []
     for op, dtype, d, h, layout in itertools.product(ops, dtypes, head_dims, kv_heads, layouts):
         if op == "copy":
             h, layout = 1, "nhd"
-        for g in (groups if op in ("decode", "prefill") else [1]):
+        attention = op in ("decode", "prefill")
+        for g, feats in itertools.product(groups if attention else [1],
+                                          features if attention else ["none"]):
             specs.append(compiler.KernelSpec(op=op, dtype=dtype, head_dim=d, n_kv_heads=h,
                                              group_size=g, layout=layout, target=target,
-                                             arch=arch))
+                                             arch=arch, features=ATTENTION_FEATURES[feats]))
     return list(dict.fromkeys(specs))
 
 
@@ -48,8 +55,13 @@ def available_ops() -> list[str]:
 def cmd_build(args) -> int:
     arch = args.arch if args.target == "cuda" else None
     ops = args.ops or available_ops()
+    unknown = sorted(set(args.features) - set(ATTENTION_FEATURES))
+    if unknown:
+        print(f"--features: unknown {unknown}; known: {sorted(ATTENTION_FEATURES)}",
+              file=sys.stderr)
+        return 2
     specs = default_specs(args.target, arch, ops, args.dtypes, args.head_dims, args.kv_heads,
-                          args.group_sizes, args.layouts)
+                          args.group_sizes, args.layouts, args.features)
     specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
     out = Path(args.out)
     print(f"building {len(specs)} kernels for {args.target}"
@@ -126,6 +138,9 @@ def main(argv=None) -> int:
     b.add_argument("--kv-heads", type=_csv(int), default=[8])
     b.add_argument("--group-sizes", type=_csv(int), default=[4])
     b.add_argument("--layouts", type=_csv(str), default=["nhd", "hnd"])
+    b.add_argument("--features", type=_csv(str), default=["none"],
+                   help="attention feature sets to build, comma-separated: "
+                   f"{', '.join(ATTENTION_FEATURES)} (default: none)")
     b.set_defaults(func=cmd_build)
 
     sub.add_parser("bench", help="run a benchmark (python -m kvtvm bench <name> --help)",

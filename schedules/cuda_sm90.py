@@ -27,9 +27,9 @@ def schedule_append(mod, spec, knobs):
     sch = new_schedule(mod, spec)
     block = sch.get_sblock("append")
     token = under_locate(sch, block)
-    h, d = sch.get_loops(block)[-2:]
+    row = sch.get_loops(block)[1:]  # (head, dim); a single KV head leaves no head loop
+    row = sch.fuse(*row) if len(row) > 1 else row[0]
     lanes = vector_lanes(spec, knobs["vector_bytes"])
-    row = sch.fuse(h, d)
     threads, vec = sch.split(row, [None, lanes])
     sch.vectorize(vec)
     sch.bind(threads, "threadIdx.x")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvtvm import ops
-from kvtvm.kernels.append import reference_append
+from kvtvm.kernels.reference import reference_append
 from kvtvm.params import torch_dtype
 
 DTYPES = ["float16", "bfloat16", "float32"]

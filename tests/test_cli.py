@@ -57,3 +57,25 @@ def test_bench_append_prints_side_by_side_table(tmp_path):
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert {r["impl"] for r in rows} == {"kvtvm", "torch index_put_"}
     assert all(r["ms"] > 0 and r["metric"] > 0 for r in rows)
+
+
+def test_build_spec_set_covers_feature_sets():
+    from kvtvm.cli import default_specs
+
+    specs = default_specs("cuda", "sm_90a", ["append", "prefill", "copy"], ["float16"], [128],
+                          [2], [4], ["nhd", "hnd"], ["none", "sliding_window"])
+    prefill = [s for s in specs if s.op == "prefill"]
+    assert sorted((s.layout, s.features) for s in prefill) == [
+        ("hnd", ()), ("hnd", ("sliding_window",)), ("nhd", ()), ("nhd", ("sliding_window",))]
+    assert all(s.group_size == 4 and s.n_kv_heads == 2 for s in prefill)
+    # features apply to attention only; copy is one spec whatever the heads and layout
+    assert [(s.features, s.layout) for s in specs if s.op == "append"] == [((), "nhd"),
+                                                                            ((), "hnd")]
+    assert [(s.n_kv_heads, s.layout) for s in specs if s.op == "copy"] == [(1, "nhd")]
+
+
+def test_build_refuses_unknown_features(tmp_path):
+    proc = run("build", "--target", "llvm", "--ops", "decode", "--features", "none,alibi",
+               "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert "unknown ['alibi']" in proc.stderr and not any(tmp_path.iterdir())

@@ -10,7 +10,7 @@ import torch
 from kvtvm import compiler, ops
 from kvtvm._copy_op import independent_rounds
 from kvtvm.errors import DTypeMismatchError, InvalidArgumentError
-from kvtvm.kernels.copy import reference_copy_pages
+from kvtvm.kernels.reference import reference_copy_pages
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -143,6 +143,7 @@ def test_cuda_binary_has_no_spills(tmp_path):
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (kernel, usage)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_copy_on_gpu_matches_reference(dtype):
@@ -159,6 +160,7 @@ def test_copy_on_gpu_matches_reference(dtype):
     assert np.array_equal(as_numpy(gpu.cpu()), want)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_copy_on_gpu_rejects_unaligned_view():
     base = torch.zeros(1 + 4 * 2 * 64, dtype=torch.float16, device="cuda")

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not i
 
 
 @pytest.mark.parametrize("dtype,head_dim,heads,layout", [
-    ("float16", 128, 8, "nhd"), ("bfloat16", 64, 4, "hnd"), ("float32", 256, 2, "nhd")])
+    ("float16", 128, 8, "nhd"), ("bfloat16", 64, 4, "hnd"), ("float32", 256, 2, "nhd"),
+    ("float32", 32, 1, "hnd")])  # a single KV head (multi-query attention): no head loop
 def test_append_cuda_binary(tmp_path, dtype, head_dim, heads, layout):
     spec = compiler.KernelSpec(op="append", dtype=dtype, head_dim=head_dim, n_kv_heads=heads,
                                layout=layout, target="cuda", arch="sm_90a")

@@ -11,7 +11,7 @@ from kvtvm import ops
 from kvtvm.compiler import KernelSpec, get_kernel
 from kvtvm.errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                           SequenceTooLongError)
-from kvtvm.kernels.decode import reference_decode
+from kvtvm.kernels.reference import reference_decode
 from kvtvm.params import torch_dtype
 
 DTYPES = ["float16", "bfloat16", "float32"]

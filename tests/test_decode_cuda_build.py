@@ -82,6 +82,7 @@ def _gpu():
         return False
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("layout,page_size", [("nhd", 16), ("nhd", 1), ("hnd", 256)])
@@ -89,7 +90,7 @@ def test_decode_cuda_numerics(layout, page_size, num_splits):
     import torch
 
     from kvtvm import ops
-    from kvtvm.kernels.decode import reference_decode
+    from kvtvm.kernels.reference import reference_decode
 
     rng = np.random.default_rng(0)
     H, G, D, lengths = 8, 4, 128, [0, 1, 2 * page_size - 1, 200]

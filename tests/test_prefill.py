@@ -9,7 +9,7 @@ import torch
 from kvtvm import compiler, ops
 from kvtvm.errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                           SequenceTooLongError)
-from kvtvm.kernels.prefill import reference_prefill
+from kvtvm.kernels.reference import reference_prefill
 from kvtvm.params import torch_dtype
 
 TOL = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2}

@@ -50,13 +50,14 @@ def test_sm80_spec_builds():
     assert "ptx_legacy.mma" in compiler.lower(spec).script()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("layout,page_size", [("nhd", 16), ("nhd", 1), ("hnd", 256)])
 @pytest.mark.parametrize("window", [None, 20])
 def test_gpu_matches_reference(dtype, layout, page_size, window):
     from test_prefill import TOL, make_batch  # noqa: E402
-    from kvtvm.kernels.prefill import reference_prefill
+    from kvtvm.kernels.reference import reference_prefill
 
     rng = np.random.default_rng(0)
     counts = [5, 0, 1, 130, 70, 3]

@@ -23,9 +23,9 @@ from tvm import relax, tirx  # noqa: E402
 import kvtvm.relax as kr  # noqa: E402
 from kvtvm import KVCacheParams  # noqa: E402
 from kvtvm.errors import InvalidArgumentError  # noqa: E402
-from kvtvm.kernels.append import reference_append  # noqa: E402
-from kvtvm.kernels.decode import reference_decode  # noqa: E402
-from kvtvm.kernels.prefill import reference_prefill  # noqa: E402
+from kvtvm.kernels.reference import reference_append  # noqa: E402
+from kvtvm.kernels.reference import reference_decode  # noqa: E402
+from kvtvm.kernels.reference import reference_prefill  # noqa: E402
 from kvtvm.manager import (BatchItem, ContinuousBatchingKVCacheManager,  # noqa: E402
                            LinearKVCache, PagedKVCacheManager)
 

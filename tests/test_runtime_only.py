@@ -76,3 +76,17 @@ def test_import_kvtvm_runtime_only():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_numpy_references_import_without_tvm():
+    """The references check kernels on a runtime-only GPU machine too (tools/gpu-check.sh):
+    importing them must not import TVM (whose TVMScript needs the compiler library)."""
+    code = ("import sys, numpy as np; from kvtvm.kernels.reference import reference_decode; "
+            "q = np.ones((1, 2, 4)); kv = np.ones((1, 1, 1, 4)); "
+            "out, lse = reference_decode(q, kv, kv, [0], np.zeros((1, 1), np.int32)); "
+            "assert out.shape == (1, 2, 4) and not [m for m in sys.modules if m == 'tvm' or "
+            "m.startswith('tvm.')]; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ok" in proc.stdout

@@ -23,6 +23,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .accessor import cache_index, find_sequence, match_cache_pair, match_tensor
+from .reference import reference_append  # noqa: F401  (the numpy reference, beside its kernel)
 
 
 def define(spec):
@@ -67,21 +68,3 @@ def define(spec):
                     v_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = v[vn, vh, vd]
     # fmt: on
     return append
-
-
-def reference_append(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table,
-                     layout: str = "nhd"):
-    """Plain numpy append: returns new (k_cache, v_cache) arrays, inputs untouched."""
-    import numpy as np
-
-    k_out, v_out = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
-    page_size = k_out.shape[1] if layout == "nhd" else k_out.shape[2]
-    for b in range(len(cache_lengths)):
-        for row in range(int(qo_indptr[b]), int(qo_indptr[b + 1])):
-            pos = int(cache_lengths[b]) + row - int(qo_indptr[b])
-            page, slot = int(lookup_table[b, pos // page_size]), pos % page_size
-            if layout == "nhd":
-                k_out[page, slot], v_out[page, slot] = k[row], v[row]
-            else:
-                k_out[page, :, slot], v_out[page, :, slot] = k[row], v[row]
-    return k_out, v_out

@@ -26,7 +26,7 @@ Blocks: ``copy``.
 
 from __future__ import annotations
 
-import numpy as np
+from .reference import reference_copy_pages  # noqa: F401  (the numpy reference, beside its kernel)
 
 __all__ = ["define", "reference_copy_pages"]
 
@@ -60,13 +60,3 @@ def define(spec):
                     buf[vo, T.Cast("int64", src[vi]), vr, vd]
     # fmt: on
     return copy
-
-
-def reference_copy_pages(buf: np.ndarray, src, dst, axis: int = 0) -> np.ndarray:
-    """Numpy reference: a copy of ``buf`` after ``buf[..., dst[i], ...] = buf[..., src[i], ...]``
-    along ``axis``, for ``i`` in order."""
-    out = np.array(buf, copy=True)
-    moved = np.moveaxis(out, axis, 0)  # a view: writes land in ``out``
-    for s, d in zip(np.asarray(src).tolist(), np.asarray(dst).tolist()):
-        moved[d] = moved[s]
-    return out

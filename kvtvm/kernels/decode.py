@@ -37,6 +37,7 @@ import math
 from tvm.script import tirx as T
 
 from .accessor import cache_index, match_cache_pair, match_tensor
+from .reference import reference_decode  # noqa: F401  (the numpy reference, beside its kernel)
 
 #: log2(e): scores are kept in log2 units so the kernels use exp2.
 LOG2E = math.log2(math.e)
@@ -174,37 +175,3 @@ def define(spec):
                     lse[b, hq] = (m[0] + T.log2(den[0])) * T.float32(LN2)
     # fmt: on
     return decode
-
-
-def reference_decode(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout: str = "nhd",
-                     sm_scale: float | None = None, sliding_window: int | None = None):
-    """Plain numpy decode attention in float64: returns (out [batch, Hq, D] float64,
-    lse [batch, Hq] float64, natural log)."""
-    import numpy as np
-
-    q = np.asarray(q, np.float64)
-    k_cache, v_cache = np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64)
-    batch, Hq, D = q.shape
-    H = k_cache.shape[2] if layout == "nhd" else k_cache.shape[1]
-    page_size = k_cache.shape[1] if layout == "nhd" else k_cache.shape[2]
-    G = Hq // H
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    out = np.zeros((batch, Hq, D))
-    lse = np.zeros((batch, Hq))
-    for b in range(batch):
-        end = int(cache_lengths[b]) + 1
-        start = max(0, end - sliding_window) if sliding_window and sliding_window > 0 else 0
-        pos = np.arange(start, end)
-        pages = np.asarray(lookup_table)[b, pos // page_size]
-        slots = pos % page_size
-        if layout == "nhd":
-            k, v = k_cache[pages, slots], v_cache[pages, slots]            # [n, H, D]
-        else:
-            k, v = k_cache[pages, :, slots], v_cache[pages, :, slots]      # [n, H, D]
-        for hq in range(Hq):
-            s = k[:, hq // G] @ q[b, hq] * scale
-            mx = s.max()
-            p = np.exp(s - mx)
-            out[b, hq] = p @ v[:, hq // G] / p.sum()
-            lse[b, hq] = mx + np.log(p.sum())
-    return out, lse

@@ -37,6 +37,7 @@ import math
 from tvm.script import tirx as T
 
 from .accessor import cache_index, find_sequence, match_cache_pair, match_tensor
+from .reference import reference_prefill  # noqa: F401  (the numpy reference, beside its kernel)
 
 #: log2(e): the kernels softmax in base 2.
 LOG2E = math.log2(math.e)
@@ -136,54 +137,3 @@ def define(spec):
                 lse[vn, vh] = (st[0] + T.log2(st[1])) * T.float32(1.0 / LOG2E)
     # fmt: on
     return prefill
-
-
-def reference_prefill(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table,
-                      layout: str = "nhd", causal: bool = True, sm_scale=None,
-                      sliding_window=None):
-    """Plain numpy prefill attention in float64: returns ``(out, lse)``.
-
-    ``out`` is ``[num_tokens, n_q_heads, head_dim]`` and ``lse`` ``[num_tokens, n_q_heads]``
-    (natural log of the sum of ``exp(sm_scale * q.k)`` over the visible KV positions).
-    """
-    import numpy as np
-
-    q = np.asarray(q, np.float64)
-    k_cache = np.asarray(k_cache, np.float64)
-    v_cache = np.asarray(v_cache, np.float64)
-    ntok, hq, d = q.shape
-    if layout == "nhd":
-        page_size, h = k_cache.shape[1], k_cache.shape[2]
-    else:
-        page_size, h = k_cache.shape[2], k_cache.shape[1]
-    g = hq // h
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    out = np.zeros((ntok, hq, d))
-    lse = np.zeros((ntok, hq))
-    for b in range(len(cache_lengths)):
-        start, end = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        if end == start:
-            continue
-        clen = int(cache_lengths[b])
-        kv_len = clen + end - start
-        pos = np.arange(kv_len)
-        pages = np.asarray(lookup_table[b])[pos // page_size]
-        if layout == "nhd":
-            keys, vals = k_cache[pages, pos % page_size], v_cache[pages, pos % page_size]
-        else:
-            keys, vals = k_cache[pages, :, pos % page_size], v_cache[pages, :, pos % page_size]
-        keys, vals = np.repeat(keys, g, axis=1), np.repeat(vals, g, axis=1)  # [kv, hq, d]
-        scores = np.einsum("qhd,khd->hqk", q[start:end], keys) * scale
-        qpos = clen + np.arange(end - start)
-        visible = np.ones((end - start, kv_len), bool)
-        if causal:
-            visible &= pos[None, :] <= qpos[:, None]
-        if sliding_window is not None:
-            visible &= pos[None, :] > qpos[:, None] - int(sliding_window)
-        scores = np.where(visible[None], scores, -np.inf)
-        top = scores.max(axis=-1, keepdims=True)
-        p = np.exp(scores - top)
-        total = p.sum(axis=-1, keepdims=True)
-        out[start:end] = np.einsum("hqk,khd->qhd", p / total, vals)
-        lse[start:end] = (np.log(total) + top)[..., 0].T
-    return out, lse

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds, here (TVM's compiler and nvcc, no GPU needed), everything tools/gpu-check.sh runs on a
+# GPU machine that has torch and the TVM runtime only:
+#   build/kernels/   the CUDA kernels of the GPU tests, the benchmarks and examples/serve.py
+#   .device-bundle/  the runtime-only TVM + tvm_ffi for Python 3.12 (../shared/tools/device-bundle.sh)
+# Usage: PYTHON=.venv/bin/python ARCH=sm_90a tools/gpu-kit.sh      (ARCH=sm_80 for an A100)
+# Then run tools/gpu-check.sh there, carrying .device-bundle and build/kernels.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+PY=${PYTHON:-.venv/bin/python}
+ARCH=${ARCH:-sm_90a}
+OUT=build/kernels
+build() { "$PY" -m kvtvm build --target cuda --arch "$ARCH" --out "$OUT" "$@" | tail -1; }
+
+# GPU tests (pytest -m gpu): decode, prefill (every dtype, layout, window), copy, managers
+build --ops decode --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 --layouts nhd,hnd
+build --ops prefill --dtypes float16,bfloat16,float32 --head-dims 128 --kv-heads 2 \
+      --group-sizes 4 --layouts nhd,hnd --features none,sliding_window
+build --ops copy --dtypes float16,bfloat16,float32 --head-dims 128
+# benchmarks (Llama-3-8B layer: 8 KV heads x 128, group 4, float16) and the manager test
+build --ops append,decode,prefill --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 \
+      --layouts nhd
+# examples/serve.py --device cuda (its CUDA_BUILD_COMMAND)
+build --ops append,prefill,decode,copy --dtypes float32 --head-dims 32 --kv-heads 1,2 \
+      --group-sizes 4 --layouts nhd,hnd
+
+PYTHON="$PY" ../shared/tools/device-bundle.sh >/dev/null
+du -sh "$OUT" .device-bundle
+echo "carry: [\".device-bundle\", \"$OUT\"]   command: bash tools/gpu-check.sh"
