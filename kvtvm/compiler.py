@@ -375,23 +375,33 @@ def build_spec(spec: KernelSpec, out_dir: str | os.PathLike) -> Path:
     CUDA specs are compiled by nvcc into a fatbin here; ptxas's resource report is written
     beside the module as ``<name>.ptxas.txt``.
     """
+    out = Path(out_dir) / spec.file_name()
+    return export_module(lower(spec), spec.tvm_target(), out, spec.arch if spec.is_cuda else None)
+
+
+def export_module(mod, target, out: Path, arch: str | None = None) -> Path:
+    """Compile the IRModule ``mod`` for ``target`` and export it to the file ``out``.
+
+    With ``arch`` (a CUDA target) the device code is compiled by nvcc into a fatbin for
+    ``FATBIN_ARCHS[arch]`` and embedded in place of the CUDA source, so the module loads with
+    the TVM runtime alone; ptxas's report goes beside it as ``<name>.ptxas.txt``.
+    """
     import tvm
 
-    out = Path(out_dir) / spec.file_name()
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    mod = lower(spec)
-    with spec.tvm_target():
-        executable = tvm.compile(mod, target=spec.tvm_target())
+    with target:
+        executable = tvm.compile(mod, target=target)
     host = executable.mod
     tmp = Path(tempfile.mkdtemp(prefix="kvtvm-build-"))
     try:
         tmp_out = tmp / out.name
-        if spec.is_cuda:
+        if arch is not None:
             device = [m for m in host.imports if m.kind == "cuda"]
             if len(device) != 1:
-                raise RuntimeError(f"expected one CUDA module in the build of {spec.uri}")
+                raise RuntimeError(f"expected one CUDA module in the build of {out.name}")
             source = device[0].inspect_source()
-            fatbin, report = nvcc_fatbin(source, FATBIN_ARCHS[spec.arch], tmp)
+            fatbin, report = nvcc_fatbin(source, FATBIN_ARCHS[arch], tmp)
             (tmp / (out.name[:-3] + ".cu")).write_text(source)
             (tmp / (out.name[:-3] + ".ptxas.txt")).write_text(report)
             host.export_library(str(tmp_out), workspace_dir=str(tmp),

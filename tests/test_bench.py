@@ -1,6 +1,7 @@
 """Every benchmark runs end to end on small cases and prints its side-by-side table."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -28,3 +29,16 @@ def test_bench_runs(name, tmp_path):
         impls = {r["impl"] for r in rows}
         assert "kvtvm" in impls and len(impls) >= 2
         assert all(r["ms"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_tvm_peer_builds_ahead_of_time_for_a_runtime_only_gpu(tmp_path):
+    """TVM's built-in decode kernel, built here for sm_90a like kvtvm's own: an nvcc fatbin
+    embedded in the module (no CUDA source), where the benchmark looks for it."""
+    from kvtvm import compiler
+    from kvtvm.bench import tvm_peer
+
+    path = tvm_peer.build("decode", "float16", 2, 8, 64, 16, "sm_90a", tmp_path)
+    assert path == tmp_path / tvm_peer.file_name("decode", "float16", 2, 8, 64, 16, "sm_90a")
+    assert compiler.fatbin_architectures(compiler.embedded_fatbin(path)) == ["sm_80", "sm_90a"]
+    assert b"__global__" not in path.read_bytes()

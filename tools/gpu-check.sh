@@ -24,12 +24,8 @@ step() {  # step NAME COMMAND...: run, log, count a failure
 step device nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv
 step "GPU tests" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_cuda_build.py \
      tests/test_prefill_cuda_build.py tests/test_copy_kernel.py tests/test_manager_cuda.py
-# TVM's built-in kernels (a peer) need TVM's compiler, which is not there: --skip tvm
-for b in append copy; do
+for b in append copy decode prefill; do
   step "bench $b" python3 -m kvtvm bench "$b" --device cuda --json "$OUT/bench-$b.json"
-done
-for b in decode prefill; do
-  step "bench $b" python3 -m kvtvm bench "$b" --device cuda --skip tvm --json "$OUT/bench-$b.json"
 done
 step "serve --device cuda" python3 examples/serve.py --device cuda --kernels build/kernels
 echo "=== $failed step(s) failed" | tee -a "$LOG"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, here (TVM's compiler and nvcc, no GPU needed), everything tools/gpu-check.sh runs on a
 # GPU machine that has torch and the TVM runtime only:
-#   build/kernels/   the CUDA kernels of the GPU tests, the benchmarks and examples/serve.py
+#   build/kernels/   the CUDA kernels of the GPU tests, the benchmarks (and their TVM peer) and
+#                    examples/serve.py
 #   .device-bundle/  the runtime-only TVM + tvm_ffi for Python 3.12 (../shared/tools/device-bundle.sh)
 # Usage: PYTHON=.venv/bin/python ARCH=sm_90a tools/gpu-kit.sh      (ARCH=sm_80 for an A100)
 # Then run tools/gpu-check.sh there, carrying .device-bundle and build/kernels.
@@ -20,6 +21,8 @@ build --ops copy --dtypes float16,bfloat16,float32 --head-dims 128
 # benchmarks (Llama-3-8B layer: 8 KV heads x 128, group 4, float16) and the manager test
 build --ops append,decode,prefill --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 \
       --layouts nhd
+# TVM 0.27's built-in decode and prefill kernels, the benchmarks' peer (no compiler there)
+"$PY" -m kvtvm.bench.tvm_peer --arch "$ARCH" --out "$OUT" | tail -1
 # examples/serve.py --device cuda (its CUDA_BUILD_COMMAND)
 build --ops append,prefill,decode,copy --dtypes float32 --head-dims 32 --kv-heads 1,2 \
       --group-sizes 4 --layouts nhd,hnd

@@ -79,23 +79,12 @@ def tvm_builtin(case, ctx, page_size, dtype, device, scale):
 
     Its cache layout is one ``[num_pages, 2, H, page_size, D]`` tensor (a copy is made here)."""
     import torch
-    import tvm
 
-    from ..compiler import KernelSpec
-    from tvm.relax.frontend.nn.llm import _decode_kernels as dk
+    from .tvm_peer import load
 
     batch, Hq, D = case["q"].shape
     H = case["k_cache"].shape[2]
-    if device.startswith("cuda"):
-        target = tvm.target.Target("cuda")
-        func = dk._attention_decode(H, Hq, D, dtype, False, {}, target, page_size)
-    else:
-        target = KernelSpec(op="decode", dtype=dtype, head_dim=D, n_kv_heads=H).tvm_target()
-        func = dk._attention_decode_cpu(H, Hq, D, dtype, False, {}, page_size)
-    with target:
-        lib = tvm.compile(tvm.IRModule({"decode": func.with_attr("global_symbol", "decode")}),
-                          target=target)
-    fn = lib.mod["decode"]
+    fn = load("decode", dtype, H, Hq, D, page_size, device)
     pages = torch.stack([case["k_cache"], case["v_cache"]], 1).transpose(2, 3).contiguous()
     pages_per_seq = case["table"].shape[1]
     indptr = (torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq).to(pages.device)

@@ -117,44 +117,13 @@ def run_gather_sdpa(case):
     return fn
 
 
-_tvm_cache: dict = {}
-
-
-def build_tvm_builtin(dtype, device: str):
-    """TVM 0.27's own paged prefill kernel for the target of ``device``."""
-    key = (dtype, device)
-    if key in _tvm_cache:
-        return _tvm_cache[key]
-    import tvm
-    from tvm.relax.frontend.nn.llm import _prefill_kernels as pk
-
-    from kvtvm.compiler import KernelSpec
-
-    if device == "cpu":
-        target = KernelSpec(op="prefill", dtype=dtype, head_dim=HEAD_DIM,
-                            n_kv_heads=N_KV_HEADS).tvm_target()
-        func = pk._attention_prefill_cpu(N_KV_HEADS, N_Q_HEADS, HEAD_DIM, dtype, False, {},
-                                         page_size=PAGE)
-    else:
-        import torch
-
-        major, minor = torch.cuda.get_device_capability()
-        target = tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}"})
-        func = pk._attention_prefill(N_KV_HEADS, N_Q_HEADS, HEAD_DIM, dtype, False, {},
-                                     target, page_size=PAGE)
-    name = func.attrs["global_symbol"]
-    with target:
-        lib = tvm.compile(tvm.IRModule({name: func}), target=target)
-    fn = lib[name]
-    _tvm_cache[key] = fn
-    return fn
-
-
 def run_tvm_builtin(case, dtype, device):
     """Its cache is ``[num_pages, 2, H, page, D]`` (K and V interleaved, head-major)."""
     import torch
 
-    fn = build_tvm_builtin(dtype, device)
+    from .tvm_peer import load
+
+    fn = load("prefill", dtype, N_KV_HEADS, N_Q_HEADS, HEAD_DIM, PAGE, device)
     pages = torch.stack([case.k_cache.transpose(1, 2), case.v_cache.transpose(1, 2)], 1) \
         .contiguous()
     n_pages = case.table.shape[1]
