@@ -428,8 +428,9 @@ class KVCacheManager(abc.ABC):
 
         Parameters
         ----------
-        batch : list of BatchItem
-            Items with ``seq_id`` and ``tokens`` (the tokens each sequence adds this step).
+        batch : list of BatchItem, or TokenBatch
+            Items with ``seq_id`` and ``tokens`` (the tokens each sequence adds this step), or
+            the same batch as arrays (no Python object per sequence: cheaper at large batch).
         num_steps : int
             Steps of a multistep run: room is reserved for ``len(tokens) + num_steps - 1``
             tokens per sequence; advance between steps with :meth:`increment_cache_lengths`.
@@ -516,7 +517,7 @@ class KVCacheManager(abc.ABC):
 
         Parameters
         ----------
-        batch : list of BatchItem
+        batch : list of BatchItem, or TokenBatch
             For each sequence, the tokens fetched, followed by the tokens fed in the later
             steps of a multistep fetch (0 .. ``num_steps - 1`` of them).
 
