@@ -60,6 +60,7 @@ def schedule_decode(mod, spec, knobs):
     HB = int(knobs.get("head_block", 1))
     assert H % HB == 0, f"head_block {HB} must divide n_kv_heads {H}"
     NHB = H // HB
+    W = min(TILE, 16)  # lanes of the tile reductions (TILE is a power of two)
 
     # fmt: off
     @T.prim_func(s_tir=True)
@@ -84,6 +85,7 @@ def schedule_decode(mod, spec, knobs):
                 m = T.sblock_alloc_buffer((HB * G,), "float32")
                 den = T.sblock_alloc_buffer((HB * G,), "float32")
                 mt = T.sblock_alloc_buffer((1,), "float32")
+                red = T.sblock_alloc_buffer((W,), "float32")
                 scl = T.sblock_alloc_buffer((1,), "float32")
                 b: T.int64 = task // (NHB * splits)
                 h0: T.int64 = T.floormod(task // splits, NHB) * HB
@@ -129,9 +131,26 @@ def schedule_decode(mod, spec, knobs):
                             for r in range(HB * G):
                                 sc[r, t] = T.float32(NEG)
                     for r in range(HB * G):
-                        mt[0] = m[r]
-                        for t in range(TILE):
-                            mt[0] = T.max(mt[0], sc[r, t])
+                        # row max and (below) row sum of the tile as vector trees, not serial
+                        # chains: W lanes across the tile, then halving
+                        for l in T.vectorized(W):
+                            red[l] = sc[r, l]
+                        for c in range(1, TILE // W):
+                            for l in T.vectorized(W):
+                                red[l] = T.max(red[l], sc[r, c * W + l])
+                        if W >= 16:
+                            for l in T.vectorized(8):
+                                red[l] = T.max(red[l], red[l + 8])
+                        if W >= 8:
+                            for l in T.vectorized(4):
+                                red[l] = T.max(red[l], red[l + 4])
+                        if W >= 4:
+                            for l in T.vectorized(2):
+                                red[l] = T.max(red[l], red[l + 2])
+                        if W >= 2:
+                            for l in T.vectorized(1):
+                                red[l] = T.max(red[l], red[l + 1])
+                        mt[0] = T.max(m[r], red[0])
                         if mt[0] > m[r]:
                             scl[0] = T.exp2(m[r] - mt[0])
                             den[r] = den[r] * scl[0]
@@ -141,8 +160,24 @@ def schedule_decode(mod, spec, knobs):
                             m[r] = mt[0]
                         for t in T.vectorized(TILE):
                             sc[r, t] = exp2_poly(sc[r, t] - mt[0])
-                        for t in range(TILE):
-                            den[r] = den[r] + sc[r, t]
+                        for l in T.vectorized(W):
+                            red[l] = sc[r, l]
+                        for c in range(1, TILE // W):
+                            for l in T.vectorized(W):
+                                red[l] = red[l] + sc[r, c * W + l]
+                        if W >= 16:
+                            for l in T.vectorized(8):
+                                red[l] = red[l] + red[l + 8]
+                        if W >= 8:
+                            for l in T.vectorized(4):
+                                red[l] = red[l] + red[l + 4]
+                        if W >= 4:
+                            for l in T.vectorized(2):
+                                red[l] = red[l] + red[l + 2]
+                        if W >= 2:
+                            for l in T.vectorized(1):
+                                red[l] = red[l] + red[l + 1]
+                        den[r] = den[r] + red[0]
                     for t in range(TILE):
                         if lo + it * TILE + t < hi:
                             page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
