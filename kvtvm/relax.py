@@ -276,7 +276,8 @@ def kernel_func(spec: KernelSpec, **scalars):
                        else tirx.IntImm(dtype, int(value)))
     if bind:
         func = func.specialize(bind)
-    return func.with_attr("op_pattern", _OPAQUE)
+    # scheduled by hand: the Relax GPU pipeline's default schedules (dlight) must leave it be
+    return func.with_attr("op_pattern", _OPAQUE).with_attr("tirx.is_scheduled", True)
 
 
 def add_kernel(bb, spec: KernelSpec, **scalars):

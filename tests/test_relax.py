@@ -10,7 +10,9 @@ asserts its greedy tokens equal ``transformers``' ``generate``.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -66,9 +68,13 @@ def _random_batch(rng, layout, num_pages, page_size, cached, new):
                 lookup_table=torch.from_numpy(table))
 
 
-def _step_module(layout, *, decode=False, **attn_kwargs):
+def _step_module(layout, *, decode=False, cuda=False, **attn_kwargs):
     """Relax ``main(q, k, v, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table)``:
-    append, then attention on the appended caches; returns (out, lse)."""
+    append, then attention on the appended caches; returns (out, lse). ``cuda``: the CUDA
+    (sm_90a) kernels instead of the llvm ones."""
+    if cuda:
+        attn_kwargs.update(target="cuda", arch="sm_90a")
+    target = {k: attn_kwargs[k] for k in ("target", "arch") if k in attn_kwargs}
     kv = kr.kv_input_vars(1, H, D, "float32", layout=layout)
     n = tirx.Var("num_tokens", "int64")
     q = relax.Var("q", relax.TensorType([n, HQ, D], "float32"))
@@ -77,7 +83,8 @@ def _step_module(layout, *, decode=False, **attn_kwargs):
     bb = relax.BlockBuilder()
     with bb.function("main", [q, k, v, *kv.params()], pure=False):
         kc, vc = kr.emit_append_kv(bb, kv.k_caches[0], kv.v_caches[0], k, v, kv.qo_indptr,
-                                   kv.cache_lengths, kv.lookup_table, layout=layout)
+                                   kv.cache_lengths, kv.lookup_table, layout=layout,
+                                   **target)
         if decode:
             out = kr.emit_decode_attention(bb, q, kc, vc, kv.cache_lengths, kv.lookup_table,
                                            layout=layout, return_lse=True, **attn_kwargs)
@@ -87,6 +94,31 @@ def _step_module(layout, *, decode=False, **attn_kwargs):
                                     **attn_kwargs)
         bb.emit_func_output(relax.Tuple(list(out)))
     return bb.get()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_cuda_step_module_builds_for_sm90a(decode):
+    """The same step with kvtvm's CUDA kernels compiles for sm_90a: the VM's host code imports
+    one CUDA module holding the append and attention kernels, and nvcc compiles it with no
+    register spills. (Running it needs a GPU: owed.)"""
+    from kvtvm import compiler
+
+    mod = _step_module("nhd", decode=decode, cuda=True)
+    ex = tvm.compile(mod, target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+
+    def cuda_modules(m):
+        return ([m] if m.kind == "cuda" else []) + [c for i in m.imports
+                                                     for c in cuda_modules(i)]
+    (cuda,) = cuda_modules(ex.mod)
+    source = cuda.inspect_source()
+    op = "decode" if decode else "prefill"
+    assert f"kvtvm_append_float32_h{H}" in source and f"kvtvm_{op}_float32_h{H}" in source
+    fatbin, report = compiler.nvcc_fatbin(source, compiler.FATBIN_ARCHS["sm_90a"],
+                                          Path(tempfile.mkdtemp()))
+    assert compiler.fatbin_architectures(fatbin) == ["sm_80", "sm_90a"]
+    spills = compiler.spill_report(report)
+    assert spills and all(v["spill_stores"] == 0 for v in spills.values()), spills
 
 
 def _run_step(vm, x):
