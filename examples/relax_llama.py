@@ -16,14 +16,28 @@ reuses its cached pages. The weights are a random-weight ``transformers`` ``Llam
 that request alone, or the script exits non-zero saying where.
 
 Run: ``python examples/relax_llama.py`` (``--help`` for the sizes).
+
+Ahead of time, for a GPU machine that has the TVM runtime but not its compiler (the Relax VM is
+part of the runtime)::
+
+    python examples/relax_llama.py --export build/relax_llama_sm90a.so --arch sm_90a  # here
+    python examples/relax_llama.py --load build/relax_llama_sm90a.so --device cuda    # there
+
+The export compiles the model for CUDA (TVM's default GPU schedules for the model's own
+operators, kvtvm's hand-scheduled kernels for the KV cache), compiles the CUDA code with nvcc
+into a fatbin embedded in the file, and writes the parameter order beside it
+(``<file>.json``); the load path imports neither ``tvm.relax`` nor the compiler.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -53,6 +67,10 @@ class Config:
     #: (arrival step, prompt length, shares the system prompt)
     requests: tuple = ((0, 21, True), (0, 7, False), (0, 16, False), (3, 13, True))
     system_prompt_len: int = 17
+    #: where the Relax model runs: "cpu" (compiled here for llvm) or "cuda"
+    device: str = "cpu"
+    #: CUDA arch of an ahead-of-time CUDA build (``--export --arch``)
+    arch: str = "sm_90a"
 
 
 # ------------------------------------------------------------------------------------------
@@ -113,6 +131,7 @@ def build_relax_model(cfg: Config):
     from tvm.relax.frontend.nn import op
 
     D, HQ, H = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    kern = dict(target="cuda", arch=cfg.arch) if cfg.device == "cuda" else {}
 
     def take_rows(table, rows):
         """``table[rows]``, indices clipped into range (``nn.op.take``'s "fast" mode reads out
@@ -147,13 +166,13 @@ def build_relax_model(cfg: Config):
             k = rotate(op.reshape(self.k_proj(x), [n, H, D]), cos, sin)
             v = op.reshape(self.v_proj(x), [n, H, D])
             k_cache, v_cache = kr.nn_append_kv(k_cache, v_cache, k, v, kv["qo_indptr"],
-                                               kv["cache_lengths"], kv["lookup_table"])
+                                               kv["cache_lengths"], kv["lookup_table"], **kern)
             if decode:  # one token per sequence: row b is sequence b
                 o = kr.nn_decode_attention(q, k_cache, v_cache, kv["cache_lengths"],
-                                           kv["lookup_table"])
+                                           kv["lookup_table"], **kern)
             else:
                 o = kr.nn_attention(q, k_cache, v_cache, kv["qo_indptr"],
-                                    kv["cache_lengths"], kv["lookup_table"])
+                                    kv["cache_lengths"], kv["lookup_table"], **kern)
             return self.o_proj(op.reshape(o, [n, HQ * D]))
 
     class MLP(nn.Module):
@@ -216,14 +235,14 @@ def build_relax_model(cfg: Config):
     return LlamaForCausalLM()
 
 
-def compile_relax(cfg: Config, manager, weights: dict):
-    """Export, compile (llvm) and load the Relax model; returns ``(vm, weight list)``.
+def compile_relax(cfg: Config, manager):
+    """Export the Relax model (``prefill`` and ``decode``) and compile it for ``cfg.device``
+    (llvm for the CPU; CUDA ``cfg.arch``). Returns ``(VM executable, parameter names)``.
 
     The KV parameters of each function are typed from ``manager.input_symbols()``
     (:func:`kvtvm.relax.kv_input_vars_for`), so the VM checks every fetched input's shape.
     """
     import tvm
-    from tvm import relax
     from tvm.relax.frontend.nn import spec
 
     model = build_relax_model(cfg)
@@ -240,13 +259,44 @@ def compile_relax(cfg: Config, manager, weights: dict):
             s["logit_rows"] = spec.Tensor([batch], "int32")
         specs[name] = s
     mod, named_params = model.export_tvm(spec=specs)
-    target = kr.llvm_target()
-    ex = tvm.compile(mod, target=target)
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    missing = [n for n, _ in named_params if n not in weights]
-    if missing:
-        raise KeyError(f"weights missing for Relax parameters {missing}")
-    return vm, [weights[n] for n, _ in named_params]
+    if cfg.device == "cuda":
+        target = tvm.target.Target({"kind": "cuda", "arch": cfg.arch})
+    else:
+        target = kr.llvm_target()
+    return tvm.compile(mod, target=target), [n for n, _ in named_params]
+
+
+def export_relax(cfg: Config, path) -> Path:
+    """Compile the model for ``cfg.device`` here and export it to ``path`` (CUDA: nvcc fatbin
+    embedded, loadable with the TVM runtime alone), with its parameter names and sizes in
+    ``<path>.json``."""
+    from kvtvm import compiler
+
+    executable, names = compile_relax(cfg, make_manager(dataclasses.replace(cfg, device="cpu")))
+    path = Path(path)
+    compiler.export_built(executable.mod, path, cfg.arch if cfg.device == "cuda" else None)
+    meta = {"params": names, "config": {k: v for k, v in dataclasses.asdict(cfg).items()
+                                        if k not in ("requests", "new_tokens")}}
+    Path(str(path) + ".json").write_text(json.dumps(meta, indent=1))
+    return path
+
+
+def load_relax(cfg: Config, path):
+    """A Relax VM on ``cfg.device`` over the module exported by :func:`export_relax`, with the
+    TVM runtime only; returns ``(vm, parameter names)``."""
+    import tvm
+    from tvm.runtime.vm import VirtualMachine
+
+    from kvtvm import runtime
+
+    meta = json.loads(Path(str(path) + ".json").read_text())
+    mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k in meta["config"]}
+    if mine != meta["config"]:
+        diff = {k: (meta["config"][k], v) for k, v in mine.items() if meta["config"][k] != v}
+        raise SystemExit(f"{path} was exported for another configuration: (exported, now) {diff}")
+    module = runtime.load_module(str(path), needs_cuda=cfg.device == "cuda")
+    dev = tvm.cuda() if cfg.device == "cuda" else tvm.cpu()
+    return VirtualMachine(module, dev), meta["params"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -294,8 +344,8 @@ def serve(cfg: Config, vm, weights, manager, requests, log=print):
             pos += range(int(cl[b]), int(cl[b]) + len(run))
         stats["prefix_hit_tokens"] += sum(cached)
         stats["computed_tokens"] += len(ids)
-        ids_t = torch.tensor(ids, dtype=torch.int32)
-        pos_t = torch.tensor(pos, dtype=torch.int32)
+        ids_t = torch.tensor(ids, dtype=torch.int32, device=cfg.device)
+        pos_t = torch.tensor(pos, dtype=torch.int32, device=cfg.device)
         kv_args = kr.kv_call_args(inp)
         caches, tables = kv_args[:-3], kv_args[-3:]
         if len(ids) == len(order):  # every sequence adds one token: the decode kernel
@@ -303,12 +353,12 @@ def serve(cfg: Config, vm, weights, manager, requests, log=print):
             stats["decode_calls"] += 1
             kind = "decode"
         else:
-            rows = torch.from_numpy(qo[1:].astype(np.int32) - 1)
+            rows = torch.from_numpy(qo[1:].astype(np.int32) - 1).to(cfg.device)
             logits = vm["prefill"](ids_t, pos_t, rows, caches, *tables, *weights)
             stats["prefill_calls"] += 1
             kind = "prefill"
         manager.step(batch)
-        nxt = torch.as_tensor(logits).argmax(-1).tolist()
+        nxt = torch.from_dlpack(logits).argmax(-1).tolist()
         if kind == "prefill" and log:
             hits = [f"r{r}:{len(active[r]['feed'])}" + (f"(hit {cached[b]})" if cached[b] else "")
                     for b, r in enumerate(order) if len(active[r]["feed"]) > 1]
@@ -333,7 +383,8 @@ def make_manager(cfg: Config) -> PagedKVCacheManager:
                            cache_strategy="paged", page_size=cfg.page_size,
                            enable_prefix_caching=True)
     return PagedKVCacheManager(params, max_batch_size=len(cfg.requests),
-                               max_seq_len=cfg.max_seq_len, num_layers=cfg.num_layers)
+                               max_seq_len=cfg.max_seq_len, num_layers=cfg.num_layers,
+                               devices=(cfg.device,))
 
 
 @dataclass
@@ -349,33 +400,49 @@ class Built:
     compile_s: float
 
 
-def build(cfg: Config) -> Built:
+def build(cfg: Config, load=None) -> Built:
     """The transformers model, its weights (plus transformers' RoPE tables), a manager and
-    the compiled Relax VM."""
+    the Relax VM: compiled here, or loaded from ``load`` (a file of :func:`export_relax`)."""
     hf = make_hf_model(cfg)
     weights = {k: v.detach().contiguous() for k, v in hf.state_dict().items()}
     weights["rope_cos"], weights["rope_sin"] = rope_tables(hf, cfg)
+    weights = {k: v.to(cfg.device) for k, v in weights.items()}
     manager = make_manager(cfg)
     t0 = time.perf_counter()
-    vm, weight_list = compile_relax(cfg, manager, weights)
-    return Built(hf, weights, manager, vm, weight_list, time.perf_counter() - t0)
+    if load is None:
+        import tvm
+        from tvm import relax
+
+        executable, names = compile_relax(cfg, manager)
+        dev = tvm.cuda() if cfg.device == "cuda" else tvm.cpu()
+        vm = relax.VirtualMachine(executable, dev)
+    else:
+        vm, names = load_relax(cfg, load)
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise KeyError(f"weights missing for Relax parameters {missing}")
+    return Built(hf, weights, manager, vm, [weights[n] for n in names],
+                 time.perf_counter() - t0)
 
 
-def run(cfg: Config | None = None, log=print) -> tuple[bool, dict]:
-    """Build, compile, serve and compare; returns ``(all tokens equal, report dict)``."""
+def run(cfg: Config | None = None, log=print, load=None) -> tuple[bool, dict]:
+    """Build (or ``load``), serve and compare; returns ``(all tokens equal, report dict)``."""
     cfg = cfg or Config()
     t0 = time.perf_counter()
-    built = build(cfg)
+    built = build(cfg, load)
     hf, manager, vm, weight_list = built.hf, built.manager, built.vm, built.weight_list
     if log:
         log(f"model: Llama {cfg.num_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} query / "
             f"{cfg.n_kv_heads} kv heads of {cfg.head_dim}, vocab {cfg.vocab}, float32, "
             f"random weights (seed {cfg.seed})")
-        log(f"cache: PagedKVCacheManager, {manager.num_pages} pages of {cfg.page_size} tokens, "
-            f"prefix caching on; Relax KV inputs from input_symbols(): "
-            f"{manager.input_symbols()[0]}")
-        log(f"compiled Relax functions prefill + decode for {kr.llvm_target()} "
-            f"in {built.compile_s:.1f} s")
+        typed = ("" if load else  # (input_symbols() needs tvm.relax: not in a runtime)
+                 f"; Relax KV inputs from input_symbols(): {manager.input_symbols()[0]}")
+        log(f"cache: PagedKVCacheManager on {cfg.device}, {manager.num_pages} pages of "
+            f"{cfg.page_size} tokens, prefix caching on{typed}")
+        how = (f"loaded {load} (runtime only)" if load else
+               f"compiled for {'cuda ' + cfg.arch if cfg.device == 'cuda' else 'llvm'}")
+        log(f"Relax functions prefill + decode on {cfg.device}: {how} in "
+            f"{built.compile_s:.1f} s")
     t2 = time.perf_counter()
     requests = make_prompts(cfg)
     got, stats = serve(cfg, vm, weight_list, manager, requests, log=log)
@@ -412,8 +479,26 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where the model runs (default: cpu; cuda with --export builds "
+                        "for CUDA)")
+    parser.add_argument("--export", metavar="FILE", help="compile ahead of time into FILE "
+                        "(for --device, default cuda) and stop")
+    parser.add_argument("--arch", default="sm_90a", help="CUDA arch of --export")
+    parser.add_argument("--load", metavar="FILE", help="run a model exported with --export, "
+                        "with the TVM runtime alone")
     args = parser.parse_args(argv)
-    ok, _ = run(Config(num_layers=args.layers, new_tokens=args.new_tokens, seed=args.seed))
+    device = args.device or ("cuda" if args.export else "cpu")
+    cfg = Config(num_layers=args.layers, new_tokens=args.new_tokens, seed=args.seed,
+                 device=device, arch=args.arch)
+    if args.export:
+        path = export_relax(cfg, args.export)
+        print(f"exported the Relax model for {device} {args.arch if device == 'cuda' else ''}"
+              f" to {path} (+ {path}.json); run it with --load {path} --device {device}")
+        return 0
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    ok, _ = run(cfg, load=args.load)
     return 0 if ok else 1
 
 

@@ -380,39 +380,54 @@ def build_spec(spec: KernelSpec, out_dir: str | os.PathLike) -> Path:
 
 
 def export_module(mod, target, out: Path, arch: str | None = None) -> Path:
-    """Compile the IRModule ``mod`` for ``target`` and export it to the file ``out``.
-
-    With ``arch`` (a CUDA target) the device code is compiled by nvcc into a fatbin for
-    ``FATBIN_ARCHS[arch]`` and embedded in place of the CUDA source, so the module loads with
-    the TVM runtime alone; ptxas's report goes beside it as ``<name>.ptxas.txt``.
-    """
+    """Compile the IRModule ``mod`` for ``target`` and export it to the file ``out`` with
+    :func:`export_built`."""
     import tvm
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     with target:
         executable = tvm.compile(mod, target=target)
-    host = executable.mod
+    return export_built(executable.mod, out, arch)
+
+
+def export_built(module, out: Path, arch: str | None = None) -> Path:
+    """Export a built runtime module (a compiled kernel's host module, or a Relax VM
+    executable's) to the file ``out``.
+
+    With ``arch`` (a CUDA build) the one CUDA module in its import tree is compiled by nvcc
+    into a fatbin for ``FATBIN_ARCHS[arch]`` and embedded in place of the CUDA source, so the
+    file loads with the TVM runtime alone; ptxas's report goes beside it as
+    ``<name>.ptxas.txt``.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kvtvm-build-"))
     try:
         tmp_out = tmp / out.name
         if arch is not None:
-            device = [m for m in host.imports if m.kind == "cuda"]
+            device = _cuda_modules(module)
             if len(device) != 1:
-                raise RuntimeError(f"expected one CUDA module in the build of {out.name}")
+                raise RuntimeError(f"expected one CUDA module in the build of {out.name}, "
+                                   f"found {len(device)}")
             source = device[0].inspect_source()
             fatbin, report = nvcc_fatbin(source, FATBIN_ARCHS[arch], tmp)
-            (tmp / (out.name[:-3] + ".cu")).write_text(source)
             (tmp / (out.name[:-3] + ".ptxas.txt")).write_text(report)
-            host.export_library(str(tmp_out), workspace_dir=str(tmp),
-                                fpack_imports=_fatbin_packer(source, fatbin))
+            module.export_library(str(tmp_out), workspace_dir=str(tmp),
+                                  fpack_imports=_fatbin_packer(source, fatbin))
             shutil.copy(tmp / (out.name[:-3] + ".ptxas.txt"), out.with_suffix(".ptxas.txt"))
         else:
-            host.export_library(str(tmp_out), workspace_dir=str(tmp))
+            module.export_library(str(tmp_out), workspace_dir=str(tmp))
         os.replace(tmp_out, out)  # atomic: concurrent builders never see a partial file
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _cuda_modules(module) -> list:
+    """The CUDA modules in ``module``'s import tree."""
+    found = [module] if module.kind == "cuda" else []
+    for child in module.imports:
+        found += _cuda_modules(child)
+    return found
 
 
 def with_runtime_variants(spec: KernelSpec) -> list[KernelSpec]:

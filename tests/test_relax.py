@@ -10,6 +10,8 @@ asserts its greedy tokens equal ``transformers``' ``generate``.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
 import sys
 import tempfile
@@ -380,3 +382,60 @@ def test_example_run_reports_mismatch(example, monkeypatch):
     assert got[at] != want[at] and got[:at] == want[:at]
     assert any(line.startswith(f"MISMATCH request {r}") for line in lines)
     assert lines[-1].startswith("FAILED")
+
+
+_SMALL = dict(num_layers=2, hidden=64, intermediate=128, n_heads=4, n_kv_heads=2, head_dim=16,
+              vocab=300, page_size=4, max_seq_len=48, new_tokens=6, system_prompt_len=9,
+              requests=[[0, 5, True], [0, 4, False], [0, 11, False], [2, 3, True]])
+
+_LOAD_SCRIPT = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("relax_llama_example", sys.argv[1])
+ex = importlib.util.module_from_spec(spec); sys.modules[spec.name] = ex
+spec.loader.exec_module(ex)
+kw = json.loads(sys.argv[3]); kw["requests"] = tuple(map(tuple, kw["requests"]))
+ok, report = ex.run(ex.Config(**kw), log=None, load=sys.argv[2])
+assert ok and not report["mismatches"], report
+assert "tvm.relax" not in sys.modules, "the load path imported tvm.relax"
+print("LOADED-RUN-OK")
+"""
+
+
+def test_example_exported_then_run_with_the_runtime_only(tmp_path):
+    """--export then --load: the model compiled ahead of time (llvm here) runs in a process
+    that loads it with the TVM runtime alone (no tvm.relax import) and matches transformers."""
+    ex = _example()
+    cfg = ex.Config(**{**_SMALL, "requests": tuple(map(tuple, _SMALL["requests"]))})
+    path = ex.export_relax(cfg, tmp_path / "llama.so")
+    assert json.loads(Path(str(path) + ".json").read_text())["params"][0] == \
+        "model.embed_tokens.weight"
+    import subprocess
+
+    example_path = Path(__file__).resolve().parents[1] / "examples" / "relax_llama.py"
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(example_path), str(path),
+                           json.dumps(_SMALL)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TVM_USE_RUNTIME_LIB": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "LOADED-RUN-OK" in proc.stdout
+    # a different configuration is refused, naming what differs
+    other = ex.Config(**{**_SMALL, "requests": (), "page_size": 8})
+    with pytest.raises(SystemExit, match="page_size"):
+        ex.load_relax(other, path)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_example_exports_for_cuda(tmp_path):
+    """The whole Relax Llama (TVM's default GPU schedules for the model, kvtvm's kernels for
+    the cache) builds for sm_90a into one file holding an nvcc fatbin, with no spills."""
+    from kvtvm import compiler
+
+    ex = _example()
+    cfg = ex.Config(**{**_SMALL, "requests": tuple(map(tuple, _SMALL["requests"])),
+                       "device": "cuda", "arch": "sm_90a"})
+    path = ex.export_relax(cfg, tmp_path / "llama_sm90a.so")
+    assert compiler.fatbin_architectures(compiler.embedded_fatbin(path)) == ["sm_80", "sm_90a"]
+    report = compiler.spill_report(path.with_suffix(".ptxas.txt").read_text())
+    kernels = {k.split(":", 1)[1] for k in report}
+    assert any(k.startswith("kvtvm_prefill") for k in kernels)
+    assert any(k.startswith("kvtvm_decode") for k in kernels)
+    assert all(v["spill_stores"] == 0 for v in report.values())

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine with torch (CUDA) but no TVM compiler, in a checkout carrying
 # .device-bundle and build/kernels (from tools/gpu-kit.sh): the GPU tests, the benchmarks
-# (JSON) and the serving example on CUDA. Everything lands in $OUT (default ./gpu-check-out):
-# gpu-check.log and bench-<name>.json -- five files, under the device tool's limit of eight.
+# (JSON), the serving example and the Relax Llama on CUDA. Everything lands in $OUT (default
+# ./gpu-check-out): gpu-check.log and bench-<name>.json -- five files, under the device tool's
+# limit of eight.
 # A failing step is logged and the next one still runs; the exit status counts the failures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +29,8 @@ for b in append copy decode prefill; do
   step "bench $b" python3 -m kvtvm bench "$b" --device cuda --json "$OUT/bench-$b.json"
 done
 step "serve --device cuda" python3 examples/serve.py --device cuda --kernels build/kernels
+for m in build/kernels/relax_llama_*.so; do
+  step "relax_llama --device cuda" python3 examples/relax_llama.py --load "$m" --device cuda
+done
 echo "=== $failed step(s) failed" | tee -a "$LOG"
 exit "$failed"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds, here (TVM's compiler and nvcc, no GPU needed), everything tools/gpu-check.sh runs on a
 # GPU machine that has torch and the TVM runtime only:
-#   build/kernels/   the CUDA kernels of the GPU tests, the benchmarks (and their TVM peer) and
-#                    examples/serve.py
+#   build/kernels/   the CUDA kernels of the GPU tests, the benchmarks (and their TVM peer),
+#                    examples/serve.py, and the whole Relax Llama of examples/relax_llama.py
 #   .device-bundle/  the runtime-only TVM + tvm_ffi for Python 3.12 (../shared/tools/device-bundle.sh)
 # Usage: PYTHON=.venv/bin/python ARCH=sm_90a tools/gpu-kit.sh      (ARCH=sm_80 for an A100)
 # Then run tools/gpu-check.sh there, carrying .device-bundle and build/kernels.
@@ -26,6 +26,9 @@ build --ops append,decode,prefill --dtypes float16 --head-dims 128 --kv-heads 8 
 # examples/serve.py --device cuda (its CUDA_BUILD_COMMAND)
 build --ops append,prefill,decode,copy --dtypes float32 --head-dims 32 --kv-heads 1,2 \
       --group-sizes 4 --layouts nhd,hnd
+
+# the Relax Llama (examples/relax_llama.py), compiled for CUDA and exported whole
+"$PY" examples/relax_llama.py --export "$OUT/relax_llama_$ARCH.so" --arch "$ARCH" | tail -1
 
 PYTHON="$PY" ../shared/tools/device-bundle.sh >/dev/null
 du -sh "$OUT" .device-bundle
