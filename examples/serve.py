@@ -32,7 +32,7 @@ import torch
 from kvtvm import KVCacheParams, ops
 from kvtvm.errors import CompilerUnavailableError, KVCacheCapacityError
 from kvtvm.manager import (BatchItem, ContinuousBatchingKVCacheManager, LinearKVCache,
-                           PagedKVCacheManager)
+                           PagedKVCacheManager, TokenBatch)
 
 CACHE_CHOICES = ("paged", "continuous", "linear")
 
@@ -255,11 +255,20 @@ class _TableCache:
         for r in new:
             self.mgr.release(r.seq_id)
 
+    @staticmethod
+    def _batch(reqs, tokens):
+        """The batch in the form a manager takes: a decode step (one token each) as a
+        ``TokenBatch`` of arrays -- no Python object per sequence --, others as seed 002's
+        list of ``BatchItem``."""
+        if all(len(t) == 1 for t in tokens):
+            return TokenBatch([r.seq_id for r in reqs], [t[0] for t in tokens])
+        return [BatchItem(r.seq_id, t) for r, t in zip(reqs, tokens)]
+
     def fetch(self, reqs, tokens):
-        return self.mgr.fetch([BatchItem(r.seq_id, t) for r, t in zip(reqs, tokens)])[0]
+        return self.mgr.fetch(self._batch(reqs, tokens))[0]
 
     def commit(self, reqs, tokens):
-        self.mgr.step([BatchItem(r.seq_id, t) for r, t in zip(reqs, tokens)])
+        self.mgr.step(self._batch(reqs, tokens))
 
     def finish(self, reqs, finished) -> None:
         for r in finished:
