@@ -1,7 +1,8 @@
 """What a manager hands a model each step: batch items in, KV cache inputs out.
 
 ``fetch`` takes a list of batch items (anything with ``.seq_id`` and ``.tokens``; :class:`BatchItem`
-is the plain one) and returns one :class:`RaggedKVCacheInputs` per device. The four seed-002
+is the plain one), or the same batch as arrays (:class:`TokenBatch`), and returns one
+:class:`RaggedKVCacheInputs` per device. The four seed-002
 fields (``blocks``, ``cache_lengths``, ``lookup_table``, ``max_lengths``) are what the attention
 kernels take; the extra fields carry what an engine needs to call :func:`kvtvm.ops.append_kv` and
 the attention ops straight from the inputs (``qo_indptr``, per-layer views through
