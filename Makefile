@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on this project's machines; other specs pull a CUDA build.
 DEPS    := torch==2.13.0 apache-tvm==0.27.0.post1 numpy ml_dtypes pytest hypothesis transformers
 
-.PHONY: demo test bench build clean
+.PHONY: demo test bench build gpu-kit clean
 
 $(STAMP): setup.py Makefile
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,12 @@ bench: $(STAMP)
 
 build: $(STAMP)
 	$(PYTHON) -m kvtvm build --target cuda --arch sm_90a --out build/kernels
+
+# everything tools/gpu-check.sh runs on a GPU machine that has the TVM runtime only
+# (`make gpu-kit ARCH=sm_80` for an A100)
+ARCH    ?= sm_90a
+gpu-kit: $(STAMP)
+	PYTHON=$(PYTHON) ARCH=$(ARCH) tools/gpu-kit.sh
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
