@@ -290,9 +290,10 @@ def load_relax(cfg: Config, path):
     from kvtvm import runtime
 
     meta = json.loads(Path(str(path) + ".json").read_text())
-    mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k in meta["config"]}
-    if mine != meta["config"]:
-        diff = {k: (meta["config"][k], v) for k, v in mine.items() if meta["config"][k] != v}
+    theirs = {k: v for k, v in meta["config"].items() if k != "arch"}  # (any arch loads)
+    mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k in theirs}
+    if mine != theirs:
+        diff = {k: (theirs[k], v) for k, v in mine.items() if theirs[k] != v}
         raise SystemExit(f"{path} was exported for another configuration: (exported, now) {diff}")
     module = runtime.load_module(str(path), needs_cuda=cfg.device == "cuda")
     dev = tvm.cuda() if cfg.device == "cuda" else tvm.cpu()

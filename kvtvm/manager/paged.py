@@ -36,7 +36,6 @@ from .prefix_cache import PagedCacheStats, PrefixCache
 __all__ = ["PagedKVCacheManager", "PagedCacheStats"]
 
 
-
 def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: int,
                        num_layers: int, n_devices: int, num_pages=None,
                        available_cache_memory=None) -> int:
