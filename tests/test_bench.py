@@ -42,3 +42,29 @@ def test_tvm_peer_builds_ahead_of_time_for_a_runtime_only_gpu(tmp_path):
     assert path == tmp_path / tvm_peer.file_name("decode", "float16", 2, 8, 64, 16, "sm_90a")
     assert compiler.fatbin_architectures(compiler.embedded_fatbin(path)) == ["sm_80", "sm_90a"]
     assert b"__global__" not in path.read_bytes()
+
+
+def test_prebuilt_tvm_peer_runs_with_the_runtime_only(tmp_path):
+    """A machine without TVM's compiler still measures TVM's built-in decode side by side:
+    both it and kvtvm's kernel are built ahead of time (llvm here) and loaded from the kernel
+    path by a runtime-only process."""
+    import os
+
+    from kvtvm import compiler
+    from kvtvm.bench import tvm_peer
+
+    tvm_peer.build("decode", "float32", 2, 4, 32, 16, "llvm", tmp_path)
+    spec = compiler.KernelSpec(op="decode", dtype="float32", head_dim=32, n_kv_heads=2,
+                               group_size=2)
+    for variant in compiler.with_runtime_variants(spec):
+        compiler.build_spec(variant, tmp_path)
+    out = tmp_path / "r.json"
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", KVTVM_KERNEL_PATH=str(tmp_path),
+               KVTVM_CACHE_DIR=str(tmp_path / "empty"))
+    proc = subprocess.run([sys.executable, "-m", "kvtvm.bench", "decode", "--cases", "2x64",
+                           "--n-kv-heads", "2", "--group-size", "2", "--head-dim", "32",
+                           "--skip", "gather", "--repeat", "2", "--warmup", "1", "--json",
+                           str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    impls = {r["impl"] for r in json.loads(out.read_text())["rows"]}
+    assert {"kvtvm", "TVM builtin"} <= impls, proc.stdout
