@@ -6,6 +6,7 @@ the kernel a reusable split workspace and launches ``kvtvm.kernels.decode``.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -25,8 +26,10 @@ _workspaces: dict = {}
 _workspace_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
 def _parallel_units(device) -> int:
-    """Independent workers to fill: 4 CTAs per SM (latency hiding) or the CPU cores."""
+    """Independent workers to fill: 4 CTAs per SM (latency hiding) or the CPU cores (asked
+    once per device: both queries cost microseconds)."""
     if device.type == "cuda":
         import torch
 

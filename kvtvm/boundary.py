@@ -52,8 +52,15 @@ def as_tensor(name: str, value: Any):
                                         type(value).__name__))
 
 
+_DTYPE_NAMES: dict = {}  # torch.dtype -> "float16", ...: str() of a dtype costs a microsecond
+
+
 def _dtype(t) -> str:
-    return str(t.dtype).replace("torch.", "")
+    dt = t.dtype
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt).replace("torch.", "")
+    return name
 
 
 def check_dtype(name: str, t, expected) -> None:
