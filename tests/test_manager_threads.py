@@ -12,7 +12,7 @@ import pytest
 
 from kvtvm import KVCacheParams
 from kvtvm.errors import KVCacheCapacityError
-from kvtvm.inputs import BatchItem
+from kvtvm.inputs import BatchItem, TokenBatch
 from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 
 N_THREADS, ROUNDS = 6, 60
@@ -53,6 +53,8 @@ def worker(mgr, seed, errors, paged):
                 if any(mine[s] + len(b.tokens) + 1 > mgr.max_seq_len
                        for s, b in zip(chosen, batch)):
                     continue
+                if rng.random() < 0.5:  # the same batch as arrays
+                    batch = TokenBatch.from_items(batch)
                 try:
                     inputs = mgr.fetch(batch, num_steps=2)
                 except KVCacheCapacityError:
