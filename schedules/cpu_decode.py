@@ -62,6 +62,35 @@ def schedule_decode(mod, spec, knobs):
     NHB = H // HB
     W = min(TILE, 16)  # lanes of the tile reductions (TILE is a power of two)
 
+    def tile_tree(combine):
+        """A macro folding row ``r`` of ``sc`` (``TILE`` scores) into ``red[0]`` with
+        ``combine``: ``W`` lanes across the tile, then halving -- a vector tree instead of a
+        serial chain of scalar operations."""
+
+        @T.macro
+        def fold(red, sc, r):
+            for l in T.vectorized(W):
+                red[l] = sc[r, l]
+            for c in range(1, TILE // W):
+                for l in T.vectorized(W):
+                    red[l] = combine(red[l], sc[r, c * W + l])
+            if W >= 16:
+                for l in T.vectorized(8):
+                    red[l] = combine(red[l], red[l + 8])
+            if W >= 8:
+                for l in T.vectorized(4):
+                    red[l] = combine(red[l], red[l + 4])
+            if W >= 4:
+                for l in T.vectorized(2):
+                    red[l] = combine(red[l], red[l + 2])
+            if W >= 2:
+                red[0] = combine(red[0], red[1])
+
+        return fold
+
+    row_max = tile_tree(T.max)
+    row_sum = tile_tree(lambda a, b: a + b)
+
     # fmt: off
     @T.prim_func(s_tir=True)
     def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
@@ -131,25 +160,7 @@ def schedule_decode(mod, spec, knobs):
                             for r in range(HB * G):
                                 sc[r, t] = T.float32(NEG)
                     for r in range(HB * G):
-                        # row max and (below) row sum of the tile as vector trees, not serial
-                        # chains: W lanes across the tile, then halving
-                        for l in T.vectorized(W):
-                            red[l] = sc[r, l]
-                        for c in range(1, TILE // W):
-                            for l in T.vectorized(W):
-                                red[l] = T.max(red[l], sc[r, c * W + l])
-                        if W >= 16:
-                            for l in T.vectorized(8):
-                                red[l] = T.max(red[l], red[l + 8])
-                        if W >= 8:
-                            for l in T.vectorized(4):
-                                red[l] = T.max(red[l], red[l + 4])
-                        if W >= 4:
-                            for l in T.vectorized(2):
-                                red[l] = T.max(red[l], red[l + 2])
-                        if W >= 2:
-                            for l in T.vectorized(1):
-                                red[l] = T.max(red[l], red[l + 1])
+                        row_max(red, sc, r)  # (and row_sum below): vector trees
                         mt[0] = T.max(m[r], red[0])
                         if mt[0] > m[r]:
                             scl[0] = T.exp2(m[r] - mt[0])
@@ -160,23 +171,7 @@ def schedule_decode(mod, spec, knobs):
                             m[r] = mt[0]
                         for t in T.vectorized(TILE):
                             sc[r, t] = exp2_poly(sc[r, t] - mt[0])
-                        for l in T.vectorized(W):
-                            red[l] = sc[r, l]
-                        for c in range(1, TILE // W):
-                            for l in T.vectorized(W):
-                                red[l] = red[l] + sc[r, c * W + l]
-                        if W >= 16:
-                            for l in T.vectorized(8):
-                                red[l] = red[l] + red[l + 8]
-                        if W >= 8:
-                            for l in T.vectorized(4):
-                                red[l] = red[l] + red[l + 4]
-                        if W >= 4:
-                            for l in T.vectorized(2):
-                                red[l] = red[l] + red[l + 2]
-                        if W >= 2:
-                            for l in T.vectorized(1):
-                                red[l] = red[l] + red[l + 1]
+                        row_sum(red, sc, r)
                         den[r] = den[r] + red[0]
                     for t in range(TILE):
                         if lo + it * TILE + t < hi:
