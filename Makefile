@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PYTHON) -m kvtvm.bench manager
 	$(PYTHON) -m kvtvm.bench decode
 	$(PYTHON) -m kvtvm.bench prefill
+	$(PYTHON) -m kvtvm.bench host
 
 build: $(STAMP)
 	$(PYTHON) -m kvtvm build --target cuda --arch sm_90a --out build/kernels

@@ -10,7 +10,9 @@ written when it raises. CUDA kernels run on torch's current stream.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,14 +149,26 @@ def _kernel_for(spec_items: tuple, target: Target, search_path: tuple):
     return compiler.get_kernel(spec)
 
 
+_recorder = threading.local()  # .calls: a list receiving (fn, device, args) of each launch
+
+
 def launch(spec_kwargs: dict, device, args):
     """Run the kernel of ``spec_kwargs`` for ``device`` on ``args`` (torch tensors/scalars).
 
     The loaded function is memoized per (spec, target, kernel search path), so a call costs a
-    dictionary lookup once the kernel is loaded.
+    dictionary lookup once the kernel is loaded. Inside :func:`recording_launches` the call is
+    also recorded, so it can be replayed with other tensors (:mod:`kvtvm.plan`).
     """
     fn = _kernel_for(tuple(sorted(spec_kwargs.items())), target_of(device),
                      compiler.search_key())
+    calls = getattr(_recorder, "calls", None)
+    if calls is not None:
+        calls.append((fn, device, tuple(args)))
+    run_launch(fn, device, args)
+
+
+def run_launch(fn, device, args) -> None:
+    """Call a loaded kernel on ``device`` (CUDA: on torch's current stream of that device)."""
     if device.type == "cuda":
         import torch
 
@@ -162,6 +176,17 @@ def launch(spec_kwargs: dict, device, args):
             fn(*args)
     else:
         fn(*args)
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Collect ``(fn, device, args)`` of every :func:`launch` in this thread inside the block."""
+    previous = getattr(_recorder, "calls", None)
+    _recorder.calls = calls = []
+    try:
+        yield calls
+    finally:
+        _recorder.calls = previous
 
 
 # ------------------------------------------------------------------------------------------

@@ -96,3 +96,4 @@ def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
 from ._copy_op import copy_pages, copy_slots  # noqa: E402,F401
 from ._prefill_op import prefill_attention  # noqa: E402,F401
 from ._decode_op import decode_attention  # noqa: E402,F401
+from .plan import StepPlan, plan_step  # noqa: E402,F401

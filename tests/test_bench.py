@@ -13,6 +13,7 @@ CASES = {
     "copy": ["--n-kv-heads", "1", "--head-dim", "16", "--repeat", "2", "--warmup", "1"],
     "manager": ["--batches", "1,4", "--context", "64", "--steps", "20", "--requests", "40",
                 "--max-batch", "8", "--max-seq-len", "256"],
+    "host": ["--layers", "2", "--context", "16", "--steps", "3"],
 }
 
 

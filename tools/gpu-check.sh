@@ -28,6 +28,7 @@ step "GPU tests" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_deco
 for b in append copy decode prefill; do
   step "bench $b" python3 -m kvtvm bench "$b" --device cuda --json "$OUT/bench-$b.json"
 done
+step "bench host" python3 -m kvtvm bench host --device cuda --head-dim 32  # serve.py's kernels
 step "serve --device cuda" python3 examples/serve.py --device cuda --kernels build/kernels
 for m in build/kernels/relax_llama_*.so; do
   step "relax_llama --device cuda" python3 examples/relax_llama.py --load "$m" --device cuda

@@ -1,0 +1,110 @@
+"""StepPlan: every layer's append and attention of one step, checked once and replayed.
+
+Compared with the plain ops on a twin manager fed the same random K/V and queries: outputs,
+log-sum-exps and the whole cache must be equal (the same kernels run), on a prefill step and on
+decode steps; the replay path must actually be taken; bad input on any layer still raises the
+ops' typed errors and writes nothing.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm import KVCacheParams, ops, plan
+from kvtvm.errors import DTypeMismatchError, InvalidArgumentError
+from kvtvm.manager import BatchItem, PagedKVCacheManager, TokenBatch
+
+H, G, D, LAYERS, P = 2, 3, 16, 3, 4
+
+
+def _manager():
+    params = KVCacheParams("float32", H, D, "paged", page_size=P)
+    return PagedKVCacheManager(params, 4, 64, LAYERS)
+
+
+def _run_step(mgr, batch, qkv, planned):
+    """Append + attention for every layer; returns [(out, lse)] per layer."""
+    (inp,) = mgr.fetch(batch)
+    results = []
+    p = ops.plan_step(inp) if planned else None
+    for layer, (q, k, v) in enumerate(qkv):
+        if planned:
+            p.append_kv(layer, k, v)
+            results.append(p.attention(layer, q))
+        else:
+            kc, vc = inp.k_cache(layer), inp.v_cache(layer)
+            ops.append_kv(kc, vc, k, v, inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
+            n = int(inp.qo_indptr_host[-1])
+            if n == inp.batch_size:
+                results.append(ops.decode_attention(q, kc, vc, inp.cache_lengths,
+                                                    inp.lookup_table))
+            else:
+                results.append(ops.prefill_attention(q, kc, vc, inp.qo_indptr,
+                                                     inp.cache_lengths, inp.lookup_table))
+    mgr.step(batch)
+    return results
+
+
+def test_plan_matches_the_ops_over_prefill_and_decode_steps(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    planned, plain = _manager(), _manager()
+    for mgr in (planned, plain):
+        mgr.blocks[0].copy_(torch.randn(mgr.blocks[0].shape, generator=torch.Generator()
+                                        .manual_seed(1)))
+    ids = planned.claim(3)
+    assert plain.claim(3) == ids
+    replays = []
+    real = plan.run_launch
+    monkeypatch.setattr(plan, "run_launch", lambda *a: (replays.append(1), real(*a)))
+    steps = [[BatchItem(ids[0], [1] * 7), BatchItem(ids[1], [2] * 4), BatchItem(ids[2], [3])]]
+    steps += [TokenBatch(ids, [4, 5, 6])] * 3
+    for batch in steps:
+        n = sum(len(it.tokens) for it in batch)
+        qkv = [(torch.randn(n, H * G, D, generator=gen), torch.randn(n, H, D, generator=gen),
+                torch.randn(n, H, D, generator=gen)) for _ in range(LAYERS)]
+        before = len(replays)
+        got = _run_step(planned, batch, qkv, planned=True)
+        want = _run_step(plain, batch, qkv, planned=False)
+        for (go, gl), (wo, wl) in zip(got, want):
+            assert torch.equal(go, wo) and torch.equal(gl, wl)
+        assert len(replays) - before == 2 * (LAYERS - 1)  # layer 0 full, the others replayed
+    assert torch.equal(planned.blocks[0], plain.blocks[0])
+
+
+def test_bad_input_on_a_later_layer_raises_and_writes_nothing():
+    mgr = _manager()
+    (a,) = mgr.claim(1)
+    (inp,) = mgr.fetch([BatchItem(a, [1, 2, 3])])
+    p = ops.plan_step(inp)
+    k = torch.randn(3, H, D)
+    p.append_kv(0, k, k)
+    cache = mgr.blocks[0].clone()
+    with pytest.raises(DTypeMismatchError):
+        p.append_kv(1, k.double(), k.double())
+    with pytest.raises(InvalidArgumentError, match="rows of k"):
+        p.append_kv(1, k[:2], k[:2])
+    assert torch.equal(mgr.blocks[0], cache)
+    p.append_kv(1, k, k)
+    q = torch.randn(3, H * G, D)
+    p.attention(0, q)
+    with pytest.raises(InvalidArgumentError):
+        p.attention(1, q[:, :H * G - 1])
+    with pytest.raises(InvalidArgumentError, match="layer"):
+        p.attention(LAYERS, q)
+    with pytest.raises(InvalidArgumentError, match="decode"):
+        ops.plan_step(inp, decode=True)
+
+
+def test_numpy_inputs_run_through_the_full_ops():
+    mgr = _manager()
+    (a,) = mgr.claim(1)
+    (inp,) = mgr.fetch([BatchItem(a, [1])])
+    p = ops.plan_step(inp)
+    assert p.decode
+    k = np.random.default_rng(0).standard_normal((1, H, D)).astype(np.float32)
+    for layer in range(LAYERS):
+        p.append_kv(layer, k, k)
+        out, lse = p.attention(layer, np.ones((1, H * G, D), np.float32))
+        # one token in the cache: attention returns its V row, for every query head
+        np.testing.assert_allclose(out.numpy(), np.repeat(k, G, axis=1), rtol=1e-6)
+    assert "append" not in p._replays  # numpy arrays are converted: nothing to replay
