@@ -114,3 +114,34 @@ def test_multistep_lengths_advance_on_the_device():
     assert last[0].max_lengths.tolist() == [[1, 8]]
     mgr.step([BatchItem(a, [3, 5, 6]), BatchItem(b, [4, 5, 6])])
     assert (mgr.cache_length(a), mgr.cache_length(b)) == (8, 6)
+
+
+def test_step_plan_on_cuda_equals_the_ops():
+    """ops.plan_step replays the first layer's launches on the others, on the GPU too."""
+    outs = []
+    for planned in (False, True):
+        gpu, _ = _managers("paged")
+        ids = gpu.claim(2)
+        gen = torch.Generator().manual_seed(3)
+        for b in gpu.blocks:
+            b.copy_(torch.randn(b.shape, generator=gen).half())
+        prompts = [BatchItem(ids[0], [1] * 9), BatchItem(ids[1], [2] * 16)]
+        gpu.fetch(prompts)
+        gpu.step(prompts)
+        (inp,) = gpu.fetch(TokenBatch(ids, [3, 4]))
+        q = torch.randn(2, H * G, D, generator=gen).half().cuda()
+        k = torch.randn(2, H, D, generator=gen).half().cuda()
+        got = []
+        plan = ops.plan_step(inp) if planned else None
+        for layer in range(LAYERS):
+            if planned:
+                plan.append_kv(layer, k, k)
+                got.append(plan.attention(layer, q))
+            else:
+                kc, vc = inp.k_cache(layer), inp.v_cache(layer)
+                ops.append_kv(kc, vc, k, k, inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
+                got.append(ops.decode_attention(q, kc, vc, inp.cache_lengths, inp.lookup_table))
+        torch.cuda.synchronize()
+        outs.append([(o.cpu(), ls.cpu()) for o, ls in got])
+    for (ao, al), (bo, bl) in zip(*outs):
+        assert torch.equal(ao, bo) and torch.equal(al, bl)
