@@ -86,9 +86,10 @@ class KVTVMLlama:
 
     The batch is ragged: the new tokens of every sequence are concatenated into one
     ``[num_tokens]`` row dimension and ``kv.qo_indptr`` says which rows belong to which sequence.
-    Each layer projects q, k, v, rotates them by position, appends k and v to the cache
-    (:func:`kvtvm.ops.append_kv`) and attends over the cache: decode attention when every
-    sequence adds exactly one token, prefill attention otherwise.
+    Each layer projects q, k, v, rotates them by position, appends k and v to the cache and
+    attends over the cache -- decode attention when every sequence adds exactly one token,
+    prefill attention otherwise -- through one :func:`kvtvm.ops.plan_step` per step (the ops'
+    checks run on the first layer; the others replay its launches).
     """
 
     def __init__(self, hf_model):
@@ -123,8 +124,8 @@ class KVTVMLlama:
         x = self.model.embed_tokens(token_ids)                            # [T, hidden]
         cos, sin = self.model.rotary_emb(x, positions[None])              # [1, T, D]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]                 # [T, 1, D]
-        cache = kv.collection()                                           # per-layer views
-        lengths, table, indptr = kv.cache_lengths, kv.lookup_table, kv.qo_indptr
+        # kvtvm: this step's append + attention for every layer, arguments checked once
+        plan = ops.plan_step(kv, decode=decode and self.use_decode_kernel)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -133,16 +134,8 @@ class KVTVMLlama:
             v = attn.v_proj(h).view(T, Hkv, D).contiguous()
             q = (q * cos + rotate_half(q) * sin).contiguous()            # RoPE
             k = (k * cos + rotate_half(k) * sin).contiguous()
-            # kvtvm: write this step's K/V into the cache, then attend over the cache
-            k_cache = cache.get_key_cache(i).blocks
-            v_cache = cache.get_value_cache(i).blocks
-            ops.append_kv(k_cache, v_cache, k, v, indptr, lengths, table, layout=kv.layout)
-            if decode and self.use_decode_kernel:
-                o, _ = ops.decode_attention(q, k_cache, v_cache, lengths, table,
-                                            layout=kv.layout)
-            else:
-                o, _ = ops.prefill_attention(q, k_cache, v_cache, indptr, lengths, table,
-                                             layout=kv.layout, causal=True)
+            plan.append_kv(i, k, v)      # write this step's K/V into layer i's cache
+            o, _ = plan.attention(i, q)  # attend over it: decode or causal prefill kernel
             x = x + attn.o_proj(o.reshape(T, Hq * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         last = torch.from_numpy(kv.qo_indptr_host[1:].astype(np.int64) - 1).to(x.device)

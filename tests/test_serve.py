@@ -183,24 +183,21 @@ def test_broken_rope_is_caught(model, monkeypatch):
     assert problems and problems[0].startswith("request ")
 
 
-class _OffByOneDecode:
-    """kvtvm.ops with a classic bug: decode attends over the cache without the token just
-    appended."""
+def _off_by_one(decode_attention):
+    """kvtvm.ops.decode_attention with a classic bug: it attends over the cache without the
+    token just appended."""
 
-    def __init__(self, ops):
-        self._ops = ops
-
-    def __getattr__(self, name):
-        return getattr(self._ops, name)
-
-    def decode_attention(self, q, k_cache, v_cache, cache_lengths, lookup_table, **kw):
+    def buggy(q, k_cache, v_cache, cache_lengths, lookup_table, **kw):
         shorter = (cache_lengths - 1).clamp(min=0).to(torch.int32)
-        return self._ops.decode_attention(q, k_cache, v_cache, shorter, lookup_table, **kw)
+        return decode_attention(q, k_cache, v_cache, shorter, lookup_table, **kw)
+    return buggy
 
 
 @pytest.mark.skipif(not hasattr(serve.ops, "decode_attention"), reason="no decode op yet")
 def test_off_by_one_decode_is_caught(model, monkeypatch):
-    monkeypatch.setattr(serve, "ops", _OffByOneDecode(serve.ops))
+    # the step plan calls kvtvm.ops.decode_attention on the first layer and replays that
+    # launch (its shorter lengths included) on the others: every layer has the bug
+    monkeypatch.setattr(serve.ops, "decode_attention", _off_by_one(serve.ops.decode_attention))
     rng = np.random.default_rng(12)
     reqs = [Request(i, _rand(rng, 10 + 3 * i), 6) for i in range(2)]
     _, _, problems = serve.run("continuous", requests=reqs, max_batch_size=2, max_seq_len=32,
