@@ -111,9 +111,9 @@ class StepPlan:
             return
         fn, device, args = calls[0]
         slots = {}
-        for name, t in tensors.items():
-            where = [i for i, a in enumerate(args) if a is t]
-            if len(where) != 1:
+        for name, t in tensors.items():  # in argument order; one tensor may be passed twice
+            where = [i for i, a in enumerate(args) if a is t and i not in slots.values()]
+            if not where:
                 return  # converted on the way in (e.g. a numpy array): not replayable
             slots[name] = where[0]
         signatures = {n: _signature(t) for n, t in tensors.items() if n not in caches}

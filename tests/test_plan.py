@@ -108,3 +108,17 @@ def test_numpy_inputs_run_through_the_full_ops():
         # one token in the cache: attention returns its V row, for every query head
         np.testing.assert_allclose(out.numpy(), np.repeat(k, G, axis=1), rtol=1e-6)
     assert "append" not in p._replays  # numpy arrays are converted: nothing to replay
+
+
+def test_one_tensor_passed_as_k_and_v_is_replayed():
+    mgr = _manager()
+    (a,) = mgr.claim(1)
+    (inp,) = mgr.fetch([BatchItem(a, [1, 2])])
+    p = ops.plan_step(inp)
+    k = torch.randn(2, H, D)
+    for layer in range(LAYERS):
+        p.append_kv(layer, k, k)
+    assert p._replays["append"].slots == {"k_cache": 0, "v_cache": 1, "k": 2, "v": 3}
+    for layer in range(LAYERS):
+        assert torch.equal(inp.k_cache(layer)[inp.lookup_table[0, 0], :2], k)
+        assert torch.equal(inp.v_cache(layer)[inp.lookup_table[0, 0], :2], k)
