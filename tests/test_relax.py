@@ -109,10 +109,7 @@ def test_cuda_step_module_builds_for_sm90a(decode):
     mod = _step_module("nhd", decode=decode, cuda=True)
     ex = tvm.compile(mod, target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
 
-    def cuda_modules(m):
-        return ([m] if m.kind == "cuda" else []) + [c for i in m.imports
-                                                     for c in cuda_modules(i)]
-    (cuda,) = cuda_modules(ex.mod)
+    (cuda,) = compiler._cuda_modules(ex.mod)
     source = cuda.inspect_source()
     op = "decode" if decode else "prefill"
     assert f"kvtvm_append_float32_h{H}" in source and f"kvtvm_{op}_float32_h{H}" in source
