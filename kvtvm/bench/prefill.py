@@ -15,6 +15,7 @@ FLOPs: ``4 * n_q_heads * head_dim * visible_pairs`` where ``visible_pairs`` coun
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 
 from .common import PEERS, Row, add_common_args, add_skip_arg, median_seconds, parse_skip, report
@@ -165,25 +166,35 @@ def run_flashinfer(case, dtype):
     return fn
 
 
+#: (new tokens, cached tokens) per sequence of the tuning workload: a ragged serving mix of a
+#: fresh prompt, chunked prefills over a cached prefix and short continuations, so a pick
+#: holds across shapes rather than fitting one
+TUNING_MIX = {"cpu": [(256, 0), (128, 384), (64, 192), (16, 240), (16, 496), (1, 1000)],
+              "cuda": [(4096, 0), (2048, 2048), (1024, 3072), (128, 1920), (16, 4000),
+                       (1, 8000)]}
+
+
 def tuning_workload(spec, device: str):
     """``(args, outputs)`` of one direct call of ``spec``'s kernel for ``python -m kvtvm.tune``:
-    chunked prefill over a cached prefix (CPU: 2 x 256 new over 256 cached; GPU: 4 x 2048 new
-    over 2048 cached), page 16, the spec's heads, dtype, layout and features."""
+    the ragged mix :data:`TUNING_MIX` of the device, page 16, the spec's heads, dtype, layout
+    and features."""
     import torch
 
-    batch, new, cached = (2, 256, 256) if device == "cpu" else (4, 2048, 2048)
+    mix = TUNING_MIX["cpu" if device == "cpu" else "cuda"]
+    batch = len(mix)
     H, G, D = spec.n_kv_heads, spec.group_size, spec.head_dim
     tdt = getattr(torch, spec.dtype)
     g = torch.Generator().manual_seed(0)
-    pages = -(-(new + cached) // PAGE)
+    pages = max(-(-(new + cached) // PAGE) for new, cached in mix)
     table = torch.randperm(batch * pages, generator=g).to(torch.int32).reshape(batch, pages)
     cache = torch.randn(batch * pages, 2, PAGE, H, D, generator=g).to(tdt).to(device)
     kc, vc = cache[:, 0], cache[:, 1]
     if spec.layout == "hnd":  # a strided [pages, H, page_size, D] view of the same memory
         kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
-    q = torch.randn(batch * new, H * G, D, generator=g).to(tdt).to(device)
-    indptr = torch.arange(0, batch * new + 1, new, dtype=torch.int32, device=device)
-    lengths = torch.full((batch,), cached, dtype=torch.int32, device=device)
+    counts = [new for new, _ in mix]
+    q = torch.randn(sum(counts), H * G, D, generator=g).to(tdt).to(device)
+    indptr = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=device)
+    lengths = torch.tensor([cached for _, cached in mix], dtype=torch.int32, device=device)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
     window = 1024 if "sliding_window" in spec.features else 0
