@@ -17,6 +17,34 @@ _lock = threading.Lock()
 _cuda_runtime_loaded = False
 
 
+def physical_cores() -> int:
+    """CPU cores this process may run on, hyper-thread siblings counted once."""
+    cpus = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:  # no sysfs topology: count the CPU itself
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def cpu_threads() -> int:
+    """Threads TVM's thread pool runs kvtvm's CPU kernels on (``TVM_NUM_THREADS``)."""
+    try:
+        return max(1, int(os.environ["TVM_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return physical_cores()
+
+
+# TVM sizes its CPU thread pool, when it first starts it, from TVM_NUM_THREADS, else from half the
+# logical CPUs on x86 (a guess that hyper-threads come in pairs): on a machine without them --
+# most VMs -- that left half the cores idle. Unless the user chose, use the physical cores.
+os.environ.setdefault("TVM_NUM_THREADS", str(physical_cores()))
+
+
 def tvm_runtime():
     """Import and return the ``tvm.runtime`` package (runtime-only safe)."""
     import tvm.runtime

@@ -9,9 +9,9 @@ from .common import new_schedule, under_locate, vector_lanes
 KNOB_DEFAULTS = {"append": lambda spec: {"vector_bytes": 32, "parallel": True}}
 #: op -> function(spec) giving the values ``kvtvm.tune`` searches for each knob.
 KNOB_SPACES = {"append": lambda spec: {"vector_bytes": [8, 16, 32, 64]}}
-#: op -> knob overrides the ops layer may ask for at run time besides the defaults (append:
-#: a serial kernel for small batches); ``python -m kvtvm build`` builds each of them too.
-RUNTIME_VARIANTS = {"append": [{"parallel": False}]}
+#: op -> knob overrides the ops layer may ask for at run time besides the defaults (append and
+#: decode: a serial kernel for small calls); ``python -m kvtvm build`` builds each of them too.
+RUNTIME_VARIANTS = {"append": [{"parallel": False}], "decode": [{"parallel": False}]}
 
 
 def default_knobs(spec) -> dict:

@@ -35,7 +35,8 @@ def decode_knobs(spec) -> dict:
     # 32-token tiles keep the scores and a K/V tile in L1.
     # all KV heads of a token in one task: a token's K (V) row of every head is one contiguous
     # run of n_kv_heads * head_dim elements in the nhd layout, which the prefetchers follow.
-    return {"tile_tokens": 32, "vector_bytes": 64, "head_block": spec.n_kv_heads}
+    return {"tile_tokens": 32, "vector_bytes": 64, "head_block": spec.n_kv_heads,
+            "parallel": True}
 
 
 def decode_knob_space(spec) -> dict:
@@ -61,6 +62,8 @@ def schedule_decode(mod, spec, knobs):
     assert H % HB == 0, f"head_block {HB} must divide n_kv_heads {H}"
     NHB = H // HB
     W = min(TILE, 16)  # lanes of the tile reductions (TILE is a power of two)
+    # a serial variant serves small calls: waking TVM's thread pool costs more than it saves
+    tasks = T.parallel if knobs.get("parallel", True) else T.serial
 
     def tile_tree(combine):
         """A macro folding row ``r`` of ``sc`` (``TILE`` scores) into ``red[0]`` with
@@ -102,7 +105,7 @@ def schedule_decode(mod, spec, knobs):
          lookup, out, lse, o_part, lse_part) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
             var_lse, var_o_part, var_lse_part)
-        for task in T.parallel(batch * NHB * splits):
+        for task in tasks(batch * NHB * splits):
             with T.sblock("attend"):
                 T.reads()
                 T.writes()
@@ -201,7 +204,7 @@ def schedule_decode(mod, spec, knobs):
                                 o_part[s, b, h0 * G + r, dv * L + l] = T.float32(0)
                         lse_part[s, b, h0 * G + r] = T.float32(NEG)
         if splits > T.int64(1):
-            for task in T.parallel(batch * Hq):
+            for task in tasks(batch * Hq):
                 with T.sblock("merge"):
                     T.reads()
                     T.writes()

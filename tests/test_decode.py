@@ -144,7 +144,8 @@ def test_numpy_inputs_and_allocated_outputs():
 
 
 @pytest.mark.parametrize("knobs", [{"head_block": 1, "tile_tokens": 8},
-                                   {"head_block": 2, "tile_tokens": 64, "vector_bytes": 16}])
+                                   {"head_block": 2, "tile_tokens": 64, "vector_bytes": 16},
+                                   {"parallel": False}])  # the serial variant of small calls
 def test_schedule_knobs(knobs):
     """Knob values the autotuner may pick compute the same thing."""
     rng = np.random.default_rng(7)
