@@ -17,9 +17,11 @@ from .boundary import (as_tensor, check_batch_indices, check_batch_tables, check
                        common_device, indices_on_host, launch)
 from .errors import InvalidArgumentError, describe
 
-#: On the CPU, appends of fewer rows run on one thread: a decode step's few rows take a few µs
-#: serially, while waking TVM's thread pool costs tens of µs (measured on the dev machine).
-CPU_PARALLEL_APPEND_TOKENS = 1024
+#: On the CPU, appends moving fewer K+V bytes than this run on one thread: an append is a
+#: memory copy, and below it waking TVM's thread pool costs more than the other cores win
+#: (2 cores: serial faster up to 2048 rows of 8 heads x 128 fp16 and 16384 rows of 2 x 32
+#: fp32, both about 8 MiB; parallel 2x faster at 5000 rows of 8 x 128).
+CPU_PARALLEL_APPEND_BYTES = 8 << 20
 
 
 # ------------------------------------------------------------------------------------------
@@ -90,7 +92,8 @@ def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
         return
     spec = dict(op="append", dtype=geo.dtype, head_dim=geo.head_dim, n_kv_heads=geo.n_kv_heads,
                 layout=layout)
-    if device.type == "cpu" and kt.shape[0] < CPU_PARALLEL_APPEND_TOKENS:
+    moved = 2 * kt.numel() * kt.element_size()  # K and V bytes
+    if device.type == "cpu" and moved < CPU_PARALLEL_APPEND_BYTES:
         spec["knobs"] = (("parallel", False),)  # waking the thread pool costs more than it saves
     launch(spec, device, (kc, vc, kt, vt, indptr, lengths, table))
 from ._copy_op import copy_pages, copy_slots  # noqa: E402,F401

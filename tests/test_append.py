@@ -119,13 +119,14 @@ def test_large_batch_binary_search():
     check_against_reference(args, "nhd")
 
 
-def test_large_append_uses_the_parallel_variant():
-    """At or above ops.CPU_PARALLEL_APPEND_TOKENS rows the parallel CPU kernel runs; it
-    must write exactly what the serial one and the reference write."""
+@pytest.mark.parametrize("threshold", [0, 1 << 40], ids=["parallel", "serial"])
+def test_large_append_in_both_variants(monkeypatch, threshold):
+    """Above ops.CPU_PARALLEL_APPEND_BYTES the parallel CPU kernel runs, below it the serial
+    one; both write exactly what the reference writes."""
+    monkeypatch.setattr(ops, "CPU_PARALLEL_APPEND_BYTES", threshold)
     rng = np.random.default_rng(5)
-    counts = [ops.CPU_PARALLEL_APPEND_TOKENS - 100, 0, 130]
+    counts = [924, 0, 130]
     starts = [7, 3, 16]
     num_pages = sum(-(-(s + n) // 16) for s, n in zip(starts, counts)) + 2
     args = random_batch(rng, 16, counts, starts, num_pages, "nhd", "float16")
-    assert sum(counts) >= ops.CPU_PARALLEL_APPEND_TOKENS
     check_against_reference(args, "nhd")
