@@ -74,7 +74,6 @@ class StepPlan:
                 "decode", "False when a sequence adds other than one token this step",
                 f"True with new tokens per sequence {np.diff(qo).tolist()}"))
         self.inputs, self.decode = inputs, bool(decode)
-        self.num_tokens = int(qo[-1])
         coll = inputs.collection()
         self._caches = [(coll.get_key_cache(i).blocks, coll.get_value_cache(i).blocks)
                         for i in range(inputs.num_layers)]

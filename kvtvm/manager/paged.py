@@ -398,10 +398,7 @@ class PagedKVCacheManager(KVCacheManager):
             No free sequence slot.
         """
         with self._lock:
-            sid = self._check_known(seq_id, "fork")
-            if self._pending[sid] >= 0:
-                raise SequenceStateError(
-                    f"fork: seq_id {sid} has a fetch in flight; step() it before forking")
+            sid = self._check_settled(seq_id, "fork")
             free = np.flatnonzero(~self._claimed)
             if free.size == 0:
                 raise KVCacheCapacityError(
@@ -423,6 +420,14 @@ class PagedKVCacheManager(KVCacheManager):
                 self._keys[new] = list(self._keys[sid])
             return new
 
+    def _check_settled(self, seq_id, what: str) -> int:
+        """``seq_id`` as a claimed slot with no fetch in flight (fork and pop need one)."""
+        sid = self._check_known(seq_id, what)
+        if self._pending[sid] >= 0:
+            raise SequenceStateError(
+                f"{what}: seq_id {sid} has a fetch in flight; step() it before {what}()")
+        return sid
+
     def pop(self, seq_id: int, n: int) -> None:
         """Roll back the last ``n`` committed tokens of ``seq_id`` (speculative decoding).
 
@@ -438,11 +443,8 @@ class PagedKVCacheManager(KVCacheManager):
             ``n`` is negative or more than the sequence's length.
         """
         with self._lock:
-            sid = self._check_known(seq_id, "pop")
+            sid = self._check_settled(seq_id, "pop")
             n = check_positive_int("n", n, allow_zero=True)
-            if self._pending[sid] >= 0:
-                raise SequenceStateError(
-                    f"pop: seq_id {sid} has a fetch in flight; step() it before pop()")
             L = int(self._lengths[sid])
             if n > L:
                 raise InvalidArgumentError(describe(
