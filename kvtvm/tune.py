@@ -3,8 +3,13 @@ in ``tuning_logs/<target_tag>/<uri>.json``, which later builds read.
 
 The knob space of each op comes from its schedule module (``KNOB_SPACES[op](spec)``). Every
 candidate is built, loaded, checked against the default build's output on the same inputs,
-and timed (median of ``--repeat`` runs); a candidate that fails to build or gives different
-results is skipped and reported.
+and timed (median of ``--repeat`` runs; on CUDA, CUDA-graph replays with the L2 cache flushed
+before each); a candidate that fails to build or gives different results is skipped and reported.
+
+Tuning for a GPU on a machine that has only the TVM runtime (no compiler) takes two steps:
+``--build-only DIR --arch sm_90a`` (here, with the compiler and nvcc: builds every candidate
+and writes ``DIR/<arch>/<uri>.candidates.json``), then ``--prebuilt DIR --device cuda`` there
+(loads and times the candidates of every manifest in DIR, or of ``--op`` only).
 """
 
 from __future__ import annotations
@@ -60,6 +65,58 @@ def candidates(spec, max_trials: int, seed: int = 0) -> list[dict]:
     return out[:max_trials]
 
 
+SPEC_FIELDS = ("op", "dtype", "head_dim", "n_kv_heads", "group_size", "layout", "target",
+               "arch", "features")
+
+
+def manifest_path(spec, root: Path) -> Path:
+    """``<root>/<target_tag>/<uri>.candidates.json``: the candidates built for ``spec``."""
+    return Path(root) / spec.target_tag / f"{spec.uri}.candidates.json"
+
+
+def build_candidates(spec, max_trials: int, root: Path) -> Path:
+    """Build ``spec``'s candidates (:func:`candidates`) into ``root`` and list them, each
+    with its module file or its build error, in :func:`manifest_path`; returns that path."""
+    listed = []
+    cands = candidates(spec, max_trials)
+    for i, knobs in enumerate(cands, 1):
+        progress(i - 1, len(cands), f"build {knobs}")
+        cand = compiler.KernelSpec(**{**spec.__dict__, "knobs": knobs})
+        try:
+            path = compiler.build_spec(cand, root)
+            listed.append({"knobs": knobs, "file": str(path.relative_to(root))})
+        except Exception as err:  # recorded; the device run reports it as a failed trial
+            listed.append({"knobs": knobs, "error": str(err).splitlines()[-1][:200]})
+    progress(len(cands), len(cands), "built")
+    out = manifest_path(spec, root)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"spec": {f: getattr(spec, f) for f in SPEC_FIELDS},
+                               "candidates": listed}, indent=1) + "\n")
+    return out
+
+
+def manifest_specs(root: Path, op: str | None = None) -> list:
+    """The specs whose candidates ``root`` holds (``--build-only`` manifests), of ``op`` only
+    when given."""
+    specs = []
+    for path in sorted(Path(root).glob("*/*.candidates.json")):
+        fields = json.loads(path.read_text())["spec"]
+        fields["features"] = tuple(fields["features"])
+        if op is None or fields["op"] == op:
+            specs.append(compiler.KernelSpec(**fields))
+    return specs
+
+
+def prebuilt_candidates(spec, root: Path) -> list[tuple[dict, Path | str]]:
+    """``(knobs, module path or build error)`` of each candidate listed for ``spec``."""
+    path = manifest_path(spec, root)
+    if not path.exists():
+        raise SystemExit(f"no candidates of {spec.uri} for {spec.target_tag} in {root} "
+                         f"(build them with --build-only)")
+    return [(c["knobs"], Path(root) / c["file"] if "file" in c else c["error"])
+            for c in json.loads(path.read_text())["candidates"]]
+
+
 def progress(i: int, n: int, text: str) -> None:
     width = 30
     done = int(width * i / n)
@@ -70,24 +127,31 @@ def progress(i: int, n: int, text: str) -> None:
 
 
 def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int = 3,
-         log_root: Path | None = None, write: bool = True, inputs=None) -> dict:
+         log_root: Path | None = None, write: bool = True, inputs=None,
+         prebuilt: Path | None = None) -> dict:
     """Search ``spec``'s knobs; returns (and, with ``write``, records) the best entry.
 
     ``inputs`` is ``(args, outputs)`` for calling the kernel directly (``args`` the argument
     tuple, ``outputs`` the tensors it writes); by default :func:`workload` makes them.
+    ``prebuilt`` is a ``--build-only`` directory holding ``spec``'s candidates, built
+    elsewhere (nothing is compiled here then; ``max_trials`` was applied when they were built).
     """
     import torch
 
     args, outputs = inputs if inputs is not None else workload(spec, device)
     snapshot = [t.clone() for t in outputs]
     trials, reference = [], None
-    cands = candidates(spec, max_trials)
+    timing = "graph" if device.startswith("cuda") else "eager"
     with tempfile.TemporaryDirectory(prefix="kvtvm-tune-") as tmp:
-        for i, knobs in enumerate(cands, 1):
+        cands = (prebuilt_candidates(spec, prebuilt) if prebuilt is not None
+                 else [(knobs, None) for knobs in candidates(spec, max_trials)])
+        for i, (knobs, path) in enumerate(cands, 1):
             progress(i - 1, len(cands), f"{knobs}")
             cand = compiler.KernelSpec(**{**spec.__dict__, "knobs": knobs})
             try:
-                path = compiler.build_spec(cand, tmp)
+                if isinstance(path, str):  # the manifest's build error
+                    raise RuntimeError(path)
+                path = path or compiler.build_spec(cand, tmp)
                 module = runtime.load_module(str(path), needs_cuda=cand.is_cuda)
                 fn = module[cand.func_name]
                 for out, snap in zip(outputs, snapshot):
@@ -101,7 +165,7 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
                              for a, b in zip(reference, result)):
                     trials.append({"knobs": knobs, "error": "result differs from the default"})
                     continue
-                sec = median_seconds(lambda: fn(*args), device, repeat, warmup)
+                sec = median_seconds(lambda: fn(*args), device, repeat, warmup, timing)
                 trials.append({"knobs": knobs, "median_ms": sec * 1e3})
             except Exception as err:  # a knob setting that does not build is skipped
                 trials.append({"knobs": knobs, "error": str(err).splitlines()[-1][:200]})
@@ -111,6 +175,7 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
         raise SystemExit(f"no candidate of {spec.uri} could be built and run: {trials}")
     best = min(timed, key=lambda t: t["median_ms"])
     entry = {"uri": spec.uri, "target": spec.target_tag, "knobs": best["knobs"],
+             "timing": "CUDA-graph replays, L2 flushed" if timing == "graph" else "wall",
              "median_ms": best["median_ms"], "default_ms": trials[0].get("median_ms"),
              "date": date.today().isoformat(), "device": device_name(device),
              "trials": trials}
@@ -123,21 +188,57 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtvm.tune", description=__doc__)
-    parser.add_argument("--op", required=True, choices=compiler.KERNEL_FAMILIES)
+    parser = argparse.ArgumentParser(prog="python -m kvtvm.tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", choices=compiler.KERNEL_FAMILIES,
+                        help="kernel family (required, except with --prebuilt: all of DIR)")
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=1)
     parser.add_argument("--layout", default="nhd", choices=compiler.LAYOUTS)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--arch", choices=sorted(compiler.CUDA_ARCHS),
+                        help="with --build-only: the CUDA arch to build for (no GPU needed)")
     parser.add_argument("--max-trials", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--log-root", type=Path, default=None,
                         help="tuning_logs directory to write (default: the package's)")
     parser.add_argument("--dry-run", action="store_true", help="search but write nothing")
+    parser.add_argument("--build-only", type=Path, metavar="DIR",
+                        help="build the candidates into DIR for a later --prebuilt run")
+    parser.add_argument("--prebuilt", type=Path, metavar="DIR",
+                        help="time the candidates a --build-only run left in DIR")
     args = parser.parse_args(argv)
-    if args.device.startswith("cuda"):
+    if args.build_only and args.prebuilt:
+        parser.error("--build-only and --prebuilt are two steps: give one")
+    if args.prebuilt:
+        specs = manifest_specs(args.prebuilt, args.op)
+        if not specs:
+            raise SystemExit(f"no --build-only manifests in {args.prebuilt}")
+    else:
+        if args.op is None:
+            parser.error("--op is required (except with --prebuilt)")
+        specs = [command_line_spec(args)]
+    for spec in specs:
+        if args.build_only:
+            print(f"{spec.uri} for {spec.target_tag}: candidates listed in "
+                  f"{build_candidates(spec, args.max_trials, args.build_only)}")
+            continue
+        entry = tune(spec, args.device, args.max_trials, args.repeat, log_root=args.log_root,
+                     write=not args.dry_run, prebuilt=args.prebuilt)
+        print(f"{spec.uri} on {entry['device']}: best {entry['knobs']} "
+              f"{entry['median_ms']:.4f} ms (default {entry['default_ms']} ms)")
+        if "path" in entry:
+            print(f"wrote {entry['path']}")
+    return 0
+
+
+def command_line_spec(args):
+    """The spec the command line names, for the device (or ``--arch``) it runs on."""
+    if args.arch:
+        target, arch = "cuda", args.arch
+    elif args.device.startswith("cuda"):
         from .boundary import target_of
         import torch
 
@@ -147,16 +248,9 @@ def main(argv=None) -> int:
         target, arch = "llvm", None
     if args.op == "copy":  # the copy op always loads the copy kernel this way
         args.kv_heads, args.group_size, args.layout = 1, 1, "nhd"
-    spec = compiler.KernelSpec(op=args.op, dtype=args.dtype, head_dim=args.head_dim,
+    return compiler.KernelSpec(op=args.op, dtype=args.dtype, head_dim=args.head_dim,
                                n_kv_heads=args.kv_heads, group_size=args.group_size,
                                layout=args.layout, target=target, arch=arch)
-    entry = tune(spec, args.device, args.max_trials, args.repeat, log_root=args.log_root,
-                 write=not args.dry_run)
-    print(f"{spec.uri} on {entry['device']}: best {entry['knobs']} "
-          f"{entry['median_ms']:.4f} ms (default {entry['default_ms']} ms)")
-    if "path" in entry:
-        print(f"wrote {entry['path']}")
-    return 0
 
 
 if __name__ == "__main__":

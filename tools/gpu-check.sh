@@ -6,22 +6,7 @@
 # limit of eight.
 # A failing step is logged and the next one still runs; the exit status counts the failures.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-check-out}
-mkdir -p "$OUT"
-LOG="$OUT/gpu-check.log"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .device-bundle/*.whl \
-  && tar xzf .device-bundle/tvm-runtime.tgz -C /tmp/site || { echo "bundle install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD TVM_USE_RUNTIME_LIB=1 PYTHONUNBUFFERED=1 \
-       KVTVM_KERNEL_PATH=$PWD/build/kernels KVTVM_CACHE_DIR=/tmp/kvtvm-no-cache
-failed=0
-step() {  # step NAME COMMAND...: run, log, count a failure
-  echo "=== $1 ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-  shift
-  "$@" 2>&1 | tee -a "$LOG"
-  local rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] || { failed=$((failed + 1)); echo "=== FAILED (exit $rc)" | tee -a "$LOG"; }
-}
+source "$(dirname "$0")/gpu-env.sh"
 step device nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv
 step "GPU tests" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_cuda_build.py \
      tests/test_prefill_cuda_build.py tests/test_copy_kernel.py tests/test_manager_cuda.py

@@ -10,7 +10,7 @@ import argparse
 
 import numpy as np
 
-from .common import Row, add_common_args, median_seconds, report
+from .common import Row, add_common_args, timed, report
 
 # (name, tokens per sequence, sequences): prefill of one long prompt, a batch of decode steps
 DEFAULT_CASES = {
@@ -102,9 +102,9 @@ def main(argv=None) -> int:
         if not torch.equal(by_kvtvm, case["cache"]):
             raise SystemExit(f"{name}: kvtvm and torch wrote different caches")
         for impl, fn in (("kvtvm", kvtvm_run), ("torch index_put_", torch_run)):
-            sec = median_seconds(fn, device, args.repeat, args.warmup)
+            sec, how = timed(fn, device, args.repeat, args.warmup, args.timing)
             rows.append(Row(name, impl, sec * 1e3, moved / sec / 1e12,
-                            {"bytes": moved, "tokens": per_seq * batch}))
+                            {"bytes": moved, "tokens": per_seq * batch, "timing": how}))
     report(f"append_kv, {args.n_kv_heads} kv heads x {args.head_dim}, {args.dtype}, "
            f"page {args.page_size}", rows, "TB/s", "kvtvm", args, device)
     return 0

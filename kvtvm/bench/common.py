@@ -17,6 +17,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per case")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG", help="also draw the results (needs matplotlib)")
+    parser.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                        help="CUDA: time CUDA-graph replays of each call (the kernels' time; "
+                             "default) or the calls as issued from Python (host overhead "
+                             "included); the L2 cache is flushed before every run either way")
 
 
 #: ``--skip`` key -> the name a peer has in every benchmark's table.
@@ -45,31 +49,80 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_seconds(fn, device: str, repeat: int, warmup: int) -> float:
-    """Median wall time of ``fn()`` over ``repeat`` runs after ``warmup`` runs.
+#: Bytes written between timed CUDA runs so that no run reads its inputs from the L2 cache
+#: left by the previous one (H100: 50 MiB of L2).
+L2_FLUSH_BYTES = 256 << 20
+_flush_buffers: dict = {}
 
-    On CUDA each run is timed with CUDA events around the call alone.
+
+def median_seconds(fn, device: str, repeat: int, warmup: int, timing: str = "eager") -> float:
+    """Median time of ``fn()`` over ``repeat`` runs after ``warmup`` runs (see :func:`timed`)."""
+    return timed(fn, device, repeat, warmup, timing)[0]
+
+
+def timed(fn, device: str, repeat: int, warmup: int, timing: str = "eager") -> tuple[float, str]:
+    """``(median seconds, how it was timed)`` of ``fn()`` over ``repeat`` runs.
+
+    CPU: wall time of each call. CUDA: device events around each run, with the L2 cache
+    flushed before it; ``timing="eager"`` times the call as issued from Python (its host
+    overhead included whenever it exceeds the GPU's time), ``"graph"`` captures ``fn`` once in
+    a CUDA graph and times its replays (the kernels' own time, as a CUDA-graph engine sees
+    it). A function that cannot be captured (one that synchronizes, say) falls back to eager;
+    the second element says which was used: ``"wall"``, ``"eager"`` or ``"graph"``.
     """
     for _ in range(warmup):
         fn()
     synchronize(device)
-    times = []
-    if device.startswith("cuda"):
-        import torch
-
-        for _ in range(repeat):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
+    if not device.startswith("cuda"):
+        times = []
         for _ in range(repeat):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return statistics.median(times), "wall"
+    import torch
+
+    run, mode = fn, "eager"
+    if timing == "graph":
+        graph = _capture(fn)
+        if graph is not None:
+            run, mode = graph.replay, "graph"
+    key = str(device)
+    if key not in _flush_buffers:
+        _flush_buffers[key] = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    flush = _flush_buffers[key]
+    times = []
+    for _ in range(repeat):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times), mode
+
+
+def _capture(fn):
+    """``fn`` captured in a ``torch.cuda.CUDAGraph`` (warmed up on a side stream first, as
+    capture requires), or ``None`` when it cannot be captured."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph
+    except Exception:  # noqa: BLE001 -- anything capture refuses: time it eagerly instead
+        torch.cuda.synchronize()
+        return None
 
 
 @dataclass
@@ -89,6 +142,12 @@ def device_name(device: str) -> str:
 
         return torch.cuda.get_device_name(torch.device(device))
     return f"{platform.processor() or platform.machine()} CPU"
+
+
+#: How each timing mode of :func:`timed` is described under a table.
+TIMING_WORDS = {"graph": "CUDA-graph replays, L2 flushed before each (kernel time)",
+                "eager": "calls issued from Python, L2 flushed before each (host time included)",
+                "wall": "wall time per call"}
 
 
 def report(title: str, rows: list[Row], metric_name: str, baseline: str, args,
@@ -120,6 +179,13 @@ def report(title: str, rows: list[Row], metric_name: str, baseline: str, args,
         print(line)
     print(f"(ratio columns: peer time / {baseline} time; above 1 means {baseline} is faster; "
           f"{metric_name} of the ratio columns' peers are in their own columns)")
+    modes = {}
+    for r in rows:
+        modes.setdefault(r.extra.get("timing", "wall"), []).append(r.impl)
+    if set(modes) != {"wall"}:
+        print("timing: " + "; ".join(f"{TIMING_WORDS.get(m, m)}: "
+                                     f"{', '.join(dict.fromkeys(impls_))}"
+                                     for m, impls_ in modes.items()))
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump({"title": title, "device": device_name(device),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import Row, add_common_args, median_seconds, report
+from .common import Row, add_common_args, timed, report
 
 # (name, pages in the pool, pages copied)
 DEFAULT_CASES = {"cuda": [("cow 64 of 8192", 8192, 64), ("move 1024 of 8192", 8192, 1024)],
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
 
         for impl, fn in (("kvtvm", lambda: ops.copy_pages(blocks, src, dst)),
                          ("torch", torch_copy)):
-            sec = median_seconds(fn, args.device, args.repeat, args.warmup)
-            rows.append(Row(name, impl, sec * 1e3, moved / sec / 1e12))
+            sec, how = timed(fn, args.device, args.repeat, args.warmup, args.timing)
+            rows.append(Row(name, impl, sec * 1e3, moved / sec / 1e12, {"timing": how}))
     report("page copy", rows, "TB/s", "kvtvm", args, args.device)
     return 0

@@ -13,7 +13,7 @@ import argparse
 import math
 import time
 
-from .common import PEERS, Row, add_common_args, add_skip_arg, median_seconds, parse_skip, report
+from .common import PEERS, Row, add_common_args, add_skip_arg, timed, parse_skip, report
 
 #: (batch, context) cases.
 DEFAULT_CASES = {
@@ -217,10 +217,10 @@ def main(argv=None) -> int:
             # slow peers (TVM's serial CPU kernel) get fewer runs so the table stays quick
             repeat = args.repeat if once < 0.1 else max(3, min(args.repeat, int(2 / once)))
             warmup = args.warmup if once < 0.1 else 1
-            sec = median_seconds(fn, device, repeat, warmup)
+            sec, how = timed(fn, device, repeat, warmup, args.timing)
             rows.append(Row(name, impl, sec * 1e3, kv_bytes / sec / 1e12,
                             {"batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
-                             "dtype": dtype}))
+                             "dtype": dtype, "timing": how}))
         del case
     report(f"decode attention, {args.n_kv_heads * args.group_size} q / {args.n_kv_heads} kv "
            f"heads x {args.head_dim}, {dtype}, page {args.page_size}", rows, "TB/s", "kvtvm",

@@ -18,7 +18,7 @@ import argparse
 import itertools
 import math
 
-from .common import PEERS, Row, add_common_args, add_skip_arg, median_seconds, parse_skip, report
+from .common import PEERS, Row, add_common_args, add_skip_arg, timed, parse_skip, report
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 #: (batch, new tokens per sequence, cached tokens per sequence)
@@ -247,9 +247,10 @@ def main(argv=None) -> int:
                 if not torch.allclose(got, case.out.float(), rtol=2e-2, atol=2e-2):
                     raise SystemExit(f"{case.name}: kvtvm and torch SDPA disagree (max diff "
                                      f"{(got - case.out.float()).abs().max().item():.3g})")
-            sec = median_seconds(fn, device, args.repeat, args.warmup)
+            sec, how = timed(fn, device, args.repeat, args.warmup, args.timing)
             rows.append(Row(case.name, impl, sec * 1e3, case.flops() / sec / 1e12,
-                            extra={"batch": batch, "new": new, "cached": cached}))
+                            extra={"batch": batch, "new": new, "cached": cached,
+                                   "timing": how}))
             print(f"  {case.name:<18} {impl:<12} {sec * 1e3:10.3f} ms "
                   f"{case.flops() / sec / 1e12:8.3f} TFLOP/s", flush=True)
     report(f"prefill attention ({args.dtype}, {N_Q_HEADS}q/{N_KV_HEADS}kv heads, d{HEAD_DIM}, "

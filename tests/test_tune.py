@@ -1,0 +1,53 @@
+"""``python -m kvtvm.tune`` in two steps (``--build-only`` here, ``--prebuilt`` on the machine
+that times them), exercised on the CPU target."""
+
+import json
+
+import pytest
+
+from kvtvm import compiler, tune
+
+
+def _copy_spec():
+    return compiler.KernelSpec(op="copy", dtype="float32", head_dim=64, n_kv_heads=1)
+
+
+def test_build_only_then_prebuilt_records_the_fastest_listed_candidate(tmp_path):
+    spec = _copy_spec()
+    built = tmp_path / "built"
+    manifest = tune.build_candidates(spec, 3, built)
+    listed = json.loads(manifest.read_text())
+    assert listed["spec"]["op"] == "copy" and len(listed["candidates"]) == 3
+    assert listed["candidates"][0]["knobs"] == compiler.resolve_knobs(spec)  # default first
+    for cand in listed["candidates"]:
+        assert (built / cand["file"]).is_file()
+    assert tune.manifest_specs(built) == [spec]
+    assert tune.manifest_specs(built, "decode") == []
+
+    entry = tune.tune(spec, "cpu", repeat=3, warmup=1, log_root=tmp_path / "logs",
+                      prebuilt=built)
+    assert [t["knobs"] for t in entry["trials"]] == [c["knobs"] for c in listed["candidates"]]
+    timed = [t for t in entry["trials"] if "median_ms" in t]
+    assert len(timed) == 3
+    assert entry["median_ms"] == min(t["median_ms"] for t in timed)
+    assert entry["default_ms"] == entry["trials"][0]["median_ms"]
+    logged = json.loads((tmp_path / "logs" / "llvm" / f"{spec.uri}.json").read_text())
+    assert logged["knobs"] == entry["knobs"]
+
+
+def test_prebuilt_reports_a_candidate_that_did_not_build(tmp_path):
+    spec = _copy_spec()
+    manifest = tune.build_candidates(spec, 2, tmp_path)
+    listed = json.loads(manifest.read_text())
+    listed["candidates"][1] = {"knobs": listed["candidates"][1]["knobs"], "error": "nvcc: boom"}
+    manifest.write_text(json.dumps(listed))
+    entry = tune.tune(spec, "cpu", repeat=2, warmup=1, write=False, prebuilt=tmp_path)
+    assert entry["trials"][1] == {"knobs": listed["candidates"][1]["knobs"],
+                                  "error": "nvcc: boom"}
+
+
+def test_prebuilt_without_candidates_says_how_to_build_them(tmp_path):
+    with pytest.raises(SystemExit, match="--build-only"):
+        tune.tune(_copy_spec(), "cpu", write=False, prebuilt=tmp_path)
+    with pytest.raises(SystemExit, match="--build-only"):
+        tune.main(["--prebuilt", str(tmp_path)])
