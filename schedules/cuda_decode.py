@@ -5,7 +5,9 @@ the definition's parameters and block names (``attend``, ``merge``) and the spli
 :mod:`kvtvm.kernels.decode`; tests check it against the same numpy reference.
 
 ``attend``: one CTA per (sequence, KV head, split). Threads are ``(tx, ty, tz)``: ``tx`` covers
-head_dim with ``vec`` elements each (16-byte vectors), ``ty`` is the query head of the GQA group
+head_dim with ``vec`` elements each, as 16-byte pieces ``tx, tx + bdx, ...`` (interleaved, so
+the lanes reading a row from shared memory read consecutive bytes whatever ``vec`` is; a larger
+``vec`` means fewer shuffle steps per score), ``ty`` is the query head of the GQA group
 (a K/V row staged once serves the whole group), ``tz`` splits the rows of a tile. K and V tiles
 of ``tile_tokens`` rows are copied global -> shared with 16-byte ``cp.async`` (every thread of
 the CTA copies), ``stages`` deep (2 = double buffering: the copy of tile i+1 is in flight while
@@ -61,19 +63,32 @@ def _copy16(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_size):
 def decode_knobs(spec) -> dict:
     # 128 threads and 32-row tiles, double buffered: ~32 KiB of K/V in flight per CTA (fp16,
     # D=128), several CTAs per SM.
-    return {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 128}
+    # ``vec``: head_dim elements per thread (16-byte vectors; a whole head fits in one warp)
+    return {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 128,
+            "vec": _vec_choices(spec)[0]}
+
+
+def _vec_choices(spec) -> list[int]:
+    """Elements of head_dim per thread that keep one row inside a warp: 1, 2 or 4 16-byte
+    vectors, at least head_dim / 32."""
+    chunk = 16 // DTYPE_BYTES[spec.dtype]
+    return [v for v in (chunk, 2 * chunk, 4 * chunk)
+            if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
 
 
 def decode_knob_space(spec) -> dict:
     return {"threads": [64, 128, 256], "tile_tokens": [8, 16, 32, 64], "stages": [1, 2, 3],
-            "merge_threads": [64, 128, 256]}
+            "merge_threads": [128], "vec": _vec_choices(spec)}
 
 
 def geometry(spec, knobs) -> dict:
     """Thread and tile shape of the attend kernel for ``spec`` and ``knobs``."""
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     esize = DTYPE_BYTES[dtype]
-    vec = max(16 // esize, D // 32)          # elements per thread along head_dim
+    vec = int(knobs.get("vec") or _vec_choices(spec)[0])  # elements per thread along head_dim
+    if vec not in _vec_choices(spec):
+        raise ValueError(f"decode knob vec={vec} for head_dim {D} {dtype}: choose from "
+                         f"{_vec_choices(spec)}")
     bdx = D // vec                           # <= 32: one warp segment reduces a score
     # row groups; more than 8 leaves 1-2 rows per group per tile (no ILP) and made ptxas
     # spill on sm_80 (head_dim 64, group 1)
@@ -143,8 +158,10 @@ def schedule_decode(mod, spec, knobs):
                             lo: T.int32 = T.Cast("int32", lo64)  # positions fit in int32
                             hi: T.int32 = T.Cast("int32", hi64)
                             ntiles: T.int32 = T.truncdiv(T.max(hi - lo, 0) + TILE - 1, TILE)
+                            for c in T.unroll(SUB):
+                                for v in T.unroll(CH):
+                                    q_reg[c * CH + v] = T.Cast("float32", q[b, h * G + ty, (c * BDX + tx) * CH + v]) * sm_scale * T.float32(LOG2E)
                             for v in T.unroll(VEC):
-                                q_reg[v] = T.Cast("float32", q[b, h * G + ty, tx * VEC + v]) * sm_scale * T.float32(LOG2E)
                                 o_reg[v] = T.float32(0)
                             st[0] = T.float32(NEG)
                             st[1] = T.float32(0)
@@ -173,7 +190,7 @@ def schedule_decode(mod, spec, knobs):
                                 for j in T.unroll(RPZ):
                                     for c in T.unroll(SUB):
                                         for v in T.vectorized(CH):
-                                            kv_reg[c * CH + v] = k_smem[T.floormod(it, S), tz * RPZ + j, tx * VEC + c * CH + v]
+                                            kv_reg[c * CH + v] = k_smem[T.floormod(it, S), tz * RPZ + j, (c * BDX + tx) * CH + v]
                                     st[3] = T.float32(0)
                                     for v in T.unroll(VEC):
                                         st[3] = st[3] + q_reg[v] * T.Cast("float32", kv_reg[v])
@@ -194,7 +211,7 @@ def schedule_decode(mod, spec, knobs):
                                     if lo + it * TILE + tz * RPZ + j < hi:
                                         for c in T.unroll(SUB):
                                             for v in T.vectorized(CH):
-                                                kv_reg[c * CH + v] = v_smem[T.floormod(it, S), tz * RPZ + j, tx * VEC + c * CH + v]
+                                                kv_reg[c * CH + v] = v_smem[T.floormod(it, S), tz * RPZ + j, (c * BDX + tx) * CH + v]
                                         for v in T.unroll(VEC):
                                             o_reg[v] = o_reg[v] + s_reg[j] * T.Cast("float32", kv_reg[v])
                                 T.tvm_storage_sync("shared")
@@ -218,21 +235,24 @@ def schedule_decode(mod, spec, knobs):
                                     for v in T.unroll(VEC):
                                         o_reg[v] = o_reg[v] + o_red[z, ty, tx * VEC + v] * st[3]
                                 if splits == T.int64(1):
-                                    for c in T.unroll(VEC // 4):
-                                        for v in T.vectorized(4):
-                                            out[b, h * G + ty, tx * VEC + c * 4 + v] = T.Cast(dtype, o_reg[c * 4 + v] / st[1])
+                                    for c in T.unroll(SUB):
+                                        for u in T.unroll(CH // 4):
+                                            for v in T.vectorized(4):
+                                                out[b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = T.Cast(dtype, o_reg[c * CH + u * 4 + v] / st[1])
                                     if tx == 0:
                                         lse[b, h * G + ty] = (st[2] + T.log2(st[1])) * T.float32(LN2)
                                 elif st[1] > T.float32(0):
-                                    for c in T.unroll(VEC // 4):
-                                        for v in T.vectorized(4):
-                                            o_part[s, b, h * G + ty, tx * VEC + c * 4 + v] = o_reg[c * 4 + v] / st[1]
+                                    for c in T.unroll(SUB):
+                                        for u in T.unroll(CH // 4):
+                                            for v in T.vectorized(4):
+                                                o_part[s, b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = o_reg[c * CH + u * 4 + v] / st[1]
                                     if tx == 0:
                                         lse_part[s, b, h * G + ty] = st[2] + T.log2(st[1])
                                 else:
-                                    for c in T.unroll(VEC // 4):
-                                        for v in T.vectorized(4):
-                                            o_part[s, b, h * G + ty, tx * VEC + c * 4 + v] = T.float32(0)
+                                    for c in T.unroll(SUB):
+                                        for u in T.unroll(CH // 4):
+                                            for v in T.vectorized(4):
+                                                o_part[s, b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = T.float32(0)
                                     if tx == 0:
                                         lse_part[s, b, h * G + ty] = T.float32(NEG)
         if splits > T.int64(1):

@@ -65,7 +65,8 @@ def test_decode_cuda_source_uses_async_copies_and_shuffles():
 
 
 @pytest.mark.parametrize("knobs", [{"stages": 1}, {"stages": 3, "tile_tokens": 16},
-                                   {"threads": 256, "tile_tokens": 64}])
+                                   {"threads": 256, "tile_tokens": 64}, {"vec": 16},
+                                   {"vec": 32, "threads": 256, "tile_tokens": 16}])
 def test_decode_cuda_knob_variants_build_without_spills(tmp_path, knobs):
     """Points of the autotuner's knob space compile cleanly too."""
     spec = _spec(*SPECS[0], **knobs)

@@ -13,7 +13,8 @@ step "trials" python3 - <<'PY'
 import json, pathlib
 for p in sorted(pathlib.Path("/tmp/tuning_logs").glob("*/*.json")):
     e = json.loads(p.read_text())
-    timed = sorted((t["median_ms"], t["knobs"]) for t in e["trials"] if "median_ms" in t)
+    timed = sorted(((t["median_ms"], t["knobs"]) for t in e["trials"] if "median_ms" in t),
+                   key=lambda t: t[0])
     print(f"{e['uri']}: default {e['default_ms']:.4f} ms, best {e['median_ms']:.4f} ms "
           f"{e['knobs']}; {len(timed)} timed of {len(e['trials'])}")
     for ms, knobs in timed[:5]:
