@@ -16,11 +16,21 @@ from .boundary import (as_tensor, check_batch_indices, check_cache_pair, check_c
 from . import runtime
 from .errors import InvalidArgumentError, describe
 
-#: A split holds at least this many KV positions (shorter ones cost more in merging than
+#: CPU: a split holds at least this many KV positions (shorter ones cost more in merging than
 #: they win in parallelism).
 MIN_SPLIT_TOKENS = 256
 #: Upper bound on the number of KV splits.
 MAX_SPLITS = 128
+#: CUDA split rule, fitted to an H100 sweep of split counts at 1x4K .. 256x1K (docs/PERF.md,
+#: tools/gpu_decode_probe.py): about this many KV positions per CTA ...
+CUDA_SPLIT_TOKENS = 512
+#: ... at least this many CTAs per SM when the batch is small (fewer leave bandwidth unused),
+#: splits never shorter than CUDA_MIN_SPLIT_TOKENS ...
+CUDA_MIN_CTAS_PER_SM = 2
+CUDA_MIN_SPLIT_TOKENS = 128
+#: ... and no grid just past one full wave (the second wave would run nearly empty): the
+#: tuned attend kernel keeps about this many CTAs resident per SM.
+CUDA_RESIDENT_CTAS_PER_SM = 7
 #: On the CPU, a call reading fewer K elements than this (batch x KV length x KV heads x
 #: head_dim) runs the serial variant of the kernel: waking TVM's thread pool costs more than
 #: the other cores win (measured on 2 cores: serial 15-35% faster below, slower above).
@@ -32,25 +42,39 @@ _workspace_lock = threading.Lock()
 
 @functools.lru_cache(maxsize=None)
 def _parallel_units(device) -> int:
-    """Independent workers to fill: 4 CTAs per SM (latency hiding) or the CPU cores (asked
+    """The device's processors: SMs of a GPU, or the CPU cores kvtvm's kernels run on (asked
     once per device: both queries cost microseconds)."""
     if device.type == "cuda":
         import torch
 
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return torch.cuda.get_device_properties(device).multi_processor_count
     return runtime.cpu_threads()
 
 
 def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device) -> int:
-    """KV splits per sequence so ``batch x kv_heads x splits`` fills the device.
+    """KV splits per sequence, so that ``batch x kv_heads x splits`` work units fill the device.
 
-    On the CPU a task holds every KV head of a sequence (see ``schedules/cpu_decode.py``), so
-    there the work units are the sequences.
+    CUDA (one CTA per sequence, KV head and split): splits of about
+    :data:`CUDA_SPLIT_TOKENS` positions (a power of two), more when that leaves under
+    :data:`CUDA_MIN_CTAS_PER_SM` CTAs per SM, halved when the grid would end just past one
+    full wave. CPU (a task holds every KV head of a sequence, see ``schedules/cpu_decode.py``):
+    enough splits for one task per core, at least :data:`MIN_SPLIT_TOKENS` positions each.
     """
-    units = batch * (n_kv_heads if device.type == "cuda" else 1)
-    want = -(-_parallel_units(device) // max(1, units))
-    cap = max(1, -(-max_kv_len // MIN_SPLIT_TOKENS))
-    return int(max(1, min(want, cap, MAX_SPLITS)))
+    processors = _parallel_units(device)
+    if device.type != "cuda":
+        want = -(-processors // max(1, batch))
+        cap = max(1, -(-max_kv_len // MIN_SPLIT_TOKENS))
+        return int(max(1, min(want, cap, MAX_SPLITS)))
+    units = max(1, batch * n_kv_heads)
+    cap = max(1, min(MAX_SPLITS, max_kv_len // CUDA_MIN_SPLIT_TOKENS))
+    splits = 1 << max(0, round(math.log2(max(1.0, max_kv_len / CUDA_SPLIT_TOKENS))))
+    if units * splits < CUDA_MIN_CTAS_PER_SM * processors:
+        splits = -(-CUDA_MIN_CTAS_PER_SM * processors // units)
+    splits = min(splits, cap)
+    wave = CUDA_RESIDENT_CTAS_PER_SM * processors
+    if splits > 1 and wave < units * splits <= 1.5 * wave:
+        splits //= 2
+    return int(max(1, splits))
 
 
 def split_workspace(device, num_splits: int, batch: int, n_q_heads: int, head_dim: int):

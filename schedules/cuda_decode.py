@@ -63,9 +63,12 @@ def _copy16(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_size):
 def decode_knobs(spec) -> dict:
     # 128 threads and 32-row tiles, double buffered: ~32 KiB of K/V in flight per CTA (fp16,
     # D=128), several CTAs per SM.
-    # ``vec``: head_dim elements per thread (16-byte vectors; a whole head fits in one warp)
+    # ``vec``: head_dim elements per thread, two 16-byte vectors where a head allows it (on an
+    # H100, fp16 d128 GQA 4: 2.6-2.7 TB/s against 2.3-2.5 with one vector, which needs one more
+    # shuffle step per score; tools/gpu_decode_probe.py)
+    choices = _vec_choices(spec)
     return {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 128,
-            "vec": _vec_choices(spec)[0]}
+            "vec": choices[1] if len(choices) > 1 else choices[0]}
 
 
 def _vec_choices(spec) -> list[int]:

@@ -259,20 +259,27 @@ def test_out_of_range_table(good):
 
 
 def test_choose_num_splits(monkeypatch):
-    """Splits fill the device when batch x kv_heads cannot, never below 256 tokens a split."""
+    """CUDA: ~512 positions a split (a power of two), at least 2 CTAs per SM, never a grid just
+    past one full wave, never under 128 positions a split; CPU: one task per core, never
+    under 256 positions a split."""
     from kvtvm import _decode_op
 
-    monkeypatch.setattr(_decode_op, "_parallel_units", lambda device: 528)  # 4 x 132 SMs
+    monkeypatch.setattr(_decode_op, "_parallel_units", lambda device: 132)  # H100 SMs
     cuda = torch.device("cuda")
-    assert _decode_op.choose_num_splits(1, 8, 32768, cuda) == 66
-    assert _decode_op.choose_num_splits(64, 8, 4096, cuda) == 2
-    assert _decode_op.choose_num_splits(256, 8, 1024, cuda) == 1
-    assert _decode_op.choose_num_splits(1, 8, 300, cuda) == 2  # capped by MIN_SPLIT_TOKENS
+    assert _decode_op.choose_num_splits(64, 8, 4096, cuda) == 8
+    assert _decode_op.choose_num_splits(128, 8, 2048, cuda) == 4
+    assert _decode_op.choose_num_splits(256, 8, 1024, cuda) == 2
+    assert _decode_op.choose_num_splits(1, 8, 32768, cuda) == 64
+    assert _decode_op.choose_num_splits(1, 8, 4096, cuda) == 32   # 2 CTAs per SM
+    assert _decode_op.choose_num_splits(16, 8, 4096, cuda) == 4   # 8 -> 1024 CTAs: 1.1 waves
+    assert _decode_op.choose_num_splits(1, 8, 300, cuda) == 2     # >= 128 positions a split
     assert _decode_op.choose_num_splits(1, 8, 10, cuda) == 1
+    assert _decode_op.choose_num_splits(1, 1, 1 << 20, cuda) == _decode_op.MAX_SPLITS
     monkeypatch.setattr(_decode_op, "_parallel_units", lambda device: 8)
     cpu = torch.device("cpu")  # a CPU task holds all KV heads of a sequence
     assert _decode_op.choose_num_splits(1, 8, 4096, cpu) == 8
     assert _decode_op.choose_num_splits(16, 8, 4096, cpu) == 1
+    assert _decode_op.choose_num_splits(1, 8, 300, cpu) == 2
 
 
 def test_split_workspace_is_reused():

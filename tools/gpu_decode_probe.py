@@ -24,8 +24,8 @@ from kvtvm.bench.decode import make_case, torch_dense
 from kvtvm.tune import manifest_specs, prebuilt_candidates
 
 SHAPES = [(64, 4096), (1, 32768), (16, 4096), (128, 2048), (256, 1024), (1, 4096)]
-SPLITS = {1: [8, 16, 24, 33, 48, 66, 96, 128], 16: [1, 2, 3, 4, 5, 6, 8],
-          64: [1, 2, 3, 4], 128: [1, 2], 256: [1, 2]}
+SPLITS = {1: [8, 16, 24, 32, 48, 64, 96, 128], 16: [1, 2, 4, 6, 8, 12, 16],
+          64: [1, 2, 3, 4, 8], 128: [1, 2, 4], 256: [1, 2]}
 
 
 def main() -> None:
