@@ -16,8 +16,10 @@ tile i is computed). Scores are reduced across ``tx`` with warp shuffles (xor bu
 partial states are merged through shared memory at the end. With one split the CTA writes
 ``out``/``lse``; otherwise float32 partials go to the workspace.
 
-``merge``: launched only when ``num_splits > 1``; one thread per 4 float32 of a query head's
-output, log-sum-exp merge over the splits.
+``merge``: launched only when ``num_splits > 1``; one CTA per (sequence, query head), threads
+``(tx, tz)``: ``tx`` owns 4 float32 of the head's output, ``tz`` (``merge_threads / (head_dim /
+4)`` groups) strides over the splits with an online log-sum-exp merge, and the groups' states
+meet in shared memory (a single sequence's 64 splits no longer run as one serial loop on 8 CTAs).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def decode_knobs(spec) -> dict:
     # H100, fp16 d128 GQA 4: 2.6-2.7 TB/s against 2.3-2.5 with one vector, which needs one more
     # shuffle step per score; tools/gpu_decode_probe.py)
     choices = _vec_choices(spec)
-    return {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 128,
+    return {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 256,
             "vec": choices[1] if len(choices) > 1 else choices[0]}
 
 
@@ -81,7 +83,7 @@ def _vec_choices(spec) -> list[int]:
 
 def decode_knob_space(spec) -> dict:
     return {"threads": [64, 128, 256], "tile_tokens": [8, 16, 32, 64], "stages": [1, 2, 3],
-            "merge_threads": [128], "vec": _vec_choices(spec)}
+            "merge_threads": [128, 256, 512], "vec": _vec_choices(spec)}
 
 
 def geometry(spec, knobs) -> dict:
@@ -119,10 +121,8 @@ def schedule_decode(mod, spec, knobs):
     S, TILE, RPZ, CH, CPR = g["stages"], g["tile"], g["rows_per_z"], g["chunk"], g["chunks_per_row"]
     SUB = VEC // CH                          # 16-byte pieces per thread vector
     COPIES = -(-TILE * CPR // NT)            # 16-byte chunks per thread per tile (K and V each)
-    MX = D // 4                              # merge: threads along head_dim (float4 each)
-    MY = 1
-    while MY * 2 * MX <= int(knobs["merge_threads"]) and Hq % (MY * 2) == 0:
-        MY *= 2
+    MX = D // 4                              # merge: threads along head_dim (float4 each) ...
+    MZ = max(1, min(1024 // MX, int(knobs["merge_threads"]) // MX))  # ... x split groups
     WAIT = _wait_source(S - 1)
 
     # fmt: off
@@ -259,36 +259,57 @@ def schedule_decode(mod, spec, knobs):
                                     if tx == 0:
                                         lse_part[s, b, h * G + ty] = T.float32(NEG)
         if splits > T.int64(1):
-            for bx in T.thread_binding(T.Cast("int32", batch * (Hq // MY)), thread="blockIdx.x"):
-                for ty in T.thread_binding(MY, thread="threadIdx.y"):
+            # one CTA per (sequence, query head); tz strides over the splits (online LSE merge
+            # in registers), then the MZ partial states meet in shared memory
+            for bx in T.thread_binding(T.Cast("int32", batch * Hq), thread="blockIdx.x"):
+                for tz in T.thread_binding(MZ, thread="threadIdx.z"):
                     for tx in T.thread_binding(MX, thread="threadIdx.x"):
                         with T.sblock("merge"):
                             T.reads()
                             T.writes()
                             acc = T.sblock_alloc_buffer((4,), "float32", scope="local")
                             part = T.sblock_alloc_buffer((4,), "float32", scope="local")
-                            mm = T.sblock_alloc_buffer((3,), "float32", scope="local")  # max, sum, w
-                            b: T.int32 = T.truncdiv(bx, Hq // MY)
-                            hq: T.int32 = T.truncmod(bx, Hq // MY) * MY + ty
+                            mm = T.sblock_alloc_buffer((4,), "float32", scope="local")  # max, sum, lse, scale
+                            acc_red = T.sblock_alloc_buffer((MZ, D), "float32", scope="shared")
+                            mm_red = T.sblock_alloc_buffer((MZ, 2), "float32", scope="shared")
+                            b: T.int32 = T.truncdiv(bx, Hq)
+                            hq: T.int32 = T.truncmod(bx, Hq)
                             ns: T.int32 = T.Cast("int32", splits)
                             mm[0] = T.float32(NEG)
-                            for s in T.serial(ns):
-                                mm[0] = T.max(mm[0], lse_part[s, b, hq])
                             mm[1] = T.float32(0)
                             for v in T.vectorized(4):
                                 acc[v] = T.float32(0)
-                            for s in T.serial(ns):
-                                mm[2] = T.exp2(lse_part[s, b, hq] - mm[0])
-                                mm[1] = mm[1] + mm[2]
+                            for i in T.serial(T.truncdiv(ns - tz + MZ - 1, MZ)):
+                                mm[2] = lse_part[tz + i * MZ, b, hq]
                                 for v in T.vectorized(4):
-                                    part[v] = o_part[s, b, hq, tx * 4 + v]
+                                    part[v] = o_part[tz + i * MZ, b, hq, tx * 4 + v]
+                                mm[3] = T.max(mm[0], mm[2])
+                                mm[1] = mm[1] * T.exp2(mm[0] - mm[3]) + T.exp2(mm[2] - mm[3])
                                 for v in T.unroll(4):
-                                    acc[v] = acc[v] + mm[2] * part[v]
-                            mm[2] = T.float32(1) / mm[1]
-                            for v in T.unroll(4):
-                                out[b, hq, tx * 4 + v] = T.Cast(dtype, acc[v] * mm[2])
+                                    acc[v] = acc[v] * T.exp2(mm[0] - mm[3]) + T.exp2(mm[2] - mm[3]) * part[v]
+                                mm[0] = mm[3]
+                            for v in T.vectorized(4):
+                                acc_red[tz, tx * 4 + v] = acc[v]
                             if tx == 0:
-                                lse[b, hq] = (mm[0] + T.log2(mm[1])) * T.float32(LN2)
+                                mm_red[tz, 0] = mm[0]
+                                mm_red[tz, 1] = mm[1]
+                            T.tvm_storage_sync("shared")
+                            if tz == 0:
+                                mm[3] = T.float32(NEG)
+                                for z in T.unroll(MZ):
+                                    mm[3] = T.max(mm[3], mm_red[z, 0])
+                                mm[1] = T.float32(0)
+                                for v in T.vectorized(4):
+                                    acc[v] = T.float32(0)
+                                for z in T.unroll(MZ):
+                                    mm[2] = T.exp2(mm_red[z, 0] - mm[3])
+                                    mm[1] = mm[1] + mm_red[z, 1] * mm[2]
+                                    for v in T.unroll(4):
+                                        acc[v] = acc[v] + acc_red[z, tx * 4 + v] * mm[2]
+                                for v in T.unroll(4):
+                                    out[b, hq, tx * 4 + v] = T.Cast(dtype, acc[v] / mm[1])
+                                if tx == 0:
+                                    lse[b, hq] = (mm[3] + T.log2(mm[1])) * T.float32(LN2)
     # fmt: on
     (name, old), = mod.functions_items()
     assert len(old.params) == len(decode.params), "decode signature drifted from the definition"
