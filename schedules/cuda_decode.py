@@ -67,10 +67,17 @@ def decode_knobs(spec) -> dict:
     # D=128), several CTAs per SM.
     # ``vec``: head_dim elements per thread, two 16-byte vectors where a head allows it (on an
     # H100, fp16 d128 GQA 4: 2.6-2.7 TB/s against 2.3-2.5 with one vector, which needs one more
-    # shuffle step per score; tools/gpu_decode_probe.py)
+    # shuffle step per score; tools/gpu_decode_probe.py), unless that shrinks the CTA (the
+    # row groups are capped at 8) or whole warps would need more than 8 row groups (tiny heads
+    # with odd groups, e.g. d16 GQA 3: spills)
+    knobs = {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 256}
     choices = _vec_choices(spec)
-    return {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 256,
-            "vec": choices[1] if len(choices) > 1 else choices[0]}
+    one = dict(knobs, vec=choices[0])
+    if len(choices) == 1:
+        return one
+    two = dict(knobs, vec=choices[1])
+    g1, g2 = geometry(spec, one), geometry(spec, two)
+    return two if g2["bdz"] <= 8 and g2["threads"] >= g1["threads"] else one
 
 
 def _vec_choices(spec) -> list[int]:

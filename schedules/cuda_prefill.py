@@ -43,15 +43,31 @@ def prefill_knobs(spec) -> dict:
     if spec.dtype == "float32":
         return {"warps": 4}
     if spec.head_dim > 128:
-        return {"warps": 4, "tile_kv": 32, "stages": 2, "q_in_regs": 0}
-    return {"warps": 4, "tile_kv": 64, "stages": 2, "q_in_regs": 1}
+        return {"warps": 4, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
+                "one_barrier": 1}
+    # 8 warps of two 16-row m-tiles: each K/V fragment feeds two MMAs (H100, fp16 d128, 1x8K
+    # causal: 243 TFLOP/s against 186 with one m-tile and 4 warps; tools/gpu_prefill_probe.py)
+    return {"warps": 8, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 2,
+            "one_barrier": 1}
+
+
+#: Knob overrides of the variant the ops layer launches when a call's sequences add few tokens
+#: each (chunked prefill, speculative verification, mixed steps): a CTA of the default's 256
+#: rows would mostly hold rows of other sequences, processed one segment at a time.
+SHORT_QUERY_KNOBS = {"warps": 4, "m_tiles": 1}
+
+
+def tokens_per_cta(spec, knobs) -> int:
+    """Query tokens one CTA of the tensor-core kernel covers."""
+    return 16 * int(knobs["warps"]) * int(knobs.get("m_tiles", 1)) // spec.group_size
 
 
 def prefill_knob_space(spec) -> dict:
     if spec.dtype == "float32":
         return {"warps": [2, 4, 8]}
     return {"warps": [2, 4, 8], "tile_kv": [32, 64] if spec.head_dim <= 128 else [16, 32],
-            "stages": [2, 3], "q_in_regs": [0, 1] if spec.head_dim <= 128 else [0]}
+            "stages": [2, 3], "q_in_regs": [0, 1] if spec.head_dim <= 128 else [0],
+            "m_tiles": [1, 2] if spec.head_dim <= 128 else [1], "one_barrier": [0, 1]}
 
 
 def schedule_prefill(mod, spec, knobs):
@@ -59,7 +75,9 @@ def schedule_prefill(mod, spec, knobs):
         func = simt_prefill(spec, int(knobs["warps"]))
     else:
         func = tensor_core_prefill(spec, int(knobs["warps"]), int(knobs["tile_kv"]),
-                                   int(knobs["stages"]), bool(knobs["q_in_regs"]))
+                                   int(knobs["stages"]), bool(knobs["q_in_regs"]),
+                                   int(knobs.get("m_tiles", 1)),
+                                   bool(knobs.get("one_barrier", 0)))
     (name, old), = mod.functions_items()
     assert len(old.params) == len(func.params), "prefill signature drifted from the definition"
     return tvm.IRModule({name: func.with_attr("global_symbol", name.name_hint)})
@@ -149,13 +167,16 @@ def simt_prefill(spec, NW: int):
     return prefill
 
 
-def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
-    """The fp16/bf16 tensor-core prefill PrimFunc (see the module docstring)."""
+def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: int = 1,
+                        ONE_BARRIER: bool = False):
+    """The fp16/bf16 tensor-core prefill PrimFunc (see the module docstring); each warp owns
+    ``MT`` 16-row m-tiles (every K/V fragment loaded from shared memory feeds MT MMAs)."""
     H, G, D, dtype, layout = (spec.n_kv_heads, spec.group_size, spec.head_dim, spec.dtype,
                               spec.layout)
     assert dtype in ("float16", "bfloat16") and D % 16 == 0 and BN % 16 == 0
     AB = "fp16" if dtype == "float16" else "bf16"
-    BM = 16 * NW          # query rows per CTA
+    BM = 16 * NW * MT     # query rows per CTA
+    WR = 16 * MT          # query rows per warp
     TQ = BM // G          # tokens per CTA (each token brings G rows)
     R = TQ * G            # rows actually used (<= BM)
     DP = D + 8            # padded shared-memory row (16 bytes)
@@ -164,7 +185,8 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
     KS = D // 16          # k-steps of Q K^T
     NB = BN // 8          # n-blocks of S
     DB = D // 8           # n-blocks of O
-    QF = KS * 8 if Q_REGS else 8
+    QF = (KS * 8 if Q_REGS else 8) * MT
+    QR = int(Q_REGS)
     SLIDE = 1 if "sliding_window" in spec.features else 0
     Q_ITERS = (BM * DC + NT - 1) // NT
     KV_ITERS = (BN * DC + NT - 1) // NT
@@ -232,12 +254,12 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                             qf = T.sblock_alloc_buffer((QF,), dtype, scope="local")
                             kf = T.sblock_alloc_buffer((8,), dtype, scope="local")
                             vf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                            sf = T.sblock_alloc_buffer((NB * 4,), "float32", scope="local")
-                            pf = T.sblock_alloc_buffer((NB * 4,), dtype, scope="local")
-                            of = T.sblock_alloc_buffer((DB * 4,), "float32", scope="local")
-                            mr = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            lr = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            mx = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                            sf = T.sblock_alloc_buffer((MT * NB * 4,), "float32", scope="local")
+                            pf = T.sblock_alloc_buffer((MT * NB * 4,), dtype, scope="local")
+                            of = T.sblock_alloc_buffer((MT * DB * 4,), "float32", scope="local")
+                            mr = T.sblock_alloc_buffer((2 * MT,), "float32", scope="local")
+                            lr = T.sblock_alloc_buffer((2 * MT,), "float32", scope="local")
+                            mx = T.sblock_alloc_buffer((2 * MT,), "float32", scope="local")
                             ib = T.sblock_alloc_buffer((2,), "int32", scope="local")
                             ir = T.sblock_alloc_buffer((1,), "int64", scope="local")
                             tid: T.int32 = w * 32 + lane
@@ -298,22 +320,28 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                                                             (it * NT + tid) % DC)
                                         T.evaluate(T.ptx.cp.async_.commit_group())
                                     # ---- state ----
-                                    for i in T.unroll(DB * 4):
+                                    for i in T.unroll(MT * DB * 4):
                                         of[i] = T.float32(0)
-                                    for i in T.unroll(2):
+                                    for i in T.unroll(2 * MT):
                                         mr[i] = T.float32(NEG_INF)
                                         lr[i] = T.float32(0)
                                     if Q_REGS:
                                         T.evaluate(T.ptx.cp.async_.wait_group(STAGES - 1))
                                         T.tvm_storage_sync("shared")
-                                        for kstep in T.unroll(KS):
-                                            T.evaluate(T.ptx_legacy.ldmatrix(
-                                                False, 4, ".b16", qf.data, kstep * 8,
-                                                Qs.access_ptr("r"),
-                                                (w * 16 + lane % 16) * DP + kstep * 16
-                                                + lane // 16 * 8, dtype=dtype))
+                                        for mt in T.unroll(MT):
+                                            for kstep in T.unroll(KS):
+                                                T.evaluate(T.ptx_legacy.ldmatrix(
+                                                    False, 4, ".b16", qf.data, (mt * KS + kstep) * 8,
+                                                    Qs.access_ptr("r"),
+                                                    (w * WR + mt * 16 + lane % 16) * DP + kstep * 16
+                                                    + lane // 16 * 8, dtype=dtype))
                                     # ---- main loop over KV tiles ----
                                     for kt in range(n_kv):
+                                        if ONE_BARRIER:
+                                            # tile kt landed and every warp is past tile kt - 1,
+                                            # whose stage the next copy reuses: one barrier
+                                            T.evaluate(T.ptx.cp.async_.wait_group(STAGES - 2))
+                                            T.tvm_storage_sync("shared")
                                         if kt + STAGES - 1 < n_kv:
                                             for it in T.unroll(KV_ITERS):
                                                 if it * NT + tid < BN * DC:
@@ -325,69 +353,78 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                                                             kv_hi, (it * NT + tid) // DC,
                                                             (it * NT + tid) % DC)
                                         T.evaluate(T.ptx.cp.async_.commit_group())
-                                        T.evaluate(T.ptx.cp.async_.wait_group(STAGES - 1))
-                                        T.tvm_storage_sync("shared")
+                                        if not ONE_BARRIER:
+                                            T.evaluate(T.ptx.cp.async_.wait_group(STAGES - 1))
+                                            T.tvm_storage_sync("shared")
                                         j0i: T.int32 = T.Cast("int32", kv_lo + kt * BN)
                                         sbase: T.int32 = T.Cast("int32", kt % STAGES) * (BN * DP)
                                         # S = Q K^T
-                                        for i in T.unroll(NB * 4):
+                                        for i in T.unroll(MT * NB * 4):
                                             sf[i] = T.float32(0)
                                         for kstep in T.unroll(KS):
                                             if not Q_REGS:
-                                                T.evaluate(T.ptx_legacy.ldmatrix(
-                                                    False, 4, ".b16", qf.data, 0,
-                                                    Qs.access_ptr("r"),
-                                                    (w * 16 + lane % 16) * DP + kstep * 16
-                                                    + lane // 16 * 8, dtype=dtype))
+                                                for mt in T.unroll(MT):
+                                                    T.evaluate(T.ptx_legacy.ldmatrix(
+                                                        False, 4, ".b16", qf.data, mt * 8,
+                                                        Qs.access_ptr("r"),
+                                                        (w * WR + mt * 16 + lane % 16) * DP
+                                                        + kstep * 16 + lane // 16 * 8, dtype=dtype))
                                             for kb in T.unroll(NB // 2):
                                                 T.evaluate(T.ptx_legacy.ldmatrix(
                                                     False, 4, ".b16", kf.data, 0,
                                                     Ks.access_ptr("r"),
                                                     sbase + (kb * 16 + lane % 8 + lane // 16 * 8) * DP
                                                     + kstep * 16 + lane // 8 % 2 * 8, dtype=dtype))
-                                                for half in T.unroll(2):
-                                                    T.evaluate(T.ptx_legacy.mma(
-                                                        "m16n8k16", "row", "col", AB, AB, "fp32",
-                                                        qf.data, kstep * 8 * Q_REGS, kf.data,
-                                                        half * 4, sf.data, (kb * 2 + half) * 4,
-                                                        False, dtype="float32"))
+                                                for mt in T.unroll(MT):
+                                                    for half in T.unroll(2):
+                                                        T.evaluate(T.ptx_legacy.mma(
+                                                            "m16n8k16", "row", "col", AB, AB, "fp32",
+                                                            qf.data, (mt * KS + kstep) * 8 * QR + mt * 8 * (1 - QR),
+                                                            kf.data, half * 4, sf.data,
+                                                            (mt * NB + kb * 2 + half) * 4,
+                                                            False, dtype="float32"))
                                         # scale (base 2); mask only tiles that need it
-                                        for i in T.unroll(NB * 4):
+                                        for i in T.unroll(MT * NB * 4):
                                             sf[i] = sf[i] * (sm_scale * T.float32(LOG2E))
                                         if not full_tile(j0i, p0i, mi, kv_hii, causal, window):
-                                            for nb in T.unroll(NB):
-                                                for e in T.unroll(4):
-                                                    if not visible(
-                                                            w * 16 + lane // 4 + e // 2 * 8,
-                                                            j0i + nb * 8 + lane % 4 * 2 + e % 2,
-                                                            mi, p0i, kv_hii, causal, window):
-                                                        sf[nb * 4 + e] = T.float32(MASKED)
+                                            for mt in T.unroll(MT):
+                                                for nb in T.unroll(NB):
+                                                    for e in T.unroll(4):
+                                                        if not visible(
+                                                                w * WR + mt * 16 + lane // 4 + e // 2 * 8,
+                                                                j0i + nb * 8 + lane % 4 * 2 + e % 2,
+                                                                mi, p0i, kv_hii, causal, window):
+                                                            sf[(mt * NB + nb) * 4 + e] = T.float32(MASKED)
                                         # running max over the 4 threads sharing a row
-                                        for hh in T.unroll(2):
+                                        for hh in T.unroll(2 * MT):
                                             mx[hh] = mr[hh]
-                                        for i in T.unroll(NB * 4):
-                                            mx[i % 4 // 2] = T.max(mx[i % 4 // 2], sf[i])
-                                        for hh in T.unroll(2):
+                                        for i in T.unroll(MT * NB * 4):
+                                            mx[i // (NB * 4) * 2 + i % 4 // 2] = T.max(
+                                                mx[i // (NB * 4) * 2 + i % 4 // 2], sf[i])
+                                        for hh in T.unroll(2 * MT):
                                             mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(
                                                 T.uint32(0xFFFFFFFF), mx[hh], 1, 32, 32))
                                             mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(
                                                 T.uint32(0xFFFFFFFF), mx[hh], 2, 32, 32))
                                         # rescale the running state by exp2(m_old - m_new)
-                                        for hh in T.unroll(2):
+                                        for hh in T.unroll(2 * MT):
                                             mr[hh] = T.exp2(mr[hh] - mx[hh])
                                             lr[hh] = lr[hh] * mr[hh]
-                                        for i in T.unroll(DB * 4):
-                                            of[i] = of[i] * mr[i % 4 // 2]
-                                        for hh in T.unroll(2):
+                                        for i in T.unroll(MT * DB * 4):
+                                            of[i] = of[i] * mr[i // (DB * 4) * 2 + i % 4 // 2]
+                                        for hh in T.unroll(2 * MT):
                                             mr[hh] = mx[hh]
                                         # P = exp2(S - m) (masked scores give exactly 0)
-                                        for nb in T.unroll(NB):
-                                            for e in T.unroll(4):
-                                                sf[nb * 4 + e] = T.exp2(sf[nb * 4 + e] - mx[e // 2])
-                                                lr[e // 2] = lr[e // 2] + sf[nb * 4 + e]
-                                                # S fragment (n-blocks 2j, 2j+1) = A fragment j
-                                                pf[nb // 2 * 8 + nb % 2 * 4 + e] = T.Cast(
-                                                    dtype, sf[nb * 4 + e])
+                                        for mt in T.unroll(MT):
+                                            for nb in T.unroll(NB):
+                                                for e in T.unroll(4):
+                                                    sf[(mt * NB + nb) * 4 + e] = T.exp2(
+                                                        sf[(mt * NB + nb) * 4 + e] - mx[mt * 2 + e // 2])
+                                                    lr[mt * 2 + e // 2] = lr[mt * 2 + e // 2] \
+                                                        + sf[(mt * NB + nb) * 4 + e]
+                                                    # S fragment (n-blocks 2j, 2j+1) = A fragment j
+                                                    pf[mt * NB * 4 + nb // 2 * 8 + nb % 2 * 4 + e] = \
+                                                        T.Cast(dtype, sf[(mt * NB + nb) * 4 + e])
                                         # O += P V
                                         for kk in T.unroll(NB // 2):
                                             for db in T.unroll(DB // 2):
@@ -396,33 +433,40 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool):
                                                     Vs.access_ptr("r"),
                                                     sbase + (kk * 16 + lane % 8 + lane // 8 % 2 * 8) * DP
                                                     + db * 16 + lane // 16 * 8, dtype=dtype))
-                                                for half in T.unroll(2):
-                                                    T.evaluate(T.ptx_legacy.mma(
-                                                        "m16n8k16", "row", "col", AB, AB, "fp32",
-                                                        pf.data, kk * 8, vf.data, half * 4,
-                                                        of.data, (db * 2 + half) * 4,
-                                                        False, dtype="float32"))
-                                        T.tvm_storage_sync("shared")
+                                                for mt in T.unroll(MT):
+                                                    for half in T.unroll(2):
+                                                        T.evaluate(T.ptx_legacy.mma(
+                                                            "m16n8k16", "row", "col", AB, AB, "fp32",
+                                                            pf.data, mt * NB * 4 + kk * 8, vf.data,
+                                                            half * 4, of.data,
+                                                            (mt * DB + db * 2 + half) * 4,
+                                                            False, dtype="float32"))
+                                        if not ONE_BARRIER:  # the next copy reuses this stage
+                                            T.tvm_storage_sync("shared")
                                     T.evaluate(T.ptx.cp.async_.wait_group(0))
+                                    if ONE_BARRIER:  # the next segment's copies reuse Q and K/V
+                                        T.tvm_storage_sync("shared")
                                     # ---- epilogue: O / l, lse ----
-                                    for hh in T.unroll(2):
+                                    for hh in T.unroll(2 * MT):
                                         lr[hh] = lr[hh] + T.tvm_warp_shuffle_xor(
                                             T.uint32(0xFFFFFFFF), lr[hh], 1, 32, 32)
                                         lr[hh] = lr[hh] + T.tvm_warp_shuffle_xor(
                                             T.uint32(0xFFFFFFFF), lr[hh], 2, 32, 32)
-                                    for hh in T.unroll(2):
-                                        if (w * 16 + lane // 4 + hh * 8 < R and T.Cast(
-                                                "int64", (w * 16 + lane // 4 + hh * 8) // G) < m):
-                                            for db in T.unroll(DB):
-                                                for e in T.unroll(2):
-                                                    out[r0 + (w * 16 + lane // 4 + hh * 8) // G,
-                                                        h * G + (w * 16 + lane // 4 + hh * 8) % G,
-                                                        db * 8 + lane % 4 * 2 + e] = T.Cast(
-                                                        dtype, of[db * 4 + hh * 2 + e] / lr[hh])
-                                            if lane % 4 == 0:
-                                                lse[r0 + (w * 16 + lane // 4 + hh * 8) // G,
-                                                    h * G + (w * 16 + lane // 4 + hh * 8) % G] = \
-                                                    (mr[hh] + T.log2(lr[hh])) * T.float32(LN2)
+                                    for mt in T.unroll(MT):
+                                        for hh in T.unroll(2):
+                                            if (w * WR + mt * 16 + lane // 4 + hh * 8 < R and T.Cast(
+                                                    "int64", (w * WR + mt * 16 + lane // 4 + hh * 8) // G) < m):
+                                                for db in T.unroll(DB):
+                                                    for e in T.unroll(2):
+                                                        out[r0 + (w * WR + mt * 16 + lane // 4 + hh * 8) // G,
+                                                            h * G + (w * WR + mt * 16 + lane // 4 + hh * 8) % G,
+                                                            db * 8 + lane % 4 * 2 + e] = T.Cast(
+                                                            dtype, of[(mt * DB + db) * 4 + hh * 2 + e]
+                                                            / lr[mt * 2 + hh])
+                                                if lane % 4 == 0:
+                                                    lse[r0 + (w * WR + mt * 16 + lane // 4 + hh * 8) // G,
+                                                        h * G + (w * WR + mt * 16 + lane // 4 + hh * 8) % G] = \
+                                                        (mr[mt * 2 + hh] + T.log2(lr[mt * 2 + hh])) * T.float32(LN2)
                                 ir[0] = T.max(r1, r0)
                                 ib[0] = ib[0] + 1
     # fmt: on

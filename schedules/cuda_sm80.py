@@ -10,4 +10,4 @@ def default_knobs(spec) -> dict:
     return dict(KNOB_DEFAULTS[spec.op](spec))
 from .cuda_sm90 import schedule_copy  # noqa: E402,F401  (copy: same schedule and knobs)
 from .cuda_decode import schedule_decode  # noqa: E402,F401  (decode: same schedule and knobs)
-from .cuda_sm90 import schedule_prefill  # noqa: E402,F401  (prefill: same schedule and knobs)
+from .cuda_sm90 import schedule_prefill, RUNTIME_VARIANTS  # noqa: E402,F401  (prefill: same)

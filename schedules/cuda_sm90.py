@@ -66,6 +66,11 @@ KNOB_SPACES["decode"] = decode_knob_space
 
 
 # -- prefill (kvtvm.kernels.prefill; schedule in cuda_prefill.py) ---------------------------
-from .cuda_prefill import schedule_prefill, prefill_knobs, prefill_knob_space  # noqa: E402,F401
+from .cuda_prefill import (schedule_prefill, prefill_knobs, prefill_knob_space,  # noqa: E402,F401
+                           SHORT_QUERY_KNOBS)
 KNOB_DEFAULTS["prefill"] = prefill_knobs
 KNOB_SPACES["prefill"] = prefill_knob_space
+#: op -> knob overrides the ops layer may ask for at run time besides the defaults (prefill: a
+#: small-tile kernel for calls whose sequences add few tokens each); ``python -m kvtvm build``
+#: builds each of them too.
+RUNTIME_VARIANTS = {"prefill": [SHORT_QUERY_KNOBS]}

@@ -44,6 +44,24 @@ def test_builds_without_spills(kw, tmp_path):
 
 
 @needs_nvcc
+def test_short_query_variant_builds_without_spills(tmp_path):
+    """The small-tile variant the op launches for calls with few tokens per sequence is part
+    of every ahead-of-time build, and the op asks for exactly the knobs the schedule declares."""
+    from kvtvm import _prefill_op
+    from kvtvm.schedules.cuda_prefill import SHORT_QUERY_KNOBS
+
+    assert _prefill_op.CUDA_SHORT_QUERY_KNOBS == SHORT_QUERY_KNOBS
+    spec = compiler.KernelSpec(op="prefill", target="cuda", arch="sm_90a", **SPECS[0])
+    default, variant = compiler.with_runtime_variants(spec)
+    assert dict(variant.knobs) == SHORT_QUERY_KNOBS
+    assert compiler.resolve_knobs(default)["m_tiles"] == 2  # tuned: two m-tiles a warp
+    report = compiler.spill_report(
+        Path(str(compiler.build_spec(variant, tmp_path))[:-3] + ".ptxas.txt").read_text())
+    for key, usage in report.items():
+        assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (key, usage)
+
+
+@needs_nvcc
 def test_sm80_spec_builds():
     spec = compiler.KernelSpec(op="prefill", dtype="bfloat16", head_dim=128, n_kv_heads=8,
                                group_size=4, target="cuda", arch="sm_80")
@@ -55,12 +73,18 @@ def test_sm80_spec_builds():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("layout,page_size", [("nhd", 16), ("nhd", 1), ("hnd", 256)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_gpu_matches_reference(dtype, layout, page_size, window):
+@pytest.mark.parametrize("counts", [[5, 0, 1, 130, 70, 3], [300, 0, 1, 130, 70, 3]],
+                         ids=["short-queries", "long-queries"])
+def test_gpu_matches_reference(dtype, layout, page_size, window, counts):
+    """Both tile variants of the op (few tokens per sequence on average, or many), with tiles
+    spanning several sequences."""
     from test_prefill import TOL, make_batch  # noqa: E402
+    from kvtvm import _prefill_op
     from kvtvm.kernels.reference import reference_prefill
 
+    short = sum(counts) < _prefill_op.CUDA_SHORT_QUERY_TOKENS * len(counts)
+    assert short == (counts[0] == 5)
     rng = np.random.default_rng(0)
-    counts = [5, 0, 1, 130, 70, 3]
     starts = [3, 9, 40, 17, 0, 61]
     args = make_batch(rng, H=2, G=4, D=128, page_size=page_size, counts=counts, starts=starts,
                       layout=layout, dtype=dtype)
