@@ -18,9 +18,10 @@ build --ops decode --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4
 build --ops prefill --dtypes float16,bfloat16,float32 --head-dims 128 --kv-heads 2 \
       --group-sizes 4 --layouts nhd,hnd --features none,sliding_window
 build --ops copy --dtypes float16,bfloat16,float32 --head-dims 128
-# benchmarks (Llama-3-8B layer: 8 KV heads x 128, group 4, float16) and the manager test
+# benchmarks (Llama-3-8B layer: 8 KV heads x 128, group 4, float16) and the manager tests
+# (hnd: the linear cache)
 build --ops append,decode,prefill --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 \
-      --layouts nhd
+      --layouts nhd,hnd
 # TVM 0.27's built-in decode and prefill kernels, the benchmarks' peer (no compiler there)
 "$PY" -m kvtvm.bench.tvm_peer --arch "$ARCH" --out "$OUT" | tail -1
 # examples/serve.py --device cuda (its CUDA_BUILD_COMMAND)
