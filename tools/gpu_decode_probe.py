@@ -75,7 +75,8 @@ def main() -> None:
         for batch, ctx in head:
             splits = choose_num_splits(batch, H, ctx, dev)
             sec, how = run(fn, batch, ctx, splits)
-            row[f"{batch}x{ctx}"] = None if sec is None else cases[(batch, ctx)]["bytes"] / sec / 1e12
+            row[f"{batch}x{ctx}"] = (None if sec is None
+                                     else cases[(batch, ctx)]["bytes"] / sec / 1e12)
             row["timing"] = how
         results["phase1"].append(row)
         print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
@@ -86,9 +87,10 @@ def main() -> None:
     default = fns[0][0]
     if default not in best:
         best.append(default)
+    fn_of = {json.dumps(k, sort_keys=True): f for k, f in fns}
     print("\nTB/s by KV splits (heuristic's choice marked *)")
     for knobs in best:
-        fn = dict((json.dumps(k, sort_keys=True), f) for k, f in fns)[json.dumps(knobs, sort_keys=True)]
+        fn = fn_of[json.dumps(knobs, sort_keys=True)]
         print(f"knobs {knobs}{' (default)' if knobs == default else ''}")
         for batch, ctx in SHAPES:
             pick = choose_num_splits(batch, H, ctx, dev)
