@@ -5,15 +5,19 @@ definition in ``kvtvm/kernels/prefill.py``, tested against the same numpy refere
 
 float16 / bfloat16 (``tensor_core_prefill``):
 
-- grid ``(query tiles, n_kv_heads)``; a CTA of ``warps`` warps owns ``16 * warps`` query rows,
-  a row being one (token, query head of the KV head) pair, so the ``group_size`` heads that
+- grid ``(query tiles, n_kv_heads)``; a CTA of ``warps`` warps owns ``16 * m_tiles * warps``
+  query rows (each warp ``m_tiles`` 16-row MMA tiles, so every K/V fragment it loads feeds
+  ``m_tiles`` MMAs), a row being one (token, query head of the KV head) pair, so the
+  ``group_size`` heads that
   share a KV head share every K/V tile (GQA). Tiles are consecutive token rows of the ragged
   batch; one that spans several sequences is processed a sequence segment at a time; heavy
   (late) tiles are launched first.
 - Q and K/V tiles are staged in dynamic shared memory (rows padded by 16 bytes, so ldmatrix
   is bank-conflict free) with ``cp.async`` (16-byte, zero-filling out-of-range rows); the K/V
   tiles of ``stages`` iterations are in flight (double buffering with ``stages = 2``); each
-  K/V row is found through the page table.
+  K/V row is found through the page table. ``one_barrier``: one ``__syncthreads`` per KV tile
+  (the next copy is issued after the barrier that follows the wait, into the stage every warp
+  has left) instead of two.
 - S = Q K^T and O += P V run as ``mma.sync.m16n8k16`` (f32 accumulate) with operands loaded
   by ``ldmatrix`` (``.trans`` for V); P never leaves registers (the S accumulator fragment
   is the A fragment of the PV product). The online softmax (base 2) runs on the fragments,
@@ -57,10 +61,6 @@ def prefill_knobs(spec) -> dict:
 SHORT_QUERY_KNOBS = {"warps": 4, "m_tiles": 1}
 
 
-def tokens_per_cta(spec, knobs) -> int:
-    """Query tokens one CTA of the tensor-core kernel covers."""
-    return 16 * int(knobs["warps"]) * int(knobs.get("m_tiles", 1)) // spec.group_size
-
 
 def prefill_knob_space(spec) -> dict:
     if spec.dtype == "float32":
@@ -76,8 +76,7 @@ def schedule_prefill(mod, spec, knobs):
     else:
         func = tensor_core_prefill(spec, int(knobs["warps"]), int(knobs["tile_kv"]),
                                    int(knobs["stages"]), bool(knobs["q_in_regs"]),
-                                   int(knobs.get("m_tiles", 1)),
-                                   bool(knobs.get("one_barrier", 0)))
+                                   int(knobs["m_tiles"]), bool(knobs["one_barrier"]))
     (name, old), = mod.functions_items()
     assert len(old.params) == len(func.params), "prefill signature drifted from the definition"
     return tvm.IRModule({name: func.with_attr("global_symbol", name.name_hint)})

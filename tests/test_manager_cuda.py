@@ -14,6 +14,7 @@ from kvtvm import KVCacheParams, ops
 from kvtvm.inputs import BatchItem, TokenBatch
 from kvtvm.kernels.reference import reference_decode
 from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+from test_plan import _run_step  # the plain-ops / plan_step step both tests compare
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -128,19 +129,9 @@ def test_step_plan_on_cuda_equals_the_ops():
         prompts = [BatchItem(ids[0], [1] * 9), BatchItem(ids[1], [2] * 16)]
         gpu.fetch(prompts)
         gpu.step(prompts)
-        (inp,) = gpu.fetch(TokenBatch(ids, [3, 4]))
         q = torch.randn(2, H * G, D, generator=gen).half().cuda()
         k = torch.randn(2, H, D, generator=gen).half().cuda()
-        got = []
-        plan = ops.plan_step(inp) if planned else None
-        for layer in range(LAYERS):
-            if planned:
-                plan.append_kv(layer, k, k)
-                got.append(plan.attention(layer, q))
-            else:
-                kc, vc = inp.k_cache(layer), inp.v_cache(layer)
-                ops.append_kv(kc, vc, k, k, inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
-                got.append(ops.decode_attention(q, kc, vc, inp.cache_lengths, inp.lookup_table))
+        got = _run_step(gpu, TokenBatch(ids, [3, 4]), [(q, k, k)] * LAYERS, planned)
         torch.cuda.synchronize()
         outs.append([(o.cpu(), ls.cpu()) for o, ls in got])
     for (ao, al), (bo, bl) in zip(*outs):
