@@ -16,12 +16,13 @@ from .errors import InvalidArgumentError, describe
 #: repeated here because the ops layer loads kernels without importing schedules): the
 #: default tile holds 256 query rows, 64 tokens of a GQA-4 model, so short queries would leave
 #: most of it to other sequences' segments. Measured on an H100 (fp16, 8 KV heads x 128,
-#: GQA 4): with 128 or more new tokens per sequence the default tile is 8-30% faster; on the
-#: tuning mix (4096, 2048, 1024, 128, 16 and 1 new tokens over 0-8000 cached) the small tile
-#: is 7% faster, which its short sequences decide -- a per-call average (all the host knows
-#: without a device sync) gives that mix the default.
+#: GQA 4): with 128 or more new tokens per sequence the default tile is faster (the wgmma
+#: kernel: 1.2-2.5x); on the tuning mix (4096, 2048, 1024, 128, 16 and 1 new tokens over
+#: 0-8000 cached) the small tile was 7% faster than the mma.sync kernel's 256-row tile, which
+#: its short sequences decide -- a per-call average (all the host knows without a device
+#: sync) gives that mix the default.
 CUDA_SHORT_QUERY_TOKENS = 64
-CUDA_SHORT_QUERY_KNOBS = {"m_tiles": 1, "warps": 4}
+CUDA_SHORT_QUERY_KNOBS = {"m_tiles": 1, "tile_kv": 32, "warps": 4, "wgmma": 0}
 
 
 def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, *,

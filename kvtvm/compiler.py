@@ -409,7 +409,7 @@ def export_built(module, out: Path, arch: str | None = None) -> Path:
                 raise RuntimeError(f"expected one CUDA module in the build of {out.name}, "
                                    f"found {len(device)}")
             source = device[0].inspect_source()
-            fatbin, report = nvcc_fatbin(source, FATBIN_ARCHS[arch], tmp)
+            fatbin, report = nvcc_fatbin(source, fatbin_archs(arch, source), tmp)
             (tmp / (out.name[:-3] + ".ptxas.txt")).write_text(report)
             module.export_library(str(tmp_out), workspace_dir=str(tmp),
                                   fpack_imports=_fatbin_packer(source, fatbin))
@@ -448,6 +448,14 @@ def build_specs(specs: Iterable[KernelSpec], out_dir, progress=None) -> list[Pat
             progress(spec, path)
         paths.append(path)
     return paths
+
+
+def fatbin_archs(arch: str, source: str) -> tuple[str, ...]:
+    """Architectures the fatbin of a build for ``arch`` holds: ``FATBIN_ARCHS[arch]``, less
+    the older ones when the kernel uses an instruction only ``arch`` has (``wgmma``)."""
+    if "wgmma." in source:
+        return (arch,)
+    return FATBIN_ARCHS[arch]
 
 
 def nvcc_fatbin(source: str, archs: Iterable[str], workdir: Path) -> tuple[bytes, str]:

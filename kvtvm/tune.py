@@ -57,8 +57,10 @@ def candidates(spec, max_trials: int, seed: int = 0) -> list[dict]:
     sched = compiler._schedule_module(spec)
     default = compiler.resolve_knobs(spec)
     space = sched.KNOB_SPACES[spec.op](spec)
-    names = sorted(space)
-    grid = [dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names))]
+    grid = []
+    for sub in space if isinstance(space, list) else [space]:  # a list: a union of grids
+        names = sorted(sub)
+        grid += [dict(zip(names, values)) for values in itertools.product(*(sub[n] for n in names))]
     grid = [dict(default, **g) for g in grid]
     random.Random(seed).shuffle(grid)
     out = [default] + [g for g in grid if g != default]

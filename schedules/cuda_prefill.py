@@ -43,31 +43,51 @@ MASKED = -3.0e38
 
 
 
+def uses_wgmma(spec) -> bool:
+    """Whether ``spec``'s tensor-core prefill can issue wgmma (sm_90a, head_dim <= 128)."""
+    return spec.arch == "sm_90a" and spec.dtype != "float32" and spec.head_dim <= 128
+
+
 def prefill_knobs(spec) -> dict:
     if spec.dtype == "float32":
         return {"warps": 4}
     if spec.head_dim > 128:
         return {"warps": 4, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
-                "one_barrier": 1}
+                "one_barrier": 1, "wgmma": 0}
+    if uses_wgmma(spec):
+        # four warp groups of 64 rows and 64-position K/V tiles, one CTA an SM (H100, fp16
+        # d128, 1x8K causal: 319 TFLOP/s against 250-266 with 2-3 warp groups, 215 with
+        # 128-position tiles, 252 for the mma.sync kernel; tools/gpu_prefill_probe.py)
+        return {"warps": 16, "tile_kv": 64, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
+                "one_barrier": 1, "wgmma": 1}
     # 8 warps of two 16-row m-tiles: each K/V fragment feeds two MMAs (H100, fp16 d128, 1x8K
     # causal: 243 TFLOP/s against 186 with one m-tile and 4 warps; tools/gpu_prefill_probe.py)
     return {"warps": 8, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 2,
-            "one_barrier": 1}
+            "one_barrier": 1, "wgmma": 0}
 
 
 #: Knob overrides of the variant the ops layer launches when a call's sequences add few tokens
 #: each (chunked prefill, speculative verification, mixed steps): a CTA of the default's 256
-#: rows would mostly hold rows of other sequences, processed one segment at a time.
-SHORT_QUERY_KNOBS = {"warps": 4, "m_tiles": 1}
+#: rows would mostly hold rows of other sequences, processed one segment at a time. The
+#: mma.sync kernel with 64-row CTAs on every arch (a 64-row wgmma CTA leaves an SM one warp
+#: group: 126 TFLOP/s at 1x8K against 319 for four).
+SHORT_QUERY_KNOBS = {"warps": 4, "m_tiles": 1, "tile_kv": 32, "wgmma": 0}
 
 
 
-def prefill_knob_space(spec) -> dict:
+def prefill_knob_space(spec):
+    """The knob grid ``kvtvm.tune`` searches; with wgmma, a list of two grids (the mma.sync
+    kernel's and the wgmma kernel's, which has no m_tiles / q_in_regs choices)."""
     if spec.dtype == "float32":
         return {"warps": [2, 4, 8]}
-    return {"warps": [2, 4, 8], "tile_kv": [32, 64] if spec.head_dim <= 128 else [16, 32],
-            "stages": [2, 3], "q_in_regs": [0, 1] if spec.head_dim <= 128 else [0],
-            "m_tiles": [1, 2] if spec.head_dim <= 128 else [1], "one_barrier": [0, 1]}
+    mma = {"warps": [2, 4, 8], "tile_kv": [32, 64] if spec.head_dim <= 128 else [16, 32],
+           "stages": [2, 3], "q_in_regs": [0, 1] if spec.head_dim <= 128 else [0],
+           "m_tiles": [1, 2] if spec.head_dim <= 128 else [1], "one_barrier": [0, 1],
+           "wgmma": [0]}
+    if not uses_wgmma(spec):
+        return mma
+    return [mma, {"warps": [8, 12, 16], "tile_kv": [32, 64, 128], "stages": [2, 3],
+                  "q_in_regs": [0], "m_tiles": [1], "one_barrier": [1], "wgmma": [1]}]
 
 
 def schedule_prefill(mod, spec, knobs):
@@ -76,7 +96,8 @@ def schedule_prefill(mod, spec, knobs):
     else:
         func = tensor_core_prefill(spec, int(knobs["warps"]), int(knobs["tile_kv"]),
                                    int(knobs["stages"]), bool(knobs["q_in_regs"]),
-                                   int(knobs["m_tiles"]), bool(knobs["one_barrier"]))
+                                   int(knobs["m_tiles"]), bool(knobs["one_barrier"]),
+                                   bool(knobs.get("wgmma", 0)))
     (name, old), = mod.functions_items()
     assert len(old.params) == len(func.params), "prefill signature drifted from the definition"
     return tvm.IRModule({name: func.with_attr("global_symbol", name.name_hint)})
@@ -167,18 +188,28 @@ def simt_prefill(spec, NW: int):
 
 
 def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: int = 1,
-                        ONE_BARRIER: bool = False):
+                        ONE_BARRIER: bool = False, WG: bool = False):
     """The fp16/bf16 tensor-core prefill PrimFunc (see the module docstring); each warp owns
-    ``MT`` 16-row m-tiles (every K/V fragment loaded from shared memory feeds MT MMAs)."""
+    ``MT`` 16-row m-tiles (every K/V fragment loaded from shared memory feeds MT MMAs), or,
+    with ``WG`` (sm_90a), each warp group of 4 warps owns 64 rows and issues ``wgmma``."""
     H, G, D, dtype, layout = (spec.n_kv_heads, spec.group_size, spec.head_dim, spec.dtype,
                               spec.layout)
     assert dtype in ("float16", "bfloat16") and D % 16 == 0 and BN % 16 == 0
+    if WG:
+        if NW % 4 or D > 128 or BN > 256 or not ONE_BARRIER:
+            raise ValueError(f"wgmma prefill needs whole warp groups (warps 4, 8, 12 or 16, got "
+                             f"{NW}), head_dim <= 128 (got {D}), tile_kv <= 256 (got {BN}) "
+                             f"and one_barrier")
+        MT, Q_REGS = 1, False  # a warp's 16 rows are its slice of the warp group's 64
+    AHEAD = STAGES - 1  # K/V tiles in flight ahead of the one computed
     AB = "fp16" if dtype == "float16" else "bf16"
     BM = 16 * NW * MT     # query rows per CTA
     WR = 16 * MT          # query rows per warp
     TQ = BM // G          # tokens per CTA (each token brings G rows)
     R = TQ * G            # rows actually used (<= BM)
-    DP = D + 8            # padded shared-memory row (16 bytes)
+    # shared-memory row stride: padded by 16 bytes (ldmatrix without bank conflicts), or, for
+    # wgmma, unpadded rows in 8x8 "core matrices" (8 rows x 16 bytes, 128 contiguous bytes)
+    DP = D if WG else D + 8
     NT = 32 * NW
     DC = D // 8           # 16-byte chunks per row
     KS = D // 16          # k-steps of Q K^T
@@ -190,6 +221,27 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
     Q_ITERS = (BM * DC + NT - 1) // NT
     KV_ITERS = (BN * DC + NT - 1) // NT
     LN2 = 1.0 / LOG2E
+
+    # where 16-byte chunk ``L`` of a tile copy comes from (row, chunk) and goes (element offset);
+    # for wgmma the chunks are stored in core-matrix order, so chunk L lands at L * 8
+    if WG:
+        def ld_row(L):
+            return L // 8 // DC * 8 + L % 8
+
+        def ld_chunk(L):
+            return L // 8 % DC
+
+        def ld_off(L):
+            return L * 8
+    else:
+        def ld_row(L):
+            return L // DC
+
+        def ld_chunk(L):
+            return L % DC
+
+        def ld_off(L):
+            return L // DC * DP + L % DC * 8
 
     def visible(row, pos, m, p0, kv_hi, causal, window):
         """Row ``row`` of the tile (token ``row // G`` of the segment) sees KV ``pos`` (int32)."""
@@ -210,21 +262,112 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
             cond = tvm.tirx.all(cond, j0 > p0 + m - 1 - window)
         return cond
 
+    def wgmma(n, acc, a, b_desc, accumulate, trans_b):
+        """``acc (64 x n per warp group) (+)= A B``: A is a shared-memory descriptor (one
+        element in ``a``) or this thread's 4 b32 fragment registers; B a descriptor."""
+        shape = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{n}k16").f32
+        ptx_type = "f16" if dtype == "float16" else "bf16"
+        inst = getattr(getattr(shape, ptx_type), ptx_type)
+        accs = [acc[i] for i in range(n // 2)]
+        if len(a) == 1:
+            return inst(*accs, a[0], b_desc, T.ptx.pred(accumulate), 1, 1, 0, trans_b)
+        return inst(*accs, *a, b_desc, T.ptx.pred(accumulate), 1, 1, trans_b)
+
+    def cvt_pair(dst, hi, lo):
+        """``dst`` (b32) = the pair (lo, hi) rounded to ``dtype``, lo in the low half."""
+        if dtype == "float16":
+            return T.ptx.cvt.rn.f16x2.f32(dst, hi, lo)
+        return T.ptx.cvt.rn.bf16x2.f32(dst, hi, lo)
+
     @T.macro
-    def kv_load(Ks, Vs, k_cache, v_cache, lookup, b, h, page_size, stage, pos, kv_hi, row,
-                chunk):
-        # one 16-byte chunk of K and of V row ``row`` of the stage; zero past kv_hi
+    def rescale_tile(S, j0i, tile, state, of, w, lane):
+        """Scores ``S`` of the KV tile at ``j0i``: scaled (base 2), masked, and the running max
+        (``state`` = mr, lr, mx) moved to theirs, O (``of``) and the running sum rescaled.
+        ``tile`` = (p0i, mi, kv_hii, causal, window, sm_scale) of the segment."""
+        p0i, mi, kv_hii, causal, window, sm_scale = tile
+        mr, lr, mx = state
+        # scale (base 2); mask only tiles that need it
+        for i in T.unroll(MT * NB * 4):
+            S[i] = S[i] * (sm_scale * T.float32(LOG2E))
+        if not full_tile(j0i, p0i, mi, kv_hii, causal, window):
+            for mt in T.unroll(MT):
+                for nb in T.unroll(NB):
+                    for e in T.unroll(4):
+                        if not visible(
+                                w * WR + mt * 16 + lane // 4 + e // 2 * 8,
+                                j0i + nb * 8 + lane % 4 * 2 + e % 2,
+                                mi, p0i, kv_hii, causal, window):
+                            S[(mt * NB + nb) * 4 + e] = T.float32(MASKED)
+        # running max over the 4 threads sharing a row
+        for hh in T.unroll(2 * MT):
+            mx[hh] = mr[hh]
+        for i in T.unroll(MT * NB * 4):
+            mx[i // (NB * 4) * 2 + i % 4 // 2] = T.max(
+                mx[i // (NB * 4) * 2 + i % 4 // 2], S[i])
+        for hh in T.unroll(2 * MT):
+            mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(
+                T.uint32(0xFFFFFFFF), mx[hh], 1, 32, 32))
+            mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(
+                T.uint32(0xFFFFFFFF), mx[hh], 2, 32, 32))
+        # rescale the running state by exp2(m_old - m_new)
+        for hh in T.unroll(2 * MT):
+            mr[hh] = T.exp2(mr[hh] - mx[hh])
+            lr[hh] = lr[hh] * mr[hh]
+        for i in T.unroll(MT * DB * 4):
+            of[i] = of[i] * mr[i // (DB * 4) * 2 + i % 4 // 2]
+        for hh in T.unroll(2 * MT):
+            mr[hh] = mx[hh]
+
+    @T.macro
+    def probs_tile(S, state, pf, pw, pt):
+        """P = exp2(S - max) into ``pf`` (``pw`` for wgmma), added to the running sum. With
+        wgmma, ``pt`` (2 floats) holds a pair on the way and S itself is never written: ptxas
+        serializes every wgmma of a kernel that writes an accumulator register outside one."""
+        mr, lr, mx = state
+        # P = exp2(S - m) (masked scores give exactly 0); the S fragment of n-blocks 2j, 2j+1
+        # is the A fragment j
+        if WG:
+            for nb in T.unroll(NB):
+                for e2 in T.unroll(2):  # the pair (row e2, columns 2q, 2q + 1)
+                    for e1 in T.unroll(2):
+                        pt[e1] = T.exp2(S[nb * 4 + e2 * 2 + e1] - mx[e2])
+                    lr[e2] = lr[e2] + pt[0] + pt[1]
+                    T.evaluate(cvt_pair(pw[nb // 2 * 4 + nb % 2 * 2 + e2], pt[1], pt[0]))
+        else:
+            for mt in T.unroll(MT):
+                for nb in T.unroll(NB):
+                    for e in T.unroll(4):
+                        S[(mt * NB + nb) * 4 + e] = T.exp2(
+                            S[(mt * NB + nb) * 4 + e] - mx[mt * 2 + e // 2])
+                        lr[mt * 2 + e // 2] = lr[mt * 2 + e // 2] \
+                            + S[(mt * NB + nb) * 4 + e]
+                        pf[mt * NB * 4 + nb // 2 * 8 + nb % 2 * 4 + e] = \
+                            T.Cast(dtype, S[(mt * NB + nb) * 4 + e])
+
+    @T.macro
+    def kv_load(Ks, Vs, k_cache, v_cache, lookup, b, h, page_size, stage, j0, kv_hi, L):
+        # 16-byte chunk ``L`` of the K and V tiles starting at position j0; zero past kv_hi
+        pos = j0 + ld_row(L)
         pc = T.min(pos, kv_hi - 1)
         page = T.Cast("int64", lookup[b, T.truncdiv(pc, page_size)])
         slot = T.truncmod(pc, page_size)
         T.evaluate(T.ptx["cp.async.cg.shared.global"](
-            Ks.ptr_to([stage * (BN * DP) + row * DP + chunk * 8]),
-            k_cache.ptr_to(list(cache_index(layout, page, slot, h, chunk * 8))), 16,
+            Ks.ptr_to([stage * (BN * DP) + ld_off(L)]),
+            k_cache.ptr_to(list(cache_index(layout, page, slot, h, ld_chunk(L) * 8))), 16,
             T.Cast("uint32", T.if_then_else(pos < kv_hi, 16, 0))))
         T.evaluate(T.ptx["cp.async.cg.shared.global"](
-            Vs.ptr_to([stage * (BN * DP) + row * DP + chunk * 8]),
-            v_cache.ptr_to(list(cache_index(layout, page, slot, h, chunk * 8))), 16,
+            Vs.ptr_to([stage * (BN * DP) + ld_off(L)]),
+            v_cache.ptr_to(list(cache_index(layout, page, slot, h, ld_chunk(L) * 8))), 16,
             T.Cast("uint32", T.if_then_else(pos < kv_hi, 16, 0))))
+
+    @T.macro
+    def tiles_landed(pending):
+        # this thread's copies but the last ``pending`` groups are in shared memory; wgmma
+        # reads it through the async proxy, which must see the (generic-proxy) writes
+        T.evaluate(T.ptx.cp.async_.wait_group(pending))
+        if WG:
+            T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
+        T.tvm_storage_sync("shared")
 
     # fmt: off
     @T.prim_func(s_tir=True)
@@ -261,6 +404,11 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                             mx = T.sblock_alloc_buffer((2 * MT,), "float32", scope="local")
                             ib = T.sblock_alloc_buffer((2,), "int32", scope="local")
                             ir = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                            # wgmma: shared-memory descriptors of Q (this warp group's rows),
+                            # K and V (stage 0); P packed in pairs (4 b32 A registers a k-step)
+                            dsc = T.sblock_alloc_buffer((3,), "uint64", scope="local")
+                            pw = T.sblock_alloc_buffer((MT * NB * 2,), "uint32", scope="local")
+                            pt = T.sblock_alloc_buffer((2,), "float32", scope="local")
                             tid: T.int32 = w * 32 + lane
                             ntiles: T.int64 = (ntok + TQ - 1) // TQ
                             t: T.int64 = ntiles - 1 - bx
@@ -292,31 +440,28 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                     for it in T.unroll(Q_ITERS):
                                         if it * NT + tid < BM * DC:
                                             T.evaluate(T.ptx["cp.async.cg.shared.global"](
-                                                Qs.ptr_to([(it * NT + tid) // DC * DP
-                                                           + (it * NT + tid) % DC * 8]),
+                                                Qs.ptr_to([ld_off(it * NT + tid)]),
                                                 q.ptr_to([T.if_then_else(
-                                                    (it * NT + tid) // DC < R
-                                                    and T.Cast("int64", (it * NT + tid) // DC // G) < m,
-                                                    r0 + (it * NT + tid) // DC // G, r0),
-                                                    h * G + (it * NT + tid) // DC % G,
-                                                    (it * NT + tid) % DC * 8]),
+                                                    ld_row(it * NT + tid) < R
+                                                    and T.Cast("int64", ld_row(it * NT + tid) // G) < m,
+                                                    r0 + ld_row(it * NT + tid) // G, r0),
+                                                    h * G + ld_row(it * NT + tid) % G,
+                                                    ld_chunk(it * NT + tid) * 8]),
                                                 16,
                                                 T.Cast("uint32", T.if_then_else(
-                                                    (it * NT + tid) // DC < R
-                                                    and T.Cast("int64", (it * NT + tid) // DC // G) < m,
+                                                    ld_row(it * NT + tid) < R
+                                                    and T.Cast("int64", ld_row(it * NT + tid) // G) < m,
                                                     16, 0))))
                                     T.evaluate(T.ptx.cp.async_.commit_group())
-                                    # ---- K/V tiles of the first STAGES - 1 iterations ----
-                                    for st in T.unroll(STAGES - 1):
+                                    # ---- K/V tiles of the first AHEAD iterations ----
+                                    for st in T.unroll(AHEAD):
                                         if T.Cast("int64", st) < n_kv:
                                             for it in T.unroll(KV_ITERS):
                                                 if it * NT + tid < BN * DC:
                                                     kv_load(Ks, Vs, k_cache, v_cache, lookup, b,
                                                             h, page_size, st,
-                                                            kv_lo + T.Cast("int64", st * BN
-                                                            + (it * NT + tid) // DC),
-                                                            kv_hi, (it * NT + tid) // DC,
-                                                            (it * NT + tid) % DC)
+                                                            kv_lo + T.Cast("int64", st * BN),
+                                                            kv_hi, it * NT + tid)
                                         T.evaluate(T.ptx.cp.async_.commit_group())
                                     # ---- state ----
                                     for i in T.unroll(MT * DB * 4):
@@ -325,8 +470,7 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                         mr[i] = T.float32(NEG_INF)
                                         lr[i] = T.float32(0)
                                     if Q_REGS:
-                                        T.evaluate(T.ptx.cp.async_.wait_group(STAGES - 1))
-                                        T.tvm_storage_sync("shared")
+                                        tiles_landed(AHEAD)
                                         for mt in T.unroll(MT):
                                             for kstep in T.unroll(KS):
                                                 T.evaluate(T.ptx_legacy.ldmatrix(
@@ -334,112 +478,95 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                                     Qs.access_ptr("r"),
                                                     (w * WR + mt * 16 + lane % 16) * DP + kstep * 16
                                                     + lane // 16 * 8, dtype=dtype))
+                                    if WG:  # descriptors: K-major Q and K, V by rows (transposed B);
+                                        # access_ptr: the whole tiles, read by wgmma
+                                        T.cuda.wgmma.encode_matrix_descriptor(
+                                            T.address_of(dsc[0]), Qs.access_ptr("r", offset=w // 4 * 64 * D), 8, DC * 8, 0)
+                                        T.cuda.wgmma.encode_matrix_descriptor(
+                                            T.address_of(dsc[1]), Ks.access_ptr("r"), 8, DC * 8, 0)
+                                        T.cuda.wgmma.encode_matrix_descriptor(
+                                            T.address_of(dsc[2]), Vs.access_ptr("r"), DC * 8, 8, 0)
                                     # ---- main loop over KV tiles ----
                                     for kt in range(n_kv):
                                         if ONE_BARRIER:
-                                            # tile kt landed and every warp is past tile kt - 1,
-                                            # whose stage the next copy reuses: one barrier
-                                            T.evaluate(T.ptx.cp.async_.wait_group(STAGES - 2))
-                                            T.tvm_storage_sync("shared")
-                                        if kt + STAGES - 1 < n_kv:
+                                            # tile kt landed and every warp is past tile kt - 1, whose stage
+                                            # the next copy reuses: one barrier
+                                            tiles_landed(AHEAD - 1)
+                                        if WG:  # S = Q K^T issued first: the copy below runs while it computes
+                                            T.evaluate(T.ptx.wgmma.fence.sync.aligned())
+                                            for kstep in T.unroll(KS):
+                                                T.evaluate(wgmma(BN, sf, [dsc[0] + T.Cast("uint64", kstep * 16)],
+                                                                 dsc[1] + T.Cast("uint64", T.Cast("int32", kt % STAGES)
+                                                                                 * (BN * DP // 8) + kstep * 16),
+                                                                 kstep > 0, 0))
+                                            T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
+                                        if kt + AHEAD < n_kv:
                                             for it in T.unroll(KV_ITERS):
                                                 if it * NT + tid < BN * DC:
-                                                    kv_load(Ks, Vs, k_cache, v_cache, lookup, b,
-                                                            h, page_size,
-                                                            (kt + STAGES - 1) % STAGES,
-                                                            kv_lo + (kt + STAGES - 1) * BN
-                                                            + (it * NT + tid) // DC,
-                                                            kv_hi, (it * NT + tid) // DC,
-                                                            (it * NT + tid) % DC)
+                                                    kv_load(Ks, Vs, k_cache, v_cache, lookup, b, h, page_size,
+                                                            (kt + AHEAD) % STAGES, kv_lo + (kt + AHEAD) * BN, kv_hi,
+                                                            it * NT + tid)
                                         T.evaluate(T.ptx.cp.async_.commit_group())
                                         if not ONE_BARRIER:
-                                            T.evaluate(T.ptx.cp.async_.wait_group(STAGES - 1))
-                                            T.tvm_storage_sync("shared")
+                                            tiles_landed(STAGES - 1)
                                         j0i: T.int32 = T.Cast("int32", kv_lo + kt * BN)
                                         sbase: T.int32 = T.Cast("int32", kt % STAGES) * (BN * DP)
-                                        # S = Q K^T
-                                        for i in T.unroll(MT * NB * 4):
-                                            sf[i] = T.float32(0)
-                                        for kstep in T.unroll(KS):
-                                            if not Q_REGS:
-                                                for mt in T.unroll(MT):
+                                        if WG:  # S of tile kt complete
+                                            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+                                        else:
+                                            # S = Q K^T
+                                            for i in T.unroll(MT * NB * 4):
+                                                sf[i] = T.float32(0)
+                                            for kstep in T.unroll(KS):
+                                                if not Q_REGS:
+                                                    for mt in T.unroll(MT):
+                                                        T.evaluate(T.ptx_legacy.ldmatrix(
+                                                            False, 4, ".b16", qf.data, mt * 8,
+                                                            Qs.access_ptr("r"),
+                                                            (w * WR + mt * 16 + lane % 16) * DP
+                                                            + kstep * 16 + lane // 16 * 8, dtype=dtype))
+                                                for kb in T.unroll(NB // 2):
                                                     T.evaluate(T.ptx_legacy.ldmatrix(
-                                                        False, 4, ".b16", qf.data, mt * 8,
-                                                        Qs.access_ptr("r"),
-                                                        (w * WR + mt * 16 + lane % 16) * DP
-                                                        + kstep * 16 + lane // 16 * 8, dtype=dtype))
-                                            for kb in T.unroll(NB // 2):
-                                                T.evaluate(T.ptx_legacy.ldmatrix(
-                                                    False, 4, ".b16", kf.data, 0,
-                                                    Ks.access_ptr("r"),
-                                                    sbase + (kb * 16 + lane % 8 + lane // 16 * 8) * DP
-                                                    + kstep * 16 + lane // 8 % 2 * 8, dtype=dtype))
-                                                for mt in T.unroll(MT):
-                                                    for half in T.unroll(2):
-                                                        T.evaluate(T.ptx_legacy.mma(
-                                                            "m16n8k16", "row", "col", AB, AB, "fp32",
-                                                            qf.data, (mt * KS + kstep) * 8 * QR + mt * 8 * (1 - QR),
-                                                            kf.data, half * 4, sf.data,
-                                                            (mt * NB + kb * 2 + half) * 4,
-                                                            False, dtype="float32"))
-                                        # scale (base 2); mask only tiles that need it
-                                        for i in T.unroll(MT * NB * 4):
-                                            sf[i] = sf[i] * (sm_scale * T.float32(LOG2E))
-                                        if not full_tile(j0i, p0i, mi, kv_hii, causal, window):
-                                            for mt in T.unroll(MT):
-                                                for nb in T.unroll(NB):
-                                                    for e in T.unroll(4):
-                                                        if not visible(
-                                                                w * WR + mt * 16 + lane // 4 + e // 2 * 8,
-                                                                j0i + nb * 8 + lane % 4 * 2 + e % 2,
-                                                                mi, p0i, kv_hii, causal, window):
-                                                            sf[(mt * NB + nb) * 4 + e] = T.float32(MASKED)
-                                        # running max over the 4 threads sharing a row
-                                        for hh in T.unroll(2 * MT):
-                                            mx[hh] = mr[hh]
-                                        for i in T.unroll(MT * NB * 4):
-                                            mx[i // (NB * 4) * 2 + i % 4 // 2] = T.max(
-                                                mx[i // (NB * 4) * 2 + i % 4 // 2], sf[i])
-                                        for hh in T.unroll(2 * MT):
-                                            mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(
-                                                T.uint32(0xFFFFFFFF), mx[hh], 1, 32, 32))
-                                            mx[hh] = T.max(mx[hh], T.tvm_warp_shuffle_xor(
-                                                T.uint32(0xFFFFFFFF), mx[hh], 2, 32, 32))
-                                        # rescale the running state by exp2(m_old - m_new)
-                                        for hh in T.unroll(2 * MT):
-                                            mr[hh] = T.exp2(mr[hh] - mx[hh])
-                                            lr[hh] = lr[hh] * mr[hh]
-                                        for i in T.unroll(MT * DB * 4):
-                                            of[i] = of[i] * mr[i // (DB * 4) * 2 + i % 4 // 2]
-                                        for hh in T.unroll(2 * MT):
-                                            mr[hh] = mx[hh]
-                                        # P = exp2(S - m) (masked scores give exactly 0)
-                                        for mt in T.unroll(MT):
-                                            for nb in T.unroll(NB):
-                                                for e in T.unroll(4):
-                                                    sf[(mt * NB + nb) * 4 + e] = T.exp2(
-                                                        sf[(mt * NB + nb) * 4 + e] - mx[mt * 2 + e // 2])
-                                                    lr[mt * 2 + e // 2] = lr[mt * 2 + e // 2] \
-                                                        + sf[(mt * NB + nb) * 4 + e]
-                                                    # S fragment (n-blocks 2j, 2j+1) = A fragment j
-                                                    pf[mt * NB * 4 + nb // 2 * 8 + nb % 2 * 4 + e] = \
-                                                        T.Cast(dtype, sf[(mt * NB + nb) * 4 + e])
+                                                        False, 4, ".b16", kf.data, 0,
+                                                        Ks.access_ptr("r"),
+                                                        sbase + (kb * 16 + lane % 8 + lane // 16 * 8) * DP
+                                                        + kstep * 16 + lane // 8 % 2 * 8, dtype=dtype))
+                                                    for mt in T.unroll(MT):
+                                                        for half in T.unroll(2):
+                                                            T.evaluate(T.ptx_legacy.mma(
+                                                                "m16n8k16", "row", "col", AB, AB, "fp32",
+                                                                qf.data, (mt * KS + kstep) * 8 * QR + mt * 8 * (1 - QR),
+                                                                kf.data, half * 4, sf.data,
+                                                                (mt * NB + kb * 2 + half) * 4,
+                                                                False, dtype="float32"))
+                                        rescale_tile(sf, j0i, (p0i, mi, kv_hii, causal, window, sm_scale),
+                                                     (mr, lr, mx), of, w, lane)
+                                        probs_tile(sf, (mr, lr, mx), pf, pw, pt)
                                         # O += P V
-                                        for kk in T.unroll(NB // 2):
-                                            for db in T.unroll(DB // 2):
-                                                T.evaluate(T.ptx_legacy.ldmatrix(
-                                                    True, 4, ".b16", vf.data, 0,
-                                                    Vs.access_ptr("r"),
-                                                    sbase + (kk * 16 + lane % 8 + lane // 8 % 2 * 8) * DP
-                                                    + db * 16 + lane // 16 * 8, dtype=dtype))
-                                                for mt in T.unroll(MT):
-                                                    for half in T.unroll(2):
-                                                        T.evaluate(T.ptx_legacy.mma(
-                                                            "m16n8k16", "row", "col", AB, AB, "fp32",
-                                                            pf.data, mt * NB * 4 + kk * 8, vf.data,
-                                                            half * 4, of.data,
-                                                            (mt * DB + db * 2 + half) * 4,
-                                                            False, dtype="float32"))
+                                        if WG:
+                                            T.evaluate(T.ptx.wgmma.fence.sync.aligned())
+                                            for kk in T.unroll(NB // 2):
+                                                T.evaluate(wgmma(D, of, [pw[kk * 4 + j] for j in range(4)],
+                                                                 dsc[2] + T.Cast("uint64", sbase // 8 + kk * DC * 16),
+                                                                 True, 1))
+                                            T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
+                                            T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
+                                        else:
+                                            for kk in T.unroll(NB // 2):
+                                                for db in T.unroll(DB // 2):
+                                                    T.evaluate(T.ptx_legacy.ldmatrix(
+                                                        True, 4, ".b16", vf.data, 0,
+                                                        Vs.access_ptr("r"),
+                                                        sbase + (kk * 16 + lane % 8 + lane // 8 % 2 * 8) * DP
+                                                        + db * 16 + lane // 16 * 8, dtype=dtype))
+                                                    for mt in T.unroll(MT):
+                                                        for half in T.unroll(2):
+                                                            T.evaluate(T.ptx_legacy.mma(
+                                                                "m16n8k16", "row", "col", AB, AB, "fp32",
+                                                                pf.data, mt * NB * 4 + kk * 8, vf.data,
+                                                                half * 4, of.data,
+                                                                (mt * DB + db * 2 + half) * 4,
+                                                                False, dtype="float32"))
                                         if not ONE_BARRIER:  # the next copy reuses this stage
                                             T.tvm_storage_sync("shared")
                                     T.evaluate(T.ptx.cp.async_.wait_group(0))

@@ -1,6 +1,7 @@
-"""Prefill CUDA kernels: built ahead of time with nvcc for sm_90a (+ sm_80 SASS), no register
-spills, tensor cores in the fp16/bf16 kernels; numerics against the numpy reference when a GPU
-is present."""
+"""Prefill CUDA kernels: built ahead of time with nvcc for sm_90a (+ sm_80 SASS unless the
+kernel issues Hopper-only wgmma), no register spills, tensor cores in the fp16/bf16 kernels
+(wgmma on sm_90a up to head_dim 128, mma.sync otherwise); numerics against the numpy reference
+when a GPU is present."""
 
 import shutil
 from pathlib import Path
@@ -29,15 +30,21 @@ def test_builds_without_spills(kw, tmp_path):
     spec = compiler.KernelSpec(op="prefill", target="cuda", arch="sm_90a", **kw)
     path = compiler.build_spec(spec, tmp_path)
     report = compiler.spill_report(Path(str(path)[:-3] + ".ptxas.txt").read_text())
-    assert {key.split(":")[0] for key in report} == {"sm_80", "sm_90a"}
+    wgmma = kw["dtype"] != "float32" and kw["head_dim"] <= 128
+    built = {"sm_90a"} if wgmma else {"sm_80", "sm_90a"}  # wgmma has no sm_80 form
+    assert {key.split(":")[0] for key in report} == built
     for key, usage in report.items():
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (key, usage)
         assert 0 < usage["registers"] <= 255
+    assert "serialized" not in Path(str(path)[:-3] + ".ptxas.txt").read_text()  # C7515
     archs = compiler.fatbin_architectures(compiler.embedded_fatbin(path))
-    assert "sm_90a" in archs and "sm_80" in archs
+    assert "sm_90a" in archs and ("sm_80" in archs) == (not wgmma)
     script = compiler.lower(spec).script()
     if kw["dtype"] == "float32":
-        assert "ptx_legacy.mma" not in script
+        assert "ptx_legacy.mma" not in script and "wgmma" not in script
+    elif wgmma:  # both products by wgmma (Q, K, V from shared memory, P from registers)
+        assert script.count('"mma_async"') >= 2 and "ptx_legacy.mma" not in script
+        assert "T.ptx.cp" in script
     else:  # both products on tensor cores, operands through ldmatrix, K/V by cp.async
         assert script.count("ptx_legacy.mma") >= 2
         assert "ldmatrix" in script and "T.ptx.cp" in script
@@ -54,7 +61,7 @@ def test_short_query_variant_builds_without_spills(tmp_path):
     spec = compiler.KernelSpec(op="prefill", target="cuda", arch="sm_90a", **SPECS[0])
     default, variant = compiler.with_runtime_variants(spec)
     assert dict(variant.knobs) == SHORT_QUERY_KNOBS
-    assert compiler.resolve_knobs(default)["m_tiles"] == 2  # tuned: two m-tiles a warp
+    assert compiler.resolve_knobs(default)["wgmma"] == 1  # tuned: the wgmma kernel
     report = compiler.spill_report(
         Path(str(compiler.build_spec(variant, tmp_path))[:-3] + ".ptxas.txt").read_text())
     for key, usage in report.items():
@@ -65,7 +72,24 @@ def test_short_query_variant_builds_without_spills(tmp_path):
 def test_sm80_spec_builds():
     spec = compiler.KernelSpec(op="prefill", dtype="bfloat16", head_dim=128, n_kv_heads=8,
                                group_size=4, target="cuda", arch="sm_80")
-    assert "ptx_legacy.mma" in compiler.lower(spec).script()
+    script = compiler.lower(spec).script()
+    assert "ptx_legacy.mma" in script and "wgmma" not in script
+
+
+def test_wgmma_knobs_are_checked():
+    """A wgmma kernel needs whole warp groups and one barrier a tile: other knobs are refused
+    with a message instead of building a wrong kernel."""
+    from kvtvm.schedules.cuda_prefill import tensor_core_prefill
+
+    spec = compiler.KernelSpec(op="prefill", target="cuda", arch="sm_90a", **SPECS[0])
+    for bad in [dict(NW=6, ONE_BARRIER=True), dict(NW=8, ONE_BARRIER=False)]:
+        with pytest.raises(ValueError, match="warp groups"):
+            tensor_core_prefill(spec, bad["NW"], 64, 2, False, 1, bad["ONE_BARRIER"], True)
+
+
+def test_fatbin_leaves_out_archs_a_kernel_cannot_run_on():
+    assert compiler.fatbin_archs("sm_90a", "... wgmma.mma_async.sync ...") == ("sm_90a",)
+    assert compiler.fatbin_archs("sm_90a", "mma.sync.aligned") == ("sm_80", "sm_90a")
 
 
 @pytest.mark.gpu
