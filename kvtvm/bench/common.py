@@ -49,8 +49,10 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-#: Bytes written between timed CUDA runs so that no run reads its inputs from the L2 cache
-#: left by the previous one (H100: 50 MiB of L2).
+#: Bytes read between timed CUDA runs so that no run finds its inputs in the L2 cache left by
+#: the previous one (H100: 50 MiB of L2). Read, not written: a flush that writes leaves the L2
+#: full of dirty lines, and the timed run would pay for writing them back (on an H100 it cost
+#: the decode benchmark ~9 us per call: docs/PERF.md).
 L2_FLUSH_BYTES = 256 << 20
 _flush_buffers: dict = {}
 
@@ -64,7 +66,7 @@ def timed(fn, device: str, repeat: int, warmup: int, timing: str = "eager") -> t
     """``(median seconds, how it was timed)`` of ``fn()`` over ``repeat`` runs.
 
     CPU: wall time of each call. CUDA: device events around each run, with the L2 cache
-    flushed before it; ``timing="eager"`` times the call as issued from Python (its host
+    flushed (by reading :data:`L2_FLUSH_BYTES`) before it; ``timing="eager"`` times the call as issued from Python (its host
     overhead included whenever it exceeds the GPU's time), ``"graph"`` captures ``fn`` once in
     a CUDA graph and times its replays (the kernels' own time, as a CUDA-graph engine sees
     it). A function that cannot be captured (one that synchronizes, say) falls back to eager;
@@ -89,11 +91,11 @@ def timed(fn, device: str, repeat: int, warmup: int, timing: str = "eager") -> t
             run, mode = graph.replay, "graph"
     key = str(device)
     if key not in _flush_buffers:
-        _flush_buffers[key] = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        _flush_buffers[key] = torch.zeros(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     flush = _flush_buffers[key]
     times = []
     for _ in range(repeat):
-        flush.zero_()
+        flush.amax()  # reads the buffer: the L2 holds clean lines of it afterwards
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
