@@ -123,3 +123,31 @@ def test_gpu_matches_reference(dtype, layout, page_size, window, counts):
     assert np.isfinite(got_out).all() and np.isfinite(got_lse).all()
     np.testing.assert_allclose(got_out, ref_out, rtol=TOL[dtype], atol=TOL[dtype])
     np.testing.assert_allclose(got_lse, ref_lse, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("H,G,D", [(2, 1, 64), (1, 3, 128), (1, 8, 128), (1, 2, 256)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_head_shapes(H, G, D, causal):
+    """Head shapes beside the main test's (2 KV heads x GQA 4 x 128): the wgmma kernel at
+    head_dim 64, an odd group (a CTA's rows are not a whole number of tokens), a group of 8, and
+    the mma.sync kernel at head_dim 256; causal and not."""
+    from test_prefill import TOL, make_batch  # noqa: E402
+    from kvtvm.kernels.reference import reference_prefill
+
+    rng = np.random.default_rng(1)
+    counts, starts = [300, 1, 0, 130, 77], [5, 70, 9, 0, 33]
+    args = make_batch(rng, H=H, G=G, D=D, page_size=16, counts=counts, starts=starts,
+                      dtype="float16")
+    ref_out, ref_lse = reference_prefill(*(t.float().numpy() for t in args[:3]),
+                                         *(t.numpy() for t in args[3:]), "nhd", causal, None,
+                                         None)
+    dev = [t.cuda() for t in args]
+    out = torch.full_like(dev[0], float("nan"))
+    lse = torch.full(dev[0].shape[:2], float("nan"), device="cuda")
+    ops.prefill_attention(*dev, causal=causal, out=out, lse=lse)
+    got_out, got_lse = out.float().cpu().numpy(), lse.cpu().numpy()
+    assert np.isfinite(got_out).all() and np.isfinite(got_lse).all()
+    np.testing.assert_allclose(got_out, ref_out, rtol=TOL["float16"], atol=TOL["float16"])
+    np.testing.assert_allclose(got_lse, ref_lse, rtol=TOL["float16"], atol=TOL["float16"])
