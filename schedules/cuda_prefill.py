@@ -1,4 +1,5 @@
-"""CUDA schedule of prefill attention (sm_90a and sm_80): flash-attention-2 on tensor cores.
+"""CUDA schedule of prefill attention (sm_90a and sm_80): flash-attention-2 on tensor cores
+(``mma.sync``, or ``wgmma`` on sm_90a).
 
 Built directly from the knobs as thread-bound TIR (same signature and block names as the
 definition in ``kvtvm/kernels/prefill.py``, tested against the same numpy reference).
@@ -24,6 +25,17 @@ float16 / bfloat16 (``tensor_core_prefill``):
   row max / sum reduced with warp shuffles over the 4 threads sharing a row.
 - ``q_in_regs``: Q fragments kept in registers for the whole KV loop (head_dim <= 128);
   reloaded from shared memory per KV tile otherwise (keeps head_dim 256 free of spills).
+- ``wgmma`` (sm_90a, head_dim <= 128; the default there): each warp group (4 warps) owns 64
+  rows, and both products are Hopper's asynchronous ``wgmma.mma_async``: S = Q K^T
+  (m64 n``tile_kv`` k16) reads Q and K from shared memory through matrix descriptors, O += P V
+  (m64 n``head_dim`` k16) takes P from registers (the S accumulator, rounded in pairs by
+  ``cvt.rn.f16x2.f32``) and V through a transposed descriptor. Tiles are stored unpadded in
+  8-row x 16-byte core matrices (the 16-byte chunk L of a copy lands at L x 16 bytes), made
+  visible to the async proxy by ``fence.proxy.async`` before the barrier. S is issued before
+  the next tile's copy, so the copy's page lookups overlap the tensor cores. ``m_tiles`` and
+  ``q_in_regs`` do not apply; ``one_barrier`` is required. Never written in place while a
+  wgmma is in flight: an accumulator register written by another instruction makes ptxas
+  serialize every wgmma of the kernel (warning C7515).
 
 float32 (``simt_prefill``): no tensor cores (fp32 operands would need TF32, which loses the
 float32 accuracy callers ask for); one warp per (token, query head) row, lanes splitting
