@@ -127,12 +127,13 @@ def test_gpu_matches_reference(dtype, layout, page_size, window, counts):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("H,G,D", [(2, 1, 64), (1, 3, 128), (1, 8, 128), (1, 2, 256)])
+@pytest.mark.parametrize("H,G,D", [(2, 1, 64), (1, 3, 128), (1, 8, 128), (2, 4, 32), (1, 5, 96),
+                                   (1, 2, 256)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_head_shapes(H, G, D, causal):
     """Head shapes beside the main test's (2 KV heads x GQA 4 x 128): the wgmma kernel at
-    head_dim 64, an odd group (a CTA's rows are not a whole number of tokens), a group of 8, and
-    the mma.sync kernel at head_dim 256; causal and not."""
+    head_dim 64, 32 and 96, odd groups (a CTA's rows are not a whole number of tokens), a group
+    of 8, and the mma.sync kernel at head_dim 256; causal and not."""
     from test_prefill import TOL, make_batch  # noqa: E402
     from kvtvm.kernels.reference import reference_prefill
 

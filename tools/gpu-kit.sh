@@ -21,6 +21,8 @@ build --ops copy --dtypes float16,bfloat16,float32 --head-dims 128
 # prefill head shapes (tests/test_prefill_cuda_build.py::test_gpu_head_shapes)
 build --ops prefill --dtypes float16 --head-dims 64 --kv-heads 2 --group-sizes 1 --layouts nhd
 build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 1 --group-sizes 3,8 --layouts nhd
+build --ops prefill --dtypes float16 --head-dims 32 --kv-heads 2 --group-sizes 4 --layouts nhd
+build --ops prefill --dtypes float16 --head-dims 96 --kv-heads 1 --group-sizes 5 --layouts nhd
 build --ops prefill --dtypes float16 --head-dims 256 --kv-heads 1 --group-sizes 2 --layouts nhd
 # benchmarks (Llama-3-8B layer: 8 KV heads x 128, group 4, float16) and the manager tests
 # (hnd: the linear cache)
