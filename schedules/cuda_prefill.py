@@ -285,6 +285,19 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
             return inst(*accs, a[0], b_desc, T.ptx.pred(accumulate), 1, 1, 0, trans_b)
         return inst(*accs, *a, b_desc, T.ptx.pred(accumulate), 1, 1, trans_b)
 
+    def wgmma_qk(sf, dsc, stage, kstep):
+        """k-step ``kstep`` of S = Q K^T over K/V stage ``stage``: Q's and K's descriptors
+        advanced by the k-step's 16 columns (256 bytes); the first k-step overwrites S."""
+        return wgmma(BN, sf, [dsc[0] + T.Cast("uint64", kstep * 16)],
+                     dsc[1] + T.Cast("uint64", T.Cast("int32", stage) * (BN * DP // 8)
+                                     + kstep * 16), kstep > 0, 0)
+
+    def wgmma_pv(of, pw, dsc, sbase, kk):
+        """k-step ``kk`` of O += P V: P's registers; V's descriptor (transposed: V is stored
+        by rows) at element ``sbase``, advanced by the k-step's 16 rows (2 * DC core matrices)."""
+        return wgmma(D, of, [pw[kk * 4 + j] for j in range(4)],
+                     dsc[2] + T.Cast("uint64", sbase // 8 + kk * DC * 16), True, 1)
+
     def cvt_pair(dst, hi, lo):
         """``dst`` (b32) = the pair (lo, hi) rounded to ``dtype``, lo in the low half."""
         if dtype == "float16":
@@ -293,8 +306,8 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
 
     @T.macro
     def rescale_tile(S, j0i, tile, state, of, w, lane):
-        """Scores ``S`` of the KV tile at ``j0i``: scaled (base 2), masked, and the running max
-        (``state`` = mr, lr, mx) moved to theirs, O (``of``) and the running sum rescaled.
+        """Scores ``S`` of the KV tile at ``j0i``: scaled (base 2) and masked; the running max
+        (``state`` = mr, lr, mx) raised to cover them, O (``of``) and the running sum rescaled.
         ``tile`` = (p0i, mi, kv_hii, causal, window, sm_scale) of the segment."""
         p0i, mi, kv_hii, causal, window, sm_scale = tile
         mr, lr, mx = state
@@ -371,6 +384,20 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
             Vs.ptr_to([stage * (BN * DP) + ld_off(L)]),
             v_cache.ptr_to(list(cache_index(layout, page, slot, h, ld_chunk(L) * 8))), 16,
             T.Cast("uint32", T.if_then_else(pos < kv_hi, 16, 0))))
+
+    @T.macro
+    def encode_descriptors(dsc, Qs, Ks, Vs, w):
+        # wgmma's shared-memory matrix descriptors (offsets in 16-byte units): Q (this warp
+        # group's 64 rows) and K are K-major -- core matrices 128 bytes apart along k, 8-row
+        # groups DC * 128 apart; V (the B of P V, stored by rows) is read transposed -- along
+        # k (its rows) 8-row groups DC * 128 apart, along n (head_dim) 128. access_ptr names
+        # the whole tiles, which only wgmma reads.
+        T.cuda.wgmma.encode_matrix_descriptor(
+            T.address_of(dsc[0]), Qs.access_ptr("r", offset=w // 4 * 64 * D), 8, DC * 8, 0)
+        T.cuda.wgmma.encode_matrix_descriptor(
+            T.address_of(dsc[1]), Ks.access_ptr("r"), 8, DC * 8, 0)
+        T.cuda.wgmma.encode_matrix_descriptor(
+            T.address_of(dsc[2]), Vs.access_ptr("r"), DC * 8, 8, 0)
 
     @T.macro
     def tiles_landed(pending):
@@ -490,33 +517,25 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                                     Qs.access_ptr("r"),
                                                     (w * WR + mt * 16 + lane % 16) * DP + kstep * 16
                                                     + lane // 16 * 8, dtype=dtype))
-                                    if WG:  # descriptors: K-major Q and K, V by rows (transposed B);
-                                        # access_ptr: the whole tiles, read by wgmma
-                                        T.cuda.wgmma.encode_matrix_descriptor(
-                                            T.address_of(dsc[0]), Qs.access_ptr("r", offset=w // 4 * 64 * D), 8, DC * 8, 0)
-                                        T.cuda.wgmma.encode_matrix_descriptor(
-                                            T.address_of(dsc[1]), Ks.access_ptr("r"), 8, DC * 8, 0)
-                                        T.cuda.wgmma.encode_matrix_descriptor(
-                                            T.address_of(dsc[2]), Vs.access_ptr("r"), DC * 8, 8, 0)
+                                    if WG:
+                                        encode_descriptors(dsc, Qs, Ks, Vs, w)
                                     # ---- main loop over KV tiles ----
                                     for kt in range(n_kv):
                                         if ONE_BARRIER:
-                                            # tile kt landed and every warp is past tile kt - 1, whose stage
-                                            # the next copy reuses: one barrier
+                                            # tile kt landed and every warp is past tile kt - 1,
+                                            # whose stage the next copy reuses: one barrier
                                             tiles_landed(AHEAD - 1)
-                                        if WG:  # S = Q K^T issued first: the copy below runs while it computes
+                                        if WG:  # S = Q K^T first: the copy below overlaps it
                                             T.evaluate(T.ptx.wgmma.fence.sync.aligned())
                                             for kstep in T.unroll(KS):
-                                                T.evaluate(wgmma(BN, sf, [dsc[0] + T.Cast("uint64", kstep * 16)],
-                                                                 dsc[1] + T.Cast("uint64", T.Cast("int32", kt % STAGES)
-                                                                                 * (BN * DP // 8) + kstep * 16),
-                                                                 kstep > 0, 0))
+                                                T.evaluate(wgmma_qk(sf, dsc, kt % STAGES, kstep))
                                             T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
                                         if kt + AHEAD < n_kv:
                                             for it in T.unroll(KV_ITERS):
                                                 if it * NT + tid < BN * DC:
-                                                    kv_load(Ks, Vs, k_cache, v_cache, lookup, b, h, page_size,
-                                                            (kt + AHEAD) % STAGES, kv_lo + (kt + AHEAD) * BN, kv_hi,
+                                                    kv_load(Ks, Vs, k_cache, v_cache, lookup, b, h,
+                                                            page_size, (kt + AHEAD) % STAGES,
+                                                            kv_lo + (kt + AHEAD) * BN, kv_hi,
                                                             it * NT + tid)
                                         T.evaluate(T.ptx.cp.async_.commit_group())
                                         if not ONE_BARRIER:
@@ -551,16 +570,14 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                                                 kf.data, half * 4, sf.data,
                                                                 (mt * NB + kb * 2 + half) * 4,
                                                                 False, dtype="float32"))
-                                        rescale_tile(sf, j0i, (p0i, mi, kv_hii, causal, window, sm_scale),
-                                                     (mr, lr, mx), of, w, lane)
+                                        rescale_tile(sf, j0i, (p0i, mi, kv_hii, causal, window,
+                                                               sm_scale), (mr, lr, mx), of, w, lane)
                                         probs_tile(sf, (mr, lr, mx), pf, pw, pt)
                                         # O += P V
                                         if WG:
                                             T.evaluate(T.ptx.wgmma.fence.sync.aligned())
                                             for kk in T.unroll(NB // 2):
-                                                T.evaluate(wgmma(D, of, [pw[kk * 4 + j] for j in range(4)],
-                                                                 dsc[2] + T.Cast("uint64", sbase // 8 + kk * DC * 16),
-                                                                 True, 1))
+                                                T.evaluate(wgmma_pv(of, pw, dsc, sbase, kk))
                                             T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
                                             T.evaluate(T.ptx.wgmma.wait_group.sync.aligned(0))
                                         else:

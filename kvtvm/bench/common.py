@@ -66,8 +66,8 @@ def timed(fn, device: str, repeat: int, warmup: int, timing: str = "eager") -> t
     """``(median seconds, how it was timed)`` of ``fn()`` over ``repeat`` runs.
 
     CPU: wall time of each call. CUDA: device events around each run, with the L2 cache
-    flushed (by reading :data:`L2_FLUSH_BYTES`) before it; ``timing="eager"`` times the call as issued from Python (its host
-    overhead included whenever it exceeds the GPU's time), ``"graph"`` captures ``fn`` once in
+    flushed (by reading :data:`L2_FLUSH_BYTES`) before it; ``timing="eager"`` times the call
+    as issued from Python (its host overhead included whenever it exceeds the GPU's time), ``"graph"`` captures ``fn`` once in
     a CUDA graph and times its replays (the kernels' own time, as a CUDA-graph engine sees
     it). A function that cannot be captured (one that synchronizes, say) falls back to eager;
     the second element says which was used: ``"wall"``, ``"eager"`` or ``"graph"``.
