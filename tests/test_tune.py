@@ -51,3 +51,21 @@ def test_prebuilt_without_candidates_says_how_to_build_them(tmp_path):
         tune.tune(_copy_spec(), "cpu", write=False, prebuilt=tmp_path)
     with pytest.raises(SystemExit, match="--build-only"):
         tune.main(["--prebuilt", str(tmp_path)])
+
+
+def test_a_knob_space_may_be_a_union_of_grids():
+    """sm_90a prefill searches two kernels: the mma.sync grid and the wgmma grid, whose
+    settings are only the ones that kernel accepts (whole warp groups, one barrier a tile)."""
+    spec = compiler.KernelSpec(op="prefill", dtype="float16", head_dim=128, n_kv_heads=8,
+                               group_size=4, target="cuda", arch="sm_90a")
+    cands = tune.candidates(spec, 10_000)
+    default = compiler.resolve_knobs(spec)
+    assert cands[0] == default and default["wgmma"] == 1
+    wgmma = [c for c in cands if c["wgmma"]]
+    mma = [c for c in cands if not c["wgmma"]]
+    assert wgmma and mma and len(cands) == len({tuple(sorted(c.items())) for c in cands})
+    assert all(c["warps"] % 4 == 0 and c["one_barrier"] == 1 for c in wgmma)
+    assert any(c["warps"] == 2 for c in mma) and any(c["m_tiles"] == 2 for c in mma)
+    # without wgmma (sm_80) a single grid, as before
+    sm80 = compiler.KernelSpec(**{**spec.__dict__, "arch": "sm_80"})
+    assert not any(c.get("wgmma") for c in tune.candidates(sm80, 10_000))
