@@ -88,7 +88,7 @@ SHORT_QUERY_KNOBS = {"warps": 4, "m_tiles": 1, "tile_kv": 32, "wgmma": 0}
 
 
 def prefill_knob_space(spec):
-    """The knob grid ``kvtvm.tune`` searches; with wgmma, a list of two grids (the mma.sync
+    """The knob grid ``kvtvm.tune`` searches; with wgmma, a list of grids (the mma.sync
     kernel's and the wgmma kernel's, which has no m_tiles / q_in_regs choices)."""
     if spec.dtype == "float32":
         return {"warps": [2, 4, 8]}
@@ -98,8 +98,10 @@ def prefill_knob_space(spec):
            "wgmma": [0]}
     if not uses_wgmma(spec):
         return mma
-    return [mma, {"warps": [8, 12, 16], "tile_kv": [32, 64, 128], "stages": [2, 3],
-                  "q_in_regs": [0], "m_tiles": [1], "one_barrier": [1], "wgmma": [1]}]
+    wgmma = {"warps": [8, 12, 16], "tile_kv": [32, 64], "stages": [2, 3], "q_in_regs": [0],
+             "m_tiles": [1], "one_barrier": [1], "wgmma": [1]}
+    # 128-position tiles need ~190 registers a thread: two warp groups at most
+    return [mma, wgmma, dict(wgmma, warps=[8], tile_kv=[128])]
 
 
 def schedule_prefill(mod, spec, knobs):
