@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from test_runtime_only import run_python
+
 
 def run(*args, env=None, timeout=600):
     proc = subprocess.run([sys.executable, "-m", "kvtvm", *args], capture_output=True,
@@ -33,10 +35,7 @@ def test_build_then_load_from_kernel_path(tmp_path):
             "ops.append_kv(c, c.copy(), k, k, np.array([0, 1], np.int32), "
             "np.array([5], np.int32), np.array([[0, 1]], np.int32)); "
             "assert (c[1, 1] == 1).all() and c.sum() == 32; print('loaded')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(env, TVM_USE_RUNTIME_LIB="1"), timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "loaded" in proc.stdout
+    assert "loaded" in run_python(code, env=dict(env, TVM_USE_RUNTIME_LIB="1"))
 
 
 @pytest.mark.parametrize("sub", ["build", "info", "bench", "tune"])

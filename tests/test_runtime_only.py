@@ -9,6 +9,15 @@ from kvtvm import compiler
 
 SPEC = dict(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
 
+
+def run_python(code, *args, env=None, timeout=300):
+    """``python -c code *args`` in a fresh process; asserts it exited 0 and returns its
+    stdout (a fresh process: what it loads is what a runtime-only user would load)."""
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
 RUNTIME_SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np
@@ -63,19 +72,15 @@ def test_runtime_only_load_and_run(tmp_path):
         compiler.build_spec(compiler.KernelSpec(**SPEC, target="cuda", arch="sm_90a"), out)
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", KVTVM_KERNEL_PATH=str(out),
                KVTVM_CACHE_DIR=str(tmp_path / "empty-cache"))
-    proc = subprocess.run([sys.executable, "-c", RUNTIME_SCRIPT, "gpu" if has_gpu else "nogpu"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "RUNTIME-ONLY-OK" in proc.stdout
+    assert "RUNTIME-ONLY-OK" in run_python(RUNTIME_SCRIPT, "gpu" if has_gpu else "nogpu",
+                                           env=env)
 
 
 def test_import_kvtvm_runtime_only():
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
     code = ("import kvtvm, kvtvm.ops, kvtvm.compiler; "
             "assert 'libtvm_compiler' not in open('/proc/self/maps').read(); print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ok" in run_python(code, env=env, timeout=120)
 
 
 def test_numpy_references_import_without_tvm():
@@ -86,7 +91,4 @@ def test_numpy_references_import_without_tvm():
             "out, lse = reference_decode(q, kv, kv, [0], np.zeros((1, 1), np.int32)); "
             "assert out.shape == (1, 2, 4) and not [m for m in sys.modules if m == 'tvm' or "
             "m.startswith('tvm.')]; print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ok" in proc.stdout
+    assert "ok" in run_python(code, timeout=120)
