@@ -3,12 +3,14 @@ PY      ?= python3
 VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-# torch 2.13.0 is a CPU build on this project's machines; other specs pull a CUDA build.
-DEPS    := torch==2.13.0 apache-tvm==0.27.0.post1 numpy ml_dtypes pytest hypothesis transformers
+# torch 2.13.0 is a CPU build on this project's machines; other specs pull a CUDA build, so it is
+# installed first here (setup.py itself asks only torch>=2.4 and never replaces a user's torch).
+DEPS    := torch==2.13.0 apache-tvm==0.27.0.post1 numpy ml_dtypes platformdirs filelock tqdm \
+           pytest hypothesis transformers
 
 .PHONY: demo test bench build gpu-kit clean
 
-$(STAMP): setup.py Makefile
+$(STAMP): setup.py Makefile kvtvm/_version.py
 	$(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install -q $(DEPS)
 	$(PYTHON) -m pip install -q --no-deps -e .
@@ -17,6 +19,7 @@ $(STAMP): setup.py Makefile
 demo: $(STAMP)
 	$(PYTHON) examples/serve.py
 
+# everything that can run here: GPU tests are collected and skip themselves without a GPU
 test: $(STAMP)
 	$(PYTHON) -m pytest -q tests
 

@@ -14,7 +14,7 @@ from .errors import (CompilerUnavailableError, DeviceMismatchError, DeviceUnavai
                      UnknownSequenceError)
 from .params import KVCacheParams, KVCacheStrategy
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _LAZY = {
     "ops": "kvtvm.ops",
