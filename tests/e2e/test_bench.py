@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 CASES = {
     "decode": ["--cases", "2x256", "--skip", "tvm", "--repeat", "2", "--warmup", "1"],
     "prefill": ["--cases", "2:32:16", "--skip", "tvm", "--repeat", "2", "--warmup", "1"],
@@ -17,6 +19,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bench_runs(name, tmp_path):
     out = tmp_path / "r.json"
@@ -32,6 +35,7 @@ def test_bench_runs(name, tmp_path):
         assert all(r["ms"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_tvm_peer_builds_ahead_of_time_for_a_runtime_only_gpu(tmp_path):
     """TVM's built-in decode kernel, built here for sm_90a like kvtvm's own: an nvcc fatbin
@@ -45,6 +49,7 @@ def test_tvm_peer_builds_ahead_of_time_for_a_runtime_only_gpu(tmp_path):
     assert b"__global__" not in path.read_bytes()
 
 
+@pytest.mark.slow
 def test_prebuilt_tvm_peer_runs_with_the_runtime_only(tmp_path):
     """A machine without TVM's compiler still measures TVM's built-in decode side by side:
     both it and kvtvm's kernel are built ahead of time (llvm here) and loaded from the kernel

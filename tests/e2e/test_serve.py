@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.e2e
 
 
 def _load_serve():
@@ -77,6 +79,7 @@ def workload():
     return list(r.values()), r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", serve.CACHE_CHOICES)
 def test_serving_matches_transformers(model, cache):
     requests, r = workload()
@@ -215,6 +218,7 @@ def test_cli_unknown_cache_lists_choices(capsys):
         assert c in err
 
 
+@pytest.mark.slow
 def test_cli_exit_code_and_report(monkeypatch, capsys, model):
     """main() serves the demo workload, prints the figures, exits 0; a mismatch exits 1."""
     monkeypatch.setattr(serve, "build_model", lambda seed=0, device="cpu": model)
@@ -278,6 +282,7 @@ def _load_autotune():
     return mod
 
 
+@pytest.mark.slow
 def test_autotune_tunes_the_kernels_serving_loads(model, tmp_path):
     """examples/autotune.py records the specs a linear-cache serving run launches (append,
     prefill, decode in the hnd layout, copy for eviction) and tunes one on its recorded call,
@@ -295,6 +300,7 @@ def test_autotune_tunes_the_kernels_serving_loads(model, tmp_path):
     assert Path(entry["path"]).exists()
 
 
+@pytest.mark.slow
 def test_autotune_measure_only_reports_tokens_per_second(capsys):
     """The child-process entry of examples/autotune.py prints the serving speed as JSON."""
     import json

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from test_runtime_only import run_python
+from helpers import run_python
+
+pytestmark = pytest.mark.e2e
 
 
 def run(*args, env=None, timeout=600):
@@ -15,6 +17,7 @@ def run(*args, env=None, timeout=600):
     return proc
 
 
+@pytest.mark.slow
 def test_build_then_load_from_kernel_path(tmp_path):
     out = tmp_path / "kernels"
     proc = run("build", "--target", "llvm", "--ops", "append", "--dtypes", "float32",
