@@ -17,12 +17,12 @@ def run_python(code, *args, env=None, timeout=300):
 def run_step(mgr, batch, qkv, planned):
     """One model step through ``mgr``: fetch ``batch``, then append + attention for every
     layer (``qkv`` is ``[(q, k, v)]`` per layer), either through the plain ops or through one
-    ``ops.plan_step``; then ``step``. Returns ``[(out, lse)]`` per layer."""
-    from kvtvm import ops
+    ``kvtvm.plan.plan_step``; then ``step``. Returns ``[(out, lse)]`` per layer."""
+    from kvtvm import ops, plan
 
     (inp,) = mgr.fetch(batch)
     results = []
-    p = ops.plan_step(inp) if planned else None
+    p = plan.plan_step(inp) if planned else None
     for layer, (q, k, v) in enumerate(qkv):
         if planned:
             p.append_kv(layer, k, v)

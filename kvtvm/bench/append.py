@@ -10,7 +10,7 @@ import argparse
 
 import numpy as np
 
-from .common import Row, add_common_args, timed, report
+from .common import Row, add_common_args, log, progress, report, timed
 
 # (name, tokens per sequence, sequences): prefill of one long prompt, a batch of decode steps
 DEFAULT_CASES = {
@@ -83,7 +83,9 @@ def main(argv=None) -> int:
 
     device = args.device
     rows = []
-    for name, per_seq, batch in DEFAULT_CASES["cuda" if device.startswith("cuda") else "cpu"]:
+    cases = DEFAULT_CASES["cuda" if device.startswith("cuda") else "cpu"]
+    for name, per_seq, batch in progress(cases, desc="append cases"):
+        log.info("append %s", name)
         case = make_case(per_seq, batch, args.n_kv_heads, args.head_dim, args.page_size,
                          args.dtype, device)
         moved = 2 * 2 * case["k"].numel() * case["k"].element_size()  # K+V, read+write

@@ -1,14 +1,60 @@
-"""Timing and reporting shared by the benchmarks."""
+"""Timing, reporting, progress and logging shared by the benchmarks.
+
+Tables go to stdout; what a long benchmark is doing goes to the ``kvtvm.bench`` logger (stdlib
+:mod:`logging`, under ``kvtvm``) and, on a terminal, to a ``tqdm`` progress bar on stderr.
+``--json`` writes the rows; ``--plot`` draws them (matplotlib, the ``bench`` extra).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import logging
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import date
+
+log = logging.getLogger("kvtvm.bench")
+
+#: What ``--plot`` says when matplotlib is missing.
+PLOT_HINT = "--plot needs matplotlib: pip install 'kvtvm[bench]' (or pip install matplotlib)"
+
+
+def plot_path(value: str) -> str:
+    """argparse ``type`` of ``--plot``: refuses at once (before anything is measured) when
+    matplotlib is not installed, saying how to get it."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError(PLOT_HINT)
+    return value
+
+
+def progress(iterable=None, *, total: int | None = None, desc: str | None = None):
+    """``iterable`` wrapped in a ``tqdm`` bar on stderr when stderr is a terminal; the
+    iterable itself otherwise (pipes, CI, tests) or when tqdm is not installed."""
+    if not sys.stderr.isatty():
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, leave=False, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Show the ``kvtvm`` logger's messages on stderr (the command-line entry points call this;
+    a program that configured logging itself keeps its own handlers)."""
+    logger = logging.getLogger("kvtvm")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +62,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs per case")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--plot", metavar="PNG", help="also draw the results (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PNG", type=plot_path,
+                        help="also draw the results as a bar chart with the values on the bars "
+                             "(needs matplotlib: pip install 'kvtvm[bench]')")
     parser.add_argument("--timing", choices=("graph", "eager"), default="graph",
                         help="CUDA: time CUDA-graph replays of each call (the kernels' time; "
                              "default) or the calls as issued from Python (host overhead "
@@ -193,12 +241,19 @@ def report(title: str, rows: list[Row], metric_name: str, baseline: str, args,
             json.dump({"title": title, "device": device_name(device),
                        "date": date.today().isoformat(), "metric": metric_name,
                        "rows": [asdict(r) for r in rows]}, f, indent=1)
+        log.info("wrote %s", args.json)
     if getattr(args, "plot", None):
         plot(title, rows, metric_name, args.plot)
+        log.info("wrote %s", args.plot)
 
 
 def plot(title: str, rows: list[Row], metric_name: str, path: str) -> None:
-    import matplotlib
+    """Grouped bars of ``metric_name`` per case and implementation, each bar labelled with its
+    value; written to ``path`` (any format matplotlib knows by the suffix, PNG usually)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(PLOT_HINT) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -206,15 +261,19 @@ def plot(title: str, rows: list[Row], metric_name: str, path: str) -> None:
     cases = list(dict.fromkeys(r.case for r in rows))
     impls = list(dict.fromkeys(r.impl for r in rows))
     width = 0.8 / max(1, len(impls))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cases)), 4))
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(cases) + 2), 4))
     for i, impl in enumerate(impls):
         vals = [next((r.metric or 0 for r in rows if r.case == c and r.impl == impl), 0)
                 for c in cases]
-        ax.bar([x + i * width for x in range(len(cases))], vals, width, label=impl)
+        bars = ax.bar([x + i * width for x in range(len(cases))], vals, width, label=impl)
+        ax.bar_label(bars, labels=[f"{v:.3g}" if v else "" for v in vals], fontsize=7,
+                     padding=2, rotation=90 if len(impls) * len(cases) > 12 else 0)
     ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(cases))])
     ax.set_xticklabels(cases, rotation=30, ha="right")
     ax.set_ylabel(metric_name)
-    ax.set_title(title)
-    ax.legend()
+    ax.set_title(title, fontsize=9)
+    ax.margins(y=0.15)  # room for the labels above the tallest bar
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside, not on, bars
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)

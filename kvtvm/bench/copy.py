@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import Row, add_common_args, timed, report
+from .common import Row, add_common_args, log, progress, report, timed
 
 # (name, pages in the pool, pages copied)
 DEFAULT_CASES = {"cuda": [("cow 64 of 8192", 8192, 64), ("move 1024 of 8192", 8192, 1024)],
@@ -47,7 +47,9 @@ def main(argv=None) -> int:
     from .. import ops
 
     rows = []
-    for name, pages, n in DEFAULT_CASES["cuda" if args.device.startswith("cuda") else "cpu"]:
+    cases = DEFAULT_CASES["cuda" if args.device.startswith("cuda") else "cpu"]
+    for name, pages, n in progress(cases, desc="copy cases"):
+        log.info("copy %s", name)
         blocks, src, dst = make_case(pages, n, args.n_kv_heads, args.head_dim, args.dtype,
                                      args.device)
         moved = 2 * n * blocks[0].numel() * blocks.element_size()

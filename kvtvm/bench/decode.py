@@ -13,7 +13,8 @@ import argparse
 import math
 import time
 
-from .common import PEERS, Row, add_common_args, add_skip_arg, timed, parse_skip, report
+from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
+                     report, timed)
 
 #: (batch, context) cases.
 DEFAULT_CASES = {
@@ -122,7 +123,7 @@ def tuning_workload(spec, device: str):
     a batch of 4 x 2K tokens on the CPU, 16 x 4K on a GPU, page 16, splits as the op picks."""
     import torch
 
-    from .._decode_op import choose_num_splits, split_workspace
+    from ..ops.decode import choose_num_splits, split_workspace
 
     batch, ctx = (16, 4096) if device.startswith("cuda") else (4, 2048)
     case = make_case(batch, ctx, spec.n_kv_heads, spec.group_size, spec.head_dim, 16,
@@ -170,8 +171,9 @@ def main(argv=None) -> int:
         cases = DEFAULT_CASES["cuda" if cuda else "cpu"]
     scale = 1.0 / math.sqrt(args.head_dim)
     rows, notes = [], {}
-    for batch, ctx in cases:
+    for batch, ctx in progress(cases, desc="decode cases"):
         name = f"b{batch} ctx{ctx}"
+        log.info("decode %s: building the case", name)
         case = make_case(batch, ctx, args.n_kv_heads, args.group_size, args.head_dim,
                          args.page_size, dtype, device)
         kv_bytes = 2 * case["k_dense"].numel() * case["k_dense"].element_size()
@@ -197,6 +199,7 @@ def main(argv=None) -> int:
                                                                          scale)))
         reference = None
         for impl, make in peers:
+            log.info("decode %s: %s (the first call may build or load its kernel)", name, impl)
             try:
                 fn = make()
                 t0 = time.perf_counter()

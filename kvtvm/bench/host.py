@@ -14,6 +14,8 @@ import json
 import statistics
 import time
 
+from .common import log
+
 
 def step_ms(planned: bool, layers: int, batch: int, context: int, n_kv_heads: int,
             group_size: int, head_dim: int, device: str, steps: int) -> float:
@@ -75,7 +77,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shape = (args.layers, args.batch, args.context, args.n_kv_heads, args.group_size,
              args.head_dim, args.device, args.steps)
+    log.info("host: loading and warming the kernels")
     step_ms(True, *shape[:-1], 3)  # load and warm every kernel
+    log.info("host: %d steps through the ops, then through plan_step", args.steps)
     ops_ms, plan_ms = step_ms(False, *shape), step_ms(True, *shape)
     per_call = 1e3 * (ops_ms - plan_ms) / (2 * args.layers)
     print(f"decode step of {args.layers} layers (append + attention each), batch {args.batch}, "

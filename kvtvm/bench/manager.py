@@ -23,6 +23,7 @@ import numpy as np
 
 from ..inputs import BatchItem, TokenBatch
 from ..params import KVCacheParams
+from .common import log, progress
 
 
 def _params(strategy, page_size, prefix=False):
@@ -148,13 +149,15 @@ def main(argv=None) -> int:
                         ("arrays", "batch as a TokenBatch (numpy arrays)")):
         print(f"{title}\n{'batch':>6}" + "".join(f"{k:>20}" for k in kinds))
         timing[form] = {}
-        for b in batches:
+        for b in progress(batches, desc=f"decode steps ({form})"):
+            log.info("manager: decode steps at batch %d, %s", b, form)
             row = {k: decode_step_us(k, b, args.context, args.page_size, args.steps,
                                      form=form) for k in kinds}
             timing[form][b] = row
             print(f"{b:>6}" + "".join(
                 f"{row[k]['median_us']:>12.1f} ({row[k]['cpu_median_us']:5.1f})"
                 for k in kinds))
+    log.info("manager: serving %d requests through both managers", args.requests)
     mem = memory_efficiency(args.requests, args.max_batch, args.max_seq_len, args.page_size)
     print(f"\nmemory efficiency: {args.requests} requests, prompt lengths log-normal (mean "
           f"{mem['prompt_len_mean']:.0f}, p99 {mem['prompt_len_p99']:.0f}), output lengths "

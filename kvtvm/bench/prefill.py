@@ -18,7 +18,8 @@ import argparse
 import itertools
 import math
 
-from .common import PEERS, Row, add_common_args, add_skip_arg, timed, parse_skip, report
+from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
+                     report, timed)
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 #: (batch, new tokens per sequence, cached tokens per sequence)
@@ -224,7 +225,8 @@ def main(argv=None) -> int:
     skip = parse_skip(args)
     rows: list[Row] = []
     notes = []
-    for batch, new, cached in cases:
+    for batch, new, cached in progress(cases, desc="prefill cases"):
+        log.info("prefill %d:%d:%d: building the case", batch, new, cached)
         case = Case(batch, new, cached, args.dtype, device)
         peers = [("kvtvm", None, lambda: run_kvtvm(case)),
                  (PEERS["dense"], "dense", lambda: run_sdpa(case)),
@@ -234,6 +236,8 @@ def main(argv=None) -> int:
         for impl, key, make in peers:
             if key in skip:
                 continue
+            log.info("prefill %s: %s (the first call may build or load its kernel)",
+                     case.name, impl)
             try:
                 fn = make()
                 result = fn()

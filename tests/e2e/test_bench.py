@@ -74,3 +74,45 @@ def test_prebuilt_tvm_peer_runs_with_the_runtime_only(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     impls = {r["impl"] for r in json.loads(out.read_text())["rows"]}
     assert {"kvtvm", "TVM builtin"} <= impls, proc.stdout
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, capsys):
+    """--plot is refused before anything is measured, naming the extra that brings matplotlib."""
+    import argparse
+
+    from kvtvm.bench import common
+
+    real = common.importlib.util.find_spec
+    monkeypatch.setattr(common.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    parser = argparse.ArgumentParser()
+    common.add_common_args(parser)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--plot", "out.png"])
+    assert exc.value.code == 2
+    assert "pip install 'kvtvm[bench]'" in capsys.readouterr().err
+    assert parser.parse_args(["--json", "x.json"]).plot is None  # without --plot: no check
+
+
+def test_plot_draws_values_on_the_bars(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvtvm.bench import common
+
+    rows = [common.Row("b1", "kvtvm", 1.0, 2.14), common.Row("b1", "torch", 1.2, 1.78),
+            common.Row("b4", "kvtvm", 2.0, 2.5)]
+    drawn = {}
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, path, *a, **kw):
+        drawn["labels"] = sorted(t.get_text() for t in fig.axes[0].texts if t.get_text())
+        return real_savefig(fig, path, *a, **kw)
+
+    plt.Figure.savefig, saved = savefig, plt.Figure.savefig
+    try:
+        common.plot("decode", rows, "TB/s", str(tmp_path / "c.png"))
+    finally:
+        plt.Figure.savefig = saved
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn["labels"] == ["1.78", "2.14", "2.5"]  # the missing (b4, torch) bar: no label
