@@ -8,15 +8,17 @@ kernels are loaded from binaries (fatbin) embedded in the module at build time.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 
-from .errors import DeviceUnavailableError
+from .errors import DeviceUnavailableError, InvalidArgumentError, describe
 
 _lock = threading.Lock()
 _cuda_runtime_loaded = False
 
 
+@functools.lru_cache(maxsize=None)
 def physical_cores() -> int:
     """CPU cores this process may run on, hyper-thread siblings counted once."""
     cpus = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -31,18 +33,60 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+#: The one knob for the CPU threads kvtvm's kernels use (see :func:`set_num_threads`).
+NUM_THREADS_ENV = "KVTVM_NUM_THREADS"
+
+_num_threads: int | None = None      # set_num_threads(); None: decided at first use
+_thread_state = threading.local()    # .configured: the thread count this thread's pool has
+
+
 def cpu_threads() -> int:
-    """Threads TVM's thread pool runs kvtvm's CPU kernels on (``TVM_NUM_THREADS``)."""
-    try:
-        return max(1, int(os.environ["TVM_NUM_THREADS"]))
-    except (KeyError, ValueError):
-        return physical_cores()
+    """Threads TVM's thread pool runs kvtvm's CPU kernels on.
+
+    In order: :func:`set_num_threads`, ``KVTVM_NUM_THREADS``, TVM's own ``TVM_NUM_THREADS``,
+    else the physical cores this process may run on. (TVM's default is half the logical
+    CPUs on x86 -- a guess that hyper-threads come in pairs; on machines without them, most
+    VMs, it leaves half the cores idle.)
+    """
+    if _num_threads is not None:
+        return _num_threads
+    for name in (NUM_THREADS_ENV, "TVM_NUM_THREADS"):
+        try:
+            return max(1, int(os.environ[name]))
+        except (KeyError, ValueError):
+            pass
+    return physical_cores()
 
 
-# TVM sizes its CPU thread pool, when it first starts it, from TVM_NUM_THREADS, else from half the
-# logical CPUs on x86 (a guess that hyper-threads come in pairs): on a machine without them --
-# most VMs -- that left half the cores idle. Unless the user chose, use the physical cores.
-os.environ.setdefault("TVM_NUM_THREADS", str(physical_cores()))
+def set_num_threads(n: int | None) -> None:
+    """Run kvtvm's CPU kernels on ``n`` threads from now on (None: back to the default of
+    :func:`cpu_threads`). Takes effect in each thread at its next kernel call.
+
+    torch's intra-op threads and TVM's pool share the same cores: an engine that runs torch
+    between kernel calls usually wants ``torch.set_num_threads`` and this to agree.
+    """
+    global _num_threads
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise InvalidArgumentError(describe("n", "None or an int >= 1", repr(n)))
+    _num_threads = n
+
+
+def configure_cpu_threads() -> None:
+    """Size the calling thread's TVM thread pool to :func:`cpu_threads` (TVM keeps one pool
+    per calling thread): done at a thread's first CPU kernel call and again after
+    :func:`set_num_threads` changes the count; otherwise a thread-local lookup."""
+    n = cpu_threads()
+    if getattr(_thread_state, "configured", None) == n:
+        return
+    cpus = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1)))
+    import tvm_ffi
+
+    # mode -3 (kSpecifyThreadShareAllCore): n workers, each free to run on every allowed CPU;
+    # TVM caps the pool at the length of the CPU list, so it is repeated when n exceeds it
+    cpu_list = [str(cpus[i % len(cpus)]) for i in range(max(n, len(cpus)))]
+    tvm_ffi.get_global_func("runtime.config_threadpool")(-3, n, cpu_list)
+    _thread_state.configured = n
 
 
 def tvm_runtime():

@@ -1,20 +1,24 @@
 """``decode_attention``: one query token per sequence over its paged KV cache (split-KV).
 
-Validates at the DLPack boundary (:mod:`kvtvm.boundary`), picks the number of KV splits, hands
-the kernel a reusable split workspace and launches ``kvtvm.kernels.decode``.
+Validates at the DLPack boundary (:mod:`kvtvm.ops.checks`), picks the number of KV splits,
+gives the kernel a split workspace (the caller's :class:`SplitWorkspace`, or one owned by the
+launch) and looks up ``kvtvm.kernels.decode``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
 
-from .boundary import (as_tensor, check_batch_indices, check_cache_pair, check_contiguous,
-                       check_dim, check_dtype, check_rank, common_device,
-                       check_vector_aligned, indices_on_host, launch)
-from . import runtime
-from .errors import InvalidArgumentError, describe
+from .. import runtime
+from ..errors import InvalidArgumentError, describe
+from .checks import (as_tensor, check_batch_indices, check_cache_pair, check_contiguous,
+                     check_dim, check_dtype, check_rank, check_vector_aligned, common_device,
+                     indices_on_host)
+from .launch import Launch, kernel_for
+
+__all__ = ["decode_attention", "prepare_decode_attention", "choose_num_splits",
+           "SplitWorkspace", "split_workspace", "MAX_SPLITS"]
 
 #: CPU: a split holds at least this many KV positions (shorter ones cost more in merging than
 #: they win in parallelism).
@@ -36,18 +40,18 @@ CUDA_RESIDENT_CTAS_PER_SM = 7
 #: the other cores win (measured on 2 cores: serial 15-35% faster below, slower above).
 CPU_SERIAL_ELEMENTS = 1 << 17
 
-_workspaces: dict = {}
-_workspace_lock = threading.Lock()
-
-
 @functools.lru_cache(maxsize=None)
-def _parallel_units(device) -> int:
-    """The device's processors: SMs of a GPU, or the CPU cores kvtvm's kernels run on (asked
-    once per device: both queries cost microseconds)."""
-    if device.type == "cuda":
-        import torch
+def _multiprocessors(device) -> int:
+    """SMs of a GPU (asked once per device: the query costs microseconds)."""
+    import torch
 
-        return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _parallel_units(device) -> int:
+    """The device's processors: SMs of a GPU, or the CPU threads kvtvm's kernels run on."""
+    if device.type == "cuda":
+        return _multiprocessors(device)
     return runtime.cpu_threads()
 
 
@@ -77,32 +81,86 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device) -> i
     return int(max(1, splits))
 
 
-def split_workspace(device, num_splits: int, batch: int, n_q_heads: int, head_dim: int):
-    """Float32 views ``(o_part [S, batch, Hq, D], lse_part [S, batch, Hq])`` of one buffer per
-    (device, stream or thread), grown when a call needs more and reused otherwise, so steady
-    state decoding (and CUDA-graph capture) sees a fixed pointer."""
-    import torch
+class SplitWorkspace:
+    """Float32 scratch for decode's per-split partial results, owned by its caller.
 
-    if device.type == "cuda":
-        key = (str(device), torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = (str(device), threading.get_ident())
-    n_o = num_splits * batch * n_q_heads * head_dim
-    n_l = num_splits * batch * n_q_heads
-    with _workspace_lock:
-        buf = _workspaces.get(key)
-        if buf is None or buf.numel() < n_o + n_l:
-            buf = torch.empty(n_o + n_l, dtype=torch.float32, device=device)
-            _workspaces[key] = buf
-    return (buf[:n_o].view(num_splits, batch, n_q_heads, head_dim),
-            buf[n_o:n_o + n_l].view(num_splits, batch, n_q_heads))
+    A plan or an engine keeps one per step (or per stream) so that every layer's decode, and
+    a CUDA graph capturing it, sees the same buffer; it grows to the largest call it has
+    served, never beyond ``max_elements``, and is freed with its owner. Without one, each
+    decode call allocates its own (torch's caching allocator makes that cheap on CUDA).
+
+    Parameters
+    ----------
+    device : torch.device or str
+    max_elements : int, optional
+        Upper bound on its float32 elements (default: no bound beyond memory); a call needing
+        more raises :class:`~kvtvm.errors.InvalidArgumentError`.
+    """
+
+    def __init__(self, device, max_elements: int | None = None):
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.max_elements = max_elements
+        self._buf = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        return 0 if self._buf is None else self._buf.numel() * 4
+
+    def views(self, num_splits: int, batch: int, n_q_heads: int, head_dim: int):
+        """``(o_part [S, batch, Hq, D], lse_part [S, batch, Hq])`` float32 views of the buffer,
+        grown first when too small."""
+        import torch
+
+        n_o = num_splits * batch * n_q_heads * head_dim
+        n_l = num_splits * batch * n_q_heads
+        if self.max_elements is not None and n_o + n_l > self.max_elements:
+            raise InvalidArgumentError(describe(
+                "workspace", f"room for {n_o + n_l} float32 elements",
+                f"max_elements={self.max_elements}"))
+        if self._buf is None or self._buf.numel() < n_o + n_l:
+            self._buf = None  # free the old buffer before allocating the larger one
+            self._buf = torch.empty(n_o + n_l, dtype=torch.float32, device=self.device)
+        buf = self._buf
+        return (buf[:n_o].view(num_splits, batch, n_q_heads, head_dim),
+                buf[n_o:n_o + n_l].view(num_splits, batch, n_q_heads))
+
+
+def split_workspace(device, num_splits: int, batch: int, n_q_heads: int, head_dim: int):
+    """Fresh float32 ``(o_part [S, batch, Hq, D], lse_part [S, batch, Hq])`` for one call."""
+    return SplitWorkspace(device).views(num_splits, batch, n_q_heads, head_dim)
 
 
 def decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout: str = "nhd",
                      sm_scale: float | None = None, sliding_window: int | None = None,
                      num_splits: int | None = None, out=None, lse=None,
-                     check_indices: bool | None = None):
+                     check_indices: bool | None = None, workspace: SplitWorkspace | None = None):
     """Attention of one new query token per sequence over its cached keys and values.
+
+    ``prepare_decode_attention(...).run()``: see :func:`prepare_decode_attention`.
+
+    Returns
+    -------
+    (out, lse)
+    """
+    return prepare_decode_attention(
+        q, k_cache, v_cache, cache_lengths, lookup_table, layout=layout, sm_scale=sm_scale,
+        sliding_window=sliding_window, num_splits=num_splits, out=out, lse=lse,
+        check_indices=check_indices, workspace=workspace).run()
+
+
+def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *,
+                             layout: str = "nhd", sm_scale: float | None = None,
+                             sliding_window: int | None = None, num_splits: int | None = None,
+                             out=None, lse=None, check_indices: bool | None = None,
+                             workspace: SplitWorkspace | None = None) -> Launch:
+    """Check a decode call, choose its splits and look up its kernel; ``.run()`` returns
+    ``(out, lse)``.
 
     The current token's K/V must already be in the cache (``append_kv``), so sequence ``b``
     attends over positions ``[start, cache_lengths[b] + 1)``, ``start = 0`` or, with a sliding
@@ -136,10 +194,15 @@ def decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout
     check_indices : bool, optional
         Check lengths and page indices on the host before launch; by default only when they
         are in host memory (free).
+    workspace : SplitWorkspace, optional
+        Scratch for the per-split partial results (on the tensors' device); the launch
+        allocates its own when None.
 
     Returns
     -------
-    (out, lse)
+    Launch
+        Slots ``q, k_cache, v_cache, cache_lengths, lookup_table, out, lse, o_part, lse_part,
+        sm_scale, sliding_window``; ``run()`` returns ``(out, lse)``.
 
     Raises
     ------
@@ -224,15 +287,21 @@ def decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout
     lse_t = tensors.get("lse")
     if lse_t is None:
         lse_t = torch.empty((batch, n_q_heads), dtype=torch.float32, device=device)
+    slots = dict(q=qt, k_cache=kc, v_cache=vc, cache_lengths=lengths, lookup_table=table,
+                 out=out_t, lse=lse_t)
     if batch == 0:
-        return out_t, lse_t
-    o_part, lse_part = split_workspace(device, num_splits, batch, n_q_heads, geo.head_dim)
-    scale = 1.0 / math.sqrt(geo.head_dim) if sm_scale is None else float(sm_scale)
-    features = ("sliding_window",) if sliding_window is not None else ()
-    spec = dict(op="decode", dtype=geo.dtype, head_dim=geo.head_dim, n_kv_heads=geo.n_kv_heads,
-                group_size=group_size, layout=layout, features=features)
-    if serial:
-        spec["knobs"] = (("parallel", False),)
-    launch(spec, device, (qt, kc, vc, lengths, table, out_t, lse_t, o_part, lse_part, scale,
-                          int(sliding_window or 0)))
-    return out_t, lse_t
+        return Launch(None, device, slots, outputs=("out", "lse"))
+    if workspace is None:
+        workspace = SplitWorkspace(device)
+    elif workspace.device != device:
+        raise InvalidArgumentError(describe("workspace", f"a SplitWorkspace on {device}",
+                                            f"one on {workspace.device}"))
+    slots["o_part"], slots["lse_part"] = workspace.views(num_splits, batch, n_q_heads,
+                                                         geo.head_dim)
+    slots["sm_scale"] = 1.0 / math.sqrt(geo.head_dim) if sm_scale is None else float(sm_scale)
+    slots["sliding_window"] = int(sliding_window or 0)
+    fn = kernel_for(device, op="decode", dtype=geo.dtype, head_dim=geo.head_dim,
+                    n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
+                    features=("sliding_window",) if sliding_window is not None else (),
+                    variant="serial" if serial else "")
+    return Launch(fn, device, slots, outputs=("out", "lse"))

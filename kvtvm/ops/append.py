@@ -1,21 +1,14 @@
-"""The Python-facing ops: validate tensors at the DLPack boundary, pick the kernel, launch.
-
-Every op takes torch tensors (CPU or CUDA) or, on the CPU, numpy arrays, with no copy; checks
-dtype, device, rank, shape, strides and index ranges before launch (see
-:mod:`kvtvm.boundary`) and raises kvtvm's typed errors, writing nothing, on bad input. CUDA
-kernels run on torch's current stream.
-
-Conventions shared by all ops: ``cache_lengths[b]`` is the number of tokens sequence ``b``
-held *before* this step's new tokens; ``qo_indptr`` (int32 ``[batch + 1]``) gives the rows of
-each sequence's new tokens; ``lookup_table`` (int32 ``[batch, max_pages]``) its pages.
-"""
+"""``append_kv``: write a ragged batch of new K/V rows into a paged cache."""
 
 from __future__ import annotations
 
-from .boundary import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
-                       check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
-                       common_device, indices_on_host, launch)
-from .errors import InvalidArgumentError, describe
+from ..errors import InvalidArgumentError, describe
+from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
+                     check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
+                     common_device, indices_on_host)
+from .launch import Launch, kernel_for
+
+__all__ = ["append_kv", "prepare_append_kv", "CPU_PARALLEL_APPEND_BYTES"]
 
 #: On the CPU, appends moving fewer K+V bytes than this run on one thread: an append is a
 #: memory copy, and below it waking TVM's thread pool costs more than the other cores win
@@ -24,14 +17,19 @@ from .errors import InvalidArgumentError, describe
 CPU_PARALLEL_APPEND_BYTES = 8 << 20
 
 
-# ------------------------------------------------------------------------------------------
-# append_kv
-# ------------------------------------------------------------------------------------------
-
-
 def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
               layout: str = "nhd", check_indices: bool | None = None) -> None:
     """Write a ragged batch of new K/V rows into a paged cache, in place.
+
+    ``prepare_append_kv(...).run()``: see :func:`prepare_append_kv` for the arguments.
+    """
+    prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table,
+                      layout=layout, check_indices=check_indices).run()
+
+
+def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
+                      layout: str = "nhd", check_indices: bool | None = None) -> Launch:
+    """Check an append and look up its kernel; ``.run()`` writes the rows.
 
     Row ``i`` of sequence ``b`` (rows ``qo_indptr[b]:qo_indptr[b+1]``) goes to token
     position ``p = cache_lengths[b] + i - qo_indptr[b]``, i.e. page
@@ -58,6 +56,11 @@ def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
         Check index ranges before launch. Defaults to True when the index tensors are on the
         host (free) and False when they are on a GPU (checking them would synchronize); a
         page index out of range is never written either way.
+
+    Returns
+    -------
+    Launch
+        Slots ``k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table``.
 
     Raises
     ------
@@ -88,15 +91,13 @@ def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
         check_indices = indices_on_host(indptr, lengths, table)
     if check_indices:
         check_batch_indices(indptr, lengths, table, geo, kt.shape[0])
+    slots = dict(k_cache=kc, v_cache=vc, k=kt, v=vt, qo_indptr=indptr, cache_lengths=lengths,
+                 lookup_table=table)
     if kt.shape[0] == 0:
-        return
-    spec = dict(op="append", dtype=geo.dtype, head_dim=geo.head_dim, n_kv_heads=geo.n_kv_heads,
-                layout=layout)
+        return Launch(None, device, slots)
     moved = 2 * kt.numel() * kt.element_size()  # K and V bytes
-    if device.type == "cpu" and moved < CPU_PARALLEL_APPEND_BYTES:
-        spec["knobs"] = (("parallel", False),)  # waking the thread pool costs more than it saves
-    launch(spec, device, (kc, vc, kt, vt, indptr, lengths, table))
-from ._copy_op import copy_pages, copy_slots  # noqa: E402,F401
-from ._prefill_op import prefill_attention  # noqa: E402,F401
-from ._decode_op import decode_attention  # noqa: E402,F401
-from .plan import StepPlan, plan_step  # noqa: E402,F401
+    # small appends: waking the thread pool costs more than it saves
+    variant = "serial" if device.type == "cpu" and moved < CPU_PARALLEL_APPEND_BYTES else ""
+    fn = kernel_for(device, op="append", dtype=geo.dtype, head_dim=geo.head_dim,
+                    n_kv_heads=geo.n_kv_heads, layout=layout, variant=variant)
+    return Launch(fn, device, slots)

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvtvm import KVCacheParams, ops, plan
+from helpers import run_step as _run_step
+from kvtvm import KVCacheParams, plan
 from kvtvm.errors import DTypeMismatchError, InvalidArgumentError
 from kvtvm.manager import BatchItem, PagedKVCacheManager, TokenBatch
+from kvtvm.ops import Launch
 
 H, G, D, LAYERS, P = 2, 3, 16, 3, 4
 
@@ -20,29 +22,6 @@ H, G, D, LAYERS, P = 2, 3, 16, 3, 4
 def _manager():
     params = KVCacheParams("float32", H, D, "paged", page_size=P)
     return PagedKVCacheManager(params, 4, 64, LAYERS)
-
-
-def _run_step(mgr, batch, qkv, planned):
-    """Append + attention for every layer; returns [(out, lse)] per layer."""
-    (inp,) = mgr.fetch(batch)
-    results = []
-    p = ops.plan_step(inp) if planned else None
-    for layer, (q, k, v) in enumerate(qkv):
-        if planned:
-            p.append_kv(layer, k, v)
-            results.append(p.attention(layer, q))
-        else:
-            kc, vc = inp.k_cache(layer), inp.v_cache(layer)
-            ops.append_kv(kc, vc, k, v, inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
-            n = int(inp.qo_indptr_host[-1])
-            if n == inp.batch_size:
-                results.append(ops.decode_attention(q, kc, vc, inp.cache_lengths,
-                                                    inp.lookup_table))
-            else:
-                results.append(ops.prefill_attention(q, kc, vc, inp.qo_indptr,
-                                                     inp.cache_lengths, inp.lookup_table))
-    mgr.step(batch)
-    return results
 
 
 def test_plan_matches_the_ops_over_prefill_and_decode_steps(monkeypatch):
@@ -54,8 +33,14 @@ def test_plan_matches_the_ops_over_prefill_and_decode_steps(monkeypatch):
     ids = planned.claim(3)
     assert plain.claim(3) == ids
     replays = []
-    real = plan.run_launch
-    monkeypatch.setattr(plan, "run_launch", lambda *a: (replays.append(1), real(*a)))
+    real = Launch.rebind
+
+    def counted(*args, **kwargs):  # counts rebinds that succeeded
+        launch = real(*args, **kwargs)
+        replays.append(1)
+        return launch
+
+    monkeypatch.setattr(Launch, "rebind", counted)
     steps = [[BatchItem(ids[0], [1] * 7), BatchItem(ids[1], [2] * 4), BatchItem(ids[2], [3])]]
     steps += [TokenBatch(ids, [4, 5, 6])] * 3
     for batch in steps:
@@ -75,7 +60,7 @@ def test_bad_input_on_a_later_layer_raises_and_writes_nothing():
     mgr = _manager()
     (a,) = mgr.claim(1)
     (inp,) = mgr.fetch([BatchItem(a, [1, 2, 3])])
-    p = ops.plan_step(inp)
+    p = plan.plan_step(inp)
     k = torch.randn(3, H, D)
     p.append_kv(0, k, k)
     cache = mgr.blocks[0].clone()
@@ -92,14 +77,14 @@ def test_bad_input_on_a_later_layer_raises_and_writes_nothing():
     with pytest.raises(InvalidArgumentError, match="layer"):
         p.attention(LAYERS, q)
     with pytest.raises(InvalidArgumentError, match="decode"):
-        ops.plan_step(inp, decode=True)
+        plan.plan_step(inp, decode=True)
 
 
-def test_numpy_inputs_run_through_the_full_ops():
+def test_numpy_inputs_are_planned_too():
     mgr = _manager()
     (a,) = mgr.claim(1)
     (inp,) = mgr.fetch([BatchItem(a, [1])])
-    p = ops.plan_step(inp)
+    p = plan.plan_step(inp)
     assert p.decode
     k = np.random.default_rng(0).standard_normal((1, H, D)).astype(np.float32)
     for layer in range(LAYERS):
@@ -107,18 +92,19 @@ def test_numpy_inputs_run_through_the_full_ops():
         out, lse = p.attention(layer, np.ones((1, H * G, D), np.float32))
         # one token in the cache: attention returns its V row, for every query head
         np.testing.assert_allclose(out.numpy(), np.repeat(k, G, axis=1), rtol=1e-6)
-    assert "append" not in p._replays  # numpy arrays are converted: nothing to replay
+    # numpy arrays cross the DLPack boundary without a copy: the later layers are rebound too
+    assert p._append.slots["k"] is not p._append.slots["v"]
 
 
 def test_one_tensor_passed_as_k_and_v_is_replayed():
     mgr = _manager()
     (a,) = mgr.claim(1)
     (inp,) = mgr.fetch([BatchItem(a, [1, 2])])
-    p = ops.plan_step(inp)
+    p = plan.plan_step(inp)
     k = torch.randn(2, H, D)
     for layer in range(LAYERS):
         p.append_kv(layer, k, k)
-    assert p._replays["append"].slots == {"k_cache": 0, "v_cache": 1, "k": 2, "v": 3}
+    assert p._append.slots["k"] is k and p._append.slots["v"] is k
     for layer in range(LAYERS):
         assert torch.equal(inp.k_cache(layer)[inp.lookup_table[0, 0], :2], k)
         assert torch.equal(inp.v_cache(layer)[inp.lookup_table[0, 0], :2], k)

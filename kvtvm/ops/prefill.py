@@ -1,20 +1,22 @@
-"""``prefill_attention``: the Python-facing prefill op (validation at the DLPack boundary,
-kernel dispatch). Re-exported by :mod:`kvtvm.ops`."""
+"""``prefill_attention``: ragged (chunked) causal attention of new tokens over their cached
+prefix and themselves (validation at the DLPack boundary, the kernel variant, lookup)."""
 
 from __future__ import annotations
 
 import math
 import numbers
 
-from .boundary import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
-                       check_contiguous, check_dim, check_dtype, check_rank, common_device,
-                       check_vector_aligned, indices_on_host, launch)
-from .errors import InvalidArgumentError, describe
+from ..errors import InvalidArgumentError, describe
+from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
+                     check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
+                     common_device, indices_on_host)
+from .launch import Launch, kernel_for
+
+__all__ = ["prefill_attention", "prepare_prefill_attention", "CUDA_SHORT_QUERY_TOKENS"]
 
 #: CUDA, fp16/bf16: a call whose sequences add fewer new tokens than this on average runs the
-#: small-tile variant of the kernel (``SHORT_QUERY_KNOBS`` of ``schedules/cuda_prefill.py``,
-#: repeated here because the ops layer loads kernels without importing schedules): the
-#: default tile holds 256 query rows, 64 tokens of a GQA-4 model, so short queries would leave
+#: ``short_query`` variant of the kernel (small tiles, declared with the prefill family in
+#: :mod:`kvtvm.kernels`): the default tile holds 256 query rows, 64 tokens of a GQA-4 model, so short queries would leave
 #: most of it to other sequences' segments. Measured on an H100 (fp16, 8 KV heads x 128,
 #: GQA 4): with 128 or more new tokens per sequence the default tile is faster (the wgmma
 #: kernel: 1.2-2.5x); on the tuning mix (4096, 2048, 1024, 128, 16 and 1 new tokens over
@@ -22,7 +24,6 @@ from .errors import InvalidArgumentError, describe
 #: its short sequences decide -- a per-call average (all the host knows without a device
 #: sync) gives that mix the default.
 CUDA_SHORT_QUERY_TOKENS = 64
-CUDA_SHORT_QUERY_KNOBS = {"m_tiles": 1, "tile_kv": 32, "warps": 4, "wgmma": 0}
 
 
 def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, *,
@@ -30,6 +31,24 @@ def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tabl
                       sliding_window: int | None = None, out=None, lse=None,
                       check_indices: bool | None = None):
     """Ragged (chunked) prefill attention over a paged cache: cached prefix + new tokens.
+
+    ``prepare_prefill_attention(...).run()``: see :func:`prepare_prefill_attention`.
+
+    Returns
+    -------
+    (out, lse)
+    """
+    return prepare_prefill_attention(
+        q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, layout=layout,
+        causal=causal, sm_scale=sm_scale, sliding_window=sliding_window, out=out, lse=lse,
+        check_indices=check_indices).run()
+
+
+def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, *,
+                              layout: str = "nhd", causal: bool = True,
+                              sm_scale: float | None = None, sliding_window: int | None = None,
+                              out=None, lse=None, check_indices: bool | None = None) -> Launch:
+    """Check a prefill call and look up its kernel; ``.run()`` returns ``(out, lse)``.
 
     Sequence ``b`` owns query rows ``qo_indptr[b]:qo_indptr[b+1]``; their K/V must already be
     in the cache (``append_kv``), so ``b`` attends over ``kv_len = cache_lengths[b] + n_new``
@@ -68,7 +87,9 @@ def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tabl
 
     Returns
     -------
-    (out, lse)
+    Launch
+        Slots ``q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, out, lse, causal,
+        sm_scale, sliding_window``; ``run()`` returns ``(out, lse)``.
 
     Raises
     ------
@@ -134,15 +155,15 @@ def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tabl
         check_indices = indices_on_host(indptr, lengths, table)
     if check_indices:
         check_batch_indices(indptr, lengths, table, geo, num_tokens)
+    slots = dict(q=qt, k_cache=kc, v_cache=vc, qo_indptr=indptr, cache_lengths=lengths,
+                 lookup_table=table, out=out, lse=lse, causal=int(bool(causal)),
+                 sm_scale=float(sm_scale), sliding_window=int(sliding_window or 0))
     if num_tokens == 0:
-        return out, lse
-    features = ("sliding_window",) if sliding_window is not None else ()
-    spec = dict(op="prefill", dtype=geo.dtype, head_dim=geo.head_dim,
-                n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
-                features=features)
-    if (device.type == "cuda" and geo.dtype != "float32"
-            and num_tokens < CUDA_SHORT_QUERY_TOKENS * (len(indptr) - 1)):
-        spec["knobs"] = tuple(CUDA_SHORT_QUERY_KNOBS.items())
-    launch(spec, device, (qt, kc, vc, indptr, lengths, table, out, lse, int(bool(causal)),
-                          float(sm_scale), int(sliding_window or 0)))
-    return out, lse
+        return Launch(None, device, slots, outputs=("out", "lse"))
+    short = (device.type == "cuda" and geo.dtype != "float32"
+             and num_tokens < CUDA_SHORT_QUERY_TOKENS * (len(indptr) - 1))
+    fn = kernel_for(device, op="prefill", dtype=geo.dtype, head_dim=geo.head_dim,
+                    n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
+                    features=("sliding_window",) if sliding_window is not None else (),
+                    variant="short_query" if short else "")
+    return Launch(fn, device, slots, outputs=("out", "lse"))

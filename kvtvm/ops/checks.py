@@ -1,30 +1,24 @@
-"""The DLPack boundary shared by every op: tensor conversion, typed checks, kernel dispatch.
+"""The DLPack boundary shared by every op: tensor conversion and typed argument checks.
 
 Every op accepts torch tensors (CPU or CUDA) and, on the CPU, numpy arrays; nothing is copied:
 numpy arrays are wrapped with ``torch.from_numpy`` and torch tensors go to the TVM function
 through DLPack. Before any launch an op checks dtype, device, rank, shape, strides and (for
 host-resident index tensors, or when ``check_indices=True``) index ranges, and raises one of
 kvtvm's typed errors naming the argument, what was expected and what it got; nothing is
-written when it raises. CUDA kernels run on torch's current stream.
+written when it raises. Launching lives in :mod:`kvtvm.ops.launch`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import compiler
-from .errors import (DeviceMismatchError, DeviceUnavailableError, DTypeMismatchError,
-                     InvalidArgumentError, SequenceTooLongError, describe)
-from .params import DTYPE_SIZES
-
-LAYOUTS = compiler.LAYOUTS
-
+from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
+                      SequenceTooLongError, describe)
+from ..compiler import LAYOUTS
+from ..params import DTYPE_SIZES
 
 
 # ------------------------------------------------------------------------------------------
@@ -111,82 +105,9 @@ def common_device(tensors: dict):
     return first.device
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where a call runs: ``("llvm", None)`` or ``("cuda", "sm_90a")``."""
-
-    target: str
-    arch: str | None
-
-
-@functools.lru_cache(maxsize=None)
-def target_of(device) -> Target:
-    """The kernel target for tensors on ``device``."""
-    if device.type == "cpu":
-        return Target("llvm", None)
-    if device.type == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise DeviceUnavailableError(f"tensors are on {device} but CUDA is not available")
-        major, minor = torch.cuda.get_device_capability(device)
-        if major >= 9:
-            return Target("cuda", "sm_90a")
-        if major == 8:
-            return Target("cuda", "sm_80")
-        raise DeviceUnavailableError(
-            f"{device} has compute capability {major}.{minor}; kvtvm's CUDA kernels need 8.0+")
-    raise DeviceMismatchError(describe("device", "cpu or cuda", device))
-
-
 def host_array(t) -> np.ndarray:
+    """A host numpy copy (or view) of a tensor's values, for index checks."""
     return t.detach().cpu().numpy()
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_for(spec_items: tuple, target: Target, search_path: tuple):
-    spec = compiler.KernelSpec(target=target.target, arch=target.arch, **dict(spec_items))
-    return compiler.get_kernel(spec)
-
-
-_recorder = threading.local()  # .calls: a list receiving (fn, device, args) of each launch
-
-
-def launch(spec_kwargs: dict, device, args):
-    """Run the kernel of ``spec_kwargs`` for ``device`` on ``args`` (torch tensors/scalars).
-
-    The loaded function is memoized per (spec, target, kernel search path), so a call costs a
-    dictionary lookup once the kernel is loaded. Inside :func:`recording_launches` the call is
-    also recorded, so it can be replayed with other tensors (:mod:`kvtvm.plan`).
-    """
-    fn = _kernel_for(tuple(sorted(spec_kwargs.items())), target_of(device),
-                     compiler.search_key())
-    calls = getattr(_recorder, "calls", None)
-    if calls is not None:
-        calls.append((fn, device, tuple(args)))
-    run_launch(fn, device, args)
-
-
-def run_launch(fn, device, args) -> None:
-    """Call a loaded kernel on ``device`` (CUDA: on torch's current stream of that device)."""
-    if device.type == "cuda":
-        import torch
-
-        with torch.cuda.device(device):
-            fn(*args)
-    else:
-        fn(*args)
-
-
-@contextlib.contextmanager
-def recording_launches():
-    """Collect ``(fn, device, args)`` of every :func:`launch` in this thread inside the block."""
-    previous = getattr(_recorder, "calls", None)
-    _recorder.calls = calls = []
-    try:
-        yield calls
-    finally:
-        _recorder.calls = previous
 
 
 # ------------------------------------------------------------------------------------------

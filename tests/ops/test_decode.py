@@ -262,7 +262,7 @@ def test_choose_num_splits(monkeypatch):
     """CUDA: ~512 positions a split (a power of two), at least 2 CTAs per SM, never a grid just
     past one full wave, never under 128 positions a split; CPU: one task per core, never
     under 256 positions a split."""
-    from kvtvm import _decode_op
+    from kvtvm.ops import decode as _decode_op
 
     monkeypatch.setattr(_decode_op, "_parallel_units", lambda device: 132)  # H100 SMs
     cuda = torch.device("cuda")
@@ -282,11 +282,31 @@ def test_choose_num_splits(monkeypatch):
     assert _decode_op.choose_num_splits(1, 8, 300, cpu) == 2
 
 
-def test_split_workspace_is_reused():
-    from kvtvm._decode_op import split_workspace
+def test_split_workspace_is_owned_reused_and_bounded():
+    """A SplitWorkspace grows to the largest call and is reused for smaller ones (a fixed
+    pointer for CUDA graphs); its bound is a typed error; decode with and without one agree."""
+    from kvtvm.ops import SplitWorkspace
 
     cpu = torch.device("cpu")
-    o1, l1 = split_workspace(cpu, 4, 8, 32, 128)
-    o2, l2 = split_workspace(cpu, 2, 8, 32, 128)  # smaller: same buffer
+    ws = SplitWorkspace(cpu, max_elements=4 * 8 * 32 * 129)
+    o1, l1 = ws.views(4, 8, 32, 128)
+    o2, l2 = ws.views(2, 8, 32, 128)  # smaller: same buffer
     assert o1.data_ptr() == o2.data_ptr() and o2.shape == (2, 8, 32, 128)
     assert l2.shape == (2, 8, 32) and l2.data_ptr() == o2.data_ptr() + o2.numel() * 4
+    assert ws.nbytes == 4 * 8 * 32 * 129 * 4
+    with pytest.raises(InvalidArgumentError, match="workspace"):
+        ws.views(8, 8, 32, 128)
+    assert ws.nbytes == 4 * 8 * 32 * 129 * 4  # unchanged by the refused call
+
+    rng = np.random.default_rng(3)
+    P, H, G, D = 4, 2, 2, 16
+    kc = torch.from_numpy(rng.standard_normal((12, P, H, D)).astype(np.float32))
+    vc = torch.from_numpy(rng.standard_normal((12, P, H, D)).astype(np.float32))
+    q = torch.from_numpy(rng.standard_normal((2, H * G, D)).astype(np.float32))
+    lengths = torch.tensor([9, 17], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], dtype=torch.int32)
+    want = ops.decode_attention(q, kc, vc, lengths, table, num_splits=3)
+    own = SplitWorkspace(cpu)
+    got = ops.decode_attention(q, kc, vc, lengths, table, num_splits=3, workspace=own)
+    assert own.nbytes > 0
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

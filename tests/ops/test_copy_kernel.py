@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtvm import compiler, ops
-from kvtvm._copy_op import independent_rounds
+from kvtvm.ops.copy import independent_rounds
 from kvtvm.errors import DTypeMismatchError, InvalidArgumentError
 from kvtvm.kernels.reference import reference_copy_pages
 

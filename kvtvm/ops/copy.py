@@ -1,4 +1,4 @@
-"""The copy ops (re-exported by :mod:`kvtvm.ops`): move pages or batch slots of a cache tensor.
+"""The copy ops: move pages or batch slots of a cache tensor.
 
 ``copy_pages`` moves rows of axis 0 (PAGED / CONTINUOUS cache tensors, whose axis 0 is the page
 or block); ``copy_slots`` moves rows of axis 1 of a LINEAR cache tensor
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .boundary import (as_tensor, check_contiguous, check_dtype, check_vector_aligned,
-                       host_array, launch)
-from .errors import DeviceMismatchError, InvalidArgumentError, describe
-from .params import DTYPE_SIZES
+from ..errors import DeviceMismatchError, InvalidArgumentError, describe
+from ..params import DTYPE_SIZES
+from .checks import as_tensor, check_contiguous, check_dtype, check_vector_aligned, host_array
+from .launch import Launch, LaunchSequence, kernel_for
 
-__all__ = ["copy_pages", "copy_slots", "independent_rounds"]
+__all__ = ["copy_pages", "copy_slots", "prepare_copy_pages", "prepare_copy_slots",
+           "independent_rounds"]
 
 
 def copy_pages(blocks, src_pages, dst_pages, *, check_indices: bool | None = None) -> None:
@@ -45,7 +46,20 @@ def copy_pages(blocks, src_pages, dst_pages, *, check_indices: bool | None = Non
     DTypeMismatchError, DeviceMismatchError, InvalidArgumentError
         Before anything is written.
     """
-    _copy_rows(blocks, 0, src_pages, dst_pages, "blocks", check_indices)
+    prepare_copy_pages(blocks, src_pages, dst_pages, check_indices=check_indices).run()
+
+
+def prepare_copy_pages(blocks, src_pages, dst_pages, *,
+                       check_indices: bool | None = None) -> LaunchSequence:
+    """Check a page copy and look up its kernel (arguments as :func:`copy_pages`).
+
+    Returns
+    -------
+    LaunchSequence
+        One :class:`~kvtvm.ops.launch.Launch` per round of independent copies (slots
+        ``blocks, src, dst``); ``run()`` runs them in order.
+    """
+    return _prepare_copy_rows(blocks, 0, src_pages, dst_pages, "blocks", check_indices)
 
 
 def copy_slots(cache, src_slots, dst_slots, *, check_indices: bool | None = None) -> None:
@@ -62,10 +76,17 @@ def copy_slots(cache, src_slots, dst_slots, *, check_indices: bool | None = None
     check_indices : bool, optional
         As for :func:`copy_pages`.
     """
-    _copy_rows(cache, 1, src_slots, dst_slots, "cache", check_indices)
+    prepare_copy_slots(cache, src_slots, dst_slots, check_indices=check_indices).run()
 
 
-def _copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> None:
+def prepare_copy_slots(cache, src_slots, dst_slots, *,
+                       check_indices: bool | None = None) -> LaunchSequence:
+    """Check a slot copy and look up its kernel (arguments as :func:`copy_slots`); one
+    launch per round of independent copies (slots ``cache, src, dst``)."""
+    return _prepare_copy_rows(cache, 1, src_slots, dst_slots, "cache", check_indices)
+
+
+def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> LaunchSequence:
     buf = as_tensor(name, buf)
     src = as_tensor("src", src)
     dst = as_tensor("dst", dst)
@@ -100,7 +121,7 @@ def _copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> None:
                 raise InvalidArgumentError(describe(f"{n_}[{i}]", f"an index in [0, {rows})",
                                                     int(idx[i])))
     if src.shape[0] == 0:
-        return
+        return LaunchSequence(())
     head_dim = int(buf.shape[-1])
     outer = int(np.prod(buf.shape[:axis], dtype=np.int64)) if axis else 1
     inner = int(np.prod(buf.shape[axis + 1:], dtype=np.int64)) // head_dim
@@ -110,16 +131,18 @@ def _copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> None:
         while head_dim % lanes:
             lanes //= 2
         check_vector_aligned({name: view}, lanes * buf.element_size())
-    spec = dict(op="copy", dtype=str(buf.dtype).replace("torch.", ""), head_dim=head_dim,
-                n_kv_heads=1, layout="nhd")
+    fn = kernel_for(buf.device, op="copy", dtype=str(buf.dtype).replace("torch.", ""),
+                    head_dim=head_dim, n_kv_heads=1, layout="nhd")
     if not on_host:
-        launch(spec, buf.device, (view, src, dst))
-        return
+        return LaunchSequence([Launch(fn, buf.device, dict(blocks=view, src=src, dst=dst))])
     import torch
 
-    for rs, rd in independent_rounds(host_array(src).tolist(), host_array(dst).tolist()):
-        launch(spec, buf.device, (view, torch.tensor(rs, dtype=torch.int32, device=buf.device),
-                                  torch.tensor(rd, dtype=torch.int32, device=buf.device)))
+    def indices(values):
+        return torch.tensor(values, dtype=torch.int32, device=buf.device)
+
+    return LaunchSequence(
+        Launch(fn, buf.device, dict(blocks=view, src=indices(rs), dst=indices(rd)))
+        for rs, rd in independent_rounds(host_array(src).tolist(), host_array(dst).tolist()))
 
 
 def independent_rounds(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:

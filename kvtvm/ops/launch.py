@@ -1,0 +1,149 @@
+"""Prepared kernel calls: :class:`Launch` holds a loaded kernel, its device and its arguments by
+slot name; ``run()`` calls it (CUDA: on torch's current stream of that device).
+
+Every op is ``prepare_<op>(...) -> Launch`` (all checks, policy such as the split count, kernel
+lookup) followed by ``.run()``. A plan (:mod:`kvtvm.plan`) keeps the launches of one layer and
+runs the other layers with :meth:`Launch.rebind`, which swaps tensors slot by slot after checking
+that each new tensor has the dtype, shape, strides and device of the one it replaces.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from .. import compiler, runtime
+from ..errors import (DeviceMismatchError, DeviceUnavailableError, InvalidArgumentError,
+                      describe)
+
+__all__ = ["Launch", "LaunchSequence", "kernel_for", "signature", "target_for_device"]
+
+
+@functools.lru_cache(maxsize=None)
+def target_for_device(device) -> tuple:
+    """``(target, arch)`` of the kernels for tensors on ``device``: ``("llvm", None)`` or e.g.
+    ``("cuda", "sm_90a")``."""
+    if device.type == "cpu":
+        return "llvm", None
+    if device.type == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(f"tensors are on {device} but CUDA is not available")
+        major, minor = torch.cuda.get_device_capability(device)
+        if major >= 9:
+            return "cuda", "sm_90a"
+        if major == 8:
+            return "cuda", "sm_80"
+        raise DeviceUnavailableError(
+            f"{device} has compute capability {major}.{minor}; kvtvm's CUDA kernels need 8.0+")
+    raise DeviceMismatchError(describe("device", "cpu or cuda", device))
+
+
+def signature(t) -> tuple:
+    """What a rebound tensor must share with the one it replaces."""
+    return t.dtype, tuple(t.shape), t.stride(), t.device
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(spec_items: tuple, target: tuple, search_key: tuple):
+    target_name, arch = target
+    spec = compiler.KernelSpec(target=target_name, arch=arch, **dict(spec_items))
+    return compiler.get_kernel(spec)
+
+
+def kernel_for(device, **spec) -> Callable:
+    """The loaded kernel of ``spec`` (KernelSpec fields but target/arch) for ``device``.
+
+    Memoized per (spec, target, kernel search path): once loaded, a lookup costs a dictionary
+    access.
+    """
+    if not spec.get("variant"):
+        spec.pop("variant", None)
+    elif "variant" not in compiler.KernelSpec.__dataclass_fields__:  # TEMP until compiler lands
+        v = spec.pop("variant")
+        spec["knobs"] = tuple({"serial": {"parallel": False}, "short_query": {
+            "m_tiles": 1, "tile_kv": 32, "warps": 4, "wgmma": 0}}[v].items())
+    return _kernel(tuple(sorted(spec.items())), target_for_device(device),
+                   compiler.search_key())
+
+
+class Launch:
+    """One prepared kernel call.
+
+    Parameters
+    ----------
+    fn : callable or None
+        The loaded kernel; None for a call with nothing to do (an empty batch).
+    device : torch.device
+        Where it runs.
+    slots : dict
+        Argument name -> value (tensor or scalar), in the kernel's argument order.
+    outputs : tuple of str
+        Slots ``run()`` returns (e.g. ``("out", "lse")``); ``run()`` returns None when empty.
+    """
+
+    __slots__ = ("fn", "device", "slots", "outputs")
+
+    def __init__(self, fn, device, slots: dict, outputs: tuple = ()):
+        self.fn, self.device, self.slots, self.outputs = fn, device, slots, tuple(outputs)
+
+    def run(self):
+        """Call the kernel; returns the output slots (a tuple), or None when there are none."""
+        if self.fn is not None:
+            if self.device.type == "cuda":
+                import torch
+
+                with torch.cuda.device(self.device):
+                    self.fn(*self.slots.values())
+            else:
+                runtime.configure_cpu_threads()
+                self.fn(*self.slots.values())
+        if self.outputs:
+            return tuple(self.slots[name] for name in self.outputs)
+        return None
+
+    def rebind(self, **tensors) -> "Launch":
+        """A copy with ``tensors`` in the slots of the same names.
+
+        Raises
+        ------
+        InvalidArgumentError
+            A name is not a slot, or a tensor differs from the one in its slot in dtype,
+            shape, strides or device (the caller then prepares the call afresh).
+        """
+        slots = dict(self.slots)
+        for name, t in tensors.items():
+            old = slots.get(name)
+            if old is None or not hasattr(t, "stride") or signature(t) != signature(old):
+                raise InvalidArgumentError(describe(
+                    name, f"a tensor like the prepared one ({_describe(old)})", _describe(t)))
+            slots[name] = t
+        return Launch(self.fn, self.device, slots, self.outputs)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", None) or ("no-op" if self.fn is None else "kernel")
+        return f"Launch({name} on {self.device}, slots={list(self.slots)})"
+
+
+class LaunchSequence:
+    """Launches that run one after another (e.g. the rounds of a copy); ``run()`` returns None."""
+
+    __slots__ = ("launches",)
+
+    def __init__(self, launches):
+        self.launches = tuple(launches)
+
+    def run(self) -> None:
+        for launch in self.launches:
+            launch.run()
+
+    def __len__(self) -> int:
+        return len(self.launches)
+
+
+def _describe(t: Any) -> str:
+    if hasattr(t, "stride"):
+        dtype, shape, strides, device = signature(t)
+        return f"{str(dtype).replace('torch.', '')} {list(shape)} strides {list(strides)} on {device}"
+    return type(t).__name__
