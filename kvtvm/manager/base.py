@@ -24,8 +24,10 @@ Choices written down here (the seeds are silent on them):
   raises leaves tables, lengths, refcounts and free lists as they were.
 - Thread safety: every public method holds the manager's ``RLock``.
 - Per-step tables (``cache_lengths``, ``qo_indptr``, ``lookup_table``) live in one preallocated
-  int32 buffer per device, filled on the host and moved with one host-to-device copy per step
-  (on a CPU device the host buffer *is* the device buffer: no copy at all).
+  int32 buffer per device (:mod:`.tables`), filled on the host and moved with one
+  host-to-device copy per step.
+- No kernels and no TVM here: a graph's types for the inputs come from :mod:`.symbols`, page
+  copies from the copier a manager is handed (:mod:`.copier`).
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapacityError,
+from ..errors import (InvalidArgumentError, KVCacheCapacityError,
                       SequenceStateError, SequenceTooLongError, UnknownSequenceError,
                       describe)
 from ..inputs import KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols, TokenBatch
 from ..params import KVCacheParams, KVCacheStrategy
+from .args import check_positive_int, parse_devices
+from .symbols import TensorSymbol, build_symbols
 
 __all__ = ["KVCacheManager", "parse_devices", "check_positive_int"]
 
@@ -81,109 +85,6 @@ class _ItemTokens:
     def tokens_of(self, b: int) -> np.ndarray:
         """int64 ``[counts[b]]``: the tokens of item ``b``."""
         return self._ints(self.seqs[b], int(self.counts[b]))
-
-
-def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
-    """``value`` as an int, or :class:`InvalidArgumentError` naming ``name``."""
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    if not ok or value < (0 if allow_zero else 1):
-        raise InvalidArgumentError(describe(
-            name, "a non-negative int" if allow_zero else "a positive int", repr(value)))
-    return int(value)
-
-
-def parse_devices(devices) -> tuple:
-    """``devices`` (strings like ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or torch devices) as a
-    tuple of ``torch.device``."""
-    import torch
-
-    if isinstance(devices, (str, torch.device)):
-        devices = (devices,)
-    try:
-        parsed = tuple(torch.device(d) for d in devices)
-    except (TypeError, RuntimeError) as err:
-        raise InvalidArgumentError(describe("devices", "device names like 'cpu' or 'cuda:0'",
-                                            repr(devices))) from err
-    if not parsed:
-        raise InvalidArgumentError(describe("devices", "at least one device", repr(devices)))
-    for d in parsed:
-        if d.type not in ("cpu", "cuda"):
-            raise InvalidArgumentError(describe("devices", "cpu or cuda devices", str(d)))
-        if d.type == "cuda" and not torch.cuda.is_available():
-            raise DeviceUnavailableError(
-                f"devices: {d} was asked for but CUDA is not available on this machine")
-    return parsed
-
-
-def _table_elems(max_batch_size: int, width: int) -> int:
-    """int32 elements of the per-step table buffer: cache_lengths | qo_indptr | lookup_table."""
-    return max_batch_size + (max_batch_size + 1) + max_batch_size * width
-
-
-class _StepTables:
-    """Preallocated per-step tables: a host int32 buffer and one device buffer per device.
-
-    Layout (int32): ``cache_lengths[max_batch] | qo_indptr[max_batch + 1] |
-    lookup_table[max_batch, width]``. A step writes the host buffer, then :meth:`upload` copies
-    the used prefix to every non-CPU device in one copy per device.
-    """
-
-    def __init__(self, max_batch_size: int, width: int, devices):
-        import torch
-
-        self.max_batch_size, self.width = max_batch_size, width
-        n = _table_elems(max_batch_size, width)
-        any_cuda = any(d.type == "cuda" for d in devices)
-        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=any_cuda)
-        self.host_np = self.host.numpy()
-        mb = max_batch_size
-        self.cache_lengths = self.host_np[:mb]
-        self.qo_indptr = self.host_np[mb:2 * mb + 1]
-        self.lookup = self.host_np[2 * mb + 1:].reshape(mb, width)
-        self.device_bufs = []
-        self._events = []
-        self._views = {}
-        for d in devices:
-            if d.type == "cpu":
-                self.device_bufs.append(self.host)
-                self._events.append(None)
-            else:
-                self.device_bufs.append(torch.zeros(n, dtype=torch.int32, device=d))
-                self._events.append(None)
-
-    def wait_host_free(self):
-        """Wait until the previous step's host-to-device copies have read the host buffer."""
-        for ev in self._events:
-            if ev is not None:
-                ev.synchronize()
-
-    def upload(self, batch: int):
-        """One copy per non-CPU device of the used part of the table buffer."""
-        import torch
-
-        used = 2 * self.max_batch_size + 1 + batch * self.width
-        for i, buf in enumerate(self.device_bufs):
-            if buf is self.host:
-                continue
-            buf[:used].copy_(self.host[:used], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(buf.device))
-            self._events[i] = ev
-
-    def views(self, dev: int, batch: int):
-        """(cache_lengths [batch], qo_indptr [batch+1], lookup_table [batch, width]) of a device
-        (views of the fixed buffer, made once per batch size and reused)."""
-        key = (dev, batch)
-        v = self._views.get(key)
-        if v is None:
-            buf, mb = self.device_bufs[dev], self.max_batch_size
-            v = self._views[key] = (
-                buf[:batch], buf[mb:mb + batch + 1],
-                buf[2 * mb + 1:2 * mb + 1 + batch * self.width].view(batch, self.width))
-        return v
-
-    def device_nbytes(self) -> int:
-        return 4 * _table_elems(self.max_batch_size, self.width)
 
 
 class KVCacheManager(abc.ABC):
@@ -609,27 +510,33 @@ class KVCacheManager(abc.ABC):
         """KV inputs per device: blocks, cache_lengths, lookup_table, max_lengths."""
         return 4
 
+    def input_specs(self) -> list[RaggedKVCacheInputSymbols]:
+        """Shape and dtype of each input tensor, one entry per device, as plain data.
+
+        Each field is a :class:`~kvtvm.manager.symbols.TensorSymbol`: ``blocks`` has the cache
+        tensor's concrete shape and dtype; ``cache_lengths`` int32 ``("batch",)``;
+        ``lookup_table`` int32 ``("batch", width)``; ``max_lengths`` int32
+        ``("num_steps", 2)`` (``"batch"`` and ``"num_steps"`` are symbolic int64 dims).
+        """
+        out = []
+        for dev in range(self.n_devices):
+            out.append(RaggedKVCacheInputSymbols(
+                blocks=TensorSymbol(tuple(int(s) for s in self._blocks[dev].shape),
+                                    self.params.dtype),
+                cache_lengths=TensorSymbol(("batch",), "int32"),
+                lookup_table=TensorSymbol(("batch", self._tables.width), "int32"),
+                max_lengths=TensorSymbol(("num_steps", 2), "int32")))
+        return out
+
     def input_symbols(self) -> list[RaggedKVCacheInputSymbols]:
         """TVM Relax struct info of each input tensor, one entry per device.
 
-        ``batch`` and ``num_steps`` are symbolic (``tirx.Var`` int64); the cache shape and the
-        lookup table width are concrete.
+        :meth:`input_specs` typed by the Relax integration
+        (:func:`kvtvm.integrations.relax.struct_info_of`, registered by :mod:`kvtvm`):
+        ``batch`` and ``num_steps`` are symbolic int64 vars; the cache shape and the lookup
+        table width are concrete.
         """
-        from tvm import relax, tirx
-
-        # TVM 0.27 names Relax struct info ``relax.TensorType``; older TVM ``TensorStructInfo``
-        tensor_info = getattr(relax, "TensorStructInfo", None) or relax.TensorType
-        batch = tirx.Var("batch", "int64")
-        steps = tirx.Var("num_steps", "int64")
-        out = []
-        for dev in range(self.n_devices):
-            shape = [int(s) for s in self._blocks[dev].shape]
-            out.append(RaggedKVCacheInputSymbols(
-                blocks=tensor_info(shape, self.params.dtype),
-                cache_lengths=tensor_info([batch], "int32"),
-                lookup_table=tensor_info([batch, self._tables.width], "int32"),
-                max_lengths=tensor_info([steps, 2], "int32")))
-        return out
+        return build_symbols(self.input_specs())
 
     # ------------------------------------------------------------------------------------
     # Shared helpers

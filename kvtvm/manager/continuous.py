@@ -10,7 +10,8 @@ paged cache with one page of ``max_seq_len`` per sequence, which is what the ker
 from __future__ import annotations
 
 from ..params import KVCacheParams, KVCacheStrategy
-from .base import KVCacheManager, _StepTables, _table_elems, check_positive_int, parse_devices
+from .base import KVCacheManager, check_positive_int, parse_devices
+from .tables import StepTables, table_elems
 
 __all__ = ["ContinuousBatchingKVCacheManager"]
 
@@ -44,7 +45,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
         shape = self.params.cache_shape(self.num_layers, self.max_batch_size, self.max_seq_len,
                                         n_devices=self.n_devices)
         self._blocks = self._allocate_blocks(shape)
-        self._tables = _StepTables(self.max_batch_size, 1, self.devices)
+        self._tables = StepTables(self.max_batch_size, 1, self.devices)
 
     @property
     def num_blocks(self) -> int:
@@ -59,7 +60,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
         """
         n = len(parse_devices(devices))
         return (params.cache_bytes(num_layers, max_batch_size, max_seq_len, n_devices=n)
-                + 4 * _table_elems(max_batch_size, 1))
+                + 4 * table_elems(max_batch_size, 1))
 
     @classmethod
     def infer_optimal_batch_size(cls, params, max_seq_len, num_layers, available_cache_memory,

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, SequenceTooLongError, describe
+from ..errors import InvalidArgumentError, KVCacheError, SequenceTooLongError, describe
 from ..inputs import RaggedKVCacheInputs
 from ..params import KVCacheParams, KVCacheStrategy
-from .base import check_positive_int, parse_devices
+from .args import check_positive_int, parse_devices
+from .copier import PageCopier, resolve_copier
 
 __all__ = ["LinearKVCache", "LinearCacheConfig"]
 
@@ -57,12 +58,17 @@ class LinearKVCache:
         Slots, tokens per slot, decoder layers. Memory is allocated once.
     devices : sequence of str
         The KV heads are split evenly across them.
+    slot_copier : PageCopier, optional
+        ``slot_copier(cache, src, dst)`` copies whole batch slots (axis 1) of one device's
+        cache tensor, ``src`` and ``dst`` int32 ``[n]`` host tensors, in order (see
+        :mod:`kvtvm.manager.copier`); used by :meth:`evict`. Default: the copier registered by
+        :mod:`kvtvm` (:func:`kvtvm.ops.copy_slots`).
     """
 
     strategy = KVCacheStrategy.LINEAR
 
     def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int,
-                 num_layers: int, devices=("cpu",)):
+                 num_layers: int, devices=("cpu",), slot_copier: PageCopier | None = None):
         import torch
 
         if not isinstance(params, KVCacheParams) or params.cache_strategy is not self.strategy:
@@ -70,6 +76,8 @@ class LinearKVCache:
                 "params", "KVCacheParams with cache_strategy LINEAR",
                 getattr(params, "cache_strategy", type(params).__name__)))
         self.params = params
+        #: Moves batch slots on :meth:`evict`: ``slot_copier(cache, src, dst)``.
+        self.slot_copier = resolve_copier(slot_copier, "slot", "slot_copier")
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size)
         self.max_seq_len = check_positive_int("max_seq_len", max_seq_len)
         self.num_layers = check_positive_int("num_layers", num_layers)
@@ -245,8 +253,9 @@ class LinearKVCache:
         """Keep only the sequences at batch indices ``keep``; move them to the front.
 
         The kept sequences keep their relative batch order: the ``j``-th smallest index of
-        ``keep`` becomes batch index ``j``. Their K/V move with the copy kernel
-        (:func:`kvtvm.ops.copy_slots`), then the active batch shrinks to ``len(keep)``.
+        ``keep`` becomes batch index ``j``. Their K/V move through the slot copier
+        (:func:`kvtvm.ops.copy_slots` by default), then the active batch shrinks to
+        ``len(keep)``.
 
         Parameters
         ----------
@@ -266,12 +275,15 @@ class LinearKVCache:
             if moves:
                 import torch
 
-                from ..ops import copy_slots
-
+                copier = self.slot_copier
+                if copier is None:
+                    raise KVCacheError("evict: moving slots needs a slot copier; none was "
+                                       "handed in and none is registered "
+                                       "(kvtvm.manager.copier)")
                 src = torch.tensor([s for s, _ in moves], dtype=torch.int32)
                 dst = torch.tensor([d for _, d in moves], dtype=torch.int32)
-                for cache in self._cache:  # host indices: split into rounds, then launched
-                    copy_slots(cache, src, dst)
+                for cache in self._cache:  # in order: the default splits into rounds
+                    copier(cache, src, dst)
             kept = self._lengths[idx].copy()
             self._lengths[:] = 0
             self._lengths[:idx.size] = kept

@@ -16,7 +16,8 @@ Choices written down here:
   has a query to produce logits from. ``RaggedKVCacheInputs.num_cached_tokens[b]`` tells the
   caller how many leading tokens it skips; ``cache_lengths[b]`` starts there.
 - ``fork`` shares every page of the parent (refcounts up). A write into a page that is shared
-  (refcount > 1) copies it first (copy-on-write, through :func:`kvtvm.ops.copy_pages`); a write
+  (refcount > 1) copies it first (copy-on-write, through the manager's ``page_copier``:
+  :func:`kvtvm.ops.copy_pages` unless another was handed in); a write
   into a cached page no one else holds just uncaches it. Only the partial last page can be hit,
   since writes start at the sequence's length.
 - ``pop(seq_id, n)`` drops the last ``n`` tokens (speculative decoding); pages past the new
@@ -27,11 +28,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import (InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
-                      describe)
+from ..errors import (InvalidArgumentError, KVCacheCapacityError, KVCacheError,
+                      SequenceStateError, describe)
 from ..params import KVCacheParams, KVCacheStrategy
-from .base import KVCacheManager, _StepTables, _table_elems, check_positive_int, parse_devices
+from .base import KVCacheManager, check_positive_int, parse_devices
+from .copier import PageCopier, resolve_copier
 from .prefix_cache import PagedCacheStats, PrefixCache
+from .tables import StepTables, table_elems
 
 __all__ = ["PagedKVCacheManager", "PagedCacheStats"]
 
@@ -45,7 +48,7 @@ def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: 
     if available_cache_memory is not None:
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
-        table_bytes = 4 * _table_elems(max_batch_size, width)
+        table_bytes = 4 * table_elems(max_batch_size, width)
         pages = (available_cache_memory - table_bytes) // params.bytes_per_page(num_layers,
                                                                                   n_devices)
         if pages < 1:
@@ -74,14 +77,22 @@ class PagedKVCacheManager(KVCacheManager):
         page_size)``).
     available_cache_memory : int, optional
         Bytes per device for the cache and its tables; sets ``num_pages``.
+    page_copier : PageCopier, optional
+        ``page_copier(blocks, src, dst)`` copies whole pages of one device's cache tensor,
+        ``src`` and ``dst`` int32 ``[n]`` host tensors (see :mod:`kvtvm.manager.copier`);
+        used by copy-on-write after :meth:`fork`. Default: the copier registered by
+        :mod:`kvtvm` (:func:`kvtvm.ops.copy_pages`).
     """
 
     strategy = KVCacheStrategy.PAGED
 
     def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int,
                  num_layers: int, devices=("cpu",), num_pages: int | None = None,
-                 available_cache_memory: int | None = None):
+                 available_cache_memory: int | None = None,
+                 page_copier: PageCopier | None = None):
         super().__init__(params, max_batch_size, max_seq_len, num_layers, devices)
+        #: Copies pages for copy-on-write: ``page_copier(blocks, src, dst)``.
+        self.page_copier = resolve_copier(page_copier, "page", "page_copier")
         self.page_size = params.page_size
         self.max_pages_per_seq = params.pages_for_tokens(self.max_seq_len)
         self.num_pages = _resolve_num_pages(params, self.max_batch_size, self.max_seq_len,
@@ -91,7 +102,7 @@ class PagedKVCacheManager(KVCacheManager):
                                         num_pages=self.num_pages, n_devices=self.n_devices)
         self._blocks = self._allocate_blocks(shape)
         W, mb = self.max_pages_per_seq, self.max_batch_size
-        self._tables = _StepTables(mb, W, self.devices)
+        self._tables = StepTables(mb, W, self.devices)
         self._page_table = np.zeros((mb, W), dtype=np.int32)
         self._npages = np.zeros(mb, dtype=np.int64)
         self._refcount = np.zeros(self.num_pages, dtype=np.int32)
@@ -122,7 +133,7 @@ class PagedKVCacheManager(KVCacheManager):
                                    num_pages, available_cache_memory)
         return (params.cache_bytes(num_layers, max_batch_size, max_seq_len, num_pages=pages,
                                    n_devices=n)
-                + 4 * _table_elems(max_batch_size, params.pages_for_tokens(max_seq_len)))
+                + 4 * table_elems(max_batch_size, params.pages_for_tokens(max_seq_len)))
 
     @classmethod
     def infer_optimal_batch_size(cls, params, max_seq_len, num_layers, available_cache_memory,
@@ -325,15 +336,17 @@ class PagedKVCacheManager(KVCacheManager):
             self._copy_pages(src, dst)
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole pages ``src[i] -> dst[i]`` on every device (through :mod:`kvtvm.ops`)."""
+        """Copy whole pages ``src[i] -> dst[i]`` on every device (through the page copier)."""
         import torch
 
-        from ..ops import copy_pages
-
+        copier = self.page_copier
+        if copier is None:
+            raise KVCacheError("fork: copy-on-write needs a page copier; none was handed in "
+                               "and none is registered (kvtvm.manager.copier)")
         src_t = torch.tensor(src, dtype=torch.int32)
         dst_t = torch.tensor(dst, dtype=torch.int32)
         for blocks in self._blocks:  # fresh destinations: always one round of copies
-            copy_pages(blocks, src_t, dst_t)
+            copier(blocks, src_t, dst_t)
 
     def _commit(self, tokens, ids, counts):
         if not self.prefix_caching:

@@ -22,11 +22,12 @@ import pytest
 import torch
 
 tvm = pytest.importorskip("tvm")
-from tvm import relax, tirx  # noqa: E402
+from tvm import relax  # noqa: E402
 
 import kvtvm.relax as kr  # noqa: E402
 from kvtvm import KVCacheParams  # noqa: E402
 from kvtvm.errors import InvalidArgumentError  # noqa: E402
+from kvtvm.kernels._tvm import tir  # noqa: E402
 from kvtvm.kernels.reference import reference_append  # noqa: E402
 from kvtvm.kernels.reference import reference_decode  # noqa: E402
 from kvtvm.kernels.reference import reference_prefill  # noqa: E402
@@ -78,7 +79,7 @@ def _step_module(layout, *, decode=False, cuda=False, **attn_kwargs):
         attn_kwargs.update(target="cuda", arch="sm_90a")
     target = {k: attn_kwargs[k] for k in ("target", "arch") if k in attn_kwargs}
     kv = kr.kv_input_vars(1, H, D, "float32", layout=layout)
-    n = tirx.Var("num_tokens", "int64")
+    n = tir.Var("num_tokens", "int64")
     q = relax.Var("q", relax.TensorType([n, HQ, D], "float32"))
     k = relax.Var("k", relax.TensorType([n, H, D], "float32"))
     v = relax.Var("v", relax.TensorType([n, H, D], "float32"))
@@ -226,7 +227,7 @@ def test_relax_step_on_manager_inputs():
     """A Relax function typed from input_symbols runs on a paged manager's fetched inputs."""
     mgr = _manager("paged")
     kv = kr.kv_input_vars_for(mgr)
-    n = tirx.Var("num_tokens", "int64")
+    n = tir.Var("num_tokens", "int64")
     q = relax.Var("q", relax.TensorType([n, HQ, D], "float32"))
     k = relax.Var("k", relax.TensorType([n, H, D], "float32"))
     v = relax.Var("v", relax.TensorType([n, H, D], "float32"))
@@ -265,7 +266,7 @@ def test_each_specialization_added_once():
     """Causal and non-causal prefill in one module: two kernels with distinct symbols, the
     repeated one reused; each matches the reference."""
     kv = kr.kv_input_vars(1, H, D, "float32")
-    n = tirx.Var("n", "int64")
+    n = tir.Var("n", "int64")
     q = relax.Var("q", relax.TensorType([n, HQ, D], "float32"))
     bb = relax.BlockBuilder()
     modes = [True, False, True]
@@ -314,7 +315,7 @@ def test_emit_rejects_bad_shapes():
 
 
 def _example():
-    path = Path(__file__).resolve().parents[1] / "examples" / "relax_llama.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "relax_llama.py"
     spec = importlib.util.spec_from_file_location("relax_llama_example", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
@@ -408,7 +409,7 @@ def test_example_exported_then_run_with_the_runtime_only(tmp_path):
         "model.embed_tokens.weight"
     import subprocess
 
-    example_path = Path(__file__).resolve().parents[1] / "examples" / "relax_llama.py"
+    example_path = Path(__file__).resolve().parents[2] / "examples" / "relax_llama.py"
     proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(example_path), str(path),
                            json.dumps(_SMALL)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TVM_USE_RUNTIME_LIB": "1"})

@@ -14,7 +14,8 @@ from kvtvm import KVCacheParams, ops
 from kvtvm.inputs import BatchItem, TokenBatch
 from kvtvm.kernels.reference import reference_decode
 from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
-from test_plan import _run_step  # the plain-ops / plan_step step both tests compare
+
+from helpers import run_step as _run_step  # the plain-ops / plan_step step both tests compare
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

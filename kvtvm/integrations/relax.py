@@ -1,0 +1,394 @@
+"""Relax graph integration: kvtvm's kernels inside a TVM Relax model.
+
+A Relax model that keeps its KV cache in a kvtvm manager takes the manager's per-step inputs as
+function parameters and calls kvtvm's PrimFuncs on them with ``call_tir`` (attention) and
+``call_tir_inplace`` (append, which writes the cache views it is given)::
+
+    from tvm import relax
+    import kvtvm.relax as kr
+
+    kv = kr.kv_input_vars_for(manager)                # Relax vars typed from input_symbols()
+    bb = relax.BlockBuilder()
+    with bb.function("step", [x, *kv.params()], pure=False):
+        ...
+        k_cache, v_cache = kr.emit_append_kv(bb, kv.k_caches[i], kv.v_caches[i], k, v,
+                                             kv.qo_indptr, kv.cache_lengths, kv.lookup_table,
+                                             layout=kv.layout)
+        out = kr.emit_attention(bb, q, k_cache, v_cache, kv.qo_indptr, kv.cache_lengths,
+                                kv.lookup_table, layout=kv.layout)
+    ...
+    vm["step"](x, *kr.kv_call_args(manager.fetch(batch)[0]))   # torch tensors, no copy
+
+The per-layer K/V caches are zero-copy strided views of the manager's one cache tensor
+(:meth:`kvtvm.inputs.RaggedKVCacheInputs.collection`); the Relax VM passes them through as
+strided DLPack tensors and the kernels bind their strides symbolically, so nothing is copied.
+Attention must consume the caches *returned* by :func:`emit_append_kv` so that the graph
+orders the write before the read.
+
+Each kernel is added to the module once per :class:`kvtvm.compiler.KernelSpec` (and scalar
+specialization): a float/int scalar parameter of a kernel (``sm_scale``, ``causal``,
+``window``) is bound at graph-build time with ``PrimFunc.specialize``, since Relax's
+``call_tir`` passes tensors only before the outputs.
+
+Relax's own moving names (0.27: ``TensorType``, ``out_ty``, ``call_tir_inplace``) are confined
+to this module; TIR's come from :mod:`kvtvm.kernels._tvm`, imported when a function needs
+them (``import kvtvm.relax`` alone works with the TVM runtime only).
+
+A manager's :meth:`~kvtvm.manager.KVCacheManager.input_symbols` is typed here
+(:func:`struct_info_of`, registered by :mod:`kvtvm`): the manager describes its inputs as plain
+data (:meth:`~kvtvm.manager.KVCacheManager.input_specs`) and imports no TVM. The input types,
+vars and call arguments are defined in :mod:`.relax_inputs` and re-exported here.
+
+:mod:`tvm.relax.frontend.nn` users get the same calls through :func:`nn_append_kv`, :func:`nn_attention` and
+:func:`nn_decode_attention`, which take and return ``nn.Tensor``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..compiler import KernelSpec, lower
+from ..errors import InvalidArgumentError, describe
+from .relax_inputs import (KV_INPUT_NAMES, KVInputVars, input_symbols_for, kv_call_args,
+                           kv_input_types, kv_input_vars, kv_input_vars_for, struct_info_of)
+
+__all__ = [
+    # input types, vars and arguments (defined in .relax_inputs)
+    "KVInputVars", "struct_info_of", "input_symbols_for", "kv_input_types", "kv_input_vars",
+    "kv_input_vars_for", "kv_call_args", "KV_INPUT_NAMES",
+    # kernels in a Relax module
+    "add_kernel", "kernel_func", "llvm_target", "emit_append_kv", "emit_attention",
+    "emit_decode_attention",
+    # tvm.relax.frontend.nn
+    "nn_kv_spec", "nn_append_kv", "nn_attention", "nn_decode_attention",
+]
+
+#: TIR ``op_pattern`` of an opaque kernel: Relax's FuseOps never fuses it.
+_OPAQUE = 8
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------
+
+_LOWERED: dict = {}
+
+
+def llvm_target():
+    """The ``tvm.target.Target`` kvtvm's llvm kernels are scheduled for (host CPU, all
+    cores): compile a Relax module holding them with this target."""
+    return KernelSpec("append", "float32", 1, 1).tvm_target()
+
+
+def _lowered(spec: KernelSpec):
+    """The scheduled PrimFunc of ``spec`` (memoized per process)."""
+    if spec not in _LOWERED:
+        _LOWERED[spec] = lower(spec)[spec.func_name]
+    return _LOWERED[spec]
+
+
+def kernel_func(spec: KernelSpec, **scalars):
+    """The scheduled PrimFunc of ``spec`` with the named scalar parameters bound.
+
+    Parameters
+    ----------
+    spec : KernelSpec
+    **scalars
+        Values of scalar parameters by name (e.g. ``sm_scale=0.125, causal=1, window=0``);
+        each must name a scalar parameter of the kernel.
+    """
+    from ..kernels._tvm import ATTR_IS_SCHEDULED, tir
+
+    func = _lowered(spec)
+    bind = {}
+    by_name = {p.name: p for p in func.params}
+    for name, value in scalars.items():
+        if name not in by_name:
+            raise InvalidArgumentError(describe(f"scalar of {spec.func_name}",
+                                                sorted(by_name), repr(name)))
+        param = by_name[name]
+        dtype = str(param.ty.dtype)
+        bind[param] = (tir.FloatImm(dtype, float(value)) if dtype.startswith("float")
+                       else tir.IntImm(dtype, int(value)))
+    if bind:
+        func = func.specialize(bind)
+    # scheduled by hand: the Relax GPU pipeline's default schedules (dlight) must leave it be
+    return func.with_attr("op_pattern", _OPAQUE).with_attr(ATTR_IS_SCHEDULED, True)
+
+
+def add_kernel(bb, spec: KernelSpec, **scalars):
+    """Add ``spec``'s kernel (scalars bound) to the module being built by ``bb``, once.
+
+    Returns the kernel's ``GlobalVar``. Its name (and global symbol) is ``kvtvm_`` plus the
+    spec's URI and, when scalars are bound, their values (``kvtvm_prefill_float32_h2_g4_d64_
+    nhd_causal1_sm_scale0p125_window0``); an identical function already in the module is
+    reused, so each specialization is added once however many layers call it.
+    """
+    func = kernel_func(spec, **scalars)
+    name = f"kvtvm_{spec.uri}"
+    for key in sorted(scalars):
+        value = scalars[key]
+        text = f"{value:g}" if isinstance(value, float) else str(value)
+        name += f"_{key}{text}".replace(".", "p").replace("-", "m").replace("+", "")
+    # the kernel's global symbol must be unique in the module (two specializations of one
+    # kernel would otherwise both export ``kvtvm_prefill``)
+    return bb.add_func(func.with_attr("global_symbol", name), name)
+
+
+def _ty(expr):
+    """(shape list, dtype) of a Relax tensor expression or an ``nn.Tensor``."""
+    if hasattr(expr, "_expr"):
+        expr = expr._expr
+    ty = expr.ty
+    return list(ty.shape.values), str(ty.dtype)
+
+
+def _static(value, what):
+    if not hasattr(value, "value") or hasattr(value, "name"):
+        raise InvalidArgumentError(describe(what, "a static extent", str(value)))
+    return int(value.value)
+
+
+def _check_cache(k_cache, v_cache, layout):
+    kshape, kdtype = _ty(k_cache)
+    vshape, vdtype = _ty(v_cache)
+    if len(kshape) != 4:
+        raise InvalidArgumentError(describe("k_cache rank", 4, len(kshape)))
+    if kdtype != vdtype or len(vshape) != 4:
+        raise InvalidArgumentError(describe("v_cache", f"like k_cache ({kdtype}, rank 4)",
+                                            f"{vdtype}, rank {len(vshape)}"))
+    heads = kshape[2] if layout == "nhd" else kshape[1]
+    return _static(heads, "n_kv_heads of k_cache"), _static(kshape[3], "head_dim of k_cache"), \
+        kdtype
+
+
+def emit_append_kv(bb, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
+                   layout: str = "nhd", target: str = "llvm", arch: str | None = None,
+                   knobs=()):
+    """Emit kvtvm's append kernel: write new K/V rows into one layer's cache, in place.
+
+    Parameters
+    ----------
+    bb : relax.BlockBuilder
+        Builder inside a function (``pure=False`` or a dataflow block).
+    k_cache, v_cache : relax.Expr
+        One layer's cache views, ``[num_pages, page_size, H, D]`` (nhd) or
+        ``[num_pages, H, page_size, D]`` (hnd).
+    k, v : relax.Expr
+        New rows ``[num_tokens, H, D]``, the cache dtype.
+    qo_indptr, cache_lengths, lookup_table : relax.Expr
+        int32 ``[batch + 1]``, ``[batch]``, ``[batch, max_pages]``.
+    layout : {"nhd", "hnd"}
+    target, arch, knobs
+        Kernel target (``"llvm"`` / ``"cuda"``), CUDA arch and schedule knobs.
+
+    Returns
+    -------
+    (k_cache, v_cache) : relax.Var
+        The written caches (aliases of the inputs): pass these, not the inputs, to attention.
+        Inside a dataflow block (``nn`` export) an append whose results are never used is
+        dead code to Relax and is removed; consuming them in attention keeps it.
+    """
+    from tvm import relax
+
+    heads, dim, dtype = _check_cache(k_cache, v_cache, layout)
+    spec = KernelSpec("append", dtype, dim, heads, layout=layout, target=target, arch=arch,
+                      knobs=knobs)
+    gv = add_kernel(bb, spec)
+    args = [k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table]
+    args = [a._expr if hasattr(a, "_expr") else a for a in args]
+    out = bb.emit(relax.op.call_tir_inplace(gv, args, inplace_indices=[0, 1],
+                                            out_ty=[args[0].ty, args[1].ty]),
+                  name_hint="kv_appended")
+    return (bb.emit(relax.TupleGetItem(out, 0), name_hint="k_cache"),
+            bb.emit(relax.TupleGetItem(out, 1), name_hint="v_cache"))
+
+
+def _attention_spec(op, rows, q, k_cache, v_cache, layout, sm_scale, sliding_window, target,
+                    arch, knobs):
+    """Check ``q`` against the caches; returns ``(spec, q shape, sm_scale)`` of ``op``."""
+    heads, dim, dtype = _check_cache(k_cache, v_cache, layout)
+    qshape, qdtype = _ty(q)
+    if len(qshape) != 3 or qdtype != dtype:
+        raise InvalidArgumentError(describe("q", f"[{rows}, n_q_heads, {dim}] {dtype}",
+                                            f"{qshape} {qdtype}"))
+    hq = _static(qshape[1], "n_q_heads of q")
+    if hq % heads:
+        raise InvalidArgumentError(describe("n_q_heads", f"a multiple of {heads}", hq))
+    scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
+    features = ("sliding_window",) if sliding_window is not None else ()
+    spec = KernelSpec(op, dtype, dim, heads, group_size=hq // heads, layout=layout,
+                      target=target, arch=arch, features=features, knobs=knobs)
+    return spec, qshape, scale
+
+
+def emit_attention(bb, q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, *,
+                   layout: str = "nhd", causal: bool = True, sm_scale: float | None = None,
+                   sliding_window: int | None = None, return_lse: bool = False,
+                   target: str = "llvm", arch: str | None = None, knobs=()):
+    """Emit kvtvm's ragged prefill attention (which also serves decode: one new token each).
+
+    Sequence ``b``'s query rows ``qo_indptr[b]:qo_indptr[b+1]`` attend over its
+    ``cache_lengths[b] + n_new`` cached positions (causally by default); their K/V must have
+    been appended first (pass the caches returned by :func:`emit_append_kv`).
+
+    Parameters
+    ----------
+    q : relax.Expr
+        ``[num_tokens, n_q_heads, head_dim]``, the cache dtype; ``n_q_heads`` a multiple of
+        the cache's ``n_kv_heads`` (GQA).
+    k_cache, v_cache, qo_indptr, cache_lengths, lookup_table : relax.Expr
+        As for :func:`emit_append_kv`.
+    causal : bool
+    sm_scale : float, optional
+        Score scale, ``1 / sqrt(head_dim)`` by default (bound into the kernel).
+    sliding_window : int, optional
+        Window in tokens (bound into the kernel).
+    return_lse : bool
+        Also return the float32 ``[num_tokens, n_q_heads]`` log-sum-exp.
+
+    Returns
+    -------
+    relax.Var
+        ``[num_tokens, n_q_heads, head_dim]`` (and the lse with ``return_lse``).
+    """
+    from tvm import relax
+
+    spec, qshape, scale = _attention_spec("prefill", "num_tokens", q, k_cache, v_cache, layout,
+                                          sm_scale, sliding_window, target, arch, knobs)
+    hq, dim, dtype = spec.n_kv_heads * spec.group_size, spec.head_dim, spec.dtype
+    gv = add_kernel(bb, spec, causal=int(bool(causal)), sm_scale=scale,
+                    window=int(sliding_window or 0))
+    args = [q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table]
+    args = [a._expr if hasattr(a, "_expr") else a for a in args]
+    ntok = qshape[0]
+    out = bb.emit(relax.call_tir(gv, args, [relax.TensorType([ntok, hq, dim], dtype),
+                                            relax.TensorType([ntok, hq], "float32")]),
+                  name_hint="attn")
+    o = bb.emit(relax.TupleGetItem(out, 0), name_hint="attn_out")
+    if return_lse:
+        return o, bb.emit(relax.TupleGetItem(out, 1), name_hint="attn_lse")
+    return o
+
+
+def emit_decode_attention(bb, q, k_cache, v_cache, cache_lengths, lookup_table, *,
+                          layout: str = "nhd", sm_scale: float | None = None,
+                          sliding_window: int | None = None, num_splits: int = 1,
+                          return_lse: bool = False, target: str = "llvm",
+                          arch: str | None = None, knobs=()):
+    """Emit kvtvm's decode attention: one query token per sequence (split-KV kernel).
+
+    Sequence ``b`` attends over positions ``[0, cache_lengths[b] + 1)`` (its current token
+    already appended).
+
+    Parameters
+    ----------
+    q : relax.Expr
+        ``[batch, n_q_heads, head_dim]``.
+    k_cache, v_cache, cache_lengths, lookup_table : relax.Expr
+        As for :func:`emit_append_kv` (no ``qo_indptr``: row ``b`` is sequence ``b``).
+    num_splits : int
+        KV splits per sequence (workspace ``[num_splits, batch, n_q_heads, head_dim]``
+        float32 is allocated by the graph; 1 needs no merge).
+    sm_scale, sliding_window, return_lse
+        As for :func:`emit_attention`.
+
+    Returns
+    -------
+    relax.Var
+        ``[batch, n_q_heads, head_dim]`` (and the lse with ``return_lse``).
+    """
+    from tvm import relax
+
+    spec, qshape, scale = _attention_spec("decode", "batch", q, k_cache, v_cache, layout,
+                                          sm_scale, sliding_window, target, arch, knobs)
+    hq, dim, dtype = spec.n_kv_heads * spec.group_size, spec.head_dim, spec.dtype
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise InvalidArgumentError(describe("num_splits", "a positive int", repr(num_splits)))
+    gv = add_kernel(bb, spec, sm_scale=scale, window=int(sliding_window or 0))
+    args = [q, k_cache, v_cache, cache_lengths, lookup_table]
+    args = [a._expr if hasattr(a, "_expr") else a for a in args]
+    batch = qshape[0]
+    out = bb.emit(relax.call_tir(gv, args, [
+        relax.TensorType([batch, hq, dim], dtype), relax.TensorType([batch, hq], "float32"),
+        relax.TensorType([num_splits, batch, hq, dim], "float32"),
+        relax.TensorType([num_splits, batch, hq], "float32")]), name_hint="decode_attn")
+    o = bb.emit(relax.TupleGetItem(out, 0), name_hint="attn_out")
+    if return_lse:
+        return o, bb.emit(relax.TupleGetItem(out, 1), name_hint="attn_lse")
+    return o
+
+
+# ------------------------------------------------------------------------------------------
+# tvm.relax.frontend.nn
+# ------------------------------------------------------------------------------------------
+
+
+def nn_kv_spec(kv: KVInputVars) -> dict:
+    """``tvm.relax.frontend.nn`` spec entries of the KV inputs: ``{"kv_caches":
+    [spec.Tensor, ...] (k0, v0, k1, ...), "qo_indptr": ..., "cache_lengths": ...,
+    "lookup_table": ...}``, with the same shapes (and symbolic vars) as ``kv``.
+
+    A method taking these arguments receives ``kv_caches`` as a list of ``nn.Tensor``; at run
+    time pass the list ``kv_call_args(inputs)[:-3]`` and the three tables.
+    """
+    from tvm.relax.frontend.nn import spec
+
+    def tensor(var):
+        shape, dtype = _ty(var)
+        return spec.Tensor([_static_or_var(d) for d in shape], dtype)
+
+    caches = []
+    for k, v in zip(kv.k_caches, kv.v_caches):
+        caches += [tensor(k), tensor(v)]
+    return {"kv_caches": caches, "qo_indptr": tensor(kv.qo_indptr),
+            "cache_lengths": tensor(kv.cache_lengths), "lookup_table": tensor(kv.lookup_table)}
+
+
+def _static_or_var(d):
+    if hasattr(d, "value") and not hasattr(d, "name"):
+        return int(d.value)
+    return d
+
+
+def _current_bb():
+    from tvm.relax import BlockBuilder
+
+    bb = BlockBuilder.current()
+    if bb is None:
+        raise InvalidArgumentError("kvtvm.relax nn_* helpers must run while an nn module is "
+                                   "being exported (no current BlockBuilder)")
+    return bb
+
+
+def _wrap(expr, name):
+    from tvm.relax.frontend import nn
+
+    return nn.Tensor(_expr=expr)
+
+
+def nn_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, **kwargs):
+    """:func:`emit_append_kv` on ``nn.Tensor`` values; returns the written
+    ``(k_cache, v_cache)`` as ``nn.Tensor``."""
+    kc, vc = emit_append_kv(_current_bb(), k_cache, v_cache, k, v, qo_indptr, cache_lengths,
+                            lookup_table, **kwargs)
+    return _wrap(kc, "k_cache"), _wrap(vc, "v_cache")
+
+
+def nn_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, **kwargs):
+    """:func:`emit_attention` on ``nn.Tensor`` values; returns ``nn.Tensor`` (a tuple with
+    the lse when ``return_lse``)."""
+    out = emit_attention(_current_bb(), q, k_cache, v_cache, qo_indptr, cache_lengths,
+                         lookup_table, **kwargs)
+    if isinstance(out, tuple):
+        return tuple(_wrap(o, "attn") for o in out)
+    return _wrap(out, "attn")
+
+
+def nn_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, **kwargs):
+    """:func:`emit_decode_attention` on ``nn.Tensor`` values."""
+    out = emit_decode_attention(_current_bb(), q, k_cache, v_cache, cache_lengths,
+                                lookup_table, **kwargs)
+    if isinstance(out, tuple):
+        return tuple(_wrap(o, "attn") for o in out)
+    return _wrap(out, "attn")

@@ -1,0 +1,236 @@
+"""Relax types of a kvtvm manager's per-step inputs, and the Relax vars and runtime arguments
+that carry them (part of :mod:`kvtvm.integrations.relax`, which re-exports every name here).
+
+:func:`struct_info_of` types a manager's plain input description
+(:meth:`kvtvm.manager.KVCacheManager.input_specs`); it is what ``manager.input_symbols()``
+calls. :func:`kv_input_vars_for` derives the per-layer cache views the kernels take and the
+tables, as Relax vars; :func:`kv_call_args` gives the matching runtime tensors of a fetch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidArgumentError, describe
+from ..inputs import RaggedKVCacheInputSymbols
+
+__all__ = ["KVInputVars", "struct_info_of", "input_symbols_for", "kv_input_types",
+           "kv_input_vars", "kv_input_vars_for", "kv_call_args", "KV_INPUT_NAMES"]
+
+#: Order of the non-cache KV inputs after the per-layer caches (see :meth:`KVInputVars.params`).
+KV_INPUT_NAMES = ("qo_indptr", "cache_lengths", "lookup_table")
+
+
+def _i64(value):
+    """An int64 shape entry: a python int stays an int, a ``tir.Var`` is kept."""
+    return int(value) if isinstance(value, int) else value
+
+
+def struct_info_of(specs: list) -> list:
+    """Relax struct info of a manager's plain input description.
+
+    Parameters
+    ----------
+    specs : list of RaggedKVCacheInputSymbols
+        One per device, each field a :class:`kvtvm.manager.symbols.TensorSymbol` (as
+        :meth:`KVCacheManager.input_specs` returns).
+
+    Returns
+    -------
+    list of RaggedKVCacheInputSymbols
+        The same entries with each field a Relax tensor type; a named dim becomes one int64
+        ``tir.Var`` shared by every tensor of the list (``batch`` of ``cache_lengths`` is the
+        ``batch`` of ``lookup_table``), ints stay concrete.
+    """
+    from tvm import relax
+
+    from ..kernels._tvm import tir
+
+    # TVM 0.27 names Relax struct info ``relax.TensorType``; older TVM ``TensorStructInfo``
+    tensor_info = getattr(relax, "TensorStructInfo", None) or relax.TensorType
+    dims: dict = {}
+
+    def dim(d):
+        if isinstance(d, str):
+            if d not in dims:
+                dims[d] = tir.Var(d, "int64")
+            return dims[d]
+        return int(d)
+
+    def typed(sym):
+        return tensor_info([dim(d) for d in sym.shape], sym.dtype)
+
+    return [RaggedKVCacheInputSymbols(blocks=typed(s.blocks), cache_lengths=typed(s.cache_lengths),
+                                      lookup_table=typed(s.lookup_table),
+                                      max_lengths=typed(s.max_lengths)) for s in specs]
+
+
+def input_symbols_for(manager) -> list:
+    """Relax struct info of ``manager``'s per-step inputs, one entry per device (what
+    ``manager.input_symbols()`` returns): :func:`struct_info_of` of ``manager.input_specs()``."""
+    return struct_info_of(manager.input_specs())
+
+
+def _layer_cache_shape(layout, num_pages, page_size, n_kv_heads, head_dim):
+    if layout == "nhd":
+        return [num_pages, page_size, n_kv_heads, head_dim]
+    if layout == "hnd":
+        return [num_pages, n_kv_heads, page_size, head_dim]
+    raise InvalidArgumentError(describe("layout", ("nhd", "hnd"), repr(layout)))
+
+
+def kv_input_types(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str = "float32", *,
+                   layout: str = "nhd", num_pages=None, page_size=None, width=None,
+                   batch=None) -> dict[str, Any]:
+    """Relax types of the KV inputs of one device, by name.
+
+    Parameters
+    ----------
+    num_layers, n_kv_heads, head_dim : int
+        Decoder layers, KV heads on the device, head size.
+    dtype : str
+        Cache dtype.
+    layout : {"nhd", "hnd"}
+        ``"nhd"``: PAGED / CONTINUOUS per-layer views ``[num_pages, page_size, H, D]``;
+        ``"hnd"``: LINEAR per-layer views ``[num_slots, H, max_seq_len, D]``.
+    num_pages, page_size, width : int or tir.Var, optional
+        Cache extents and lookup-table width; symbolic (``int64`` vars) when None.
+    batch : tir.Var, optional
+        The batch-size var (symbolic when None).
+
+    Returns
+    -------
+    dict
+        ``"k_cache_<l>"``, ``"v_cache_<l>"`` for each layer (cache shape above), then
+        ``"qo_indptr"`` int32 ``[batch + 1]``, ``"cache_lengths"`` int32 ``[batch]``,
+        ``"lookup_table"`` int32 ``[batch, width]``: the order of :meth:`KVInputVars.params`.
+    """
+    from tvm import relax
+
+    from ..kernels._tvm import tir
+
+    def sym(value, name):
+        return tir.Var(name, "int64") if value is None else _i64(value)
+
+    num_pages, page_size = sym(num_pages, "num_pages"), sym(page_size, "page_size")
+    width, batch = sym(width, "max_pages"), sym(batch, "batch")
+    cache = relax.TensorType(_layer_cache_shape(layout, num_pages, page_size, int(n_kv_heads),
+                                                int(head_dim)), dtype)
+    types = {}
+    for layer in range(int(num_layers)):
+        types[f"k_cache_{layer}"] = cache
+        types[f"v_cache_{layer}"] = cache
+    types["qo_indptr"] = relax.TensorType([batch + 1], "int32")
+    types["cache_lengths"] = relax.TensorType([batch], "int32")
+    types["lookup_table"] = relax.TensorType([batch, width], "int32")
+    return types
+
+
+@dataclass
+class KVInputVars:
+    """The Relax parameters carrying one device's KV inputs.
+
+    Attributes
+    ----------
+    k_caches, v_caches : list of relax.Var
+        Per layer, ``[num_pages, page_size, H, D]`` (nhd) or ``[num_slots, H, max_seq_len, D]``
+        (hnd), the cache dtype.
+    qo_indptr : relax.Var
+        int32 ``[batch + 1]``.
+    cache_lengths : relax.Var
+        int32 ``[batch]``: tokens cached before this step.
+    lookup_table : relax.Var
+        int32 ``[batch, width]``.
+    layout : str
+        Token layout of the cache views.
+    """
+
+    k_caches: list
+    v_caches: list
+    qo_indptr: Any
+    cache_lengths: Any
+    lookup_table: Any
+    layout: str = "nhd"
+    types: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_caches)
+
+    @property
+    def batch(self):
+        """The batch-size var (``int64``), shared by the three tables' shapes."""
+        return self.cache_lengths.ty.shape.values[0]
+
+    def params(self) -> list:
+        """The vars in parameter order: ``k_cache_0, v_cache_0, k_cache_1, ...,
+        qo_indptr, cache_lengths, lookup_table`` (the order of :func:`kv_call_args`)."""
+        out = []
+        for k, v in zip(self.k_caches, self.v_caches):
+            out += [k, v]
+        return out + [self.qo_indptr, self.cache_lengths, self.lookup_table]
+
+
+def kv_input_vars(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str = "float32", *,
+                  layout: str = "nhd", **extents) -> KVInputVars:
+    """Fresh Relax vars for the KV inputs (types from :func:`kv_input_types`)."""
+    from tvm import relax
+
+    types = kv_input_types(num_layers, n_kv_heads, head_dim, dtype, layout=layout, **extents)
+    v = {name: relax.Var(name, ty) for name, ty in types.items()}
+    return KVInputVars([v[f"k_cache_{i}"] for i in range(num_layers)],
+                       [v[f"v_cache_{i}"] for i in range(num_layers)],
+                       v["qo_indptr"], v["cache_lengths"], v["lookup_table"], layout, types)
+
+
+def _static_dims(ty) -> list:
+    out = []
+    for d in ty.shape.values:
+        out.append(int(d) if hasattr(d, "value") and not hasattr(d, "name") else d)
+    return out
+
+
+def kv_input_vars_for(manager, device: int = 0) -> KVInputVars:
+    """Relax vars for the KV inputs of ``manager`` on ``device``, agreeing with
+    ``manager.input_symbols()``.
+
+    The manager describes its whole cache tensor (``blocks``, concrete shape) and its tables
+    (symbolic ``batch``, concrete lookup width); the per-layer views the kernels take are
+    derived from the ``blocks`` shape of the manager's strategy, and ``qo_indptr`` gets
+    ``[batch + 1]`` over the same ``batch`` var. A :class:`kvtvm.manager.LinearKVCache`
+    (no ``input_symbols``) is described from its buffer, with a ``[batch, 1]`` slot table.
+    """
+    from ..kernels._tvm import tir
+    from ..params import KVCacheStrategy
+
+    strategy = manager.params.cache_strategy
+    if hasattr(manager, "input_symbols"):
+        sym = manager.input_symbols()[device]
+        blocks, dtype = _static_dims(sym.blocks), str(sym.blocks.dtype)
+        lookup = sym.lookup_table.shape.values
+        batch, width = lookup[0], _static_dims(sym.lookup_table)[1]
+    else:  # LinearKVCache (seed 004's API has no input_symbols): its buffer and [batch, 1]
+        buf = manager.get_kv_cache_buffer(device)
+        blocks, dtype = [int(d) for d in buf.shape], manager.params.dtype
+        batch, width = tir.Var("batch", "int64"), 1
+    if strategy is KVCacheStrategy.LINEAR:
+        # [num_layers, max_batch_size, 2, H, max_seq_len, D] -> view [slots, H, seq, D]
+        num_layers, slots, _, heads, seq, dim = blocks
+        return kv_input_vars(num_layers, heads, dim, dtype, layout="hnd",
+                             num_pages=slots, page_size=seq, width=width, batch=batch)
+    # CONTINUOUS / PAGED: [num_pages, 2, num_layers, page_size, H, D] -> [pages, page, H, D]
+    pages, _, num_layers, page_size, heads, dim = blocks
+    return kv_input_vars(num_layers, heads, dim, dtype, layout="nhd",
+                         num_pages=pages, page_size=page_size, width=width, batch=batch)
+
+
+def kv_call_args(inputs) -> list:
+    """The runtime tensors matching :meth:`KVInputVars.params`, from one device's fetched
+    :class:`kvtvm.inputs.RaggedKVCacheInputs`: per layer the zero-copy K and V views, then
+    ``qo_indptr``, ``cache_lengths``, ``lookup_table``."""
+    coll = inputs.collection()
+    out = []
+    for layer in range(inputs.num_layers):
+        out += [coll.get_key_cache(layer).blocks, coll.get_value_cache(layer).blocks]
+    return out + [inputs.qo_indptr, inputs.cache_lengths, inputs.lookup_table]
