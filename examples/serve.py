@@ -31,6 +31,7 @@ import torch
 
 from kvtvm import KVCacheParams, ops
 from kvtvm.errors import CompilerUnavailableError, KVCacheCapacityError
+from kvtvm.plan import plan_step
 from kvtvm.manager import (BatchItem, ContinuousBatchingKVCacheManager, LinearKVCache,
                            PagedKVCacheManager, TokenBatch)
 
@@ -88,7 +89,7 @@ class KVTVMLlama:
     ``[num_tokens]`` row dimension and ``kv.qo_indptr`` says which rows belong to which sequence.
     Each layer projects q, k, v, rotates them by position, appends k and v to the cache and
     attends over the cache -- decode attention when every sequence adds exactly one token,
-    prefill attention otherwise -- through one :func:`kvtvm.ops.plan_step` per step (the ops'
+    prefill attention otherwise -- through one :func:`kvtvm.plan.plan_step` per step (the ops'
     checks run on the first layer; the others replay its launches).
     """
 
@@ -125,7 +126,7 @@ class KVTVMLlama:
         cos, sin = self.model.rotary_emb(x, positions[None])              # [1, T, D]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]                 # [T, 1, D]
         # kvtvm: this step's append + attention for every layer, arguments checked once
-        plan = ops.plan_step(kv, decode=decode and self.use_decode_kernel)
+        plan = plan_step(kv, decode=decode and self.use_decode_kernel)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)

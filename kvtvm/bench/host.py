@@ -24,6 +24,7 @@ def step_ms(planned: bool, layers: int, batch: int, context: int, n_kv_heads: in
     import torch
 
     from .. import ops
+    from ..plan import plan_step
     from ..inputs import BatchItem, TokenBatch
     from ..manager import PagedKVCacheManager
     from ..params import KVCacheParams
@@ -45,10 +46,10 @@ def step_ms(planned: bool, layers: int, batch: int, context: int, n_kv_heads: in
         t0 = time.perf_counter()
         (inp,) = mgr.fetch(tb)
         if planned:
-            plan = ops.plan_step(inp)
+            step_plan = plan_step(inp)
             for layer in range(layers):
-                plan.append_kv(layer, k, k)
-                plan.attention(layer, q)
+                step_plan.append_kv(layer, k, k)
+                step_plan.attention(layer, q)
         else:
             for layer in range(layers):
                 kc, vc = inp.k_cache(layer), inp.v_cache(layer)
