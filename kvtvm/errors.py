@@ -51,3 +51,8 @@ class DeviceUnavailableError(KVCacheError, RuntimeError):
 def describe(name: str, expected, actual) -> str:
     """Format the standard 'argument, expected, actual' message."""
     return f"{name}: expected {expected}, got {actual}"
+
+
+class KernelVersionError(KVCacheError, RuntimeError):
+    """A built kernel module was made by another kvtvm or TVM version (or has no readable
+    manifest) and cannot be rebuilt here because only the TVM runtime is present."""

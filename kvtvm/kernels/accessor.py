@@ -14,7 +14,7 @@ manager's cache tensor is passed with no copy. ``page_size`` is a runtime value.
 
 from __future__ import annotations
 
-from tvm.script import tirx as T
+from ._tvm import T
 
 
 def i64(value):

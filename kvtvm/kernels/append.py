@@ -16,14 +16,27 @@ A row whose page index falls outside ``[0, num_pages)`` is not written (a guard;
 raises before launch on such input).
 
 Blocks: ``locate`` (token -> sequence, by binary search of ``qo_indptr``) and ``append``.
+
+Knobs: llvm ``vector_bytes``, ``parallel``; cuda ``vector_bytes``, ``tokens_per_block``
+(schedules ``schedules/append/{cpu,cuda}.py``). Variants: ``"serial"`` on llvm.
 """
 
 from __future__ import annotations
 
-from tvm.script import tirx as T
-
+from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
 from .accessor import cache_index, find_sequence, match_cache_pair, match_tensor
 from .reference import reference_append  # noqa: F401  (the numpy reference, beside its kernel)
+from .variants import VARIANTS as _ALL_VARIANTS
+
+#: Named runtime variants: target -> name -> knob overrides (``"serial"`` on llvm).
+VARIANTS = _ALL_VARIANTS["append"]
+
+
+def knob_space(spec) -> dict:
+    """The knob values ``kvtvm.tune`` searches for ``spec`` (its target's schedule knobs)."""
+    if spec.target == "llvm":
+        return {"vector_bytes": [8, 16, 32, 64]}
+    return {"vector_bytes": [4, 8, 16], "tokens_per_block": [1, 2, 4, 8]}
 
 
 def define(spec):
@@ -31,10 +44,10 @@ def define(spec):
     H, D, dtype, layout = spec.n_kv_heads, spec.head_dim, spec.dtype, spec.layout
 
     # fmt: off
-    @T.prim_func(s_tir=True)
+    @prim_func
     def append(var_k_cache: T.handle, var_v_cache: T.handle, var_k: T.handle, var_v: T.handle,
                var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({ATTR_NOALIAS: True})
         num_pages, page_size, k_cache, v_cache = match_cache_pair(var_k_cache, var_v_cache,
                                                                   layout, H, D, dtype)
         ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
@@ -43,18 +56,18 @@ def define(spec):
         qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
         cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
         lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        seq_of = T.sblock_alloc_buffer((ntok,), "int32")
+        seq_of = alloc_buffer((ntok,), "int32")
         for n in range(ntok):
-            with T.sblock("locate"):
+            with block("locate"):
                 vn = T.axis.spatial(ntok, n)
                 T.reads(qo_indptr[0:batch + 1])
                 T.writes(seq_of[vn])
                 # largest b with qo_indptr[b] <= vn
-                bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                bounds = alloc_buffer((2,), "int32", scope="local")
                 find_sequence(qo_indptr, bounds, batch, vn)
                 seq_of[vn] = bounds[0]
         for n, h, d in T.grid(ntok, H, D):
-            with T.sblock("append"):
+            with block("append"):
                 vn, vh, vd = T.axis.remap("SSS", [n, h, d])
                 T.reads(seq_of[vn], qo_indptr[seq_of[vn]], cache_lengths[seq_of[vn]],
                         lookup[seq_of[vn], 0:max_pages], k[vn, vh, vd], v[vn, vh, vd])

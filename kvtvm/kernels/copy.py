@@ -22,26 +22,38 @@ what makes that truthful for an in-place copy. Schedules parallelize over
 ``(outer, inner, head_dim)`` and keep the copies of a launch in a serial loop inside.
 
 Blocks: ``copy``.
+
+Knobs: llvm ``rows_per_task``, ``vector_bytes``; cuda ``vector_bytes``, ``threads``
+(schedules ``schedules/copy/{cpu,cuda}.py``). No variants.
 """
 
 from __future__ import annotations
 
+from ._tvm import T, block, prim_func
+from .accessor import _ITEMSIZE, match_tensor
 from .reference import reference_copy_pages  # noqa: F401  (the numpy reference, beside its kernel)
+from .variants import VARIANTS as _ALL_VARIANTS
 
-__all__ = ["define", "reference_copy_pages"]
+__all__ = ["define", "knob_space", "reference_copy_pages", "VARIANTS"]
+
+#: Named runtime variants: none (one kernel per spec).
+VARIANTS = _ALL_VARIANTS["copy"]
+
+
+def knob_space(spec) -> dict:
+    """The knob values ``kvtvm.tune`` searches for ``spec`` (its target's schedule knobs)."""
+    if spec.target == "llvm":
+        return {"rows_per_task": [16, 64, 256], "vector_bytes": [16, 32, 64]}
+    return {"vector_bytes": [4, 8, 16], "threads": [128, 256, 512]}
 
 
 def define(spec):
     """The unscheduled copy PrimFunc of ``spec`` (``spec.head_dim`` is the innermost extent)."""
-    from tvm.script import tirx as T
-
-    from .accessor import _ITEMSIZE, match_tensor
-
     D, dtype = spec.head_dim, spec.dtype
     align = _ITEMSIZE[dtype]  # only element alignment is assumed (see match_tensor)
 
     # fmt: off
-    @T.prim_func(s_tir=True)
+    @prim_func
     def copy(var_buf: T.handle, var_src: T.handle, var_dst: T.handle):
         outer, rows, inner, n = T.int64(), T.int64(), T.int64(), T.int64()
         buf = match_tensor(var_buf, (outer, rows, inner, T.int64(D)), dtype)
@@ -52,7 +64,7 @@ def define(spec):
         out = T.decl_buffer((outer, rows, inner, T.int64(D)), dtype, data=buf.data,
                             align=align)
         for o, r, i, d in T.grid(outer, inner, n, T.int64(D)):
-            with T.sblock("copy"):
+            with block("copy"):
                 vo, vr, vi, vd = T.axis.remap("SSSS", [o, r, i, d])
                 T.reads(src[vi], dst[vi], buf[vo, 0:rows, vr, vd])
                 T.writes(out[vo, 0:rows, vr, vd])

@@ -28,16 +28,24 @@ empty split stores ``lse_part = NEG`` and zeros. With one split the ``attend`` s
 
 Blocks: ``attend`` (per sequence, KV head, split: online softmax in log2 units over the split)
 and ``merge`` (per sequence, query head: log-sum-exp merge of the splits).
+
+Knobs: llvm ``tile_tokens``, ``vector_bytes``, ``head_block``, ``parallel``; cuda ``threads``,
+``tile_tokens``, ``stages``, ``merge_threads``, ``vec`` (schedules
+``schedules/decode/{cpu,cuda}.py``, both hand-written TIR kernels checked against
+:func:`define`). Variants: ``"serial"`` on llvm.
 """
 
 from __future__ import annotations
 
 import math
 
-from tvm.script import tirx as T
-
-from .accessor import cache_index, match_cache_pair, match_tensor
+from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
+from .accessor import _ITEMSIZE, cache_index, match_cache_pair, match_tensor
 from .reference import reference_decode  # noqa: F401  (the numpy reference, beside its kernel)
+from .variants import VARIANTS as _ALL_VARIANTS
+
+#: Named runtime variants: target -> name -> knob overrides (``"serial"`` on llvm).
+VARIANTS = _ALL_VARIANTS["decode"]
 
 #: log2(e): scores are kept in log2 units so the kernels use exp2.
 LOG2E = math.log2(math.e)
@@ -95,30 +103,47 @@ def match_params(spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_l
             lookup, out, lse, o_part, lse_part)
 
 
+def vec_choices(spec) -> list[int]:
+    """CUDA knob ``vec``: elements of head_dim per thread that keep one row inside a warp:
+    1, 2 or 4 16-byte vectors, at least head_dim / 32."""
+    chunk = 16 // _ITEMSIZE[spec.dtype]
+    return [v for v in (chunk, 2 * chunk, 4 * chunk)
+            if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
+
+
+def knob_space(spec) -> dict:
+    """The knob values ``kvtvm.tune`` searches for ``spec`` (its target's schedule knobs)."""
+    if spec.target == "llvm":
+        return {"tile_tokens": [8, 16, 32, 64], "vector_bytes": [16, 32, 64],
+                "head_block": [h for h in (1, 2, 4, 8, 16, 32) if spec.n_kv_heads % h == 0]}
+    return {"threads": [64, 128, 256], "tile_tokens": [8, 16, 32, 64], "stages": [1, 2, 3],
+            "merge_threads": [128, 256, 512], "vec": vec_choices(spec)}
+
+
 def define(spec):
     """The unscheduled decode PrimFunc of ``spec`` (serial; the schedules rebuild it tiled)."""
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
 
     # fmt: off
-    @T.prim_func(s_tir=True)
+    @prim_func
     def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
                var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
                sm_scale: T.float32, window: T.int32):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({ATTR_NOALIAS: True})
         (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
          lookup, out, lse, o_part, lse_part) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
             var_lse, var_o_part, var_lse_part)
         for b, h, s in T.grid(batch, H, splits):
-            with T.sblock("attend"):
+            with block("attend"):
                 T.reads()
                 T.writes()
-                acc = T.sblock_alloc_buffer((D,), "float32")
-                m = T.sblock_alloc_buffer((1,), "float32")
-                den = T.sblock_alloc_buffer((1,), "float32")
-                score = T.sblock_alloc_buffer((1,), "float32")
-                m_new = T.sblock_alloc_buffer((1,), "float32")
+                acc = alloc_buffer((D,), "float32")
+                m = alloc_buffer((1,), "float32")
+                den = alloc_buffer((1,), "float32")
+                score = alloc_buffer((1,), "float32")
+                m_new = alloc_buffer((1,), "float32")
                 lo, hi = split_range(cache_lengths[b], window, s, splits, sliding)
                 for g in range(G):
                     m[0] = T.float32(NEG)
@@ -153,12 +178,12 @@ def define(spec):
                             o_part[s, b, h * G + g, d] = T.float32(0)
                         lse_part[s, b, h * G + g] = T.float32(NEG)
         for b, hq in T.grid(batch, Hq):
-            with T.sblock("merge"):
+            with block("merge"):
                 T.reads()
                 T.writes()
-                acc = T.sblock_alloc_buffer((D,), "float32")
-                m = T.sblock_alloc_buffer((1,), "float32")
-                den = T.sblock_alloc_buffer((1,), "float32")
+                acc = alloc_buffer((D,), "float32")
+                m = alloc_buffer((1,), "float32")
+                den = alloc_buffer((1,), "float32")
                 if splits > T.int64(1):
                     m[0] = T.float32(NEG)
                     den[0] = T.float32(0)

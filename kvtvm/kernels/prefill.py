@@ -26,18 +26,25 @@ the softmax runs in base 2 on scores pre-multiplied by ``sm_scale * log2(e)``.
 
 Blocks: ``locate`` (token -> sequence, binary search of ``qo_indptr``) and ``attn`` (one
 (token, query head) row: online softmax over its visible KV positions). The tuned schedules
-replace this per-row form by tiled kernels with the same signature (see
-``schedules/cpu_prefill.py`` and ``schedules/cuda_prefill.py``).
+replace this per-row form by hand-written tiled kernels with the same signature (see
+``schedules/prefill/cpu.py`` and ``schedules/prefill/cuda.py``), checked against it.
+
+Knobs: llvm ``tile_q`` (0: schedule this definition), ``tile_kv``, ``row_block``,
+``key_block``; cuda ``warps``, ``tile_kv``, ``stages``, ``q_in_regs``, ``m_tiles``,
+``one_barrier``, ``wgmma``. Variants: ``"short_query"`` on cuda.
 """
 
 from __future__ import annotations
 
 import math
 
-from tvm.script import tirx as T
-
+from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
 from .accessor import cache_index, find_sequence, match_cache_pair, match_tensor
 from .reference import reference_prefill  # noqa: F401  (the numpy reference, beside its kernel)
+from .variants import VARIANTS as _ALL_VARIANTS
+
+#: Named runtime variants: target -> name -> knob overrides (``"short_query"`` on cuda).
+VARIANTS = _ALL_VARIANTS["prefill"]
 
 #: log2(e): the kernels softmax in base 2.
 LOG2E = math.log2(math.e)
@@ -68,6 +75,32 @@ def match_params(spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache
             cache_lengths, lookup, out, lse)
 
 
+def uses_wgmma(spec) -> bool:
+    """Whether ``spec``'s CUDA tensor-core prefill can issue wgmma (sm_90a, head_dim <= 128)."""
+    return spec.arch == "sm_90a" and spec.dtype != "float32" and spec.head_dim <= 128
+
+
+def knob_space(spec):
+    """The knob values ``kvtvm.tune`` searches for ``spec`` (its target's schedule knobs); on
+    sm_90a a list of grids (the mma.sync kernel's and the wgmma kernel's, which has no
+    m_tiles / q_in_regs choices)."""
+    if spec.target == "llvm":
+        return {"tile_q": [4, 8, 16, 32], "tile_kv": [16, 32, 64], "row_block": [2, 4, 8],
+                "key_block": [2, 4, 8]}
+    if spec.dtype == "float32":
+        return {"warps": [2, 4, 8]}
+    mma = {"warps": [2, 4, 8], "tile_kv": [32, 64] if spec.head_dim <= 128 else [16, 32],
+           "stages": [2, 3], "q_in_regs": [0, 1] if spec.head_dim <= 128 else [0],
+           "m_tiles": [1, 2] if spec.head_dim <= 128 else [1], "one_barrier": [0, 1],
+           "wgmma": [0]}
+    if not uses_wgmma(spec):
+        return mma
+    wgmma = {"warps": [8, 12, 16], "tile_kv": [32, 64], "stages": [2, 3], "q_in_regs": [0],
+             "m_tiles": [1], "one_barrier": [1], "wgmma": [1]}
+    # 128-position tiles need ~190 registers a thread: two warp groups at most
+    return [mma, wgmma, dict(wgmma, warps=[8], tile_kv=[128])]
+
+
 def define(spec):
     """The unscheduled prefill PrimFunc of ``spec`` (one row per (token, query head))."""
     H, G, D, dtype, layout = (spec.n_kv_heads, spec.group_size, spec.head_dim, spec.dtype,
@@ -76,36 +109,36 @@ def define(spec):
     SLIDE = 1 if "sliding_window" in spec.features else 0  # noqa: N806
 
     # fmt: off
-    @T.prim_func(s_tir=True)
+    @prim_func
     def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                 var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
                 window: T.int32):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({ATTR_NOALIAS: True})
         (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
          cache_lengths, lookup, out, lse) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
             var_lookup, var_out, var_lse)
-        seq_of = T.sblock_alloc_buffer((ntok,), "int32")
+        seq_of = alloc_buffer((ntok,), "int32")
         for n in range(ntok):
-            with T.sblock("locate"):
+            with block("locate"):
                 vn = T.axis.spatial(ntok, n)
                 T.reads(qo_indptr[0:batch + 1])
                 T.writes(seq_of[vn])
-                bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                bounds = alloc_buffer((2,), "int32", scope="local")
                 find_sequence(qo_indptr, bounds, batch, vn)
                 seq_of[vn] = bounds[0]
         for n, h in T.grid(ntok, HQ):
-            with T.sblock("attn"):
+            with block("attn"):
                 vn, vh = T.axis.remap("SS", [n, h])
                 T.reads(seq_of[vn], qo_indptr[0:batch + 1], cache_lengths[0:batch],
                         lookup[0:batch, 0:max_pages], q[vn, vh, 0:D],
                         k_cache[0:num_pages, 0:k_cache.shape[1], 0:k_cache.shape[2], 0:D],
                         v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], 0:D])
                 T.writes(out[vn, vh, 0:D], lse[vn, vh])
-                acc = T.sblock_alloc_buffer((D,), "float32", scope="local")
-                qs = T.sblock_alloc_buffer((D,), "float32", scope="local")
-                st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, l, s, alpha
+                acc = alloc_buffer((D,), "float32", scope="local")
+                qs = alloc_buffer((D,), "float32", scope="local")
+                st = alloc_buffer((4,), "float32", scope="local")  # m, l, s, alpha
                 b: T.int32 = seq_of[vn]
                 pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
                     - T.Cast("int64", qo_indptr[b])

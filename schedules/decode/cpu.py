@@ -1,4 +1,6 @@
-"""CPU (llvm) schedule of decode attention: parallel over (sequence, KV head, split), a tile of
+"""CPU (llvm) schedule of decode attention -- a HAND-WRITTEN TIR kernel, not transformations of
+the definition (tests/kernels/ check it against ``kvtvm.kernels.decode.define`` compiled
+unscheduled): parallel over (sequence, KV head, split), a tile of
 ``tile_tokens`` KV rows at a time, explicit SIMD over head_dim.
 
 The schedule rebuilds the definition's PrimFunc from the knobs (same parameters, same block
@@ -11,10 +13,11 @@ V rows of all heads as one contiguous run (nhd).
 
 from __future__ import annotations
 
-from tvm.script import tirx as T
-
-from kvtvm.kernels.decode import LN2, LOG2E, NEG, match_params, signature, split_range
+from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
 from kvtvm.kernels.accessor import cache_index
+from kvtvm.kernels.decode import LN2, LOG2E, NEG, match_params, signature, split_range
+
+from ..common import replace_function
 
 
 def exp2_poly(x):
@@ -30,18 +33,13 @@ def exp2_poly(x):
     return T.if_then_else(x < T.float32(-126), T.float32(0), p * scale)
 
 
-def decode_knobs(spec) -> dict:
+def default_knobs(spec) -> dict:
     # 64-byte vectors (one AVX-512 register of float32; LLVM splits them on narrower SIMD);
     # 32-token tiles keep the scores and a K/V tile in L1.
     # all KV heads of a token in one task: a token's K (V) row of every head is one contiguous
     # run of n_kv_heads * head_dim elements in the nhd layout, which the prefetchers follow.
     return {"tile_tokens": 32, "vector_bytes": 64, "head_block": spec.n_kv_heads,
             "parallel": True}
-
-
-def decode_knob_space(spec) -> dict:
-    return {"tile_tokens": [8, 16, 32, 64], "vector_bytes": [16, 32, 64],
-            "head_block": [h for h in (1, 2, 4, 8, 16, 32) if spec.n_kv_heads % h == 0]}
 
 
 def _lanes(spec, vector_bytes: int) -> int:
@@ -51,9 +49,7 @@ def _lanes(spec, vector_bytes: int) -> int:
     return lanes
 
 
-def schedule_decode(mod, spec, knobs):
-    import tvm
-
+def schedule(mod, spec, knobs):
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     TILE = int(knobs["tile_tokens"])
     L = _lanes(spec, int(knobs["vector_bytes"]))
@@ -95,30 +91,30 @@ def schedule_decode(mod, spec, knobs):
     row_sum = tile_tree(lambda a, b: a + b)
 
     # fmt: off
-    @T.prim_func(s_tir=True)
+    @prim_func
     def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
                var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
                sm_scale: T.float32, window: T.int32):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({ATTR_NOALIAS: True})
         (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
          lookup, out, lse, o_part, lse_part) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
             var_lse, var_o_part, var_lse_part)
         for task in tasks(batch * NHB * splits):
-            with T.sblock("attend"):
+            with block("attend"):
                 T.reads()
                 T.writes()
-                qf = T.sblock_alloc_buffer((HB * G, D), "float32")
-                acc = T.sblock_alloc_buffer((HB * G, D), "float32")
-                sc = T.sblock_alloc_buffer((HB * G, TILE), "float32")
-                part = T.sblock_alloc_buffer((G, L), "float32")
-                row = T.sblock_alloc_buffer((L,), "float32")
-                m = T.sblock_alloc_buffer((HB * G,), "float32")
-                den = T.sblock_alloc_buffer((HB * G,), "float32")
-                mt = T.sblock_alloc_buffer((1,), "float32")
-                red = T.sblock_alloc_buffer((W,), "float32")
-                scl = T.sblock_alloc_buffer((1,), "float32")
+                qf = alloc_buffer((HB * G, D), "float32")
+                acc = alloc_buffer((HB * G, D), "float32")
+                sc = alloc_buffer((HB * G, TILE), "float32")
+                part = alloc_buffer((G, L), "float32")
+                row = alloc_buffer((L,), "float32")
+                m = alloc_buffer((HB * G,), "float32")
+                den = alloc_buffer((HB * G,), "float32")
+                mt = alloc_buffer((1,), "float32")
+                red = alloc_buffer((W,), "float32")
+                scl = alloc_buffer((1,), "float32")
                 b: T.int64 = task // (NHB * splits)
                 h0: T.int64 = T.floormod(task // splits, NHB) * HB
                 s: T.int64 = T.floormod(task, splits)
@@ -205,13 +201,13 @@ def schedule_decode(mod, spec, knobs):
                         lse_part[s, b, h0 * G + r] = T.float32(NEG)
         if splits > T.int64(1):
             for task in tasks(batch * Hq):
-                with T.sblock("merge"):
+                with block("merge"):
                     T.reads()
                     T.writes()
-                    acc = T.sblock_alloc_buffer((D,), "float32")
-                    m = T.sblock_alloc_buffer((1,), "float32")
-                    den = T.sblock_alloc_buffer((1,), "float32")
-                    w = T.sblock_alloc_buffer((1,), "float32")
+                    acc = alloc_buffer((D,), "float32")
+                    m = alloc_buffer((1,), "float32")
+                    den = alloc_buffer((1,), "float32")
+                    w = alloc_buffer((1,), "float32")
                     b: T.int64 = task // Hq
                     hq: T.int64 = T.floormod(task, Hq)
                     m[0] = T.float32(NEG)
@@ -232,6 +228,4 @@ def schedule_decode(mod, spec, knobs):
                             out[b, hq, dv * L + l] = T.Cast(dtype, acc[dv * L + l] / den[0])
                     lse[b, hq] = (m[0] + T.log2(den[0])) * T.float32(LN2)
     # fmt: on
-    (name, old), = mod.functions_items()
-    assert len(old.params) == len(decode.params), "decode signature drifted from the definition"
-    return tvm.IRModule({name: decode.with_attr("global_symbol", name.name_hint)})
+    return replace_function(mod, decode, "decode")

@@ -1,10 +1,5 @@
-"""CUDA schedule of prefill attention (sm_90a and sm_80): flash-attention-2 on tensor cores
-(``mma.sync``, or ``wgmma`` on sm_90a).
-
-Built directly from the knobs as thread-bound TIR (same signature and block names as the
-definition in ``kvtvm/kernels/prefill.py``, tested against the same numpy reference).
-
-float16 / bfloat16 (``tensor_core_prefill``):
+"""CUDA tensor-core prefill kernel (float16 / bfloat16; sm_90a and sm_80) -- a HAND-WRITTEN
+TIR kernel, used by :mod:`.cuda` (the knobs there choose ``mma.sync`` or ``wgmma``).
 
 - grid ``(query tiles, n_kv_heads)``; a CTA of ``warps`` warps owns ``16 * m_tiles * warps``
   query rows (each warp ``m_tiles`` 16-row MMA tiles, so every K/V fragment it loads feeds
@@ -36,169 +31,16 @@ float16 / bfloat16 (``tensor_core_prefill``):
   ``q_in_regs`` do not apply; ``one_barrier`` is required. Never written in place while a
   wgmma is in flight: an accumulator register written by another instruction makes ptxas
   serialize every wgmma of the kernel (warning C7515).
-
-float32 (``simt_prefill``): no tensor cores (fp32 operands would need TF32, which loses the
-float32 accuracy callers ask for); one warp per (token, query head) row, lanes splitting
-head_dim: correct, not tuned (float32 prefill is not a serving configuration).
 """
 
 from __future__ import annotations
 
-import tvm
-from tvm.script import tirx as T
-
+from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index, find_sequence
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params
 
 #: a masked score: exp2(MASKED - running max) is exactly 0 (running max >= NEG_INF)
 MASKED = -3.0e38
-
-
-
-def uses_wgmma(spec) -> bool:
-    """Whether ``spec``'s tensor-core prefill can issue wgmma (sm_90a, head_dim <= 128)."""
-    return spec.arch == "sm_90a" and spec.dtype != "float32" and spec.head_dim <= 128
-
-
-def prefill_knobs(spec) -> dict:
-    if spec.dtype == "float32":
-        return {"warps": 4}
-    if spec.head_dim > 128:
-        return {"warps": 4, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
-                "one_barrier": 1, "wgmma": 0}
-    if uses_wgmma(spec):
-        # four warp groups of 64 rows and 64-position K/V tiles, one CTA an SM (H100, fp16
-        # d128, 1x8K causal: 319 TFLOP/s against 250-266 with 2-3 warp groups, 215 with
-        # 128-position tiles, 252 for the mma.sync kernel; tools/gpu_prefill_probe.py)
-        return {"warps": 16, "tile_kv": 64, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
-                "one_barrier": 1, "wgmma": 1}
-    # 8 warps of two 16-row m-tiles: each K/V fragment feeds two MMAs (H100, fp16 d128, 1x8K
-    # causal: 243 TFLOP/s against 186 with one m-tile and 4 warps; tools/gpu_prefill_probe.py)
-    return {"warps": 8, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 2,
-            "one_barrier": 1, "wgmma": 0}
-
-
-#: Knob overrides of the variant the ops layer launches when a call's sequences add few tokens
-#: each (chunked prefill, speculative verification, mixed steps): a CTA of the default's 256
-#: rows would mostly hold rows of other sequences, processed one segment at a time. The
-#: mma.sync kernel with 64-row CTAs on every arch (a 64-row wgmma CTA leaves an SM one warp
-#: group: 126 TFLOP/s at 1x8K against 319 for four).
-SHORT_QUERY_KNOBS = {"warps": 4, "m_tiles": 1, "tile_kv": 32, "wgmma": 0}
-
-
-
-def prefill_knob_space(spec):
-    """The knob grid ``kvtvm.tune`` searches; with wgmma, a list of grids (the mma.sync
-    kernel's and the wgmma kernel's, which has no m_tiles / q_in_regs choices)."""
-    if spec.dtype == "float32":
-        return {"warps": [2, 4, 8]}
-    mma = {"warps": [2, 4, 8], "tile_kv": [32, 64] if spec.head_dim <= 128 else [16, 32],
-           "stages": [2, 3], "q_in_regs": [0, 1] if spec.head_dim <= 128 else [0],
-           "m_tiles": [1, 2] if spec.head_dim <= 128 else [1], "one_barrier": [0, 1],
-           "wgmma": [0]}
-    if not uses_wgmma(spec):
-        return mma
-    wgmma = {"warps": [8, 12, 16], "tile_kv": [32, 64], "stages": [2, 3], "q_in_regs": [0],
-             "m_tiles": [1], "one_barrier": [1], "wgmma": [1]}
-    # 128-position tiles need ~190 registers a thread: two warp groups at most
-    return [mma, wgmma, dict(wgmma, warps=[8], tile_kv=[128])]
-
-
-def schedule_prefill(mod, spec, knobs):
-    if spec.dtype == "float32":
-        func = simt_prefill(spec, int(knobs["warps"]))
-    else:
-        func = tensor_core_prefill(spec, int(knobs["warps"]), int(knobs["tile_kv"]),
-                                   int(knobs["stages"]), bool(knobs["q_in_regs"]),
-                                   int(knobs["m_tiles"]), bool(knobs["one_barrier"]),
-                                   bool(knobs.get("wgmma", 0)))
-    (name, old), = mod.functions_items()
-    assert len(old.params) == len(func.params), "prefill signature drifted from the definition"
-    return tvm.IRModule({name: func.with_attr("global_symbol", name.name_hint)})
-
-
-def simt_prefill(spec, NW: int):
-    """float32: one warp per (token, query head) row, lanes splitting head_dim, dot products
-    reduced with warp shuffles; online softmax over the row's visible KV positions."""
-    H, G, D, dtype, layout = (spec.n_kv_heads, spec.group_size, spec.head_dim, spec.dtype,
-                              spec.layout)
-    HQ = H * G
-    DL = (D + 31) // 32  # elements per lane
-    SLIDE = 1 if "sliding_window" in spec.features else 0
-
-    # fmt: off
-    @T.prim_func(s_tir=True)
-    def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
-                var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
-                var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
-                window: T.int32):
-        T.func_attr({"tirx.noalias": True})
-        (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
-         cache_lengths, lookup, out, lse) = match_params(
-            spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
-            var_lookup, var_out, var_lse)
-        for lbx in T.thread_binding((ntok * HQ + NW - 1) // NW, thread="blockIdx.x"):
-            for lty in T.thread_binding(NW, thread="threadIdx.y"):
-                for ltx in T.thread_binding(32, thread="threadIdx.x"):
-                    with T.sblock("attn"):
-                        bx, w, lane = T.axis.remap("SSS", [lbx, lty, ltx])
-                        T.reads()
-                        T.writes()
-                        qs = T.sblock_alloc_buffer((DL,), "float32", scope="local")
-                        acc = T.sblock_alloc_buffer((DL,), "float32", scope="local")
-                        st = T.sblock_alloc_buffer((4,), "float32", scope="local")
-                        ib = T.sblock_alloc_buffer((2,), "int32", scope="local")
-                        row: T.int64 = bx * NW + w
-                        if row < ntok * HQ:
-                            vn: T.int64 = row // HQ
-                            vh: T.int64 = row % HQ
-                            find_sequence(qo_indptr, ib, batch, vn)
-                            b: T.int32 = ib[0]
-                            pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
-                                - T.Cast("int64", qo_indptr[b])
-                            kv_len: T.int64 = T.Cast("int64", cache_lengths[b] + qo_indptr[b + 1]
-                                                     - qo_indptr[b])
-                            hi: T.int64 = T.if_then_else(causal != 0, pos + 1, kv_len)
-                            lo: T.int64 = T.max(pos - T.Cast("int64", window) + 1,
-                                                T.int64(0)) * SLIDE
-                            for i in T.unroll(DL):
-                                if i * 32 + lane < D:
-                                    qs[i] = T.Cast("float32", q[vn, vh, i * 32 + lane]) \
-                                        * sm_scale * T.float32(LOG2E)
-                                else:
-                                    qs[i] = T.float32(0)
-                                acc[i] = T.float32(0)
-                            st[0] = T.float32(NEG_INF)
-                            st[1] = T.float32(0)
-                            for j in range(hi - lo):
-                                page: T.int64 = T.Cast("int64",
-                                                       lookup[b, T.truncdiv(lo + j, page_size)])
-                                slot: T.int64 = T.truncmod(lo + j, page_size)
-                                st[2] = T.float32(0)
-                                for i in T.unroll(DL):
-                                    if i * 32 + lane < D:
-                                        st[2] = st[2] + qs[i] * T.Cast("float32", k_cache[
-                                            cache_index(layout, page, slot, vh // G,
-                                                        i * 32 + lane)])
-                                for sh in T.unroll(5):
-                                    st[2] = st[2] + T.tvm_warp_shuffle_xor(
-                                        T.uint32(0xFFFFFFFF), st[2], 1 << sh, 32, 32)
-                                st[3] = T.exp2(st[0] - T.max(st[0], st[2]))
-                                st[0] = T.max(st[0], st[2])
-                                st[2] = T.exp2(st[2] - st[0])
-                                st[1] = st[1] * st[3] + st[2]
-                                for i in T.unroll(DL):
-                                    if i * 32 + lane < D:
-                                        acc[i] = acc[i] * st[3] + st[2] * T.Cast(
-                                            "float32", v_cache[cache_index(
-                                                layout, page, slot, vh // G, i * 32 + lane)])
-                            for i in T.unroll(DL):
-                                if i * 32 + lane < D:
-                                    out[vn, vh, i * 32 + lane] = T.Cast(dtype, acc[i] / st[1])
-                            if lane == 0:
-                                lse[vn, vh] = (st[0] + T.log2(st[1])) * T.float32(1.0 / LOG2E)
-    # fmt: on
-    return prefill
 
 
 def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: int = 1,
@@ -260,20 +102,20 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
     def visible(row, pos, m, p0, kv_hi, causal, window):
         """Row ``row`` of the tile (token ``row // G`` of the segment) sees KV ``pos`` (int32)."""
         token = row // G
-        cond = tvm.tirx.all(row < R, token < m, pos < kv_hi,
-                            tvm.tirx.any(causal == 0, pos <= p0 + token))
+        cond = tir.all(row < R, token < m, pos < kv_hi,
+                            tir.any(causal == 0, pos <= p0 + token))
         if SLIDE:
-            cond = tvm.tirx.all(cond, pos > p0 + token - window)
+            cond = tir.all(cond, pos > p0 + token - window)
         return cond
 
     def full_tile(j0, p0, m, kv_hi, causal, window):
         """Every (row, key) pair of the KV tile at ``j0`` is visible (CTA-uniform)."""
-        cond = tvm.tirx.all(m >= TQ, j0 + BN <= kv_hi,
-                            tvm.tirx.any(causal == 0, j0 + BN - 1 <= p0))
+        cond = tir.all(m >= TQ, j0 + BN <= kv_hi,
+                            tir.any(causal == 0, j0 + BN - 1 <= p0))
         if R < BM:
-            cond = tvm.tirx.const(False)
+            cond = tir.const(False)
         if SLIDE:
-            cond = tvm.tirx.all(cond, j0 > p0 + m - 1 - window)
+            cond = tir.all(cond, j0 > p0 + m - 1 - window)
         return cond
 
     def wgmma(n, acc, a, b_desc, accumulate, trans_b):
@@ -411,12 +253,12 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
         T.tvm_storage_sync("shared")
 
     # fmt: off
-    @T.prim_func(s_tir=True)
+    @prim_func
     def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                 var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
                 window: T.int32):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({ATTR_NOALIAS: True})
         (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
          cache_lengths, lookup, out, lse) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
@@ -425,31 +267,31 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
             for lby in T.thread_binding(H, thread="blockIdx.y"):
                 for lty in T.thread_binding(NW, thread="threadIdx.y"):
                     for ltx in T.thread_binding(32, thread="threadIdx.x"):
-                        with T.sblock("attn"):
+                        with block("attn"):
                             bx, h, w, lane = T.axis.remap("SSSS", [lbx, lby, lty, ltx])
                             T.reads()
                             T.writes()
-                            Qs = T.sblock_alloc_buffer((BM * DP,), dtype, scope="shared.dyn")
-                            Ks = T.sblock_alloc_buffer((STAGES * BN * DP,), dtype,
+                            Qs = alloc_buffer((BM * DP,), dtype, scope="shared.dyn")
+                            Ks = alloc_buffer((STAGES * BN * DP,), dtype,
                                                        scope="shared.dyn")
-                            Vs = T.sblock_alloc_buffer((STAGES * BN * DP,), dtype,
+                            Vs = alloc_buffer((STAGES * BN * DP,), dtype,
                                                        scope="shared.dyn")
-                            qf = T.sblock_alloc_buffer((QF,), dtype, scope="local")
-                            kf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                            vf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                            sf = T.sblock_alloc_buffer((MT * NB * 4,), "float32", scope="local")
-                            pf = T.sblock_alloc_buffer((MT * NB * 4,), dtype, scope="local")
-                            of = T.sblock_alloc_buffer((MT * DB * 4,), "float32", scope="local")
-                            mr = T.sblock_alloc_buffer((2 * MT,), "float32", scope="local")
-                            lr = T.sblock_alloc_buffer((2 * MT,), "float32", scope="local")
-                            mx = T.sblock_alloc_buffer((2 * MT,), "float32", scope="local")
-                            ib = T.sblock_alloc_buffer((2,), "int32", scope="local")
-                            ir = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                            qf = alloc_buffer((QF,), dtype, scope="local")
+                            kf = alloc_buffer((8,), dtype, scope="local")
+                            vf = alloc_buffer((8,), dtype, scope="local")
+                            sf = alloc_buffer((MT * NB * 4,), "float32", scope="local")
+                            pf = alloc_buffer((MT * NB * 4,), dtype, scope="local")
+                            of = alloc_buffer((MT * DB * 4,), "float32", scope="local")
+                            mr = alloc_buffer((2 * MT,), "float32", scope="local")
+                            lr = alloc_buffer((2 * MT,), "float32", scope="local")
+                            mx = alloc_buffer((2 * MT,), "float32", scope="local")
+                            ib = alloc_buffer((2,), "int32", scope="local")
+                            ir = alloc_buffer((1,), "int64", scope="local")
                             # wgmma: shared-memory descriptors of Q (this warp group's rows),
                             # K and V (stage 0); P packed in pairs (4 b32 A registers a k-step)
-                            dsc = T.sblock_alloc_buffer((3,), "uint64", scope="local")
-                            pw = T.sblock_alloc_buffer((MT * NB * 2,), "uint32", scope="local")
-                            pt = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                            dsc = alloc_buffer((3,), "uint64", scope="local")
+                            pw = alloc_buffer((MT * NB * 2,), "uint32", scope="local")
+                            pt = alloc_buffer((2,), "float32", scope="local")
                             tid: T.int32 = w * 32 + lane
                             ntiles: T.int64 = (ntok + TQ - 1) // TQ
                             t: T.int64 = ntiles - 1 - bx

@@ -1,4 +1,6 @@
-"""CPU (llvm) schedule of prefill attention: a flash-attention style tiled kernel.
+"""CPU (llvm) schedule of prefill attention: a flash-attention style tiled kernel -- a
+HAND-WRITTEN TIR kernel, not transformations of the definition (tests/kernels/ check it
+against ``kvtvm.kernels.prefill.define`` compiled unscheduled).
 
 Built directly from the knobs (same signature and block names as the definition in
 ``kvtvm/kernels/prefill.py``; ``tile_q = 0`` schedules the definition itself instead, one
@@ -20,13 +22,11 @@ from __future__ import annotations
 
 import math
 
-import tvm
-from tvm.script import tirx as T
-
+from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, get_block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index, find_sequence
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params
 
-from .common import new_schedule, under_locate
+from ..common import new_schedule, replace_function, under_locate
 
 
 #: score of a masked (query, key) pair: below every real score and the initial running max
@@ -50,26 +50,21 @@ def fast_exp2(x):
     return p * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
 
 
-def prefill_knobs(spec) -> dict:
+def default_knobs(spec) -> dict:
     return {"tile_q": 16 if spec.group_size <= 4 else 8, "tile_kv": 32, "row_block": 4,
             "key_block": 4}
 
 
-def prefill_knob_space(spec) -> dict:
-    return {"tile_q": [4, 8, 16, 32], "tile_kv": [16, 32, 64], "row_block": [2, 4, 8],
-            "key_block": [2, 4, 8]}
-
-
-def schedule_prefill(mod, spec, knobs):
+def schedule(mod, spec, knobs):
     if knobs["tile_q"] == 0:
         sch = new_schedule(mod, spec)
-        block = sch.get_sblock("attn")
-        token = under_locate(sch, block)
+        attn = get_block(sch, "attn")
+        token = under_locate(sch, attn)
         sch.parallel(token)
         return sch.mod
     func = tiled_prefill(spec, knobs["tile_q"], knobs["tile_kv"], knobs["row_block"],
                          knobs.get("key_block", 4))
-    return tvm.IRModule({spec.func_name: func.with_attr("global_symbol", spec.func_name)})
+    return replace_function(mod, func, "prefill")
 
 
 def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
@@ -84,40 +79,40 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
     DCH = math.gcd(D, 64)  # O columns per register block
 
     def visible(r, pos, p0, kv_hi, causal, window):
-        cond = tvm.tirx.all(pos < kv_hi,
-                            tvm.tirx.any(causal == 0, pos <= p0 + T.Cast("int64", r // G)))
+        cond = tir.all(pos < kv_hi,
+                            tir.any(causal == 0, pos <= p0 + T.Cast("int64", r // G)))
         if SLIDE:
-            cond = tvm.tirx.all(cond, pos > p0 + T.Cast("int64", r // G)
+            cond = tir.all(cond, pos > p0 + T.Cast("int64", r // G)
                                 - T.Cast("int64", window))
         return cond
 
     # fmt: off
-    @T.prim_func(s_tir=True)
+    @prim_func
     def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                 var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
                 window: T.int32):
-        T.func_attr({"tirx.noalias": True})
+        T.func_attr({ATTR_NOALIAS: True})
         (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
          cache_lengths, lookup, out, lse) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
             var_lookup, var_out, var_lse)
         for w in T.parallel((ntok + TQ - 1) // TQ * H):
-            with T.sblock("attn"):
+            with block("attn"):
                 vw = T.axis.spatial((ntok + TQ - 1) // TQ * H, w)
                 T.reads()
                 T.writes()
-                Qt = T.sblock_alloc_buffer((D, R), "float32", scope="local")
-                Ks = T.sblock_alloc_buffer((N, D), "float32", scope="local")
-                Vs = T.sblock_alloc_buffer((N, D), "float32", scope="local")
-                St = T.sblock_alloc_buffer((N, R), "float32", scope="local")
-                O = T.sblock_alloc_buffer((R, D), "float32", scope="local")
-                M = T.sblock_alloc_buffer((R,), "float32", scope="local")
-                Mn = T.sblock_alloc_buffer((R,), "float32", scope="local")
-                L = T.sblock_alloc_buffer((R,), "float32", scope="local")
-                Ls = T.sblock_alloc_buffer((R,), "float32", scope="local")
-                ib = T.sblock_alloc_buffer((2,), "int32", scope="local")
-                ir = T.sblock_alloc_buffer((1,), "int64", scope="local")
+                Qt = alloc_buffer((D, R), "float32", scope="local")
+                Ks = alloc_buffer((N, D), "float32", scope="local")
+                Vs = alloc_buffer((N, D), "float32", scope="local")
+                St = alloc_buffer((N, R), "float32", scope="local")
+                O = alloc_buffer((R, D), "float32", scope="local")
+                M = alloc_buffer((R,), "float32", scope="local")
+                Mn = alloc_buffer((R,), "float32", scope="local")
+                L = alloc_buffer((R,), "float32", scope="local")
+                Ls = alloc_buffer((R,), "float32", scope="local")
+                ib = alloc_buffer((2,), "int32", scope="local")
+                ir = alloc_buffer((1,), "int64", scope="local")
                 ntiles: T.int64 = (ntok + TQ - 1) // TQ
                 u: T.int64 = vw // H
                 h: T.int64 = vw % H

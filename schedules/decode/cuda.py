@@ -1,4 +1,6 @@
-"""CUDA schedule of decode attention (sm_90a, also used for sm_80): split-KV with a merge kernel.
+"""CUDA schedule of decode attention (sm_90a and sm_80 alike): split-KV with a merge kernel --
+a HAND-WRITTEN TIR kernel, not transformations of the definition (tests/kernels/ compile it and
+check it against ``kvtvm.kernels.decode.define`` where a GPU is present).
 
 The schedule builds the thread-bound TIR from the knobs (as TVM's own decode kernels do) with
 the definition's parameters and block names (``attend``, ``merge``) and the split arithmetic of
@@ -24,12 +26,13 @@ meet in shared memory (a single sequence's 64 splits no longer run as one serial
 
 from __future__ import annotations
 
-from tvm.script import tirx as T
-
+from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
+                               prim_func)
 from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.decode import LN2, LOG2E, NEG, match_params, signature, split_range
+from kvtvm.kernels.decode import (LN2, LOG2E, NEG, match_params, signature, split_range,
+                                  vec_choices)
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+from ..common import DTYPE_BYTES, replace_function
 #: Static shared memory kept for the K/V stages (of the 48 KiB a kernel may declare statically).
 SMEM_KV_BYTES = 40 * 1024
 
@@ -62,7 +65,7 @@ def _copy16(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_size):
                             T.address_of(src), source_code=_CP_ASYNC)
 
 
-def decode_knobs(spec) -> dict:
+def default_knobs(spec) -> dict:
     # 128 threads and 32-row tiles, double buffered: ~32 KiB of K/V in flight per CTA (fp16,
     # D=128), several CTAs per SM.
     # ``vec``: head_dim elements per thread, two 16-byte vectors where a head allows it (on an
@@ -71,7 +74,7 @@ def decode_knobs(spec) -> dict:
     # row groups are capped at 8) or whole warps would need more than 8 row groups (tiny heads
     # with odd groups, e.g. d16 GQA 3: spills)
     knobs = {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 256}
-    choices = _vec_choices(spec)
+    choices = vec_choices(spec)
     one = dict(knobs, vec=choices[0])
     if len(choices) == 1:
         return one
@@ -80,27 +83,14 @@ def decode_knobs(spec) -> dict:
     return two if g2["bdz"] <= 8 and g2["threads"] >= g1["threads"] else one
 
 
-def _vec_choices(spec) -> list[int]:
-    """Elements of head_dim per thread that keep one row inside a warp: 1, 2 or 4 16-byte
-    vectors, at least head_dim / 32."""
-    chunk = 16 // DTYPE_BYTES[spec.dtype]
-    return [v for v in (chunk, 2 * chunk, 4 * chunk)
-            if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
-
-
-def decode_knob_space(spec) -> dict:
-    return {"threads": [64, 128, 256], "tile_tokens": [8, 16, 32, 64], "stages": [1, 2, 3],
-            "merge_threads": [128, 256, 512], "vec": _vec_choices(spec)}
-
-
 def geometry(spec, knobs) -> dict:
     """Thread and tile shape of the attend kernel for ``spec`` and ``knobs``."""
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     esize = DTYPE_BYTES[dtype]
-    vec = int(knobs.get("vec") or _vec_choices(spec)[0])  # elements per thread along head_dim
-    if vec not in _vec_choices(spec):
+    vec = int(knobs.get("vec") or vec_choices(spec)[0])  # elements per thread along head_dim
+    if vec not in vec_choices(spec):
         raise ValueError(f"decode knob vec={vec} for head_dim {D} {dtype}: choose from "
-                         f"{_vec_choices(spec)}")
+                         f"{vec_choices(spec)}")
     bdx = D // vec                           # <= 32: one warp segment reduces a score
     # row groups; more than 8 leaves 1-2 rows per group per tile (no ILP) and made ptxas
     # spill on sm_80 (head_dim 64, group 1)
@@ -119,9 +109,7 @@ def geometry(spec, knobs) -> dict:
                 chunks_per_row=D // chunk, sub=vec // chunk if vec >= chunk else 1)
 
 
-def schedule_decode(mod, spec, knobs):
-    import tvm
-
+def schedule(mod, spec, knobs):
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     g = geometry(spec, knobs)
     VEC, BDX, BDY, BDZ, NT = g["vec"], g["bdx"], g["bdy"], g["bdz"], g["threads"]
@@ -133,12 +121,12 @@ def schedule_decode(mod, spec, knobs):
     WAIT = _wait_source(S - 1)
 
     # fmt: off
-    @T.prim_func(s_tir=True)
+    @prim_func
     def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
                var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
                sm_scale: T.float32, window: T.int32):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr({ATTR_NOALIAS: True, ATTR_IS_SCHEDULED: True})
         (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
          lookup, out, lse, o_part, lse_part) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
@@ -147,18 +135,18 @@ def schedule_decode(mod, spec, knobs):
             for tz in T.thread_binding(BDZ, thread="threadIdx.z"):
                 for ty in T.thread_binding(BDY, thread="threadIdx.y"):
                     for tx in T.thread_binding(BDX, thread="threadIdx.x"):
-                        with T.sblock("attend"):
+                        with block("attend"):
                             T.reads()
                             T.writes()
-                            k_smem = T.sblock_alloc_buffer((S, TILE, D), dtype, scope="shared")
-                            v_smem = T.sblock_alloc_buffer((S, TILE, D), dtype, scope="shared")
-                            o_red = T.sblock_alloc_buffer((BDZ, BDY, D), "float32", scope="shared")
-                            md_red = T.sblock_alloc_buffer((BDZ, BDY, 2), "float32", scope="shared")
-                            q_reg = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
-                            o_reg = T.sblock_alloc_buffer((VEC,), "float32", scope="local")
-                            kv_reg = T.sblock_alloc_buffer((VEC,), dtype, scope="local")
-                            s_reg = T.sblock_alloc_buffer((RPZ,), "float32", scope="local")
-                            st = T.sblock_alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, dot
+                            k_smem = alloc_buffer((S, TILE, D), dtype, scope="shared")
+                            v_smem = alloc_buffer((S, TILE, D), dtype, scope="shared")
+                            o_red = alloc_buffer((BDZ, BDY, D), "float32", scope="shared")
+                            md_red = alloc_buffer((BDZ, BDY, 2), "float32", scope="shared")
+                            q_reg = alloc_buffer((VEC,), "float32", scope="local")
+                            o_reg = alloc_buffer((VEC,), "float32", scope="local")
+                            kv_reg = alloc_buffer((VEC,), dtype, scope="local")
+                            s_reg = alloc_buffer((RPZ,), "float32", scope="local")
+                            st = alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, dot
                             ns: T.int32 = T.Cast("int32", splits)
                             b: T.int32 = T.truncdiv(bx, H * ns)
                             h: T.int32 = T.truncmod(T.truncdiv(bx, ns), H)
@@ -271,14 +259,14 @@ def schedule_decode(mod, spec, knobs):
             for bx in T.thread_binding(T.Cast("int32", batch * Hq), thread="blockIdx.x"):
                 for tz in T.thread_binding(MZ, thread="threadIdx.z"):
                     for tx in T.thread_binding(MX, thread="threadIdx.x"):
-                        with T.sblock("merge"):
+                        with block("merge"):
                             T.reads()
                             T.writes()
-                            acc = T.sblock_alloc_buffer((4,), "float32", scope="local")
-                            part = T.sblock_alloc_buffer((4,), "float32", scope="local")
-                            mm = T.sblock_alloc_buffer((4,), "float32", scope="local")  # max, sum, lse, scale
-                            acc_red = T.sblock_alloc_buffer((MZ, D), "float32", scope="shared")
-                            mm_red = T.sblock_alloc_buffer((MZ, 2), "float32", scope="shared")
+                            acc = alloc_buffer((4,), "float32", scope="local")
+                            part = alloc_buffer((4,), "float32", scope="local")
+                            mm = alloc_buffer((4,), "float32", scope="local")  # max, sum, lse, scale
+                            acc_red = alloc_buffer((MZ, D), "float32", scope="shared")
+                            mm_red = alloc_buffer((MZ, 2), "float32", scope="shared")
                             b: T.int32 = T.truncdiv(bx, Hq)
                             hq: T.int32 = T.truncmod(bx, Hq)
                             ns: T.int32 = T.Cast("int32", splits)
@@ -318,6 +306,4 @@ def schedule_decode(mod, spec, knobs):
                                 if tx == 0:
                                     lse[b, hq] = (mm[3] + T.log2(mm[1])) * T.float32(LN2)
     # fmt: on
-    (name, old), = mod.functions_items()
-    assert len(old.params) == len(decode.params), "decode signature drifted from the definition"
-    return tvm.IRModule({name: decode.with_attr("global_symbol", name.name_hint)})
+    return replace_function(mod, decode, "decode")

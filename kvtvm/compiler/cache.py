@@ -1,0 +1,135 @@
+"""Finding and loading built kernels: the kernel directories (``KVTVM_KERNEL_PATH``, dirs added
+with :func:`add_kernel_dir`, then the cache), their files' manifests, and building a missing
+or stale spec into the cache when TVM's compiler is present.
+
+A module is found by its spec's file name (spec URI + variant + target key + explicit knobs),
+then its manifest decides:
+
+- compiler present: fresh (this TVM, the current source digest) -> load; otherwise rebuild
+  into the cache (a prebuilt directory is never written);
+- runtime only: built by this kvtvm and TVM -> load; another version, or no readable
+  manifest -> :class:`~kvtvm.errors.KernelVersionError` naming the file and the versions.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from .. import runtime
+from ..errors import CompilerUnavailableError, KernelVersionError
+from . import build as _build
+from .manifest import is_fresh, version_mismatch
+from .spec import KernelSpec, tvm_version
+
+_extra_dirs: list[Path] = []
+_loaded: dict[tuple, Any] = {}
+_load_lock = threading.RLock()
+
+
+def cache_dir() -> Path:
+    """Directory where kernels built on demand are cached: ``KVTVM_CACHE_DIR``, else the
+    user cache directory (``platformdirs``: ``$XDG_CACHE_HOME/kvtvm`` or ``~/.cache/kvtvm`` on
+    Linux), in a folder per TVM version."""
+    base = os.environ.get("KVTVM_CACHE_DIR")
+    if not base:
+        import platformdirs
+
+        base = platformdirs.user_cache_dir("kvtvm")
+    return Path(base) / f"tvm-{tvm_version()}"
+
+
+def add_kernel_dir(path: str | os.PathLike) -> None:
+    """Search ``path`` (a ``python -m kvtvm build --out`` directory) for built kernels."""
+    path = Path(path)
+    if path not in _extra_dirs:
+        _extra_dirs.append(path)
+
+
+def search_key() -> tuple:
+    """What decides where kernels are found (cheap: strings only); part of every memo key."""
+    return (os.environ.get("KVTVM_KERNEL_PATH", ""), os.environ.get("KVTVM_CACHE_DIR", ""),
+            os.environ.get("XDG_CACHE_HOME", ""), tuple(_extra_dirs))
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel_dirs(key: tuple) -> tuple:
+    env = [Path(p) for p in key[0].split(os.pathsep) if p]
+    return tuple(env + list(key[3]) + [cache_dir()])
+
+
+def kernel_dirs() -> list[Path]:
+    """Directories searched for built kernels, in order: ``KVTVM_KERNEL_PATH``, directories
+    added with :func:`add_kernel_dir`, then the cache."""
+    return list(_kernel_dirs(search_key()))
+
+
+def find_built(spec: KernelSpec) -> Path | None:
+    """Path of a built module for ``spec`` on the kernel path (whatever its manifest says),
+    or None."""
+    name = spec.file_name()
+    for d in kernel_dirs():
+        if (d / name).exists():
+            return d / name
+    return None
+
+
+def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The first module for ``spec`` on the kernel path that may be loaded as is, and the
+    ones passed over with the reason."""
+    rejected = []
+    for d in kernel_dirs():
+        path = d / spec.file_name()
+        if not path.exists():
+            continue
+        if can_build:
+            if is_fresh(path, spec):
+                return path, rejected
+            rejected.append((path, "stale"))
+        else:
+            why = version_mismatch(path)
+            if why is None:
+                return path, rejected
+            rejected.append((path, why))
+    return None, rejected
+
+
+def get_kernel(spec: KernelSpec):
+    """The callable entry function of ``spec``, loading or building it once per process.
+
+    Raises
+    ------
+    CompilerUnavailableError
+        The spec is not built anywhere on the kernel path and TVM's compiler is absent.
+    KernelVersionError
+        Runtime only, and the module found was built by another kvtvm or TVM version (or has
+        no readable manifest).
+    DeviceUnavailableError
+        A CUDA spec is requested on a machine that cannot run CUDA.
+    """
+    key = (spec, search_key())
+    with _load_lock:
+        if key in _loaded:
+            return _loaded[key][1]
+        can_build = runtime.compiler_available()
+        path, rejected = _usable(spec, can_build)
+        if path is None:
+            if not can_build:
+                if rejected:
+                    bad, why = rejected[0]
+                    raise KernelVersionError(
+                        f"cannot load {bad}: {why}; the TVM compiler is not available to "
+                        "rebuild it (runtime-only mode): rebuild the kernels with this "
+                        "version (`python -m kvtvm build`)")
+                raise CompilerUnavailableError(
+                    f"kernel {spec.uri} for {spec.target_tag} is not built in any of "
+                    f"{[str(d) for d in kernel_dirs()]} and the TVM compiler is not available "
+                    "(runtime-only mode); build it ahead of time with `python -m kvtvm build`")
+            path = _build.build_spec(spec, cache_dir())
+        module = runtime.load_module(str(path), needs_cuda=spec.is_cuda)
+        fn = module[spec.func_name]
+        _loaded[key] = (module, fn)  # the module must outlive its functions
+        return fn

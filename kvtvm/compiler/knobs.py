@@ -1,0 +1,77 @@
+"""Knob values of a build: the schedule's defaults < the tuning log < the spec's variant < the
+spec's explicit knobs; where tuning logs and schedule modules are found."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+from .spec import KernelSpec
+
+_PKG = Path(__file__).resolve().parent.parent  # kvtvm/
+_REPO = _PKG.parent
+
+
+def schedule_module_name(spec: KernelSpec) -> str:
+    """``<family>.<cpu|cuda>``: the module of ``schedules/`` that schedules ``spec``."""
+    return f"{spec.op}.{'cpu' if spec.target == 'llvm' else 'cuda'}"
+
+
+def schedule_module(spec: KernelSpec):
+    """The schedule module of ``spec`` (``kvtvm.schedules.<family>.<cpu|cuda>``; from a source
+    tree that is not installed, ``schedules.<family>.<cpu|cuda>``). Needs the compiler."""
+    try:
+        return importlib.import_module(f"kvtvm.schedules.{schedule_module_name(spec)}")
+    except ModuleNotFoundError:  # running from a source tree that is not installed
+        return importlib.import_module(f"schedules.{schedule_module_name(spec)}")
+
+
+def schedules_dir() -> Path:
+    """Folder of the schedule sources (installed ``kvtvm/schedules``, else the repository's)."""
+    installed = _PKG / "schedules"
+    return installed if installed.is_dir() else _REPO / "schedules"
+
+
+def tuning_logs_dir() -> Path:
+    """Root of the tuning logs builds read: ``KVTVM_TUNING_LOGS`` if set, else the package's
+    ``tuning_logs/``."""
+    if os.environ.get("KVTVM_TUNING_LOGS"):
+        return Path(os.environ["KVTVM_TUNING_LOGS"])
+    installed = _PKG / "tuning_logs"
+    return installed if installed.is_dir() else _REPO / "tuning_logs"
+
+
+def tuning_log_path(spec: KernelSpec, root: Path | None = None) -> Path:
+    """``<root>/<target_tag>/<uri>.json`` for ``spec`` (root: :func:`tuning_logs_dir`)."""
+    return Path(root or tuning_logs_dir()) / spec.target_tag / f"{spec.uri}.json"
+
+
+def tuned_knobs(spec: KernelSpec) -> dict:
+    """Knob values recorded for ``spec`` in ``tuning_logs/`` (empty when none)."""
+    path = tuning_log_path(spec)
+    if not path.exists():
+        return {}
+    return dict(json.loads(path.read_text()).get("knobs", {}))
+
+
+def default_knobs(spec: KernelSpec) -> dict:
+    """The schedule's default knobs for ``spec`` (they may depend on the arch)."""
+    return dict(schedule_module(spec).default_knobs(spec))
+
+
+def resolve_knobs(spec: KernelSpec) -> dict:
+    """Schedule defaults, overridden by the tuning log, by the spec's variant, then by
+    ``spec.knobs``."""
+    knobs = default_knobs(spec)
+    knobs.update(tuned_knobs(spec))
+    knobs.update(spec.variant_knobs)
+    knobs.update(dict(spec.knobs))
+    return knobs
+
+
+def knob_space(spec: KernelSpec):
+    """The knob values ``kvtvm.tune`` searches for ``spec``: a dict of lists, or a list of
+    such grids (their union), declared by the family (``kvtvm.kernels.<family>``)."""
+    return importlib.import_module(f"kvtvm.kernels.{spec.op}").knob_space(spec)

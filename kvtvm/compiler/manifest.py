@@ -1,0 +1,131 @@
+"""The manifest beside each built module (``<name>.json``): what it was built from.
+
+It records the kvtvm and TVM versions, the spec, the resolved knobs and the *source digest*:
+a hash of the family's definition, the accessor, the family's schedule modules for the target
+and the tuning log's knobs -- of their syntax trees with docstrings dropped, so editing a
+comment or a docstring leaves it unchanged. Loading compares it (see :mod:`.cache`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from .._version import __version__
+from .knobs import schedules_dir, tuned_knobs
+from .spec import KernelSpec, target_key, tvm_version
+
+#: Bumped when the manifest's fields change meaning.
+MANIFEST_FORMAT = 1
+
+_KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+
+
+def kernels_dir() -> Path:
+    """Folder of the kernel family sources (``kvtvm/kernels``)."""
+    return _KERNELS
+
+
+def manifest_path(module_path: str | os.PathLike) -> Path:
+    """``<name>.json`` beside the module ``<name>.so``."""
+    return Path(module_path).with_suffix(".json")
+
+
+def source_files(spec: KernelSpec) -> list[Path]:
+    """The sources a build of ``spec`` depends on (besides TVM and the tuning log)."""
+    kernels, sched = kernels_dir(), schedules_dir()
+    prefix = "cpu" if spec.target == "llvm" else "cuda"
+    return ([kernels / f"{spec.op}.py", kernels / "accessor.py", kernels / "_tvm.py",
+             kernels / "variants.py", sched / "common.py"]
+            + sorted((sched / spec.op).glob(f"{prefix}*.py")))
+
+
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(
+                    getattr(body[0], "value", None), ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    tree = _strip_docstrings(ast.parse(Path(path).read_text(), filename=path))
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+def source_digest(spec: KernelSpec) -> str:
+    """Hash of what ``spec``'s build depends on: its sources' syntax trees (comments and
+    docstrings do not count) and the tuning log's knobs."""
+    h = hashlib.sha256()
+    for path in source_files(spec):
+        h.update(path.name.encode())
+        if path.exists():
+            st = path.stat()
+            h.update(_file_digest(str(path), st.st_mtime_ns, st.st_size).encode())
+        else:
+            h.update(b"-")
+    h.update(json.dumps(tuned_knobs(spec), sort_keys=True, default=str).encode())
+    return h.hexdigest()[:24]
+
+
+def spec_fields(spec: KernelSpec) -> dict:
+    return {"op": spec.op, "dtype": spec.dtype, "head_dim": spec.head_dim,
+            "n_kv_heads": spec.n_kv_heads, "group_size": spec.group_size,
+            "layout": spec.layout, "target": spec.target, "arch": spec.arch,
+            "features": list(spec.features), "knobs": [list(kv) for kv in spec.knobs],
+            "variant": spec.variant}
+
+
+def write_manifest(module_path: Path, spec: KernelSpec, knobs: dict) -> Path:
+    """Write the manifest of the module just built at ``module_path`` (atomically)."""
+    data = {"format": MANIFEST_FORMAT, "kvtvm": __version__, "tvm": tvm_version(),
+            "spec": spec_fields(spec), "target_key": target_key() if spec.target == "llvm"
+            else spec.arch, "knobs": knobs, "source_digest": source_digest(spec),
+            "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    out = manifest_path(module_path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True, default=str)
+        f.write("\n")
+    os.replace(tmp, out)
+    return out
+
+
+def read_manifest(module_path: str | os.PathLike) -> dict | None:
+    """The manifest of ``module_path``, or None when it is missing or unreadable."""
+    try:
+        data = json.loads(manifest_path(module_path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_fresh(module_path: Path, spec: KernelSpec) -> bool:
+    """Whether the module at ``module_path`` was built by this TVM from the current sources."""
+    data = read_manifest(module_path)
+    return (data is not None and data.get("tvm") == tvm_version()
+            and data.get("source_digest") == source_digest(spec))
+
+
+def version_mismatch(module_path: Path) -> str | None:
+    """Why the module at ``module_path`` cannot be trusted by this runtime (another kvtvm or
+    TVM version, or no readable manifest), or None when it can."""
+    data = read_manifest(module_path)
+    if data is None:
+        return f"it has no readable manifest ({manifest_path(module_path).name})"
+    built = (data.get("kvtvm"), data.get("tvm"))
+    here = (__version__, tvm_version())
+    if built != here:
+        return (f"it was built by kvtvm {built[0]} with TVM {built[1]}, and this is kvtvm "
+                f"{here[0]} with TVM {here[1]}")
+    return None

@@ -1,0 +1,259 @@
+"""What a kernel is: :class:`KernelSpec` (the compile key, the file name of the built module,
+the key into ``tuning_logs/``), the target key of llvm builds, and the target of a device.
+
+Needs no TVM compiler: runtime-only loads name files with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from ..errors import DeviceMismatchError, DeviceUnavailableError, InvalidArgumentError, describe
+from ..kernels.variants import variant_knobs
+from ..params import dtype_name
+
+#: Kernel families, each defined by ``kvtvm.kernels.<family>`` and scheduled by
+#: ``schedules/<family>/{cpu,cuda}.py``.
+KERNEL_FAMILIES = ("append", "copy", "decode", "prefill")
+#: Token layout inside a page: token-major ``[page, token, head, dim]`` or head-major.
+LAYOUTS = ("nhd", "hnd")
+#: CUDA archs kvtvm builds for (one CUDA schedule per family; arch differences are knob
+#: defaults chosen inside it).
+CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One specialization of one kernel family.
+
+    Parameters
+    ----------
+    op : str
+        Kernel family: ``"append"``, ``"copy"``, ``"decode"`` or ``"prefill"``.
+    dtype : str
+        Element type of the cache (and of q/k/v): float16, bfloat16 or float32.
+    head_dim, n_kv_heads : int
+        Compile-time shape of a head and the KV heads per device.
+    group_size : int
+        Query heads per KV head (GQA); 1 for kernels without queries.
+    layout : str
+        ``"nhd"`` (CONTINUOUS and PAGED caches) or ``"hnd"`` (LINEAR cache).
+    target : str
+        ``"llvm"`` (CPU) or ``"cuda"``.
+    arch : str, optional
+        CUDA architecture (``"sm_90a"``, ``"sm_80"``); None for llvm.
+    features : tuple of str
+        Compile-time features that are on (e.g. ``"sliding_window"``).
+    knobs : tuple of (str, value)
+        Schedule knob overrides; a dict is accepted and frozen.
+    variant : str
+        A named runtime variant of the family on this target (``"serial"`` of append and
+        decode on llvm, ``"short_query"`` of prefill on cuda; see
+        :mod:`kvtvm.kernels.variants`); "" for the tuned default.
+
+    Raises
+    ------
+    InvalidArgumentError
+        An unknown family, layout, target, arch or variant, or a non-positive size.
+    """
+
+    op: str
+    dtype: str
+    head_dim: int
+    n_kv_heads: int
+    group_size: int = 1
+    layout: str = "nhd"
+    target: str = "llvm"
+    arch: str | None = None
+    features: tuple = ()
+    knobs: tuple = field(default=())
+    variant: str = ""
+
+    def __post_init__(self):
+        if self.op not in KERNEL_FAMILIES:
+            raise InvalidArgumentError(describe("op", KERNEL_FAMILIES, repr(self.op)))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.layout not in LAYOUTS:
+            raise InvalidArgumentError(describe("layout", LAYOUTS, repr(self.layout)))
+        for name in ("head_dim", "n_kv_heads", "group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(describe(name, "a positive int", repr(value)))
+        if self.target == "llvm":
+            if self.arch is not None:
+                raise InvalidArgumentError(describe("arch", "None for the llvm target",
+                                                    repr(self.arch)))
+        elif self.target == "cuda":
+            if self.arch not in CUDA_ARCHS:
+                raise InvalidArgumentError(describe("arch", sorted(CUDA_ARCHS), repr(self.arch)))
+        else:
+            raise InvalidArgumentError(describe("target", ("llvm", "cuda"), repr(self.target)))
+        knobs = self.knobs.items() if isinstance(self.knobs, dict) else self.knobs
+        object.__setattr__(self, "knobs", tuple(sorted((str(k), v) for k, v in knobs)))
+        object.__setattr__(self, "features", tuple(sorted(self.features)))
+        object.__setattr__(self, "variant", str(self.variant or ""))
+        variant_knobs(self.op, self.target, self.variant)  # raises for an unknown name
+
+    # -- names ------------------------------------------------------------------------------
+    @property
+    def uri(self) -> str:
+        """Target-independent name of the specialization (no knobs, no variant)."""
+        feats = "".join(f"_{f}" for f in self.features)
+        return (f"{self.op}_{self.dtype}_h{self.n_kv_heads}_g{self.group_size}"
+                f"_d{self.head_dim}_{self.layout}{feats}")
+
+    @property
+    def target_tag(self) -> str:
+        """``"llvm"`` or the CUDA arch; the folder of ``tuning_logs/`` and of built modules."""
+        return "llvm" if self.target == "llvm" else self.arch
+
+    @property
+    def func_name(self) -> str:
+        """Name of the entry function inside the built module."""
+        return f"kvtvm_{self.op}"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.target == "cuda"
+
+    @property
+    def variant_knobs(self) -> dict:
+        """Knob overrides of :attr:`variant` ({} for the default)."""
+        return variant_knobs(self.op, self.target, self.variant)
+
+    def with_knobs(self, **knobs) -> "KernelSpec":
+        """A copy with ``knobs`` overriding this spec's knobs."""
+        merged = dict(self.knobs)
+        merged.update(knobs)
+        return replace(self, knobs=merged)
+
+    def knobs_key(self) -> str:
+        """Short hash of the explicit :attr:`knobs` ("" when there are none)."""
+        if not self.knobs:
+            return ""
+        text = json.dumps([[k, v] for k, v in self.knobs], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+    def file_name(self) -> str:
+        """Module file name, relative to a kernel directory:
+        ``<target_tag>/<uri>[-<variant>][-<cpu key>][-k<knobs hash>].so``.
+
+        The name is the load key: it depends on the spec alone, never on source files (what a
+        file was built from is recorded in its manifest, see :mod:`kvtvm.compiler.manifest`).
+        """
+        parts = [self.uri]
+        if self.variant:
+            parts.append(self.variant)
+        if self.target == "llvm":
+            parts.append(target_key())
+        if self.knobs:
+            parts.append("k" + self.knobs_key())
+        return f"{self.target_tag}/{'-'.join(parts)}.so"
+
+    def tvm_target(self):
+        """The ``tvm.target.Target`` of this spec (needs the compiler)."""
+        import tvm
+
+        if self.target == "llvm":
+            target = {"kind": "llvm", "num-cores": os.cpu_count() or 1}
+            if llvm_mcpu():  # without it LLVM emits generic x86-64 (SSE2) code
+                target["mcpu"] = llvm_mcpu()
+            return tvm.target.Target(target)
+        return tvm.target.Target({"kind": "cuda", "arch": self.arch})
+
+
+def llvm_mcpu() -> str:
+    """CPU that llvm specs are compiled for: ``KVTVM_LLVM_MCPU``, else the build host's CPU as
+    LLVM names it (e.g. ``"znver4"``); "" for generic code."""
+    if "KVTVM_LLVM_MCPU" in os.environ:
+        return os.environ["KVTVM_LLVM_MCPU"]
+    global _HOST_CPU
+    if _HOST_CPU is None:
+        try:
+            from tvm.target import codegen
+
+            _HOST_CPU = str(codegen.llvm_get_system_cpu())
+        except Exception:  # runtime-only TVM, or an LLVM without host detection
+            _HOST_CPU = ""
+    return _HOST_CPU
+
+
+_HOST_CPU = None
+
+
+def _cpu_key() -> str:
+    """What llvm modules are specialized for, readable without TVM's compiler (runtime-only
+    loads must compute the same name): ``KVTVM_LLVM_MCPU`` when set, else the host's
+    instruction-set flags."""
+    if "KVTVM_LLVM_MCPU" in os.environ:
+        return os.environ["KVTVM_LLVM_MCPU"]
+    return _host_flags_key()
+
+
+@functools.lru_cache(maxsize=None)
+def _host_flags_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        import platform
+
+        flags = platform.machine() + platform.processor()
+    return "host:" + hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]
+
+
+def target_key() -> str:
+    """The CPU part of an llvm module's file name: ``cpu-<mcpu>`` or ``host-<flags hash>``, so
+    a module built for one CPU is never loaded on another."""
+    key = _cpu_key()
+    if key.startswith("host:"):
+        return "host-" + key[5:]
+    return "cpu-" + (re.sub(r"[^A-Za-z0-9_]", "_", key) or "generic")
+
+
+def tvm_version() -> str:
+    """The installed TVM's version (works with the runtime alone)."""
+    import tvm
+
+    return getattr(tvm, "__version__", "unknown")
+
+
+class Target(NamedTuple):
+    """Where a call runs: ``("llvm", None)`` or ``("cuda", "sm_90a")``."""
+
+    target: str
+    arch: str | None
+
+
+@functools.lru_cache(maxsize=None)
+def target_for_device(device) -> Target:
+    """The kernel target for tensors on the torch ``device``.
+
+    Raises
+    ------
+    DeviceUnavailableError
+        A CUDA device on a machine without CUDA, or one older than compute capability 8.0.
+    DeviceMismatchError
+        Neither a CPU nor a CUDA device.
+    """
+    if device.type == "cpu":
+        return Target("llvm", None)
+    if device.type == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(f"tensors are on {device} but CUDA is not available")
+        major, minor = torch.cuda.get_device_capability(device)
+        if major >= 9:
+            return Target("cuda", "sm_90a")
+        if major == 8:
+            return Target("cuda", "sm_80")
+        raise DeviceUnavailableError(
+            f"{device} has compute capability {major}.{minor}; kvtvm's CUDA kernels need 8.0+")
+    raise DeviceMismatchError(describe("device", "cpu or cuda", device))

@@ -1,0 +1,1 @@
+"""Schedules of the append family (``kvtvm.kernels.append``): ``cpu`` (llvm) and ``cuda``."""

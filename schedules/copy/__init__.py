@@ -1,0 +1,1 @@
+"""Schedules of the copy family (``kvtvm.kernels.copy``): ``cpu`` (llvm) and ``cuda``."""

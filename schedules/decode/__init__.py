@@ -1,0 +1,1 @@
+"""Schedules of the decode family (``kvtvm.kernels.decode``): ``cpu`` (llvm) and ``cuda``."""

@@ -1,0 +1,1 @@
+"""Schedules of the prefill family (``kvtvm.kernels.prefill``): ``cpu`` (llvm) and ``cuda``."""
