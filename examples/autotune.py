@@ -152,8 +152,7 @@ def tune_recorded(recorded: dict, max_trials: int, repeat: int, log_root):
         return call, tuple(call[i] for i in OUTPUTS[spec.op])
 
     for spec in recorded:  # tune each kernel on its recorded serving call
-        spaces = getattr(compiler._schedule_module(spec), "KNOB_SPACES", {})
-        if spec.op not in OUTPUTS or spec.op not in spaces:
+        if spec.op not in OUTPUTS or not compiler.knob_space(spec):
             yield spec, None
             continue
         print(f"tuning {spec.uri} ({max_trials} candidates)", flush=True)

@@ -66,17 +66,23 @@ def cmd_build(args) -> int:
     out = Path(args.out)
     print(f"building {len(specs)} kernels for {args.target}"
           f"{' ' + arch if arch else ''} into {out}")
+    from tqdm import tqdm
+
     failures = 0
-    for i, spec in enumerate(specs, 1):
+    bar = tqdm(specs, desc="kvtvm build", unit="kernel",
+               disable=True if args.no_progress else None)
+    for i, spec in enumerate(bar, 1):
+        name = spec.uri + (f" ({spec.variant})" if spec.variant else "")
+        bar.set_postfix_str(name, refresh=False)
         path = out / spec.file_name()
         status = "cached"
-        if not path.exists():
+        if not (path.exists() and compiler.is_fresh(path, spec)):
             try:
                 compiler.build_spec(spec, out)
                 status = "built"
             except Exception as err:  # report and go on with the others
                 failures += 1
-                print(f"[{i}/{len(specs)}] {spec.uri}: FAILED: {err}", file=sys.stderr)
+                tqdm.write(f"[{i}/{len(specs)}] {name}: FAILED: {err}", file=sys.stderr)
                 continue
         note = ""
         ptxas = path.with_suffix(".ptxas.txt")
@@ -85,7 +91,7 @@ def cmd_build(args) -> int:
             regs = max((u["registers"] for u in usage.values()), default=0)
             spills = sum(u["spill_stores"] + u["spill_loads"] for u in usage.values())
             note = f" (max {regs} registers, {spills} spill bytes)"
-        print(f"[{i}/{len(specs)}] {spec.uri}: {status}{note}")
+        tqdm.write(f"[{i}/{len(specs)}] {name}: {status}{note}", file=sys.stdout)
     print(f"done: {len(specs) - failures} ok, {failures} failed. Load them with "
           f"KVTVM_KERNEL_PATH={out} or kvtvm.compiler.add_kernel_dir('{out}')")
     return 1 if failures else 0
@@ -96,7 +102,7 @@ def cmd_info(args) -> int:
 
     from . import __version__, runtime
 
-    print(f"kvtvm {__version__}, TVM {compiler._tvm_version()} ({os.path.dirname(tvm.__file__)})")
+    print(f"kvtvm {__version__}, TVM {compiler.tvm_version()} ({os.path.dirname(tvm.__file__)})")
     print(f"TVM compiler available: {runtime.compiler_available()}")
     try:
         import torch
@@ -141,6 +147,10 @@ def main(argv=None) -> int:
     b.add_argument("--features", type=_csv(str), default=["none"],
                    help="attention feature sets to build, comma-separated: "
                    f"{', '.join(ATTENTION_FEATURES)} (default: none)")
+    b.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none anyway when not on a terminal)")
+    b.add_argument("-v", "--verbose", action="store_true",
+                   help="log what is built and how long it takes (nvcc commands too)")
     b.set_defaults(func=cmd_build)
 
     sub.add_parser("bench", help="run a benchmark (python -m kvtvm bench <name> --help)",
@@ -159,6 +169,11 @@ def main(argv=None) -> int:
 
         return tune_main(argv[1:])
     args = parser.parse_args(argv)
+    if getattr(args, "verbose", False):
+        import logging
+
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("kvtvm").setLevel(logging.DEBUG)
     return args.func(args)
 
 

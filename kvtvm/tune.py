@@ -1,7 +1,7 @@
 """``python -m kvtvm.tune``: search a spec's schedule knobs on this device and record the best
 in ``tuning_logs/<target_tag>/<uri>.json``, which later builds read.
 
-The knob space of each op comes from its schedule module (``KNOB_SPACES[op](spec)``). Every
+The knob space of each op is declared by its family (``kvtvm.kernels.<op>.knob_space``). Every
 candidate is built, loaded, checked against the default build's output on the same inputs,
 and timed (median of ``--repeat`` runs; on CUDA, CUDA-graph replays with the L2 cache flushed
 before each); a candidate that fails to build or gives different results is skipped and reported.
@@ -18,6 +18,7 @@ import argparse
 import importlib
 import itertools
 import json
+import logging
 import random
 import sys
 import tempfile
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from . import compiler, runtime
 from .bench.common import device_name, median_seconds
+
+log = logging.getLogger(__name__)
 
 
 def append_workload(spec, device: str):
@@ -54,9 +57,8 @@ def workload(spec, device: str):
 
 def candidates(spec, max_trials: int, seed: int = 0) -> list[dict]:
     """Knob settings to try: the default first, then the space (sampled when too large)."""
-    sched = compiler._schedule_module(spec)
     default = compiler.resolve_knobs(spec)
-    space = sched.KNOB_SPACES[spec.op](spec)
+    space = compiler.knob_space(spec)
     grid = []
     for sub in space if isinstance(space, list) else [space]:  # a list: a union of grids
         names = sorted(sub)
@@ -81,15 +83,15 @@ def build_candidates(spec, max_trials: int, root: Path) -> Path:
     with its module file or its build error, in :func:`manifest_path`; returns that path."""
     listed = []
     cands = candidates(spec, max_trials)
-    for i, knobs in enumerate(cands, 1):
-        progress(i - 1, len(cands), f"build {knobs}")
+    bar = _bar(cands, f"build {spec.uri}")
+    for knobs in bar:
+        bar.set_postfix_str(str(knobs), refresh=False)
         cand = compiler.KernelSpec(**{**spec.__dict__, "knobs": knobs})
         try:
             path = compiler.build_spec(cand, root)
             listed.append({"knobs": knobs, "file": str(path.relative_to(root))})
         except Exception as err:  # recorded; the device run reports it as a failed trial
             listed.append({"knobs": knobs, "error": str(err).splitlines()[-1][:200]})
-    progress(len(cands), len(cands), "built")
     out = manifest_path(spec, root)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"spec": {f: getattr(spec, f) for f in SPEC_FIELDS},
@@ -119,13 +121,15 @@ def prebuilt_candidates(spec, root: Path) -> list[tuple[dict, Path | str]]:
             for c in json.loads(path.read_text())["candidates"]]
 
 
-def progress(i: int, n: int, text: str) -> None:
-    width = 30
-    done = int(width * i / n)
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {text[:60]:<60}")
-    sys.stderr.flush()
-    if i == n:
-        sys.stderr.write("\n")
+#: Show tqdm progress bars: None = on a terminal only, False = never (``--no-progress``).
+SHOW_PROGRESS: bool | None = None
+
+
+def _bar(items, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="trial",
+                disable=None if SHOW_PROGRESS is None else not SHOW_PROGRESS)
 
 
 def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int = 3,
@@ -147,8 +151,9 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
     with tempfile.TemporaryDirectory(prefix="kvtvm-tune-") as tmp:
         cands = (prebuilt_candidates(spec, prebuilt) if prebuilt is not None
                  else [(knobs, None) for knobs in candidates(spec, max_trials)])
-        for i, (knobs, path) in enumerate(cands, 1):
-            progress(i - 1, len(cands), f"{knobs}")
+        bar = _bar(cands, f"tune {spec.uri}")
+        for knobs, path in bar:
+            bar.set_postfix_str(str(knobs), refresh=False)
             cand = compiler.KernelSpec(**{**spec.__dict__, "knobs": knobs})
             try:
                 if isinstance(path, str):  # the manifest's build error
@@ -170,8 +175,8 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
                 sec = median_seconds(lambda: fn(*args), device, repeat, warmup, timing)
                 trials.append({"knobs": knobs, "median_ms": sec * 1e3})
             except Exception as err:  # a knob setting that does not build is skipped
+                log.info("trial %s failed: %s", knobs, str(err).splitlines()[-1][:200])
                 trials.append({"knobs": knobs, "error": str(err).splitlines()[-1][:200]})
-        progress(len(cands), len(cands), "done")
     timed = [t for t in trials if "median_ms" in t]
     if not timed:
         raise SystemExit(f"no candidate of {spec.uri} could be built and run: {trials}")
@@ -211,7 +216,11 @@ def main(argv=None) -> int:
                         help="build the candidates into DIR for a later --prebuilt run")
     parser.add_argument("--prebuilt", type=Path, metavar="DIR",
                         help="time the candidates a --build-only run left in DIR")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    global SHOW_PROGRESS
+    if args.no_progress:
+        SHOW_PROGRESS = False
     if args.build_only and args.prebuilt:
         parser.error("--build-only and --prebuilt are two steps: give one")
     if args.prebuilt:
@@ -241,10 +250,9 @@ def command_line_spec(args):
     if args.arch:
         target, arch = "cuda", args.arch
     elif args.device.startswith("cuda"):
-        from .boundary import target_of
         import torch
 
-        tgt = target_of(torch.device(args.device))
+        tgt = compiler.target_for_device(torch.device(args.device))
         target, arch = tgt.target, tgt.arch
     else:
         target, arch = "llvm", None

@@ -18,7 +18,7 @@ build --ops decode --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4
 build --ops prefill --dtypes float16,bfloat16,float32 --head-dims 128 --kv-heads 2 \
       --group-sizes 4 --layouts nhd,hnd --features none,sliding_window
 build --ops copy --dtypes float16,bfloat16,float32 --head-dims 128
-# prefill head shapes (tests/test_prefill_cuda_build.py::test_gpu_head_shapes)
+# prefill head shapes (tests/compiler/test_prefill_cuda_build.py::test_gpu_head_shapes)
 build --ops prefill --dtypes float16 --head-dims 64 --kv-heads 2 --group-sizes 1 --layouts nhd
 build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 1 --group-sizes 3,8 --layouts nhd
 build --ops prefill --dtypes float16 --head-dims 32 --kv-heads 2 --group-sizes 4 --layouts nhd

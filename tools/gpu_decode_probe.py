@@ -1,7 +1,7 @@
 """Decode attention on a GPU, every prebuilt candidate (``python -m kvtvm.tune --op decode
 --build-only build/tune --arch sm_90a``) at the benchmark's shapes, then the best candidates
 over a range of KV split counts: the data for the tuning log and for the split heuristic of
-``kvtvm._decode_op.choose_num_splits``.
+``kvtvm.ops.decode.choose_num_splits``.
 
 Run on the GPU machine after ``source tools/gpu-env.sh``:
 ``python3 tools/gpu_decode_probe.py build/tune --json $OUT/decode-probe.json``.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvtvm import compiler, runtime
-from kvtvm._decode_op import choose_num_splits, split_workspace
+from kvtvm.ops.decode import choose_num_splits, split_workspace
 from kvtvm.bench.common import timed
 from kvtvm.bench.decode import make_case, torch_dense
 from kvtvm.tune import manifest_specs, prebuilt_candidates

@@ -87,7 +87,7 @@ def load(kind, dtype, n_kv_heads, n_q_heads, head_dim, page_size, device: str):
     prebuilt in a kernel directory if there is one, else compiled here."""
     import torch
 
-    from ..boundary import target_of
+    from ..compiler import target_for_device as target_of
 
     tgt = target_of(torch.device(device))
     tag = "llvm" if tgt.target == "llvm" else tgt.arch

@@ -1,22 +1,13 @@
 """Ahead-of-time builds load and run with the TVM runtime alone."""
 
 import os
-import subprocess
-import sys
 import textwrap
+
+from helpers import run_python
 
 from kvtvm import compiler
 
 SPEC = dict(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
-
-
-def run_python(code, *args, env=None, timeout=300):
-    """``python -c code *args`` in a fresh process; asserts it exited 0 and returns its
-    stdout (a fresh process: what it loads is what a runtime-only user would load)."""
-    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
 
 RUNTIME_SCRIPT = textwrap.dedent("""
     import os, sys

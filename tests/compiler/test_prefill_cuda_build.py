@@ -14,6 +14,20 @@ from kvtvm import compiler, ops
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
+def _prefill_helpers():
+    """``TOL`` and ``make_batch`` of tests/ops/test_prefill.py (the op's own test)."""
+    try:
+        from test_prefill import TOL, make_batch
+    except ImportError:  # tests/ is on sys.path, tests/ops/ only once pytest collected it
+        from ops.test_prefill import TOL, make_batch
+    return TOL, make_batch
+
+
+try:  # the ops' policy: below this many new tokens per sequence, the short_query variant
+    from kvtvm.ops.prefill import CUDA_SHORT_QUERY_TOKENS as SHORT_QUERY_TOKENS
+except ImportError:  # pragma: no cover - before the ops package
+    from kvtvm._prefill_op import CUDA_SHORT_QUERY_TOKENS as SHORT_QUERY_TOKENS
+
 SPECS = [
     dict(dtype="float16", head_dim=128, n_kv_heads=8, group_size=4, layout="nhd"),
     dict(dtype="bfloat16", head_dim=64, n_kv_heads=2, group_size=1, layout="hnd",
@@ -53,14 +67,16 @@ def test_builds_without_spills(kw, tmp_path):
 @needs_nvcc
 def test_short_query_variant_builds_without_spills(tmp_path):
     """The small-tile variant the op launches for calls with few tokens per sequence is part
-    of every ahead-of-time build, and the op asks for exactly the knobs the schedule declares."""
-    from kvtvm import _prefill_op
-    from kvtvm.schedules.cuda_prefill import SHORT_QUERY_KNOBS
+    of every ahead-of-time build; the family declares its knobs once, by name."""
+    from kvtvm.kernels.prefill import VARIANTS
 
-    assert _prefill_op.CUDA_SHORT_QUERY_KNOBS == SHORT_QUERY_KNOBS
+    short_query = {"warps": 4, "m_tiles": 1, "tile_kv": 32, "wgmma": 0}
+    assert VARIANTS["cuda"]["short_query"] == short_query
     spec = compiler.KernelSpec(op="prefill", target="cuda", arch="sm_90a", **SPECS[0])
     default, variant = compiler.with_runtime_variants(spec)
-    assert dict(variant.knobs) == SHORT_QUERY_KNOBS
+    assert variant.variant == "short_query" and variant.variant_knobs == short_query
+    resolved = compiler.resolve_knobs(variant)
+    assert {k: resolved[k] for k in short_query} == short_query
     assert compiler.resolve_knobs(default)["wgmma"] == 1  # tuned: the wgmma kernel
     report = compiler.spill_report(
         Path(str(compiler.build_spec(variant, tmp_path))[:-3] + ".ptxas.txt").read_text())
@@ -79,7 +95,7 @@ def test_sm80_spec_builds():
 def test_wgmma_knobs_are_checked():
     """A wgmma kernel needs whole warp groups and one barrier a tile: other knobs are refused
     with a message instead of building a wrong kernel."""
-    from kvtvm.schedules.cuda_prefill import tensor_core_prefill
+    from kvtvm.schedules.prefill.cuda_tensor_core import tensor_core_prefill
 
     spec = compiler.KernelSpec(op="prefill", target="cuda", arch="sm_90a", **SPECS[0])
     for bad in [dict(NW=6, ONE_BARRIER=True), dict(NW=8, ONE_BARRIER=False)]:
@@ -102,11 +118,10 @@ def test_fatbin_leaves_out_archs_a_kernel_cannot_run_on():
 def test_gpu_matches_reference(dtype, layout, page_size, window, counts):
     """Both tile variants of the op (few tokens per sequence on average, or many), with tiles
     spanning several sequences."""
-    from test_prefill import TOL, make_batch  # noqa: E402
-    from kvtvm import _prefill_op
+    TOL, make_batch = _prefill_helpers()
     from kvtvm.kernels.reference import reference_prefill
 
-    short = sum(counts) < _prefill_op.CUDA_SHORT_QUERY_TOKENS * len(counts)
+    short = sum(counts) < SHORT_QUERY_TOKENS * len(counts)
     assert short == (counts[0] == 5)
     rng = np.random.default_rng(0)
     starts = [3, 9, 40, 17, 0, 61]
@@ -134,7 +149,7 @@ def test_gpu_head_shapes(H, G, D, causal):
     """Head shapes beside the main test's (2 KV heads x GQA 4 x 128): the wgmma kernel at
     head_dim 64, 32 and 96, odd groups (a CTA's rows are not a whole number of tokens), a group
     of 8, and the mma.sync kernel at head_dim 256; causal and not."""
-    from test_prefill import TOL, make_batch  # noqa: E402
+    TOL, make_batch = _prefill_helpers()
     from kvtvm.kernels.reference import reference_prefill
 
     rng = np.random.default_rng(1)
