@@ -187,8 +187,8 @@ def test_broken_rope_is_caught(model, monkeypatch):
 
 
 def _off_by_one(decode_attention):
-    """kvtvm.ops.decode_attention with a classic bug: it attends over the cache without the
-    token just appended."""
+    """``decode_attention`` (or ``prepare_decode_attention``) with a classic bug: it attends
+    over the cache without the token just appended."""
 
     def buggy(q, k_cache, v_cache, cache_lengths, lookup_table, **kw):
         shorter = (cache_lengths - 1).clamp(min=0).to(torch.int32)
@@ -198,9 +198,14 @@ def _off_by_one(decode_attention):
 
 @pytest.mark.skipif(not hasattr(serve.ops, "decode_attention"), reason="no decode op yet")
 def test_off_by_one_decode_is_caught(model, monkeypatch):
-    # the step plan calls kvtvm.ops.decode_attention on the first layer and replays that
-    # launch (its shorter lengths included) on the others: every layer has the bug
+    # the step plan prepares the first layer's decode launch (kvtvm.ops.prepare_decode_attention,
+    # as kvtvm.plan imported it) and rebinds it (its shorter lengths included) on the others:
+    # every layer has the bug; a direct call of kvtvm.ops.decode_attention has it too
+    import kvtvm.plan
+
     monkeypatch.setattr(serve.ops, "decode_attention", _off_by_one(serve.ops.decode_attention))
+    monkeypatch.setattr(kvtvm.plan, "prepare_decode_attention",
+                        _off_by_one(kvtvm.plan.prepare_decode_attention))
     rng = np.random.default_rng(12)
     reqs = [Request(i, _rand(rng, 10 + 3 * i), 6) for i in range(2)]
     _, _, problems = serve.run("continuous", requests=reqs, max_batch_size=2, max_seq_len=32,
