@@ -1,0 +1,131 @@
+"""Built kernels are found by spec, and their manifest decides what happens: comments and
+docstrings do not orphan them, a real source change rebuilds them (compiler present), and a
+runtime-only process refuses a module of another kvtvm version with a typed error."""
+
+import json
+import shutil
+import textwrap
+
+import pytest
+from helpers import run_python
+
+from kvtvm import compiler
+from kvtvm.compiler import build, manifest
+from kvtvm.errors import InvalidArgumentError
+
+SPEC = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
+
+
+@pytest.fixture
+def prebuilt(tmp_path, monkeypatch):
+    """SPEC built into a kernel directory on KVTVM_KERNEL_PATH, an empty cache, and a copy of
+    the schedule sources the digest reads (returned: edit it to edit the schedules)."""
+    kernels = tmp_path / "kernels"
+    path = compiler.build_spec(SPEC, kernels)
+    sources = tmp_path / "schedules"
+    shutil.copytree(compiler.schedules_dir(), sources,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(manifest, "schedules_dir", lambda: sources)
+    monkeypatch.setenv("KVTVM_KERNEL_PATH", str(kernels))
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    real_build = build.build_spec
+
+    def spy(spec, out_dir):
+        calls.append((spec, out_dir))
+        return real_build(spec, out_dir)
+
+    monkeypatch.setattr(build, "build_spec", spy)
+    return path, sources, calls
+
+
+def test_the_file_name_is_the_spec_not_the_sources():
+    name = SPEC.file_name()
+    assert name.startswith("llvm/append_float32_h2_g1_d16_nhd-") and name.endswith(".so")
+    assert "serial" in compiler.KernelSpec(**{**SPEC.__dict__, "variant": "serial"}).file_name()
+    assert SPEC.with_knobs(vector_bytes=16).file_name() != name
+    with pytest.raises(InvalidArgumentError, match="variant"):
+        compiler.KernelSpec(op="prefill", dtype="float32", head_dim=16, n_kv_heads=2,
+                            variant="fast")
+
+
+def test_a_manifest_records_what_the_module_was_built_from(prebuilt):
+    path, _, _ = prebuilt
+    data = compiler.read_manifest(path)
+    from kvtvm._version import __version__
+
+    assert data["kvtvm"] == __version__ and data["tvm"] == compiler.tvm_version()
+    assert data["knobs"] == compiler.resolve_knobs(SPEC)
+    assert data["source_digest"] == compiler.source_digest(SPEC)
+    assert data["spec"]["op"] == "append"
+
+
+def test_an_edited_comment_or_docstring_keeps_prebuilt_kernels(prebuilt):
+    path, sources, calls = prebuilt
+    digest = compiler.source_digest(SPEC)
+    cpu = sources / "append" / "cpu.py"
+    text = cpu.read_text()
+    text = text.replace('"""CPU (llvm) schedule of append', '"""An edited docstring. CPU schedule')
+    text = text.replace("def default_knobs(spec) -> dict:\n",
+                        "def default_knobs(spec) -> dict:\n    # an edited comment\n")
+    text += "\n# a new comment at the end\n"
+    cpu.write_text(text)
+    (sources / "common.py").write_text((sources / "common.py").read_text() + "# comment\n")
+    assert compiler.source_digest(SPEC) == digest
+    fn = compiler.get_kernel(SPEC)
+    assert calls == [], "a comment edit must not rebuild"
+    assert fn is not None and compiler.find_built(SPEC) == path
+
+
+def test_a_code_change_rebuilds_into_the_cache(prebuilt, tmp_path):
+    path, sources, calls = prebuilt
+    digest = compiler.source_digest(SPEC)
+    cpu = sources / "append" / "cpu.py"
+    cpu.write_text(cpu.read_text().replace('return {"vector_bytes": 32, "parallel": True}',
+                                           'return {"vector_bytes": 16, "parallel": True}'))
+    assert compiler.source_digest(SPEC) != digest
+    compiler.get_kernel(SPEC)
+    assert [c[0] for c in calls] == [SPEC]
+    rebuilt = compiler.cache_dir() / SPEC.file_name()
+    assert rebuilt.is_file() and compiler.is_fresh(rebuilt, SPEC)
+    assert compiler.read_manifest(path)["source_digest"] == digest  # the prebuilt dir untouched
+
+
+def test_a_missing_manifest_in_the_cache_rebuilds(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KVTVM_KERNEL_PATH", raising=False)
+    path = compiler.build_spec(SPEC, compiler.cache_dir())
+    compiler.manifest_path(path).unlink()
+    assert not compiler.is_fresh(path, SPEC)
+    compiler.get_kernel(SPEC)
+    assert compiler.is_fresh(path, SPEC)
+
+
+RUNTIME_ONLY = textwrap.dedent("""
+    import sys
+    from kvtvm import compiler, runtime
+    from kvtvm.errors import KernelVersionError
+    assert not runtime.compiler_available()
+    spec = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
+    try:
+        compiler.get_kernel(spec)
+    except KernelVersionError as err:
+        print("ERROR:", err)
+    else:
+        print("LOADED")
+""")
+
+
+def test_runtime_only_refuses_another_kvtvm_version(tmp_path):
+    import os
+
+    out = tmp_path / "kernels"
+    path = compiler.build_spec(SPEC, out)
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", KVTVM_KERNEL_PATH=str(out),
+               KVTVM_CACHE_DIR=str(tmp_path / "empty-cache"))
+    assert "LOADED" in run_python(RUNTIME_ONLY, env=env, timeout=120)
+    data = json.loads(compiler.manifest_path(path).read_text())
+    data["kvtvm"] = "0.0.1-other"
+    compiler.manifest_path(path).write_text(json.dumps(data))
+    said = run_python(RUNTIME_ONLY, env=env, timeout=120)
+    assert "ERROR:" in said and str(path) in said and "0.0.1-other" in said, said
