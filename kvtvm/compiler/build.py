@@ -62,7 +62,7 @@ def build_spec(spec: KernelSpec, out_dir: str | os.PathLike) -> Path:
 
     out = Path(out_dir) / spec.file_name()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
+    with FileLock(str(out.parent / f".{out.name}.lock")):  # hidden, beside the module
         if out.exists() and is_fresh(out, spec):
             log.debug("%s is already built", out)
             return out

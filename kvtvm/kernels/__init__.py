@@ -1,7 +1,12 @@
-"""Kernel definitions: one module per family, each with ``define(spec)`` (the unscheduled
-PrimFunc, blocks named for the schedules). Their plain numpy references live in
-:mod:`.reference` (numpy only) and each family module re-exports its own ``reference_<op>``.
+"""Kernel families, one module per family (append, copy, decode, prefill), each owning:
 
-Importing a family module needs TVM's compiler (TVMScript); the runtime path never does, and
-:mod:`.reference` needs no TVM at all.
+- ``define(spec)``: the unscheduled PrimFunc (TVMScript, blocks named for the schedules);
+- ``reference_<op>``: its plain numpy reference, re-exported from :mod:`.reference`;
+- ``knob_space(spec)``: the schedule knobs ``kvtvm.tune`` searches on the spec's target;
+- ``VARIANTS``: its named runtime variants, declared once in :mod:`.variants`.
+
+Their schedules live in ``schedules/<family>/{cpu,cuda}.py``. :mod:`._tvm` is the only file
+that spells TVM's moving names; :mod:`.accessor` is the one cache accessor every kernel is
+written against. Importing a family module needs TVM's compiler (TVMScript); :mod:`.reference`
+and :mod:`.variants` need no TVM at all (the runtime path imports only those).
 """

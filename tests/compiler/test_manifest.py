@@ -129,3 +129,24 @@ def test_runtime_only_refuses_another_kvtvm_version(tmp_path):
     compiler.manifest_path(path).write_text(json.dumps(data))
     said = run_python(RUNTIME_ONLY, env=env, timeout=120)
     assert "ERROR:" in said and str(path) in said and "0.0.1-other" in said, said
+
+
+BUILD_ONE = textwrap.dedent("""
+    import logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+    from kvtvm import compiler
+    spec = compiler.KernelSpec(op="copy", dtype="float32", head_dim=16, n_kv_heads=1)
+    print("PATH", compiler.build_spec(spec, sys.argv[1]))
+""")
+
+
+def test_two_processes_building_one_kernel_build_it_once(tmp_path):
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_ONE, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(out.count("building copy_float32") for out in outs) == 1, outs
+    assert len({line for out in outs for line in out.splitlines() if line.startswith("PATH")}) == 1
