@@ -80,36 +80,40 @@ def record_serving_kernels(serve, cache: str, model):
     import time
 
     import kvtvm.ops  # noqa: F401  (loads every op module)
-    from kvtvm import boundary, compiler
+    from kvtvm import compiler
+    from kvtvm.ops import launch
 
-    recorded = {}
-    original = boundary.launch
+    recorded, spec_of = {}, {}
     in_kernels = [0.0]
+    original_kernel, original_run = launch._kernel, launch.Launch.run
 
-    def spy(spec_kwargs, device, args):
-        key = tuple(sorted(spec_kwargs.items()))
-        op = spec_kwargs["op"]
-        if key not in recorded or _work(op, args) >= _work(op, recorded[key]):
-            recorded[key] = tuple(_clone(a) for a in args)
+    def kernel_spy(spec_items, target, search_key):
+        fn = original_kernel(spec_items, target, search_key)
+        spec_of[id(fn)] = (fn, spec_items)  # fn kept alive: its id stays its own
+        return fn
+
+    def run_spy(self):
+        known = spec_of.get(id(self.fn))
+        if known is not None:
+            key, args = known[1], tuple(self.slots.values())
+            op = dict(key)["op"]
+            if key not in recorded or _work(op, args) >= _work(op, recorded[key]):
+                recorded[key] = tuple(_clone(a) for a in args)
         t0 = time.perf_counter()
         try:
-            return original(spec_kwargs, device, args)
+            return original_run(self)
         finally:
             in_kernels[0] += time.perf_counter() - t0
 
+    launch._kernel = kernel_spy
     engine = serve.Engine(model, cache, num_pages=20)   # the demo's cache geometry
     engine.log = lambda msg: None
     engine.warmup()                           # load (or build) the kernels before timing
-    patched = [m for m in list(sys.modules.values())
-               if getattr(m, "__name__", "").startswith("kvtvm")
-               and getattr(m, "launch", None) is original]
-    for m in patched:
-        m.launch = spy
+    launch.Launch.run = run_spy
     try:
         engine.serve(serve.demo_requests(model.config.vocab_size, engine.max_seq_len))
     finally:
-        for m in patched:
-            m.launch = original
+        launch._kernel, launch.Launch.run = original_kernel, original_run
     specs = {compiler.KernelSpec(target="llvm", **dict(k)): v for k, v in recorded.items()}
     return specs, in_kernels[0], engine.stats.seconds
 
