@@ -23,10 +23,8 @@ def _prefill_helpers():
     return TOL, make_batch
 
 
-try:  # the ops' policy: below this many new tokens per sequence, the short_query variant
-    from kvtvm.ops.prefill import CUDA_SHORT_QUERY_TOKENS as SHORT_QUERY_TOKENS
-except ImportError:  # pragma: no cover - before the ops package
-    from kvtvm._prefill_op import CUDA_SHORT_QUERY_TOKENS as SHORT_QUERY_TOKENS
+# the ops' policy: below this many new tokens per sequence, the short_query variant
+from kvtvm.ops.prefill import CUDA_SHORT_QUERY_TOKENS as SHORT_QUERY_TOKENS  # noqa: E402
 
 SPECS = [
     dict(dtype="float16", head_dim=128, n_kv_heads=8, group_size=4, layout="nhd"),
