@@ -13,31 +13,9 @@ import functools
 from typing import Any, Callable
 
 from .. import compiler, runtime
-from ..errors import (DeviceMismatchError, DeviceUnavailableError, InvalidArgumentError,
-                      describe)
+from ..errors import InvalidArgumentError, describe
 
-__all__ = ["Launch", "LaunchSequence", "kernel_for", "signature", "target_for_device"]
-
-
-@functools.lru_cache(maxsize=None)
-def target_for_device(device) -> tuple:
-    """``(target, arch)`` of the kernels for tensors on ``device``: ``("llvm", None)`` or e.g.
-    ``("cuda", "sm_90a")``."""
-    if device.type == "cpu":
-        return "llvm", None
-    if device.type == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise DeviceUnavailableError(f"tensors are on {device} but CUDA is not available")
-        major, minor = torch.cuda.get_device_capability(device)
-        if major >= 9:
-            return "cuda", "sm_90a"
-        if major == 8:
-            return "cuda", "sm_80"
-        raise DeviceUnavailableError(
-            f"{device} has compute capability {major}.{minor}; kvtvm's CUDA kernels need 8.0+")
-    raise DeviceMismatchError(describe("device", "cpu or cuda", device))
+__all__ = ["Launch", "LaunchSequence", "kernel_for", "signature"]
 
 
 def signature(t) -> tuple:
@@ -60,11 +38,7 @@ def kernel_for(device, **spec) -> Callable:
     """
     if not spec.get("variant"):
         spec.pop("variant", None)
-    elif "variant" not in compiler.KernelSpec.__dataclass_fields__:  # TEMP until compiler lands
-        v = spec.pop("variant")
-        spec["knobs"] = tuple({"serial": {"parallel": False}, "short_query": {
-            "m_tiles": 1, "tile_kv": 32, "warps": 4, "wgmma": 0}}[v].items())
-    return _kernel(tuple(sorted(spec.items())), target_for_device(device),
+    return _kernel(tuple(sorted(spec.items())), compiler.target_for_device(device),
                    compiler.search_key())
 
 

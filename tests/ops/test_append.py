@@ -121,9 +121,11 @@ def test_large_batch_binary_search():
 
 @pytest.mark.parametrize("threshold", [0, 1 << 40], ids=["parallel", "serial"])
 def test_large_append_in_both_variants(monkeypatch, threshold):
-    """Above ops.CPU_PARALLEL_APPEND_BYTES the parallel CPU kernel runs, below it the serial
+    """Above CPU_PARALLEL_APPEND_BYTES the parallel CPU kernel runs, below it the serial
     one; both write exactly what the reference writes."""
-    monkeypatch.setattr(ops, "CPU_PARALLEL_APPEND_BYTES", threshold)
+    from kvtvm.ops import append
+
+    monkeypatch.setattr(append, "CPU_PARALLEL_APPEND_BYTES", threshold)
     rng = np.random.default_rng(5)
     counts = [924, 0, 130]
     starts = [7, 3, 16]
