@@ -4,6 +4,8 @@ any test imports them as ``from helpers import ...``)."""
 import subprocess
 import sys
 
+import numpy as np
+
 
 def run_python(code, *args, env=None, timeout=300):
     """``python -c code *args`` in a fresh process; asserts it exited 0 and returns its
@@ -39,3 +41,38 @@ def run_step(mgr, batch, qkv, planned):
                                                      inp.cache_lengths, inp.lookup_table))
     mgr.step(batch)
     return results
+
+
+#: prefill_attention tolerances against the float64 reference, per dtype
+TOL = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2}
+
+
+def make_prefill_batch(rng, *, H, G, D, page_size, counts, starts, layout="nhd", dtype="float16",
+                       extra_pages=3, num_layers=2, layer=1):
+    """Random per-layer K/V views of a manager-shaped cache, handed out in permuted pages, and
+    a ragged batch of queries. The cache already holds every sequence's prefix and new tokens
+    (append ran before attention)."""
+    import torch
+
+    from kvtvm.params import torch_dtype
+
+    tdt = torch_dtype(dtype)
+    final = [s + n for s, n in zip(starts, counts)]
+    n_pages = [-(-f // page_size) for f in final]
+    num_pages = sum(n_pages) + extra_pages
+    perm = rng.permutation(num_pages)
+    table = np.full((len(final), max(1, max(n_pages))), -1, np.int32)
+    cursor = 0
+    for b, n in enumerate(n_pages):
+        table[b, :n] = perm[cursor:cursor + n]
+        cursor += n
+    if layout == "nhd":
+        cache = torch.randn(num_pages, 2, num_layers, page_size, H, D).to(tdt)
+        kc, vc = cache[:, 0, layer], cache[:, 1, layer]
+    else:
+        cache = torch.randn(num_layers, num_pages, 2, H, page_size, D).to(tdt)
+        kc, vc = cache[layer, :, 0], cache[layer, :, 1]
+    q = torch.randn(sum(counts), H * G, D).to(tdt)
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
+    lengths = torch.tensor(starts, dtype=torch.int32)
+    return q, kc, vc, indptr, lengths, torch.from_numpy(table)

@@ -10,18 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import TOL, make_prefill_batch as make_batch
 from kvtvm import compiler, ops
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-
-def _prefill_helpers():
-    """``TOL`` and ``make_batch`` of tests/ops/test_prefill.py (the op's own test)."""
-    try:
-        from test_prefill import TOL, make_batch
-    except ImportError:  # tests/ is on sys.path, tests/ops/ only once pytest collected it
-        from ops.test_prefill import TOL, make_batch
-    return TOL, make_batch
-
 
 # the ops' policy: below this many new tokens per sequence, the short_query variant
 from kvtvm.ops.prefill import CUDA_SHORT_QUERY_TOKENS as SHORT_QUERY_TOKENS  # noqa: E402
@@ -116,7 +108,6 @@ def test_fatbin_leaves_out_archs_a_kernel_cannot_run_on():
 def test_gpu_matches_reference(dtype, layout, page_size, window, counts):
     """Both tile variants of the op (few tokens per sequence on average, or many), with tiles
     spanning several sequences."""
-    TOL, make_batch = _prefill_helpers()
     from kvtvm.kernels.reference import reference_prefill
 
     short = sum(counts) < SHORT_QUERY_TOKENS * len(counts)
@@ -147,7 +138,6 @@ def test_gpu_head_shapes(H, G, D, causal):
     """Head shapes beside the main test's (2 KV heads x GQA 4 x 128): the wgmma kernel at
     head_dim 64, 32 and 96, odd groups (a CTA's rows are not a whole number of tokens), a group
     of 8, and the mma.sync kernel at head_dim 256; causal and not."""
-    TOL, make_batch = _prefill_helpers()
     from kvtvm.kernels.reference import reference_prefill
 
     rng = np.random.default_rng(1)
