@@ -205,6 +205,34 @@ class KVCacheParams:
             raise InvalidArgumentError(
                 describe("enable_prefix_caching", "False unless the strategy is PAGED", True))
 
+    @classmethod
+    def from_hf_config(cls, config, dtype=None, cache_strategy="paged", page_size=None,
+                       enable_prefix_caching: bool = False) -> "KVCacheParams":
+        """Parameters of a transformers model's KV cache.
+
+        Parameters
+        ----------
+        config : transformers.PretrainedConfig
+            A decoder config (a multimodal one's text config is used): ``num_key_value_heads``
+            (default ``num_attention_heads``), ``head_dim`` (default ``hidden_size //
+            num_attention_heads``), ``dtype`` (when ``dtype`` is None).
+        dtype, cache_strategy, page_size, enable_prefix_caching
+            As for the constructor.
+        """
+        config = getattr(config, "get_text_config", lambda: config)()
+        heads = getattr(config, "num_attention_heads", None)
+        if not isinstance(heads, int):
+            raise InvalidArgumentError(describe("config", "a decoder config with "
+                                                "num_attention_heads", type(config).__name__))
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if dtype is None:
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if dtype is None:
+            raise InvalidArgumentError(describe("dtype", "given (the config names none)", None))
+        return cls(dtype, int(kv_heads), int(head_dim), cache_strategy, page_size=page_size,
+                   enable_prefix_caching=enable_prefix_caching)
+
     @property
     def itemsize(self) -> int:
         """Bytes per element of ``dtype`` (the ops' K/V/Q tensors)."""
