@@ -170,9 +170,9 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         pages = free[::-1]
         free.clear()
         while len(pages) < k:
+            if self._tiers is not None:  # the oldest cached page goes down a tier first
+                self._demote(next(iter(self._prefix.lru)))
             pages.append(self._prefix.evict_one())
-            if self._tiers is not None:
-                self._demote(pages[-1])
         return pages
 
     def _drop_refs(self, pages) -> None:

@@ -539,8 +539,10 @@ class PageIOMixin:
             idx = torch.tensor(new_pages, dtype=torch.int64)
             hpd = self.params.n_kv_heads // self.n_devices
             for d, blocks in enumerate(self._blocks):
-                part = rows[:, :, :, :, d * hpd:(d + 1) * hpd]
-                blocks.index_copy_(0, idx.to(blocks.device), part.to(blocks.device))
+                part = rows[:, :, :, :, d * hpd:(d + 1) * hpd].to(blocks.device)
+                if part.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr():
+                    part = part.clone()  # an export of this very cache (a view of it)
+                blocks.index_copy_(0, idx.to(blocks.device), part)
         toks = np.asarray(hdr.tokens, dtype=np.int64)
         kids = list(lease.held_kids)
         parent = kids[-1] if kids else -1
