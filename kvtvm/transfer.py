@@ -30,6 +30,7 @@ wait polls with a deadline: a dead or silent peer is a
 from __future__ import annotations
 
 import abc
+import datetime
 import logging
 import time
 from collections import deque
@@ -167,23 +168,31 @@ class DistributedTransport(PageTransport):
         if not dist.is_initialized():
             raise TransferError("DistributedTransport: torch.distributed is not initialized")
         self.dist, self.group, self.timeout = dist, group, float(timeout)
+        self._pool = None
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
 
     # -- low level ------------------------------------------------------------------------------
-    def _wait(self, work, what: str, timeout: float | None = None) -> None:
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"transport: peer silent for "
-                                           f"{self.timeout if timeout is None else timeout} s "
-                                           f"({what})")
-            time.sleep(0.0002)
-        work.wait()
+    def _waiter(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-    def _send(self, t, peer):
-        self.dist.send(t.to(self.device), peer, group=self.group)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtvm-transfer")
+        return self._pool
+
+    def _wait(self, work, what: str, timeout: float | None = None) -> None:
+        # gloo's receive work never reports is_completed() before wait(): wait with a timeout
+        seconds = self.timeout if timeout is None else timeout
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=seconds))
+        except RuntimeError as err:  # DistBackendError derives from it
+            raise TransferTimeoutError(f"transport: peer silent or gone for {seconds} s ({what}): "
+                                       f"{str(err).splitlines()[0][:200]}") from None
+
+    def _send(self, t, peer, what: str = "send"):
+        # a send waits for the peer's matching receive: bounded by the timeout too
+        self._wait(self.dist.isend(t.to(self.device), peer, group=self.group), what)
 
     def _recv(self, shape, dtype, peer, what, timeout=None):
         import torch
@@ -229,14 +238,13 @@ class DistributedTransport(PageTransport):
             self._send(data, peer)
         ack = torch.empty(2, dtype=torch.int64, device=self.device)
         work = self.dist.irecv(ack, peer, group=self.group)
-        deadline = time.monotonic() + self.timeout
+        # the acknowledgement is awaited on a helper thread, so poll() never blocks
+        pending = self._waiter().submit(self._wait, work, f"acknowledgement from rank {peer}")
 
         def step():
-            if not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise TransferTimeoutError(f"transport: no acknowledgement from rank "
-                                               f"{peer} in {self.timeout} s")
+            if not pending.done():
                 return False
+            pending.result()  # raises the timeout
             st, n = ack.tolist()
             if st != OK:
                 raise TransferError(f"transport: the peer could not import ({_CODES[st]})")
@@ -245,6 +253,17 @@ class DistributedTransport(PageTransport):
 
         transfer._step = step
         return transfer
+
+    def send_ints(self, peer: int, values) -> None:
+        """Send a few int64 values (an application's own control message, e.g. the first
+        generated token); the peer takes them with :meth:`recv_ints`."""
+        self._send(self._ints(values), peer, "control message")
+
+    def recv_ints(self, peer: int, n: int) -> list[int]:
+        """Receive ``n`` int64 values sent with :meth:`send_ints`."""
+        import torch
+
+        return self._recv((n,), torch.int64, peer, "control message").tolist()
 
     def close(self, peer: int) -> None:
         """Tell the peer's :meth:`handle` loop that nothing more comes."""
