@@ -13,14 +13,16 @@ would implement the same four calls:
 - :meth:`Transfer.poll` / :meth:`Transfer.wait` -- completion; the exporter's lease ends
   exactly once when the peer acknowledged (or the transfer failed).
 
-Wire protocol of :class:`DistributedTransport` (every frame an int64 tensor):
+Wire protocol of :class:`DistributedTransport` (control messages are one fixed
+:data:`MSG_BYTES` buffer each: ``[kind, length, tag]`` and a payload), one round trip:
 
-    lookup:  A->B [LOOKUP, n, 0] + int64 [n] hashes;           B->A [count]
-    pages:   A->B [PAGES, len, tag] + uint8 [len] JSON header;  B->A [status, first_row]
-             A->B data rows [first_row:] (one contiguous tensor: a view of the cache when
-             the pages are consecutive);                         B->A [status, pages written]
+    lookup:  A->B LOOKUP(hashes)                 B->A ANSWER(count)
+    pages:   A->B PAGES(JSON header, run lengths) + one message per run of consecutive cache
+             pages (views: no copy); B receives each run straight into a run of its fresh
+             pages when it fits (else into a buffer, one copy)
+                                                 B->A ACK(status, pages written or held)
 
-``status`` 0 is success, 1 "resend from page ``first_row``" (the peer lacks the prefix the
+``status`` 0 is success, 1 "resend from an earlier page" (the peer lacks the prefix the
 sender thought it held -- e.g. a hash collision in the lookup), 2 a refused import
 (format, capacity, corruption; the sender gets :class:`~kvtvm.errors.TransferError`). Every
 wait polls with a deadline: a dead or silent peer is a
@@ -32,12 +34,17 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
+import struct
 import time
 from collections import deque
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
                      KVCacheCapacityError, TransferError, TransferTimeoutError, describe)
+from .manager.hashing import checksum
 from .manager.pageio import PageExport, PageHeader
 
 __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
@@ -45,8 +52,17 @@ __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
 
 log = logging.getLogger(__name__)
 
-LOOKUP, PAGES, CLOSE = 1, 2, 3
+# message kinds, and the status of an import plan / acknowledgement
+LOOKUP, ANSWER, PAGES, ACK, INTS, CLOSE = range(1, 7)
 OK, RESEND, REFUSED = 0, 1, 2
+#: Bytes of the fixed buffer every control message travels in.
+MSG_BYTES = 8192
+_FRAME = struct.Struct("<qqq")  # kind, payload length, tag
+_MASK = (1 << 64) - 1
+_LEN = struct.Struct("<q")
+#: Most pages one data message carries: the receiver checks a message's pages while the next
+#: ones arrive.
+CHUNK_PAGES = 16
 
 
 @dataclass
@@ -57,6 +73,7 @@ class Transfer:
     export: PageExport
     manager: object = None          # the exporter: its lease ends when the transfer does
     _step: object = None            # callable advancing the protocol, True when finished
+    _block: object = None           # optional callable(timeout) sleeping until _step may be
     done: bool = False
     pages_written: int = 0
     error: BaseException | None = None
@@ -76,7 +93,10 @@ class Transfer:
         while not self.poll():
             if deadline is not None and time.monotonic() > deadline:
                 raise TransferTimeoutError(f"transfer: not done after {timeout} s")
-            time.sleep(0)
+            if self._block is not None:  # sleep on the completion instead of spinning
+                self._block(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            else:
+                time.sleep(0.0005)
         if self.error is not None:
             raise self.error
         return self.pages_written
@@ -153,6 +173,10 @@ def send_sequence(transport: PageTransport, peer: int, seq_id: int, tag: int = 0
 class DistributedTransport(PageTransport):
     """:class:`PageTransport` over ``torch.distributed`` point-to-point ops.
 
+    Control messages travel in one fixed-size buffer (:data:`MSG_BYTES`; a longer payload --
+    a long prompt's header -- continues in a second message), page data as views of the
+    cache pages, one message per run of pages consecutive on both sides.
+
     Parameters
     ----------
     group : optional
@@ -168,10 +192,13 @@ class DistributedTransport(PageTransport):
         if not dist.is_initialized():
             raise TransferError("DistributedTransport: torch.distributed is not initialized")
         self.dist, self.group, self.timeout = dist, group, float(timeout)
-        self._pool = None
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
+        self._pool = None
+        self._stage = None
+        self._out = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
+        self._in = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
 
     # -- low level ------------------------------------------------------------------------------
     def _waiter(self):
@@ -187,128 +214,216 @@ class DistributedTransport(PageTransport):
         try:
             work.wait(timeout=datetime.timedelta(seconds=seconds))
         except RuntimeError as err:  # DistBackendError derives from it
-            raise TransferTimeoutError(f"transport: peer silent or gone for {seconds} s ({what}): "
-                                       f"{str(err).splitlines()[0][:200]}") from None
+            raise TransferTimeoutError(f"transport: peer silent or gone for {seconds} s "
+                                       f"({what}): {str(err).splitlines()[0][:200]}") from None
 
-    def _send(self, t, peer, what: str = "send"):
-        # a send waits for the peer's matching receive: bounded by the timeout too
-        self._wait(self.dist.isend(t.to(self.device), peer, group=self.group), what)
-
-    def _recv(self, shape, dtype, peer, what, timeout=None):
+    def _staging(self, shape, dtype):
+        """A reused receive buffer (fresh memory per message would cost page faults)."""
         import torch
 
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        if self._stage is None or self._stage.numel() < nbytes:
+            self._stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._stage[:nbytes].view(dtype).view(shape)
+
+    def _send_msg(self, peer: int, kind: int, tag: int = 0, payload: bytes = b"",
+                  what: str = "message") -> None:
+        """One control message: ``[kind, len, tag]`` and the payload's first bytes in one
+        fixed-size buffer, the rest (if any) in a second message."""
+        import torch
+
+        head = _FRAME.pack(kind, len(payload), tag) + payload[:MSG_BYTES - _FRAME.size]
+        buf = self._out
+        buf[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._wait(self.dist.isend(buf, peer, group=self.group), what)
+        rest = payload[MSG_BYTES - _FRAME.size:]
+        if rest:
+            t = torch.frombuffer(bytearray(rest), dtype=torch.uint8).to(self.device)
+            self._wait(self.dist.isend(t, peer, group=self.group), what)
+
+    def _recv_msg(self, peer: int, what: str, timeout: float | None = None):
+        """``(kind, tag, payload bytes)`` of the next control message."""
+        import torch
+
+        buf = self._in
         self._wait(self.dist.irecv(buf, peer, group=self.group), what, timeout)
-        return buf
+        raw = buf.cpu().numpy().tobytes()
+        kind, n, tag = _FRAME.unpack_from(raw)
+        if n < 0 or n > 1 << 31:
+            raise CorruptTransferError(f"transport: bad message length {n}")
+        payload = raw[_FRAME.size:_FRAME.size + n]
+        if n > len(payload):
+            rest = torch.empty(n - len(payload), dtype=torch.uint8, device=self.device)
+            self._wait(self.dist.irecv(rest, peer, group=self.group), what, timeout)
+            payload += rest.cpu().numpy().tobytes()
+        return kind, tag, payload
 
-    def _ints(self, values):
-        import torch
-
-        return torch.tensor(list(values), dtype=torch.int64)
+    def _expect(self, peer: int, kind: int, what: str) -> tuple[int, bytes]:
+        got, tag, payload = self._recv_msg(peer, what)
+        if got != kind:
+            raise CorruptTransferError(f"transport: expected {what} (kind {kind}), got kind "
+                                       f"{got}")
+        return tag, payload
 
     # -- interface ------------------------------------------------------------------------------
     def lookup(self, peer: int, block_hashes) -> int:
-        import torch
-
-        hashes = [int(h) - (1 << 64) if int(h) >= 1 << 63 else int(h) for h in block_hashes]
-        self._send(self._ints([LOOKUP, len(hashes), 0]), peer)
-        if hashes:
-            self._send(self._ints(hashes), peer)
-        return int(self._recv((1,), torch.int64, peer, "lookup answer")[0])
+        hashes = np.asarray([int(h) & _MASK for h in block_hashes], dtype=np.uint64)
+        self._send_msg(peer, LOOKUP, 0, hashes.tobytes(), "lookup")
+        _, payload = self._expect(peer, ANSWER, "lookup answer")
+        return int(np.frombuffer(payload, np.int64)[0])
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        import torch
-
         self._need()
+        # one round trip: the header and the run lengths, the runs (views of the cache pages,
+        # zero copy), then the peer's acknowledgement
+        runs = export.page_runs(0) if export.header.n_carried else []
+        runs = [(r + i, v[i:i + CHUNK_PAGES]) for r, v in runs
+                for i in range(0, v.shape[0], CHUNK_PAGES)]
         raw = export.header.to_bytes()
-        self._send(self._ints([PAGES, len(raw), tag]), peer)
-        self._send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), peer)
+        lengths = np.asarray([v.shape[0] for _, v in runs], dtype=np.int64)
+        self._send_msg(peer, PAGES, tag, _LEN.pack(len(raw)) + raw + lengths.tobytes(),
+                       "page header")
+        works = [self.dist.isend(v.to(self.device), peer, group=self.group) for _, v in runs]
+        for work in works:
+            self._wait(work, "page data")
         transfer = Transfer(export, self.manager)
-        status, first_row = self._recv((2,), torch.int64, peer, "import plan").tolist()
-        if status != OK:
-            err = TransferError(f"transport: the peer refused the pages ({_CODES[status]}); "
-                                f"it holds {first_row} leading pages")
-            err.resend = status == RESEND
-            transfer.error, transfer.done = err, True
-            return transfer
-        data = export.data[first_row:]
-        if data.shape[0]:
-            if not data.is_contiguous():
-                data = data.contiguous()
-            self._send(data, peer)
-        ack = torch.empty(2, dtype=torch.int64, device=self.device)
-        work = self.dist.irecv(ack, peer, group=self.group)
         # the acknowledgement is awaited on a helper thread, so poll() never blocks
-        pending = self._waiter().submit(self._wait, work, f"acknowledgement from rank {peer}")
+        pending = self._waiter().submit(self._expect, peer, ACK,
+                                        f"acknowledgement from rank {peer}")
 
         def step():
             if not pending.done():
                 return False
-            pending.result()  # raises the timeout
-            st, n = ack.tolist()
+            st, n = np.frombuffer(pending.result()[1], np.int64).tolist()
             if st != OK:
-                raise TransferError(f"transport: the peer could not import ({_CODES[st]})")
+                err = TransferError(f"transport: the peer did not import the pages "
+                                    f"({_CODES[st]}; it holds {n} leading pages)")
+                err.resend = st == RESEND
+                raise err
             transfer.pages_written = n
             return True
 
         transfer._step = step
+        transfer._block = lambda t: futures_wait([pending], timeout=t)
         return transfer
 
     def send_ints(self, peer: int, values) -> None:
         """Send a few int64 values (an application's own control message, e.g. the first
         generated token); the peer takes them with :meth:`recv_ints`."""
-        self._send(self._ints(values), peer, "control message")
+        self._send_msg(peer, INTS, 0, np.asarray(values, np.int64).tobytes(), "ints")
 
     def recv_ints(self, peer: int, n: int) -> list[int]:
-        """Receive ``n`` int64 values sent with :meth:`send_ints`."""
-        import torch
-
-        return self._recv((n,), torch.int64, peer, "control message").tolist()
+        """Receive the ``n`` int64 values sent with :meth:`send_ints`."""
+        _, payload = self._expect(peer, INTS, "ints")
+        out = np.frombuffer(payload, np.int64).tolist()
+        if len(out) != n:
+            raise CorruptTransferError(f"transport: expected {n} ints, got {len(out)}")
+        return out
 
     def close(self, peer: int) -> None:
         """Tell the peer's :meth:`handle` loop that nothing more comes."""
-        self._send(self._ints([CLOSE, 0, 0]), peer)
+        self._send_msg(peer, CLOSE, 0, b"", "close")
+
+    def _ints_msg(self, peer, kind, values, what):
+        self._send_msg(peer, kind, 0, np.asarray(values, np.int64).tobytes(), what)
 
     def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
         import torch
 
         mgr = self._need()
-        kind, n, tag = self._recv((3,), torch.int64, peer, "next message", timeout).tolist()
+        kind, tag, payload = self._recv_msg(peer, "next message", timeout)
         if kind == CLOSE:
             return Received("close")
         if kind == LOOKUP:
-            hashes = self._recv((n,), torch.int64, peer, "lookup").tolist() if n else []
-            count = mgr.held_prefix_pages([h & 0xFFFFFFFFFFFFFFFF for h in hashes])
-            self._send(self._ints([count]), peer)
+            hashes = np.frombuffer(payload, np.uint64).tolist()
+            count = mgr.held_prefix_pages(hashes)
+            self._ints_msg(peer, ANSWER, [count], "lookup answer")
             return Received("lookup", tag, lookup_count=count)
         if kind != PAGES:
-            raise CorruptTransferError(f"transport: unknown message kind {kind}")
-        raw = self._recv((n,), torch.uint8, peer, "page header").numpy().tobytes()
-        header = None
+            raise CorruptTransferError(f"transport: unexpected message kind {kind}")
+        header, seq_id, lid = None, None, None
         try:
-            header = PageHeader.from_bytes(raw)
+            (hlen,) = _LEN.unpack_from(payload)
+            header = PageHeader.from_bytes(payload[_LEN.size:_LEN.size + hlen])
+            lengths = np.frombuffer(payload[_LEN.size + hlen:], np.int64).tolist()
+            if sum(lengths) != header.n_carried or min(lengths, default=1) < 1:
+                raise CorruptTransferError(f"transport: runs {lengths} announced for "
+                                           f"{header.n_carried} pages")
+        except (struct.error, ValueError) as err:
+            raise CorruptTransferError(f"transport: unreadable page message ({err})") from None
+        dtype = getattr(torch, header.dtype)
+        try:
             seq_id = seq_for(header, tag) if seq_for is not None else None
             lid, first_row = mgr.begin_import(header, seq_id, timeout=self.timeout)
         except (TransferError, KVCacheCapacityError, InvalidArgumentError) as err:
-            held = mgr.held_prefix_pages(header.block_hashes) \
-                if type(err) is TransferError and header is not None else 0
-            self._send(self._ints([_import_status(err), held]), peer)
-            return Received("pages", tag, error=err)
-        self._send(self._ints([OK, first_row]), peer)
-        rows = header.n_carried - first_row
+            # refused: take the data off the wire all the same, then say why
+            self._drain(peer, lengths, header.page_shape, dtype)
+            held = mgr.held_prefix_pages(header.block_hashes) if type(err) is TransferError \
+                else 0
+            self._ints_msg(peer, ACK, [_import_status(err), held], "acknowledgement")
+            return Received("pages", tag, header=header, error=err)
         try:
-            data = self._recv((rows, *header.page_shape), getattr(torch, header.dtype), peer,
-                              "page data") if rows else \
-                torch.empty((0, *header.page_shape), dtype=getattr(torch, header.dtype))
-            written = mgr.finish_import(lid, data.cpu() if data.device.type != "cpu" else data)
+            targets = self._targets(mgr.import_runs(lid), lengths, first_row)
+            if targets is None:  # not in place: everything into a buffer, one copy after
+                data = self._staging((header.n_carried, *header.page_shape), dtype)
+                targets, r = [], 0
+                for n in lengths:
+                    targets.append(data[r:r + n])
+                    r += n
+            else:
+                data = None
+            works = [self.dist.irecv(t, peer, group=self.group) for t in targets]
+            # verify each run while the next ones arrive (the checksums leave the critical path)
+            bad, r = None, 0
+            for work, target in zip(works, targets):
+                self._wait(work, "page data")
+                for i in range(target.shape[0]):
+                    if r + i >= first_row and bad is None and \
+                            checksum(target[i]) != header.checksums[r + i]:
+                        bad = r + i
+                r += target.shape[0]
+            if bad is not None:
+                raise CorruptTransferError(f"transport: page {header.first_page + bad} fails "
+                                           f"its {header.checksum} checksum")
+            written = mgr.finish_import(lid, None if data is None else data[first_row:],
+                                        verified=True)
         except BaseException as err:
             mgr.end_lease(lid)  # no-op if finish_import ended it
-            if isinstance(err, (TransferTimeoutError,)):
+            if isinstance(err, TransferTimeoutError):
                 raise
-            self._send(self._ints([REFUSED, 0]), peer)
+            self._ints_msg(peer, ACK, [REFUSED, 0], "acknowledgement")
             return Received("pages", tag, header=header, error=err)
-        self._send(self._ints([OK, written]), peer)
+        self._ints_msg(peer, ACK, [OK, written], "acknowledgement")
         return Received("pages", tag, header=header, seq_id=seq_id, pages_written=written)
+
+    def _targets(self, dest, lengths, first_row):
+        """Views of this cache's fresh pages receiving each of the sender's runs in place, or
+        None when a run does not land in one run of consecutive fresh pages (then a buffer
+        takes them). ``dest`` is :meth:`import_runs`' answer; rows before ``first_row`` (pages
+        the sender thought missing but this cache holds) go to a scratch buffer."""
+        if dest is None or any(v.device != self.device for _, v in dest):
+            return None
+        out, r = [], 0
+        for n in lengths:
+            rel = r - first_row
+            if rel < 0:
+                return None
+            row, view = next(((row, v) for row, v in reversed(dest) if row <= rel), (0, None))
+            if view is None or rel - row + n > view.shape[0]:
+                return None
+            out.append(view[rel - row:rel - row + n])
+            r += n
+        return out
+
+    def _drain(self, peer, lengths, page_shape, dtype) -> None:
+        """Receive and drop the runs of a refused import (the sender sends them regardless)."""
+        if lengths:
+            buf = self._staging((max(lengths), *page_shape), dtype)
+            for n in lengths:
+                self._wait(self.dist.irecv(buf[:n], peer, group=self.group), "page data")
 
 
 _CODES = {OK: "ok", RESEND: "missing prefix, resend", REFUSED: "refused"}

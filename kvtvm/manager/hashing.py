@@ -74,7 +74,7 @@ def checksum(data) -> int:
     if hasattr(data, "numpy"):  # torch tensor: its bytes, without a copy when contiguous
         import torch
 
-        data = data.contiguous().view(-1).view(torch.uint8).numpy()
+        data = data.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
     if isinstance(data, np.ndarray):
         data = np.ascontiguousarray(data).view(np.uint8)
     if xxhash is not None:

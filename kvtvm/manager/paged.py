@@ -173,6 +173,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             if self._tiers is not None:  # the oldest cached page goes down a tier first
                 self._demote(next(iter(self._prefix.lru)))
             pages.append(self._prefix.evict_one())
+        pages.sort()  # evicted deepest first: ascending runs keep transfers zero-copy
         return pages
 
     def _drop_refs(self, pages) -> None:

@@ -30,9 +30,8 @@ the header's head range (resharding).
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,102 +40,9 @@ from ..errors import (CorruptTransferError, FormatMismatchError, InvalidArgument
 from .hashing import CHECKSUM_NAME, DEFAULT_HASH_BITS, HASH_SEED, chain_hash, checksum, \
     fingerprint
 from .hashing import block_hashes as _block_hashes
+from .pageformat import FORMAT_VERSION, LAYOUT, STORAGE, PageExport, PageHeader
 
 __all__ = ["FORMAT_VERSION", "PageHeader", "PageExport", "PageIOMixin"]
-
-FORMAT_VERSION = 1
-LAYOUT = "page,kv,layer,slot,head,dim"
-STORAGE = "dense"  # quantized caches name their scale format here
-
-
-@dataclass(frozen=True)
-class PageHeader:
-    """Self-description of a run of exported pages (the metadata plane).
-
-    Attributes
-    ----------
-    version, dtype, storage, layout : int, str, str, str
-        Format version; element type; ``"dense"`` (or a quantized format with its scale
-        layout); the axes of one page, ``page,kv,layer,slot,head,dim``.
-    page_size, n_kv_heads, head_dim, num_layers : int
-        Tokens per page; KV heads of the model (all devices); elements per head; layers.
-    head_range : tuple of int
-        ``(h0, h1)``: the heads carried, of ``n_kv_heads``.
-    tokens : tuple of int
-        Every token the pages cover, from token 0 (``n_pages = ceil(len / page_size)``).
-    first_page : int
-        Pages ``[first_page, n_pages)`` carry data (the peer holds the ones before).
-    block_hashes : tuple of int
-        Chained hashes of the full pages, from page 0 (:mod:`.hashing`), ``hash_bits`` wide.
-    checksum, checksums : str, tuple of int
-        Checksum algorithm and one checksum per carried page.
-    """
-
-    version: int
-    dtype: str
-    storage: str
-    layout: str
-    page_size: int
-    n_kv_heads: int
-    head_range: tuple
-    head_dim: int
-    num_layers: int
-    tokens: tuple
-    first_page: int
-    block_hashes: tuple
-    hash_bits: int
-    checksum: str
-    checksums: tuple
-
-    @property
-    def n_pages(self) -> int:
-        return -(-len(self.tokens) // self.page_size)
-
-    @property
-    def n_carried(self) -> int:
-        return self.n_pages - self.first_page
-
-    @property
-    def page_shape(self) -> tuple:
-        """Shape of one carried page: ``(2, num_layers, page_size, heads, head_dim)``."""
-        h0, h1 = self.head_range
-        return (2, self.num_layers, self.page_size, h1 - h0, self.head_dim)
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> "PageHeader":
-        """Parse and sanity-check a header; anything malformed is a CorruptTransferError."""
-        try:
-            d = json.loads(bytes(raw).decode())
-            hdr = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-            ints = [hdr.version, hdr.page_size, hdr.n_kv_heads, hdr.head_dim, hdr.num_layers,
-                    hdr.first_page, hdr.hash_bits, *hdr.head_range, *hdr.tokens,
-                    *hdr.block_hashes, *hdr.checksums]
-            ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
-                  and all(isinstance(v, str) for v in (hdr.dtype, hdr.storage, hdr.layout,
-                                                       hdr.checksum))
-                  and len(hdr.head_range) == 2 and hdr.page_size > 0
-                  and 0 <= hdr.first_page <= hdr.n_pages
-                  and len(hdr.checksums) == hdr.n_carried
-                  and len(hdr.block_hashes) == len(hdr.tokens) // hdr.page_size)
-        except (ValueError, TypeError, UnicodeDecodeError) as err:
-            raise CorruptTransferError(f"page header: unreadable ({err})") from None
-        if not ok:
-            raise CorruptTransferError("page header: fields of the wrong type or inconsistent "
-                                       "lengths (truncated or corrupt)")
-        return hdr
-
-
-@dataclass
-class PageExport:
-    """An export: its header, its data ``[n_carried, *header.page_shape]`` (a view of the
-    cache when possible: valid while the lease holds) and the lease to end when it is sent."""
-
-    header: PageHeader
-    data: object
-    lease_id: int
 
 
 @dataclass
@@ -229,7 +135,7 @@ class PageIOMixin:
         hit = memo.get(kid)
         if hit is not None:
             return hit
-        by_id = {v[0]: k for k, v in self._prefix.table.items()}
+        by_id = self._by_id()
         chain = []
         while kid != -1 and kid not in memo:
             key = by_id.get(kid)
@@ -247,15 +153,32 @@ class PageIOMixin:
                 del memo[k]
         return h, fp
 
+    def _by_id(self) -> dict:
+        """``{key id: key}`` of the prefix cache (rebuilt only when it changed)."""
+        p = self._prefix
+        version = (p.next_id, len(p.table), p.evictions, id(p.table))
+        cached = getattr(self, "_by_id_cache", None)
+        if cached is None or cached[0] != version or cached[2] is not p.table:
+            cached = self._by_id_cache = (version, {v[0]: k for k, v in p.table.items()},
+                                          p.table)
+        return cached[1]
+
     def _hash_index(self) -> dict:
         """``{hash: (key id, page, token bytes, parent key id)}`` of every reachable cached
-        page (one entry per hash: with a narrow hash, a collision keeps one of them)."""
+        page (one entry per hash: with a narrow hash, a collision keeps one of them); rebuilt
+        only when the prefix cache changed."""
+        p = self._prefix
+        version = (p.next_id, len(p.table), p.evictions, self.hash_bits, id(p.table))
+        cached = getattr(self, "_index_cache", None)
+        if cached is not None and cached[0] == version and cached[2] is p.table:
+            return cached[1]
         out = {}
         for (parent, chunk), (kid, page) in sorted(self._prefix.table.items(),
                                                    key=lambda kv: kv[1][0]):
             hf = self._chain_of(kid)
             if hf is not None:
                 out[hf[0]] = (kid, page, chunk, parent)
+        self._index_cache = (version, out, p.table)
         return out
 
     def held_prefix_pages(self, block_hashes) -> int:
@@ -287,7 +210,7 @@ class PageIOMixin:
             return _block_hashes(toks, self.page_size, self.hash_bits)
 
     # -- export -------------------------------------------------------------------------------
-    def _header(self, tokens, first_page, heads, pages_data) -> PageHeader:
+    def _header(self, tokens, first_page, heads, page_views) -> PageHeader:
         P = self.page_size
         toks = np.asarray(tokens, dtype=np.int64)
         hashes, h = [], HASH_SEED
@@ -300,7 +223,7 @@ class PageIOMixin:
             head_dim=self.params.head_dim, num_layers=self.num_layers,
             tokens=tuple(int(t) for t in toks), first_page=int(first_page),
             block_hashes=tuple(hashes), hash_bits=self.hash_bits, checksum=CHECKSUM_NAME,
-            checksums=tuple(checksum(pages_data[i]) for i in range(pages_data.shape[0])))
+            checksums=tuple(checksum(v) for v in page_views))
 
     def _gather(self, pages: list, heads: tuple):
         """``[n, 2, L, P, h1-h0, D]`` of the given pages: a view when they are consecutive,
@@ -393,13 +316,21 @@ class PageIOMixin:
                 raise InvalidArgumentError(describe("first_page", f"an int in [0, {n}]",
                                                     repr(first_page)))
             pages = all_pages[first_page:]
-            data = self._gather(pages, heads)
-            header = self._header(tokens, first_page, heads, data)
+            direct = self.n_devices == 1 and heads == (0, self.params.n_kv_heads)
+            blocks = self._blocks[0]
+            if direct:  # views of the cache pages: nothing is copied
+                views = [blocks[p] for p in pages]
+                gather = lambda: self._gather(pages, heads)  # noqa: E731
+            else:
+                data = self._gather(pages, heads)
+                views = [data[i] for i in range(data.shape[0])]
+                gather = lambda: data  # noqa: E731
+            header = self._header(tokens, first_page, heads, views)
             deadline = None if timeout is None else time.monotonic() + float(timeout)
             lid = self._new_lease(_Lease("export", pages, deadline))
             if sid is not None:
                 self._tail_check[sid] = True  # a write into a leased page copies it first
-            return PageExport(header, data, lid)
+            return PageExport(header, lid, pages if direct else None, blocks, gather)
 
     # -- import -------------------------------------------------------------------------------
     def _check_header(self, hdr: PageHeader) -> None:
@@ -485,11 +416,36 @@ class PageIOMixin:
                                          first_row=start - header.first_page))
             return lid, start - header.first_page
 
-    def finish_import(self, lease_id: int, data) -> int:
+    def import_runs(self, lease_id: int):
+        """Where the data of an open import lease can be received in place: ``[(row, view
+        [n, *page_shape])]``, runs of consecutive fresh pages covering rows ``[0, n_new)`` of
+        what :meth:`finish_import` expects; None when the cache splits heads over devices
+        (receive into a buffer then). After receiving into them, call
+        ``finish_import(lease_id, None)``: it verifies the checksums and copies nothing; on a
+        bad checksum the pages are only ever freed, never registered or handed out."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.kind != "import":
+                raise SequenceStateError(f"import_runs: lease {lease_id} is not an open "
+                                         "import lease")
+            if self.n_devices != 1:
+                return None
+            new, out, r = lease.pages[lease.held:], [], 0
+            while r < len(new):
+                e = r + 1
+                while e < len(new) and new[e] == new[e - 1] + 1:
+                    e += 1
+                out.append((r, self._blocks[0][new[r]:new[r] + e - r]))
+                r = e
+            return out
+
+    def finish_import(self, lease_id: int, data, verified: bool = False) -> int:
         """Verify ``data`` (rows ``[first_row, n_carried)`` of the header's pages: shape
         ``[n_carried - first_row, *header.page_shape]``, ``first_row`` from
-        :meth:`begin_import`) and write and register the pages of an import lease; the lease
-        ends either way. Returns the pages written.
+        :meth:`begin_import`; None when it was received in place, see :meth:`import_runs`)
+        and write and register the pages of an import lease; the lease ends either way.
+        Returns the pages written. ``verified=True``: the caller (a transport, as the pages
+        arrived) already compared every page with its checksum in the header.
 
         Raises
         ------
@@ -509,14 +465,18 @@ class PageIOMixin:
             try:
                 r0 = lease.first_row
                 want = (hdr.n_carried - r0, *hdr.page_shape)
-                if not isinstance(data, torch.Tensor) or tuple(data.shape) != want or \
-                        str(data.dtype).removeprefix("torch.") != hdr.dtype:
+                in_place = data is None and self.n_devices == 1  # see import_runs
+                rows = [self._blocks[0][p] for p in lease.pages[lease.held:]] if in_place \
+                    else data
+                if not in_place and (not isinstance(data, torch.Tensor)
+                                     or tuple(data.shape) != want
+                                     or str(data.dtype).removeprefix("torch.") != hdr.dtype):
                     got = (tuple(data.shape), data.dtype) if isinstance(data, torch.Tensor) \
                         else type(data).__name__
                     raise CorruptTransferError(describe("import data", f"{want} {hdr.dtype}",
                                                         got))
-                for i in range(want[0]):
-                    if checksum(data[i]) != hdr.checksums[r0 + i]:
+                for i in range(0 if verified else want[0]):
+                    if checksum(rows[i]) != hdr.checksums[r0 + i]:
                         raise CorruptTransferError(
                             f"import data: page {hdr.first_page + r0 + i} fails its "
                             f"{hdr.checksum} checksum (sent {hdr.checksums[r0 + i]:#x})")
@@ -535,7 +495,7 @@ class PageIOMixin:
         new_pages = lease.pages[k:]
         start = hdr.n_pages - len(new_pages)
         rows = data
-        if new_pages:
+        if new_pages and rows is not None:  # else: received in place
             idx = torch.tensor(new_pages, dtype=torch.int64)
             hpd = self.params.n_kv_heads // self.n_devices
             for d, blocks in enumerate(self._blocks):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtvm import KVCacheParams
-from kvtvm.errors import KVCacheCapacityError, SequenceStateError
+from kvtvm.errors import CorruptTransferError, KVCacheCapacityError, SequenceStateError
 from kvtvm.manager import BatchItem, PagedKVCacheManager
 
 H, D, L, P = 2, 4, 2, 4
@@ -44,6 +44,14 @@ def read_back(mgr, s, n):
     pages = mgr.pages_of(s)
     full = torch.cat([b[pages] for b in mgr.blocks], dim=4)  # [n_pages, 2, L, P, H, D]
     return [full[t // P, :, :, t % P] for t in range(n)]
+
+
+def on_the_wire(ex, first_row):
+    """What a wire reading the export now carries: the cache pages themselves (zero copy)."""
+    runs = [v for _, v in ex.page_runs(first_row)]
+    if not runs:
+        return torch.empty((0, *ex.header.page_shape))
+    return torch.cat(runs).clone()
 
 
 def conserved(mgr):
@@ -91,7 +99,7 @@ class TransferMachine(RuleBasedStateMachine):
             return
         s = data.draw(st.sampled_from(sorted(self.a_seqs)))
         ex = self.a.export_pages(s, timeout=1.0)
-        self.exports[ex.lease_id] = (ex, ex.data.clone())
+        self.exports[ex.lease_id] = (ex, on_the_wire(ex, 0))
         self.wire.append(("header", ex))
         if release_after:  # the prefill side is done with it while the pages are in flight
             self.a.release(s)
@@ -122,9 +130,18 @@ class TransferMachine(RuleBasedStateMachine):
         elif kind == "data":
             ex, t, lid, first_row = msg
             try:
-                self.b.finish_import(lid, ex.data[first_row:].clone())
+                self.b.finish_import(lid, on_the_wire(ex, first_row))
             except SequenceStateError:  # a duplicate, or the import lease timed out
                 assert self.b_pending.get(t) != lid
+                return
+            except CorruptTransferError:
+                # the wire read pages whose export lease had already ended (timed out) and
+                # that were reused since: caught by the checksums, the import is dropped
+                assert ex.lease_id not in self.exports
+                assert lid not in self.b.active_leases()
+                assert self.b.cache_length(t) == 0
+                self.b.release(t)
+                del self.b_pending[t]
                 return
             del self.b_pending[t]
             self.b_seqs[t] = list(ex.header.tokens)
@@ -193,7 +210,7 @@ class TransferMachine(RuleBasedStateMachine):
         assert set(self.a.active_leases()) == set(self.exports)
         assert set(self.b.active_leases()) == set(self.b_pending.values())
         for ex, sent in self.exports.values():  # leased pages are never rewritten
-            assert torch.equal(ex.data, sent)
+            assert torch.equal(on_the_wire(ex, 0), sent)
         for t, toks in self.b_seqs.items():
             assert self.b.cache_length(t) == len(toks)
             got = read_back(self.b, t, len(toks))
