@@ -90,6 +90,11 @@ class Transfer:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._block is not None and not self.done:
+            try:
+                self._block(timeout)
+            except BaseException as err:  # noqa: BLE001 - ends the lease in poll, re-raised
+                self.error, self.done = err, True
         while not self.poll():
             if deadline is not None and time.monotonic() > deadline:
                 raise TransferTimeoutError(f"transfer: not done after {timeout} s")
@@ -290,14 +295,18 @@ class DistributedTransport(PageTransport):
         for work in works:
             self._wait(work, "page data")
         transfer = Transfer(export, self.manager)
-        # the acknowledgement is awaited on a helper thread, so poll() never blocks
-        pending = self._waiter().submit(self._expect, peer, ACK,
-                                        f"acknowledgement from rank {peer}")
+        what = f"acknowledgement from rank {peer}"
+        state = {}  # "future": the ack awaited on a helper thread (poll never blocks);
+        #             "payload": the ack, received in the caller's thread by wait()
 
         def step():
-            if not pending.done():
-                return False
-            st, n = np.frombuffer(pending.result()[1], np.int64).tolist()
+            if "payload" not in state:
+                if "future" not in state:
+                    state["future"] = self._waiter().submit(self._expect, peer, ACK, what)
+                if not state["future"].done():
+                    return False
+                state["payload"] = state["future"].result()[1]
+            st, n = np.frombuffer(state["payload"], np.int64).tolist()
             if st != OK:
                 err = TransferError(f"transport: the peer did not import the pages "
                                     f"({_CODES[st]}; it holds {n} leading pages)")
@@ -306,8 +315,13 @@ class DistributedTransport(PageTransport):
             transfer.pages_written = n
             return True
 
-        transfer._step = step
-        transfer._block = lambda t: futures_wait([pending], timeout=t)
+        def block(timeout):
+            if "future" in state:
+                futures_wait([state["future"]], timeout=timeout)
+            elif "payload" not in state:  # nobody polled: no thread hop
+                state["payload"] = self._expect(peer, ACK, what)[1]
+
+        transfer._step, transfer._block = step, block
         return transfer
 
     def send_ints(self, peer: int, values) -> None:
