@@ -66,6 +66,10 @@ def _worker(rank, args, port, out):
                             world_size=2)
     try:
         device = args.device
+        if device.startswith("cuda"):  # one GPU per rank when there are two (NCCL refuses
+            # two ranks on one device); on a single GPU both share it (gloo only)
+            device = f"cuda:{rank % torch.cuda.device_count()}"
+            torch.cuda.set_device(device)
         mgr = _manager(args, device)
         tr = DistributedTransport(timeout=300.0)
         tr.register(mgr)
