@@ -368,7 +368,7 @@ class DistributedTransport(PageTransport):
                                            f"{header.n_carried} pages")
         except (struct.error, ValueError) as err:
             raise CorruptTransferError(f"transport: unreadable page message ({err})") from None
-        dtype = getattr(torch, header.dtype)
+        dtype = getattr(torch, header.tensor_dtype)
         try:
             seq_id = seq_for(header, tag) if seq_for is not None else None
             lid, first_row = mgr.begin_import(header, seq_id, timeout=self.timeout)

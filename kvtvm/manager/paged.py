@@ -34,7 +34,7 @@ from ..errors import (InvalidArgumentError, KVCacheCapacityError, KVCacheError,
                       SequenceStateError, describe)
 from ..params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager, check_positive_int, parse_devices
-from .copier import PageCopier, resolve_copier
+from .copier import PageCopier, copy_view, resolve_copier
 from .pageio import PageIOMixin
 from .prefix_cache import PagedCacheStats, PrefixCache
 from .tables import StepTables, table_elems
@@ -116,7 +116,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         self._lookup_ids = np.zeros(mb, dtype=np.int64)  # batch of the last lookup fill
         self._lookup_n = -1
         self.prefix_caching = bool(params.enable_prefix_caching)
-        self._prefix = PrefixCache()
+        self._prefix = PrefixCache(root=params.storage_key(self.num_layers))
         if self.prefix_caching:
             self._tokens = np.zeros((mb, self.max_seq_len), dtype=np.int64)
             self._keys: list[list[int]] = [[] for _ in range(mb)]
@@ -357,7 +357,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         src_t = torch.tensor(src, dtype=torch.int32)
         dst_t = torch.tensor(dst, dtype=torch.int32)
         for blocks in self._blocks:  # fresh destinations: always one round of copies
-            copier(blocks, src_t, dst_t)
+            copier(copy_view(blocks, 0), src_t, dst_t)
 
     def _commit(self, tokens, ids, counts):
         if not self.prefix_caching:
@@ -390,7 +390,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             insert = prefix.insert
             for j, sid in enumerate(sids.tolist()):
                 keys = keys_of[sid]
-                keys.append(insert(keys[-1] if keys else -1,
+                keys.append(insert(keys[-1] if keys else prefix.root,
                                    data[j * width:(j + 1) * width], pages[j]))
             return
         for b in cand:
@@ -398,7 +398,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             keys = keys_of[sid]
             row = toks[sid]
             for i in range(len(keys), int(full[b])):
-                parent = keys[i - 1] if i else -1
+                parent = keys[i - 1] if i else prefix.root
                 keys.append(prefix.insert(parent, row[i * P:(i + 1) * P].tobytes(),
                                           int(pt[sid, i])))
 

@@ -25,7 +25,9 @@ class PageHeader:
     ----------
     version, dtype, storage, layout : int, str, str, str
         Format version; element type; ``"dense"`` (or a quantized format with its scale
-        layout); the axes of one page, ``page,kv,layer,slot,head,dim``.
+        layout: ``quant:<KVCacheParams.storage_key>:scale=f32-per-row:align=16``, each layer's
+        K/V storage type and a float32 scale per (token, head) row); the axes of one page,
+        ``page,kv,layer,slot,head,dim``.
     page_size, n_kv_heads, head_dim, num_layers : int
         Tokens per page; KV heads of the model (all devices); elements per head; layers.
     head_range : tuple of int
@@ -38,6 +40,8 @@ class PageHeader:
         Chained hashes of the full pages, from page 0 (:mod:`.hashing`), ``hash_bits`` wide.
     checksum, checksums : str, tuple of int
         Checksum algorithm and one checksum per carried page.
+    page_bytes : int
+        Bytes of one carried page.
     """
 
     version: int
@@ -55,6 +59,12 @@ class PageHeader:
     hash_bits: int
     checksum: str
     checksums: tuple
+    page_bytes: int = 0
+
+    @property
+    def tensor_dtype(self) -> str:
+        """Element type of the page data: ``dtype``, or ``uint8`` for a quantized cache."""
+        return self.dtype if self.storage == STORAGE else "uint8"
 
     @property
     def n_pages(self) -> int:
@@ -66,7 +76,10 @@ class PageHeader:
 
     @property
     def page_shape(self) -> tuple:
-        """Shape of one carried page: ``(2, num_layers, page_size, heads, head_dim)``."""
+        """Shape of one carried page: ``(2, num_layers, page_size, heads, head_dim)``, or
+        ``(page_bytes,)`` for a quantized cache (its pages are byte rows)."""
+        if self.storage != STORAGE:
+            return (self.page_bytes,)
         h0, h1 = self.head_range
         return (2, self.num_layers, self.page_size, h1 - h0, self.head_dim)
 
@@ -81,7 +94,7 @@ class PageHeader:
             d = json.loads(bytes(raw).decode())
             hdr = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
             ints = [hdr.version, hdr.page_size, hdr.n_kv_heads, hdr.head_dim, hdr.num_layers,
-                    hdr.first_page, hdr.hash_bits, *hdr.head_range, *hdr.tokens,
+                    hdr.first_page, hdr.hash_bits, hdr.page_bytes, *hdr.head_range, *hdr.tokens,
                     *hdr.block_hashes, *hdr.checksums]
             ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
                   and all(isinstance(v, str) for v in (hdr.dtype, hdr.storage, hdr.layout,

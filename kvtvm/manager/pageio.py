@@ -63,6 +63,19 @@ class PageIOMixin:
     #: Width of the chained block hashes this cache names its pages by (a test narrows it).
     hash_bits: int = DEFAULT_HASH_BITS
 
+    def storage_name(self) -> str:
+        """The ``storage`` field of this cache's page headers."""
+        p = self.params
+        if not p.quantized:
+            return STORAGE
+        return f"quant:{p.storage_key(self.num_layers)}:scale=f32-per-row:align=16"
+
+    def _root_chain(self) -> tuple[int, int]:
+        """(hash, fingerprint) of the empty prefix: seeded by the storage format, so pages of
+        two formats never share a name (in a shared disk tier, say)."""
+        key = self.params.storage_key(self.num_layers).encode()
+        return chain_hash(HASH_SEED, key, self.hash_bits), fingerprint(HASH_SEED, key)
+
     def _init_pageio(self) -> None:
         self._leased = np.zeros(self.num_pages, dtype=np.int32)
         self._leases: dict[int, _Lease] = {}
@@ -130,20 +143,21 @@ class PageIOMixin:
         if self._memo_bits != self.hash_bits:
             memo.clear()
             self._memo_bits = self.hash_bits
-        if kid == -1:
-            return HASH_SEED, HASH_SEED
+        root = self._prefix.root
+        if kid == root:
+            return self._root_chain()
         hit = memo.get(kid)
         if hit is not None:
             return hit
         by_id = self._by_id()
         chain = []
-        while kid != -1 and kid not in memo:
+        while kid != root and kid not in memo:
             key = by_id.get(kid)
             if key is None:
                 return None
             chain.append((kid, key[1]))
             kid = key[0]
-        h, fp = memo[kid] if kid != -1 else (HASH_SEED, HASH_SEED)
+        h, fp = memo[kid] if kid != root else self._root_chain()
         for k, chunk in reversed(chain):
             h, fp = chain_hash(h, chunk, self.hash_bits), fingerprint(fp, chunk)
             memo[k] = (h, fp)
@@ -187,7 +201,7 @@ class PageIOMixin:
         import checks tokens, so a collision costs a resend, never wrong KV."""
         with self._lock:
             index = self._hash_index()
-            parent, n = -1, 0
+            parent, n = self._prefix.root, 0
             for h in block_hashes:
                 hit = index.get(int(h))
                 if hit is None or hit[3] != parent:
@@ -207,18 +221,19 @@ class PageIOMixin:
                 raise InvalidArgumentError(describe(
                     "block_hashes_of: params.enable_prefix_caching", True, False))
             toks = self._tokens[sid, :int(self._lengths[sid])]
-            return _block_hashes(toks, self.page_size, self.hash_bits)
+            return _block_hashes(toks, self.page_size, self.hash_bits, self._root_chain()[0])
 
     # -- export -------------------------------------------------------------------------------
     def _header(self, tokens, first_page, heads, page_views) -> PageHeader:
         P = self.page_size
         toks = np.asarray(tokens, dtype=np.int64)
-        hashes, h = [], HASH_SEED
+        hashes, h = [], self._root_chain()[0]
         for i in range(toks.size // P):
             h = chain_hash(h, toks[i * P:(i + 1) * P].tobytes(), self.hash_bits)
             hashes.append(h)
         return PageHeader(
-            version=FORMAT_VERSION, dtype=self.params.dtype, storage=STORAGE, layout=LAYOUT,
+            version=FORMAT_VERSION, dtype=self.params.dtype, storage=self.storage_name(),
+            layout=LAYOUT, page_bytes=self.params.bytes_per_page(self.num_layers),
             page_size=P, n_kv_heads=self.params.n_kv_heads, head_range=tuple(heads),
             head_dim=self.params.head_dim, num_layers=self.num_layers,
             tokens=tuple(int(t) for t in toks), first_page=int(first_page),
@@ -236,11 +251,23 @@ class PageIOMixin:
 
         idx = torch.tensor(pages, dtype=torch.int64)
         parts = [b.index_select(0, idx.to(b.device)).cpu() for b in self._blocks]
+        if self.params.quantized:  # byte rows, one device (see _check_heads)
+            return parts[0]
         full = torch.cat(parts, dim=4) if len(parts) > 1 else parts[0]
         return full[:, :, :, :, h0:h1].contiguous()
 
+    def _check_quant_layout(self, what: str) -> None:
+        if self.params.quantized and self.n_devices != 1:
+            raise InvalidArgumentError(describe(
+                what, "a quantized cache on one device (resharding the byte rows of a "
+                "quantized cache by head is not supported yet)", f"{self.n_devices} devices"))
+
     def _check_heads(self, heads) -> tuple:
         H = self.params.n_kv_heads
+        self._check_quant_layout("export_pages")
+        if heads is not None and self.params.quantized and tuple(heads) != (0, H):
+            raise InvalidArgumentError(describe("heads", f"(0, {H}) for a quantized cache",
+                                                repr(heads)))
         if heads is None:
             return 0, H
         try:
@@ -300,7 +327,7 @@ class PageIOMixin:
             else:
                 sid = None
                 index = self._hash_index()
-                parent, all_pages, chunks = -1, [], []
+                parent, all_pages, chunks = self._prefix.root, [], []
                 for i, h in enumerate(block_hashes):
                     hit = index.get(int(h))
                     if hit is None or hit[3] != parent:
@@ -335,7 +362,7 @@ class PageIOMixin:
     # -- import -------------------------------------------------------------------------------
     def _check_header(self, hdr: PageHeader) -> None:
         p = self.params
-        want = {"version": FORMAT_VERSION, "dtype": p.dtype, "storage": STORAGE,
+        want = {"version": FORMAT_VERSION, "dtype": p.dtype, "storage": self.storage_name(),
                 "layout": LAYOUT, "page_size": self.page_size, "n_kv_heads": p.n_kv_heads,
                 "head_dim": p.head_dim, "num_layers": self.num_layers,
                 "checksum": CHECKSUM_NAME}
@@ -344,6 +371,11 @@ class PageIOMixin:
             if got != value:
                 raise FormatMismatchError(f"page header field {name}: this cache has "
                                           f"{value!r}, the peer sent {got!r}")
+        self._check_quant_layout("import")
+        if hdr.page_bytes != p.bytes_per_page(self.num_layers):
+            raise FormatMismatchError(
+                f"page header field page_bytes: this cache has "
+                f"{p.bytes_per_page(self.num_layers)}, the peer sent {hdr.page_bytes}")
         if tuple(hdr.head_range) != (0, p.n_kv_heads):
             raise FormatMismatchError(
                 f"page header field head_range: this cache holds heads (0, {p.n_kv_heads}), "
@@ -470,10 +502,12 @@ class PageIOMixin:
                     else data
                 if not in_place and (not isinstance(data, torch.Tensor)
                                      or tuple(data.shape) != want
-                                     or str(data.dtype).removeprefix("torch.") != hdr.dtype):
+                                     or str(data.dtype).removeprefix("torch.")
+                                     != hdr.tensor_dtype):
                     got = (tuple(data.shape), data.dtype) if isinstance(data, torch.Tensor) \
                         else type(data).__name__
-                    raise CorruptTransferError(describe("import data", f"{want} {hdr.dtype}",
+                    raise CorruptTransferError(describe("import data",
+                                                        f"{want} {hdr.tensor_dtype}",
                                                         got))
                 for i in range(0 if verified else want[0]):
                     if checksum(rows[i]) != hdr.checksums[r0 + i]:
@@ -499,13 +533,14 @@ class PageIOMixin:
             idx = torch.tensor(new_pages, dtype=torch.int64)
             hpd = self.params.n_kv_heads // self.n_devices
             for d, blocks in enumerate(self._blocks):
-                part = rows[:, :, :, :, d * hpd:(d + 1) * hpd].to(blocks.device)
+                part = rows if self.params.quantized else rows[:, :, :, :, d * hpd:(d + 1) * hpd]
+                part = part.to(blocks.device)
                 if part.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr():
                     part = part.clone()  # an export of this very cache (a view of it)
                 blocks.index_copy_(0, idx.to(blocks.device), part)
         toks = np.asarray(hdr.tokens, dtype=np.int64)
         kids = list(lease.held_kids)
-        parent = kids[-1] if kids else -1
+        parent = kids[-1] if kids else self._prefix.root
         for i in range(start, toks.size // P):
             parent = self._prefix.insert(parent, toks[i * P:(i + 1) * P].tobytes(),
                                          lease.pages[i])

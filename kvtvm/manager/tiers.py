@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidArgumentError, describe
-from .hashing import CHECKSUM_NAME, HASH_SEED, chain_hash, checksum, fingerprint
+from .hashing import CHECKSUM_NAME, chain_hash, checksum, fingerprint
 
 __all__ = ["HostTier", "DiskTier", "TierStore", "TierMixin"]
 
@@ -347,12 +347,14 @@ class TierMixin:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidArgumentError(describe(name, "an int >= 0", repr(v)))
         p = self.params
-        shape = (2, self.num_layers, self.page_size, p.n_kv_heads, p.head_dim)
+        self._check_quant_layout("attach_tiers")
+        shape = (2, self.num_layers, self.page_size, p.n_kv_heads, p.head_dim) \
+            if not p.quantized else (p.bytes_per_page(self.num_layers),)
         pin = any(getattr(d, "type", str(d)).startswith("cuda") for d in self.devices)
         disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None else None
         host = HostTier(host_pages, pin_memory=pin) if host_pages else None
         with self._lock:
-            self._tiers = TierStore(host, disk, shape, p.dtype)
+            self._tiers = TierStore(host, disk, shape, p.tensor_dtype)
             return self._tiers
 
     def _page_bytes(self, page: int):
@@ -393,7 +395,7 @@ class TierMixin:
         held, kids = prefix.lookup(chunks)
         if len(held) == len(chunks):
             return 0
-        chain = self._chain_of(kids[-1]) if kids else (HASH_SEED, HASH_SEED)
+        chain = self._chain_of(kids[-1]) if kids else self._root_chain()
         if chain is None:
             return 0
         h, fp = chain
@@ -412,10 +414,11 @@ class TierMixin:
         finally:
             self._unlease_pages(pins)
         hpd = self.params.n_kv_heads // self.n_devices
-        parent = kids[-1] if kids else -1
+        parent = kids[-1] if kids else prefix.root
         for page, (chunk, data, h, fp) in zip(pages, found):
             for d, blocks in enumerate(self._blocks):
-                blocks[page].copy_(data[:, :, :, d * hpd:(d + 1) * hpd].to(blocks.device))
+                part = data if self.params.quantized else data[:, :, :, d * hpd:(d + 1) * hpd]
+                blocks[page].copy_(part.to(blocks.device))
             parent = prefix.insert(parent, chunk, page)
             self._chain_memo[parent] = (h, fp)
             if page in prefix.page_key:
