@@ -249,3 +249,33 @@ def test_tiny_hash_range_collisions_cost_a_resend_never_wrong_kv():
         conserved(a), conserved(b)
         assert not a.active_leases() and not b.active_leases()
     assert resends >= 2
+
+
+def make_quant(pages=16, cache_dtype="int8"):
+    mgr = PagedKVCacheManager(
+        KVCacheParams("float16", H, 16, "paged", page_size=P, enable_prefix_caching=True,
+                      cache_dtype=cache_dtype),
+        4, 64, L, num_pages=pages, page_copier=torch_copier)
+    for b in mgr.blocks:
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
+    return mgr
+
+
+def test_quantized_pages_travel_as_byte_rows_and_formats_never_mix():
+    a, b = make_quant(), make_quant()
+    s = run_prompt(a, list(range(11)))
+    ex = a.export_pages(s)
+    assert ex.header.storage.startswith("quant:") and "int8" in ex.header.storage
+    assert ex.header.page_shape == (a.params.bytes_per_page(L),)
+    (t,) = b.claim(1)
+    b.import_pages(ex.header, ex.data, seq_id=t)
+    assert torch.equal(b.blocks[0][b.pages_of(t)], a.blocks[0][a.pages_of(s)])
+    conserved(b)
+    # another storage format (fp8, or full precision) refuses it by name
+    for other in (make_quant(cache_dtype="float8_e4m3fn"), make_quant(cache_dtype=None)):
+        with pytest.raises(FormatMismatchError, match="storage"):
+            other.import_pages(ex.header, ex.data)
+        conserved(other)
+    # the hashes are seeded by the format: the same tokens are other names in another format
+    c = make_quant(cache_dtype="float8_e4m3fn")
+    assert c.block_hashes_of(run_prompt(c, list(range(11)))) != a.block_hashes_of(s)

@@ -31,7 +31,8 @@ def make(pages=6, devices=("cpu",)):
 
 
 def kv_of(mgr, s, n_pages):
-    return torch.cat([b[mgr.pages_of(s)[:n_pages]] for b in mgr.blocks], dim=4).clone()
+    parts = [b[mgr.pages_of(s)[:n_pages]] for b in mgr.blocks]
+    return (torch.cat(parts, dim=4) if len(parts) > 1 else parts[0]).clone()
 
 
 def serve(mgr, toks):
@@ -185,3 +186,17 @@ def test_writer_killed_mid_write_leaves_only_complete_entries(tmp_path):
         got = tier.get(i, i, np.array([i], np.int64).tobytes())
         assert got is not None and torch.equal(got, torch.full((2, 8, 64, 8, 64), float(i)))
     assert tier.stats()["rejected"] == 0
+
+
+def test_quantized_cache_demotes_and_promotes_its_byte_rows(tmp_path):
+    mgr = PagedKVCacheManager(
+        KVCacheParams("float16", H, 16, "paged", page_size=P, enable_prefix_caching=True,
+                      cache_dtype="int8"), 2, 32, L, num_pages=6)
+    mgr.blocks[0].copy_(torch.randint(0, 256, mgr.blocks[0].shape, dtype=torch.uint8))
+    mgr.attach_tiers(host_pages=8, disk_dir=tmp_path, disk_bytes=1 << 20)
+    _, want = serve(mgr, SYS + [1])
+    for k in range(3):
+        serve(mgr, list(range(100 * k, 100 * k + 13)))
+    hit, got = serve(mgr, SYS + [2])
+    assert hit == 12 and torch.equal(got, want)
+    assert mgr.stats().tiers["host"]["hits"] >= 3
