@@ -10,11 +10,11 @@ and generates the rest. At the end the decode process checks every request's tok
 ``transformers``' own ``generate`` and reports how many pages each request moved: a second
 prompt sharing a system prompt sends only the pages past it.
 
-    python examples/disaggregated.py                  # 4 requests, 4-layer toy Llama, CPU
-    python examples/disaggregated.py --layers 2 --requests 3 --max-new-tokens 4
+    python examples/disaggregated.py                  # SmolLM2-135M, 4 requests, CPU
+    python examples/disaggregated.py --model toy --layers 2 --requests 3 --max-new-tokens 4
 
-The model-running part is :class:`ModelStep` (a thin wrapper over ``examples/serve.py``'s toy
-Llama and its kvtvm forward pass): swap it to run another model.
+The model-running part is :class:`ModelStep` (kvtvm's :class:`kvtvm.engine.ModelRunner` over a
+transformers model: SmolLM2, a local model directory, or the random toy Llama the tests use).
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ import argparse
 import os
 import socket
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import serve  # noqa: E402  (examples/serve.py: the toy Llama and its kvtvm forward pass)
-
-from kvtvm import KVCacheParams  # noqa: E402
-from kvtvm.manager import BatchItem, PagedKVCacheManager  # noqa: E402
+from kvtvm import KVCacheParams
+from kvtvm.engine import ModelRunner, build_toy_model, load_model, reference_tokens
+from kvtvm.manager import BatchItem, PagedKVCacheManager
 
 PAGE_SIZE = 16
 
@@ -46,36 +42,51 @@ PAGE_SIZE = 16
 class ModelStep:
     """One forward step of the model over a paged cache: ``run(mgr, seq_ids, tokens)`` fetches
     room, runs the model on the new tokens (skipping prefix hits), commits, and returns each
-    sequence's greedy next token."""
+    sequence's greedy next token.
 
-    def __init__(self, seed: int, num_layers: int):
-        self.hf = serve.build_model(seed=seed, num_layers=num_layers)
-        self.model = serve.KVTVMLlama(self.hf)
-        cfg = self.hf.config
-        self.params = KVCacheParams("float32", cfg.num_key_value_heads, self.model.head_dim,
-                                    "paged", page_size=PAGE_SIZE, enable_prefix_caching=True)
-        self.num_layers = cfg.num_hidden_layers
-        self.vocab_size = cfg.vocab_size
+    ``model``: ``"smollm2"``, ``"toy"`` (random weights, ``seed`` and ``layers``) or a local
+    transformers model directory; float32 on the CPU.
+    """
+
+    def __init__(self, model: str, seed: int, num_layers: int):
+        if model == "toy":
+            self.hf, self.tokenizer = build_toy_model(seed=seed, num_layers=num_layers), None
+        else:
+            self.hf, self.tokenizer = load_model(model, "float32")
+        self.runner = ModelRunner(self.hf)
+        self.params = KVCacheParams.from_hf_config(self.hf.config, "float32", "paged",
+                                                   PAGE_SIZE, enable_prefix_caching=True)
+        self.num_layers = self.runner.num_layers
+        self.vocab_size = self.hf.config.vocab_size
 
     def run(self, mgr, seq_ids, tokens) -> list[int]:
         batch = [BatchItem(s, t) for s, t in zip(seq_ids, tokens)]
-        (kv,) = mgr.fetch(batch)
-        hits = kv.num_cached_tokens
-        ids, counts = [], []
-        for t, h in zip(tokens, hits):
-            ids.extend(t[h:])
-            counts.append(len(t) - h)
-        start = kv.cache_lengths_host.astype(np.int64)
-        positions = np.repeat(start, counts) + (np.arange(sum(counts))
-                                                - np.repeat(kv.qo_indptr_host[:-1], counts))
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.int64),
-                                    torch.from_numpy(positions), kv,
-                                    all(c == 1 for c in counts))
+        kv = mgr.fetch(batch)[0]
+        new = [t[h:] for t, h in zip(tokens, kv.num_cached_tokens)]
+        logits = self.runner.run_step(kv, new)
         mgr.step(batch)
         return logits.argmax(dim=-1).tolist()
 
     def reference(self, prompt, max_new_tokens) -> list[int]:
-        return serve.reference_tokens(self.hf, prompt, max_new_tokens)
+        return reference_tokens(self.hf, prompt, max_new_tokens)
+
+    def prompts(self, n: int, seed: int = 7) -> list[list[int]]:
+        """``n`` prompts; the first two share a system prompt of 2.5 pages or more."""
+        if self.tokenizer is None:
+            return demo_prompts(n, self.vocab_size, seed)
+        tok = self.tokenizer
+        system = ("You are a concise assistant for a railway company. Answer in one short "
+                  "sentence, name the station when you can, and never invent timetables. ")
+        questions = ["When does the first train to Lyon leave?",
+                     "Is there a lift at the north entrance?",
+                     "What is the capital of France?", "Name the three primary colors.",
+                     "What does a bee make?", "Give me one tip for learning Python."]
+        head = tok.encode(system)
+        while len(head) < 2 * PAGE_SIZE + 8:
+            head = head + tok.encode(system)
+        out = [head + tok.encode(q) for q in questions[:2]]
+        out += [tok.encode(q) for q in questions[2:]]
+        return (out * (1 + n // len(out)))[:n]
 
 
 def make_cache(step: ModelStep, num_pages: int) -> PagedKVCacheManager:
@@ -101,7 +112,7 @@ def demo_prompts(n: int, vocab_size: int, seed: int = 7) -> list[list[int]]:
 def prefill_worker(args, prompts, transport) -> None:
     from kvtvm.transfer import send_sequence
 
-    step = ModelStep(args.seed, args.layers)
+    step = ModelStep(args.model, args.seed, args.layers)
     mgr = make_cache(step, args.num_pages)
     transport.register(mgr)
     for rid, prompt in enumerate(prompts):
@@ -115,7 +126,7 @@ def prefill_worker(args, prompts, transport) -> None:
 
 
 def decode_worker(args, prompts, transport, results) -> None:
-    step = ModelStep(args.seed, args.layers)
+    step = ModelStep(args.model, args.seed, args.layers)
     mgr = make_cache(step, args.num_pages)
     transport.register(mgr)
     seqs = {}
@@ -184,8 +195,7 @@ def run(argv=None) -> list[tuple]:
     args = parse(argv)
     import torch.multiprocessing as mp
 
-    vocab = 1000  # serve.build_model's default
-    prompts = demo_prompts(args.requests, vocab)
+    prompts = ModelStep(args.model, args.seed, args.layers).prompts(args.requests)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -199,8 +209,10 @@ def run(argv=None) -> list[tuple]:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default), toy (random Llama) or a local model directory")
     p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4, help="layers of the toy model")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--num-pages", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)

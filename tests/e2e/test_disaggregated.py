@@ -18,8 +18,8 @@ pytestmark = pytest.mark.e2e
 
 
 def test_prefill_decode_in_two_processes_match_transformers():
-    results = disaggregated.run(["--layers", "2", "--requests", "3", "--max-new-tokens", "4",
-                                 "--timeout", "120"])
+    results = disaggregated.run(["--model", "toy", "--layers", "2", "--requests", "3",
+                                 "--max-new-tokens", "4", "--timeout", "120"])
     assert [r[0] for r in results] == [0, 1, 2]
     for rid, sent, n_pages, ok in results:
         assert ok, f"request {rid}: tokens differ from transformers"
