@@ -133,7 +133,9 @@ class PageExport:
 
     def page_runs(self, first_row: int, cuts=()):
         """Views ``[(row, tensor [n, *page_shape])]`` covering rows ``[first_row,
-        n_carried)``: each a run of consecutive cache pages, also cut at the given rows."""
+        n_carried)``: each a run of consecutive cache pages, also cut at the given rows. They
+        are torch views of the cache (``__dlpack__`` hands them zero-copy to a transport that
+        is not torch's, e.g. NIXL's memory registration)."""
         if self.pages is None:
             return [(first_row, self.data[first_row:])]
         pages, out = self.pages, []
