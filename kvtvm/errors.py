@@ -56,3 +56,20 @@ def describe(name: str, expected, actual) -> str:
 class KernelVersionError(KVCacheError, RuntimeError):
     """A built kernel module was made by another kvtvm or TVM version (or has no readable
     manifest) and cannot be rebuilt here because only the TVM runtime is present."""
+
+
+class TransferError(KVCacheError, RuntimeError):
+    """Moving pages between caches or processes failed (export, import, transport)."""
+
+
+class FormatMismatchError(TransferError, ValueError):
+    """A page header describes a cache the receiver cannot hold (dtype, layout, page size,
+    heads, layers, version): the message names the field and both values."""
+
+
+class CorruptTransferError(TransferError, ValueError):
+    """Page data is truncated or a page's checksum does not match its header."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A peer did not answer in time (dead peer, dropped message)."""
