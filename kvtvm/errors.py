@@ -56,3 +56,9 @@ def describe(name: str, expected, actual) -> str:
 class KernelVersionError(KVCacheError, RuntimeError):
     """A built kernel module was made by another kvtvm or TVM version (or has no readable
     manifest) and cannot be rebuilt here because only the TVM runtime is present."""
+
+
+class KernelIndexError(InvalidArgumentError):
+    """A kernel met an index outside its tensors (a page, a position or a row offset), skipped
+    that entry and recorded it in its error flag; raised after the launch (CPU) or by the next
+    checked call or :func:`kvtvm.ops.check` (CUDA). The entries it names were not written."""

@@ -54,8 +54,10 @@ def run(fn, inp, window, device="cpu"):
     lse = torch.full((batch, hq), float("nan"), device=device)
     o_part = torch.zeros((inp["splits"], batch, hq, d), device=device)
     lse_part = torch.zeros((inp["splits"], batch, hq), device=device)
+    err = torch.zeros(4, dtype=torch.int32, device=device)
     fn(q, inp["k"].to(device), inp["v"].to(device), inp["lengths"].to(device),
-       inp["table"].to(device), out, lse, o_part, lse_part, 1.0 / math.sqrt(d), window)
+       inp["table"].to(device), out, lse, o_part, lse_part, 1.0 / math.sqrt(d), window, err)
+    assert not err.any(), f"error flag set on valid input: {err.tolist()}"
     return out.float().cpu().numpy(), lse.cpu().numpy()
 
 

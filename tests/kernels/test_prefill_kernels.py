@@ -53,9 +53,11 @@ def run(fn, inp, causal, window, device="cpu"):
     q = inp["q"].to(device)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=device)
+    err = torch.zeros(4, dtype=torch.int32, device=device)
     fn(q, inp["k"].to(device), inp["v"].to(device), inp["indptr"].to(device),
        inp["lengths"].to(device), inp["table"].to(device), out, lse, int(causal),
-       1.0 / math.sqrt(q.shape[2]), window)
+       1.0 / math.sqrt(q.shape[2]), window, err)
+    assert not err.any(), f"error flag set on valid input: {err.tolist()}"
     return out.float().cpu().numpy(), lse.cpu().numpy()
 
 
