@@ -62,3 +62,8 @@ class KernelIndexError(InvalidArgumentError):
     """A kernel met an index outside its tensors (a page, a position or a row offset), skipped
     that entry and recorded it in its error flag; raised after the launch (CPU) or by the next
     checked call or :func:`kvtvm.ops.check` (CUDA). The entries it names were not written."""
+
+
+class StaleInputsError(SequenceStateError):
+    """Inputs from a superseded ``fetch`` (a later fetch, the batch's ``step`` or a ``release``
+    of one of its sequences came since) were given to an op or a plan; nothing was written."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                       SequenceTooLongError, describe)
+from ..inputs import check_live, token_of
 from ..compiler import LAYOUTS
 from ..params import DTYPE_SIZES
 
@@ -199,3 +200,25 @@ def check_batch_indices(qo_indptr, cache_lengths, lookup_table, geometry: CacheG
 def indices_on_host(*tensors) -> bool:
     """True when every index tensor is in host memory (checking them costs no sync)."""
     return all(t.device.type == "cpu" for t in tensors)
+
+
+def live_tokens(tensors: dict) -> tuple:
+    """The fetch tokens stamped on the given table tensors (name -> tensor), after checking
+    that none is dead: raises :class:`~kvtvm.errors.StaleInputsError` naming the tensor."""
+    tokens = ()
+    for name, t in tensors.items():
+        tok = token_of(t)
+        if tok is not None:
+            check_live(name, tok)
+            if tok not in tokens:
+                tokens += (tok,)
+    return tokens
+
+
+def sync_checked_call(device, check_indices: bool) -> None:
+    """A checked call on a GPU first reports what earlier unchecked launches skipped
+    (:func:`kvtvm.ops.errflag.check`; the host checks synchronize anyway)."""
+    if check_indices and device.type == "cuda":
+        from .errflag import check
+
+        check(device)

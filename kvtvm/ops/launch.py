@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from .. import compiler, runtime
 from ..errors import InvalidArgumentError, describe
+from ..inputs import check_live
 from . import errflag
 
 __all__ = ["Launch", "LaunchSequence", "kernel_for", "signature"]
@@ -64,13 +65,15 @@ class Launch:
         Slots ``run()`` returns (e.g. ``("out", "lse")``); ``run()`` returns None when empty.
     """
 
-    __slots__ = ("fn", "device", "slots", "outputs", "_errv")
+    __slots__ = ("fn", "device", "slots", "outputs", "tokens", "_errv")
 
-    def __init__(self, fn, device, slots: dict, outputs: tuple = (), _errv=None):
+    def __init__(self, fn, device, slots: dict, outputs: tuple = (), tokens: tuple = (),
+                 _errv=None):
         if "err" not in slots:
             slots = dict(slots)
             slots["err"], _errv = errflag.new_flag(device)
         self.fn, self.device, self.slots, self.outputs = fn, device, slots, tuple(outputs)
+        self.tokens = tokens  # fetch tokens of the manager tables in the slots
         self._errv = _errv  # numpy view of a CPU flag (None on CUDA)
 
     def run(self):
@@ -78,10 +81,15 @@ class Launch:
 
         Raises
         ------
+        StaleInputsError
+            A table tensor comes from a superseded fetch (nothing is launched).
         KernelIndexError
             CPU: the kernel skipped an out-of-range index (nothing outside the tensors was
             touched; the skipped entries were not written).
         """
+        for tok in self.tokens:
+            if not tok.live:
+                check_live("inputs of this launch", tok)
         if self.fn is not None:
             if self.device.type == "cuda":
                 import torch
@@ -113,7 +121,7 @@ class Launch:
                 raise InvalidArgumentError(describe(
                     name, f"a tensor like the prepared one ({_describe(old)})", _describe(t)))
             slots[name] = t
-        return Launch(self.fn, self.device, slots, self.outputs, self._errv)
+        return Launch(self.fn, self.device, slots, self.outputs, self.tokens, self._errv)
 
     def _name(self) -> str:
         return getattr(self.fn, "__name__", None) or ("no-op" if self.fn is None else "kernel")
