@@ -102,6 +102,8 @@ class BatchItem:
 
 def _host_int_vector(name: str, values) -> np.ndarray:
     """``values`` (a list, numpy array or CPU torch tensor of ints) as a 1-D int64 array."""
+    if isinstance(values, (list, tuple)) and bool in set(map(type, values)):
+        raise InvalidArgumentError(describe(name, "ints", f"a bool in {list(values)}"))
     try:
         arr = np.asarray(values)
     except (TypeError, RuntimeError) as err:  # e.g. a CUDA tensor: a host copy would sync

@@ -271,7 +271,10 @@ class KVCacheManager(abc.ABC):
         elif isinstance(batch, (list, tuple)):
             n = len(batch)
             try:
-                ids = np.array(list(map(_SEQ_ID, batch)))
+                id_list = list(map(_SEQ_ID, batch))
+                if bool in set(map(type, id_list)):  # True would pass as seq_id 1
+                    raise TypeError(f"a bool seq_id in {id_list}")
+                ids = np.array(id_list)
                 seqs = list(map(_TOKENS, batch))
                 counts = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
             except (AttributeError, TypeError) as err:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
                      check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
-                     common_device, indices_on_host, live_tokens, sync_checked_call)
+                     check_no_alias, common_device, indices_on_host, live_tokens,
+                     sync_checked_call)
 from .launch import Launch, kernel_for
 
 __all__ = ["append_kv", "prepare_append_kv", "CPU_PARALLEL_APPEND_BYTES"]
@@ -85,6 +86,9 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
         raise InvalidArgumentError(describe("v.shape", list(kt.shape), list(vt.shape)))
     check_batch_tables(indptr, lengths, table)
     device = common_device(tensors)
+    check_no_alias({"k_cache": kc, "v_cache": vc},
+                   {"k": kt, "v": vt, "qo_indptr": indptr, "cache_lengths": lengths,
+                    "lookup_table": table})
     if device.type == "cuda":  # rows move as 16-byte vectors
         check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,

@@ -14,7 +14,7 @@ from .. import runtime
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_cache_pair, check_contiguous,
                      check_dim, check_dtype, check_rank, check_vector_aligned, common_device,
-                     indices_on_host, live_tokens, sync_checked_call)
+                     check_no_alias, indices_on_host, live_tokens, sync_checked_call)
 from .launch import Launch, kernel_for
 
 __all__ = ["decode_attention", "prepare_decode_attention", "choose_num_splits",
@@ -262,6 +262,11 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
         raise InvalidArgumentError(describe("num_splits", f"None or an int in [1, {MAX_SPLITS}]",
                                             repr(num_splits)))
     device = common_device(tensors)
+    check_no_alias({n: tensors[n] for n in ("out", "lse") if n in tensors},
+                   {n: t for n, t in tensors.items() if n not in ("out", "lse")})
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(
+            sm_scale, (int, float)) or not math.isfinite(float(sm_scale))):
+        raise InvalidArgumentError(describe("sm_scale", "a finite float", repr(sm_scale)))
     if device.type == "cuda":  # K/V rows are staged with 16-byte cp.async copies
         check_vector_aligned({"k_cache": kc, "v_cache": vc})
     tokens = live_tokens({"cache_lengths": lengths, "lookup_table": table})

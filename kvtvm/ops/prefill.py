@@ -10,7 +10,7 @@ from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
                      check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
                      common_device, indices_on_host, live_tokens,
-                     sync_checked_call)
+                     sync_checked_call, check_no_alias)
 from .launch import Launch, kernel_for
 
 __all__ = ["prefill_attention", "prepare_prefill_attention", "CUDA_SHORT_QUERY_TOKENS"]
@@ -149,6 +149,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
                                                 list(lse.shape)))
         check_contiguous("lse", lse)
     common_device(dict(tensors, out=out, lse=lse))
+    check_no_alias({"out": out, "lse": lse}, tensors)
 
     if device.type == "cuda":  # the tensor-core kernel moves q, K and V in 16-byte chunks
         check_vector_aligned({"q": qt, "k_cache": kc, "v_cache": vc})
