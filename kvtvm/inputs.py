@@ -44,10 +44,12 @@ class FetchToken:
     table tensors (:func:`token_of`), so they learn staleness without knowing managers.
     """
 
-    __slots__ = ("live", "why")
+    __slots__ = ("live", "why", "lock")
 
-    def __init__(self):
-        self.live, self.why = True, ""
+    def __init__(self, lock=None):
+        #: the manager's lock: a launch holds it from its liveness check to the kernel's
+        #: return (CPU) or enqueue (CUDA), so a concurrent fetch cannot slip in between
+        self.live, self.why, self.lock = True, "", lock
 
     def kill(self, why: str) -> None:
         """Mark the inputs superseded (the first reason is kept)."""
@@ -102,7 +104,7 @@ class BatchItem:
 
 def _host_int_vector(name: str, values) -> np.ndarray:
     """``values`` (a list, numpy array or CPU torch tensor of ints) as a 1-D int64 array."""
-    if isinstance(values, (list, tuple)) and bool in set(map(type, values)):
+    if isinstance(values, (list, tuple)) and set(map(type, values)) & {bool, np.bool_}:
         raise InvalidArgumentError(describe(name, "ints", f"a bool in {list(values)}"))
     try:
         arr = np.asarray(values)

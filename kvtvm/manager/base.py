@@ -272,7 +272,7 @@ class KVCacheManager(abc.ABC):
             n = len(batch)
             try:
                 id_list = list(map(_SEQ_ID, batch))
-                if bool in set(map(type, id_list)):  # True would pass as seq_id 1
+                if set(map(type, id_list)) & {bool, np.bool_}:  # True would pass as seq_id 1
                     raise TypeError(f"a bool seq_id in {id_list}")
                 ids = np.array(id_list)
                 seqs = list(map(_TOKENS, batch))
@@ -391,7 +391,7 @@ class KVCacheManager(abc.ABC):
         max_t = torch.from_numpy(max_lengths)
         if self._token is not None:
             self._token.kill("superseded by a later fetch of the same manager")
-        self._token, self._token_ids = FetchToken(), ids.copy()
+        self._token, self._token_ids = FetchToken(self._lock), ids.copy()
         out = []
         for dev in range(self.n_devices):
             cl, qo, lt = tables.views(dev, n)

@@ -87,6 +87,13 @@ class Launch:
             CPU: the kernel skipped an out-of-range index (nothing outside the tensors was
             touched; the skipped entries were not written).
         """
+        lock = self.tokens[0].lock if self.tokens else None
+        if lock is None:
+            return self._run()
+        with lock:  # the fetch's manager: no fetch between the check and the launch
+            return self._run()
+
+    def _run(self):
         for tok in self.tokens:
             if not tok.live:
                 check_live("inputs of this launch", tok)
