@@ -67,3 +67,13 @@ class KernelIndexError(InvalidArgumentError):
 class StaleInputsError(SequenceStateError):
     """Inputs from a superseded ``fetch`` (a later fetch, the batch's ``step`` or a ``release``
     of one of its sequences came since) were given to an op or a plan; nothing was written."""
+
+
+class UntrustedKernelError(KVCacheError, PermissionError):
+    """A kernel directory or file is owned by another user, or group/others can write it (as
+    ssh does with keys, kvtvm loads no code another user could have planted)."""
+
+
+class CorruptKernelError(KVCacheError, RuntimeError):
+    """A built kernel (or a tuning log) is truncated or corrupt -- its sha256 differs from its
+    manifest's, or it cannot be read or loaded -- and cannot be rebuilt here."""
