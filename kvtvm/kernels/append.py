@@ -14,10 +14,11 @@ Inputs (``b`` in ``[0, batch)``, new tokens of ``b`` are rows ``qo_indptr[b]:qo_
 
     err               [ERR_SLOTS] int32    error flag (:mod:`kvtvm.kernels.errflag`)
 
-Every index is checked in the kernel: a row outside its sequence's ``qo_indptr`` range
-(``ERR_INDPTR``), at a position outside ``[0, max_pages * page_size)`` (``ERR_POSITION``) or on
-a page outside ``[0, num_pages)`` (``ERR_PAGE``) is not written and sets its flag; the op turns
-the flag into a typed error (with ``check_indices`` it raises before launch instead).
+Every index is checked in the kernel, once per row by ``locate``: a row outside its sequence's
+``qo_indptr`` range (``ERR_INDPTR``), at a position outside ``[0, max_pages * page_size)``
+(``ERR_POSITION``) or on a page outside ``[0, num_pages)`` (``ERR_PAGE``) is marked skipped
+(sequence -1), not written, and sets its flag; the op turns the flag into a typed error (with
+``check_indices`` it raises before launch instead).
 
 Blocks: ``locate`` (token -> sequence, by binary search of ``qo_indptr``) and ``append``.
 
@@ -67,33 +68,44 @@ def define(spec):
         for n in range(ntok):
             with block("locate"):
                 vn = T.axis.spatial(ntok, n)
-                T.reads(qo_indptr[0:batch + 1])
-                T.writes(seq_of[vn])
-                # largest b with qo_indptr[b] <= vn
+                T.reads(qo_indptr[0:batch + 1], cache_lengths[0:batch],
+                        lookup[0:batch, 0:max_pages])
+                T.writes(seq_of[vn], err[0:4])
+                # largest b with qo_indptr[b] <= vn; -1 when the row is skipped: outside its
+                # sequence's rows, or at a position outside the lookup row's capacity (checked
+                # once per row here, not per element below)
                 bounds = alloc_buffer((2,), "int32", scope="local")
                 find_sequence(qo_indptr, bounds, batch, vn)
                 seq_of[vn] = bounds[0]
+                if vn < T.Cast("int64", qo_indptr[bounds[0]]) \
+                        or vn >= T.Cast("int64", qo_indptr[bounds[0] + 1]):
+                    err[ERR_INDPTR] = 1
+                    seq_of[vn] = -1
+                elif T.Cast("int64", cache_lengths[bounds[0]]) + vn \
+                        - T.Cast("int64", qo_indptr[bounds[0]]) < T.int64(0) \
+                        or T.Cast("int64", cache_lengths[bounds[0]]) + vn \
+                        - T.Cast("int64", qo_indptr[bounds[0]]) >= max_pages * page_size:
+                    err[ERR_POSITION] = 1
+                    seq_of[vn] = -1
+                elif T.Cast("uint64", T.Cast("int64", lookup[bounds[0], T.truncdiv(
+                        T.Cast("int64", cache_lengths[bounds[0]]) + vn
+                        - T.Cast("int64", qo_indptr[bounds[0]]), page_size)])) \
+                        >= T.Cast("uint64", num_pages):  # a negative page wraps past the pool
+                    err[ERR_PAGE] = 1
+                    seq_of[vn] = -1
         for n, h, d in T.grid(ntok, H, D):
             with block("append"):
                 vn, vh, vd = T.axis.remap("SSS", [n, h, d])
                 T.reads(seq_of[vn], qo_indptr[seq_of[vn]:seq_of[vn] + 2], cache_lengths[seq_of[vn]],
                         lookup[seq_of[vn], 0:max_pages], k[vn, vh, vd], v[vn, vh, vd])
                 T.writes(k_cache[0:num_pages, 0:k_cache.shape[1], 0:k_cache.shape[2], vd],
-                         v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], vd],
-                         err[0:4])
+                         v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], vd])
                 b: T.int32 = seq_of[vn]
-                pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
-                    - T.Cast("int64", qo_indptr[b])
-                if vn < T.Cast("int64", qo_indptr[b]) or vn >= T.Cast("int64", qo_indptr[b + 1]):
-                    err[ERR_INDPTR] = 1
-                elif pos < T.int64(0) or pos >= max_pages * page_size:
-                    err[ERR_POSITION] = 1
-                else:
+                if b >= 0:  # ``locate`` checked the row's offset, position and page
+                    pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
+                        - T.Cast("int64", qo_indptr[b])
                     page: T.int64 = T.Cast("int64", lookup[b, T.truncdiv(pos, page_size)])
-                    if page >= 0 and page < num_pages:
-                        k_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = k[vn, vh, vd]
-                        v_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = v[vn, vh, vd]
-                    else:
-                        err[ERR_PAGE] = 1
+                    k_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = k[vn, vh, vd]
+                    v_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = v[vn, vh, vd]
     # fmt: on
     return append
