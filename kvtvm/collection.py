@@ -12,7 +12,10 @@ PAGED          ``blocks[:, 0, layer]`` ``[num_pages, P, H, D]``    ``nhd``   ``p
 LINEAR         ``cache[layer, :, 0]`` ``[max_batch, H, S, D]``    ``hnd``   ``max_seq_len``
 =============  ===========================================  ========  ======================
 
-(``1`` instead of ``0`` selects V.) So an engine writes this step's K/V with::
+(``1`` instead of ``0`` selects V.) A quantized cache (``params.quantized``) is a byte tensor and
+its views come from :func:`kvtvm.storage.layer_view`: same shapes, but an 8-bit layer's view is
+int8 / float8_e4m3fn ``[..., quant_row_bytes(D)]`` (values then scale), see :mod:`kvtvm.quant`.
+So an engine writes this step's K/V with::
 
     c = inputs.collection()
     kvtvm.ops.append_kv(c.get_key_cache(l).blocks, c.get_value_cache(l).blocks, k, v,
@@ -33,6 +36,7 @@ import numpy as np
 
 from .errors import InvalidArgumentError, describe
 from .params import KVCacheStrategy
+from .storage import layer_view
 
 __all__ = ["LayerKVCache", "KVCacheCollection", "ContinuousBatchingKVCacheCollection",
            "PagedKVCacheCollection", "LinearKVCacheCollection", "make_collection"]
@@ -151,6 +155,13 @@ class KVCacheCollection:
     def _view(self, layer: int, kv: int):
         raise NotImplementedError
 
+    def _quantized_view(self, layer: int, kv: int):
+        """The layer's view of a quantized cache, or None for a full-precision one."""
+        params = self.inputs.params
+        if params is None or not params.quantized:
+            return None
+        return layer_view(self.blocks, params, self.num_layers, layer, kv)
+
     def _check_layer(self, layer) -> int:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
             raise InvalidArgumentError(describe("layer", f"an int in [0, {self.num_layers})",
@@ -193,10 +204,14 @@ class ContinuousBatchingKVCacheCollection(KVCacheCollection):
 
     @property
     def page_size(self) -> int:
+        if self.blocks.dim() == 2:  # quantized byte tensor: a block holds max_seq_len tokens
+            return int(self.blocks.shape[1]) // self.inputs.params.bytes_per_token(
+                self.num_layers)
         return int(self.blocks.shape[3])
 
     def _view(self, layer, kv):
-        return self.blocks[:, kv, layer]
+        view = self._quantized_view(layer, kv)
+        return self.blocks[:, kv, layer] if view is None else view
 
 
 class PagedKVCacheCollection(KVCacheCollection):
@@ -204,10 +219,14 @@ class PagedKVCacheCollection(KVCacheCollection):
 
     @property
     def page_size(self) -> int:
+        if self.blocks.dim() == 2:  # quantized byte tensor: a block holds max_seq_len tokens
+            return int(self.blocks.shape[1]) // self.inputs.params.bytes_per_token(
+                self.num_layers)
         return int(self.blocks.shape[3])
 
     def _view(self, layer, kv):
-        return self.blocks[:, kv, layer]
+        view = self._quantized_view(layer, kv)
+        return self.blocks[:, kv, layer] if view is None else view
 
 
 class LinearKVCacheCollection(KVCacheCollection):
@@ -218,10 +237,14 @@ class LinearKVCacheCollection(KVCacheCollection):
 
     @property
     def page_size(self) -> int:
+        if self.blocks.dim() == 3:  # quantized byte tensor [1, slots, slot_bytes]
+            return int(self.blocks.shape[2]) // self.inputs.params.bytes_per_token(
+                self.num_layers)
         return int(self.blocks.shape[4])
 
     def _view(self, layer, kv):
-        return self.blocks[layer, :, kv]
+        view = self._quantized_view(layer, kv)
+        return self.blocks[layer, :, kv] if view is None else view
 
 
 _COLLECTIONS = {KVCacheStrategy.CONTINUOUS: ContinuousBatchingKVCacheCollection,

@@ -10,6 +10,23 @@ CONTINUOUS     ``[num_blocks, 2, num_layers, max_seq_len, n_kv_heads, head_dim]`
 PAGED          ``[num_pages, 2, num_layers, page_size, n_kv_heads, head_dim]``
 LINEAR         ``[num_layers, max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``
 =============  ==========================================================================
+
+A **quantized or mixed cache** (``cache_dtype`` / ``k_cache_dtype`` / ``v_cache_dtype`` int8 or
+float8_e4m3fn for some layer) is one byte tensor whose axis 0 (axis 1 for LINEAR) is still the
+unit a copy moves, so page copies stay byte copies:
+
+=============  ==========================================================================
+CONTINUOUS     uint8 ``[num_blocks, max_seq_len * bytes_per_token]``
+PAGED          uint8 ``[num_pages, page_size * bytes_per_token]``
+LINEAR         uint8 ``[1, max_batch_size, max_seq_len * bytes_per_token]``
+=============  ==========================================================================
+
+Inside a unit of ``T`` tokens, segment ``(kv, layer)`` (K of every layer, then V of every layer,
+as in the full-precision tensors) holds ``[T, H, row]`` (``[H, T, row]`` for LINEAR) rows of
+:meth:`KVCacheParams.row_bytes` bytes: a quantized row is :func:`kvtvm.quant.quant_row_bytes`
+(values, float32 scale, padding to 16 bytes); a full-precision row (a skipped layer, or the
+other tensor of a K-only/V-only cache) is ``head_dim * itemsize`` rounded up to 16 bytes.
+:func:`kvtvm.storage.layer_view` cuts the per-layer views out of it.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidArgumentError, describe
+from .quant import QUANT_DTYPES, ROW_ALIGN, quant_row_bytes, round_up
 
 #: dtype name -> bytes per element, for the dtypes kvtvm's kernels support.
 DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -65,6 +83,28 @@ def dtype_name(dtype: Any) -> str:
             describe("dtype", sorted(DTYPE_SIZES), repr(dtype))) from None
 
 
+_CACHE_DTYPE_ALIASES = {"int8": "int8", "float8_e4m3fn": "float8_e4m3fn",
+                        "float8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn",
+                        "e4m3": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def cache_dtype_name(name: str, value: Any, dtype: str) -> str:
+    """Canonical storage type of argument ``name``: ``dtype`` itself, ``"int8"`` or
+    ``"float8_e4m3fn"`` (``None`` means ``dtype``)."""
+    if value is None:
+        return dtype
+    text = str(value)
+    for prefix in ("torch.", "dtype("):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    text = text.strip("')\"")
+    if text in _CACHE_DTYPE_ALIASES:
+        return _CACHE_DTYPE_ALIASES[text]
+    if _DTYPE_ALIASES.get(text) == dtype:
+        return dtype
+    raise InvalidArgumentError(describe(name, [dtype, *QUANT_DTYPES], repr(value)))
+
+
 def dtype_size(dtype: Any) -> int:
     """Bytes per element of ``dtype``."""
     return DTYPE_SIZES[dtype_name(dtype)]
@@ -107,6 +147,16 @@ class KVCacheParams:
         Tokens per page; required for PAGED, must be None otherwise.
     enable_prefix_caching : bool
         Share full pages between sequences with the same token prefix (PAGED only).
+    cache_dtype : str, optional
+        Storage type of the cache: ``dtype`` (default), ``"int8"`` or ``"float8_e4m3fn"``
+        (8-bit values with a float32 scale per (token, head) row, stored in the page;
+        :mod:`kvtvm.quant`). ``dtype`` stays the type of the K/V/Q/output tensors the ops take.
+    k_cache_dtype, v_cache_dtype : str, optional
+        Storage type of K (of V) alone; default ``cache_dtype``. E.g. ``k_cache_dtype="int8"``
+        with ``v_cache_dtype="float8_e4m3fn"``, or a K-only cache (``v_cache_dtype=dtype``).
+    skip_layers : sequence of int
+        Layers kept at full precision (``dtype``) whatever the storage types; negative
+        indices count from the last layer (``(0, -1)``: the first and the last).
     """
 
     dtype: str
@@ -115,9 +165,27 @@ class KVCacheParams:
     cache_strategy: KVCacheStrategy = KVCacheStrategy.PAGED
     page_size: int | None = None
     enable_prefix_caching: bool = False
+    cache_dtype: str | None = None
+    k_cache_dtype: str | None = None
+    v_cache_dtype: str | None = None
+    skip_layers: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        cache = cache_dtype_name("cache_dtype", self.cache_dtype, self.dtype)
+        object.__setattr__(self, "cache_dtype", cache)
+        for name in ("k_cache_dtype", "v_cache_dtype"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, cache if value is None
+                               else cache_dtype_name(name, value, self.dtype))
+        skip = self.skip_layers
+        if isinstance(skip, (int, str, bytes)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in tuple(skip)):
+            raise InvalidArgumentError(describe("skip_layers", "a sequence of int layer indices",
+                                                repr(skip)))
+        if len(set(skip)) != len(tuple(skip)):
+            raise InvalidArgumentError(describe("skip_layers", "distinct indices", repr(skip)))
+        object.__setattr__(self, "skip_layers", tuple(sorted(skip)))
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
         for name in ("n_kv_heads", "head_dim"):
             value = getattr(self, name)
@@ -137,10 +205,99 @@ class KVCacheParams:
             raise InvalidArgumentError(
                 describe("enable_prefix_caching", "False unless the strategy is PAGED", True))
 
+    @classmethod
+    def from_hf_config(cls, config, dtype=None, cache_strategy="paged", page_size=None,
+                       enable_prefix_caching: bool = False) -> "KVCacheParams":
+        """Parameters of a transformers model's KV cache.
+
+        Parameters
+        ----------
+        config : transformers.PretrainedConfig
+            A decoder config (a multimodal one's text config is used): ``num_key_value_heads``
+            (default ``num_attention_heads``), ``head_dim`` (default ``hidden_size //
+            num_attention_heads``), ``dtype`` (when ``dtype`` is None).
+        dtype, cache_strategy, page_size, enable_prefix_caching
+            As for the constructor.
+        """
+        config = getattr(config, "get_text_config", lambda: config)()
+        heads = getattr(config, "num_attention_heads", None)
+        if not isinstance(heads, int):
+            raise InvalidArgumentError(describe("config", "a decoder config with "
+                                                "num_attention_heads", type(config).__name__))
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if dtype is None:
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if dtype is None:
+            raise InvalidArgumentError(describe("dtype", "given (the config names none)", None))
+        return cls(dtype, int(kv_heads), int(head_dim), cache_strategy, page_size=page_size,
+                   enable_prefix_caching=enable_prefix_caching)
+
     @property
     def itemsize(self) -> int:
-        """Bytes per element."""
+        """Bytes per element of ``dtype`` (the ops' K/V/Q tensors)."""
         return DTYPE_SIZES[self.dtype]
+
+    @property
+    def quantized(self) -> bool:
+        """True if K or V is stored in an 8-bit type in some layer (the cache is then the
+        byte tensor of the module docstring)."""
+        return self.k_cache_dtype != self.dtype or self.v_cache_dtype != self.dtype
+
+    @property
+    def tensor_dtype(self) -> str:
+        """dtype of the cache tensor a manager allocates: ``dtype``, or ``"uint8"``."""
+        return "uint8" if self.quantized else self.dtype
+
+    def resolve_skip_layers(self, num_layers: int) -> tuple[int, ...]:
+        """``skip_layers`` as sorted indices in ``[0, num_layers)``."""
+        out = set()
+        for i in self.skip_layers:
+            if not -num_layers <= i < num_layers:
+                raise InvalidArgumentError(describe(
+                    "skip_layers", f"indices in [-{num_layers}, {num_layers}) for num_layers="
+                    f"{num_layers}", repr(self.skip_layers)))
+            out.add(i % num_layers)
+        if len(out) != len(self.skip_layers):
+            raise InvalidArgumentError(describe(
+                "skip_layers", f"distinct layers of {num_layers}", repr(self.skip_layers)))
+        return tuple(sorted(out))
+
+    def storage(self, layer: int, kv: int, num_layers: int) -> str:
+        """Storage type of layer ``layer``'s K (``kv=0``) or V (``kv=1``)."""
+        if layer in self.resolve_skip_layers(num_layers):
+            return self.dtype
+        return self.v_cache_dtype if kv else self.k_cache_dtype
+
+    def row_bytes(self, storage: str) -> int:
+        """Bytes one (token, head) row of ``storage`` takes in the cache: ``head_dim *
+        itemsize`` in a full-precision cache; in a quantized one, rows are padded to 16 bytes
+        (:func:`kvtvm.quant.quant_row_bytes` for an 8-bit row)."""
+        if storage in QUANT_DTYPES:
+            return quant_row_bytes(self.head_dim)
+        size = self.head_dim * DTYPE_SIZES[storage]
+        return round_up(size, ROW_ALIGN) if self.quantized else size
+
+    def segments(self, num_layers: int, tokens: int, n_devices: int = 1):
+        """Where each layer's K and V live inside one unit (page, block or slot) of
+        ``tokens`` tokens, on one device: ``[(kv, layer, byte offset, storage, row bytes)]``,
+        K of every layer first, then V."""
+        heads = self.heads_per_device(n_devices)
+        out, offset = [], 0
+        for kv in (0, 1):
+            for layer in range(num_layers):
+                storage = self.storage(layer, kv, num_layers)
+                row = self.row_bytes(storage)
+                out.append((kv, layer, offset, storage, row))
+                offset += tokens * heads * row
+        return out
+
+    def storage_key(self, num_layers: int) -> str:
+        """The cache format, as a string: element type, head shape and each layer's K/V
+        storage. Prefix-cache keys start from it, so pages of two formats never alias."""
+        layers = ",".join(f"{self.storage(i, 0, num_layers)}/{self.storage(i, 1, num_layers)}"
+                          for i in range(num_layers))
+        return f"{self.dtype}:H{self.n_kv_heads}:D{self.head_dim}:[{layers}]"
 
     def heads_per_device(self, n_devices: int = 1) -> int:
         """KV heads each device holds when the heads are split evenly over ``n_devices``."""
@@ -150,8 +307,13 @@ class KVCacheParams:
         return self.n_kv_heads // n_devices
 
     def bytes_per_token(self, num_layers: int, n_devices: int = 1) -> int:
-        """Bytes of K and V one token takes over all layers, on one device."""
-        return 2 * num_layers * self.heads_per_device(n_devices) * self.head_dim * self.itemsize
+        """Bytes of K and V one token takes over all layers, on one device (scales and row
+        padding of a quantized cache included)."""
+        heads = self.heads_per_device(n_devices)
+        if not self.quantized:
+            return 2 * num_layers * heads * self.head_dim * self.itemsize
+        return heads * sum(self.row_bytes(self.storage(layer, kv, num_layers))
+                           for kv in (0, 1) for layer in range(num_layers))
 
     def bytes_per_page(self, num_layers: int, n_devices: int = 1) -> int:
         """Bytes of one page (PAGED) over all layers, on one device."""
@@ -163,6 +325,15 @@ class KVCacheParams:
                     num_pages: int | None = None, n_devices: int = 1) -> tuple[int, ...]:
         """Shape of the cache tensor one device holds (see the module docstring)."""
         heads = self.heads_per_device(n_devices)
+        if self.quantized:
+            per_token = self.bytes_per_token(num_layers, n_devices)
+            if self.cache_strategy is KVCacheStrategy.CONTINUOUS:
+                return (max_batch_size, max_seq_len * per_token)
+            if self.cache_strategy is KVCacheStrategy.LINEAR:
+                return (1, max_batch_size, max_seq_len * per_token)
+            if num_pages is None:
+                raise InvalidArgumentError(describe("num_pages", "an int for PAGED", None))
+            return (num_pages, self.page_size * per_token)
         if self.cache_strategy is KVCacheStrategy.CONTINUOUS:
             return (max_batch_size, 2, num_layers, max_seq_len, heads, self.head_dim)
         if self.cache_strategy is KVCacheStrategy.LINEAR:
@@ -178,7 +349,7 @@ class KVCacheParams:
         for dim in self.cache_shape(num_layers, max_batch_size, max_seq_len, num_pages,
                                     n_devices):
             n *= dim
-        return n * self.itemsize
+        return n * (1 if self.quantized else self.itemsize)
 
     def pages_for_tokens(self, n_tokens: int) -> int:
         """Pages needed to hold ``n_tokens`` tokens of one sequence (PAGED)."""

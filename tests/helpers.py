@@ -1,6 +1,7 @@
 """Helpers shared by tests in several folders (tests/conftest.py puts tests/ on sys.path, so
 any test imports them as ``from helpers import ...``)."""
 
+import functools
 import subprocess
 import sys
 
@@ -76,3 +77,18 @@ def make_prefill_batch(rng, *, H, G, D, page_size, counts, starts, layout="nhd",
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
     lengths = torch.tensor(starts, dtype=torch.int32)
     return q, kc, vc, indptr, lengths, torch.from_numpy(table)
+
+
+@functools.lru_cache(maxsize=None)
+def unscheduled_kernel(spec):
+    """The family definition of ``spec`` as written (no schedule), compiled for llvm: what
+    tests/kernels compares the hand-written schedules with."""
+    import importlib
+
+    import tvm
+
+    family = importlib.import_module(f"kvtvm.kernels.{spec.op}")
+    func = family.define(spec).with_attr("global_symbol", spec.func_name)
+    with tvm.target.Target("llvm"):
+        built = tvm.compile(tvm.IRModule({spec.func_name: func}), target="llvm")
+    return built.mod[spec.func_name]

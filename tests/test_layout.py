@@ -23,6 +23,8 @@ LAYERS = [
     ("kvtvm/ops", ["kvtvm.plan", "kvtvm.engine", "kvtvm.integrations", "kvtvm.relax",
                    "kvtvm.bench", "kvtvm.cli"]),
     ("kvtvm/compiler", ["kvtvm.ops", "kvtvm.plan"]),
+    ("kvtvm/engine", ["kvtvm.integrations", "kvtvm.bench", "kvtvm.cli"]),
+    ("kvtvm/integrations", ["kvtvm.bench", "kvtvm.cli"]),
 ]
 
 

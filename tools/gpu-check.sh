@@ -17,7 +17,10 @@ for b in append copy decode prefill; do
   step "bench $b" python3 -m kvtvm bench "$b" --device cuda --json "$OUT/bench-$b.json"
 done
 step "bench host" python3 -m kvtvm bench host --device cuda --head-dim 32  # serve.py's kernels
-step "serve --device cuda" python3 examples/serve.py --device cuda --kernels build/kernels
+step "serve --device cuda" python3 examples/serve.py --model toy --device cuda --dtype float32 \
+     --kernels build/kernels
+step "serve SmolLM2 --device cuda bf16" python3 examples/serve.py --cache all --device cuda \
+     --dtype bfloat16 --kernels build/kernels
 for m in build/kernels/relax_llama_*.so; do
   step "relax_llama --device cuda" python3 examples/relax_llama.py --load "$m" --device cuda
 done

@@ -33,6 +33,10 @@ build --ops append,decode,prefill --dtypes float16 --head-dims 128 --kv-heads 8 
 # examples/serve.py --device cuda (its CUDA_BUILD_COMMAND)
 build --ops append,prefill,decode,copy --dtypes float32 --head-dims 32 --kv-heads 1,2 \
       --group-sizes 4 --layouts nhd,hnd
+# examples/serve.py --device cuda --dtype bfloat16 (SmolLM2: 3 KV heads of 64, GQA 3;
+# nhd for paged/continuous, hnd for linear; copy for the linear cache's eviction)
+build --ops append,prefill,decode,copy --dtypes bfloat16 --head-dims 64 --kv-heads 3 \
+      --group-sizes 3 --layouts nhd,hnd
 
 # the Relax Llama (examples/relax_llama.py), compiled for CUDA and exported whole
 "$PY" examples/relax_llama.py --export "$OUT/relax_llama_$ARCH.so" --arch "$ARCH" | tail -1

@@ -3,6 +3,10 @@
 Tests compare the kernels with these, never with another optimized kernel. They need numpy
 alone -- no TVM -- so they also run where only the TVM runtime is installed (a deployment, the
 GPU machine of a runtime-only check); each family module re-exports its own.
+
+Every reference also takes quantized cache views (int8 / float8_e4m3fn rows of
+``quant_row_bytes(head_dim)``, :mod:`kvtvm.quant`): append quantizes each new row with the
+reference quantizer, attention runs over the reference-dequantized K/V.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from ..quant import dequantize_rows, quantize_rows
 
 __all__ = ["reference_append", "reference_copy_pages", "reference_decode", "reference_prefill",
            "reference_errors", "append_row_target"]
@@ -60,11 +66,33 @@ def reference_errors(qo_indptr, cache_lengths, lookup_table, num_pages, page_siz
     return flags
 
 
+def _is_quantized(cache, head_dim: int) -> bool:
+    """A quantized view: 1-byte elements, rows longer than ``head_dim`` (values + scale)."""
+    return cache.dtype.itemsize == 1 and cache.shape[-1] != head_dim
+
+
+def _stored(rows, cache):
+    """``rows [n, H, D]`` as the cache stores them (quantized rows for a quantized cache)."""
+    rows = np.asarray(rows)
+    if not _is_quantized(cache, rows.shape[-1]):
+        return rows
+    return quantize_rows(rows, "int8" if cache.dtype == np.int8 else "float8_e4m3fn")
+
+
+def _loaded(cache, head_dim: int):
+    """The cache as float64 ``[..., head_dim]`` (dequantized if quantized)."""
+    cache = np.asarray(cache)
+    if _is_quantized(cache, head_dim):
+        return dequantize_rows(cache, head_dim).astype(np.float64)
+    return cache.astype(np.float64)
+
+
 def reference_append(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table,
                      layout: str = "nhd"):
     """Plain numpy append: returns new (k_cache, v_cache) arrays, inputs untouched. A row the
     kernel skips (out-of-range position, page or row offset) is not written."""
     k_out, v_out = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
+    k, v = _stored(k, k_out), _stored(v, v_out)
     page_size = k_out.shape[1] if layout == "nhd" else k_out.shape[2]
     table = np.asarray(lookup_table)
     for row in range(len(k)):
@@ -96,8 +124,8 @@ def reference_decode(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout
     """Plain numpy decode attention in float64: returns (out [batch, Hq, D] float64,
     lse [batch, Hq] float64, natural log)."""
     q = np.asarray(q, np.float64)
-    k_cache, v_cache = np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64)
     batch, Hq, D = q.shape
+    k_cache, v_cache = _loaded(k_cache, D), _loaded(v_cache, D)
     H = k_cache.shape[2] if layout == "nhd" else k_cache.shape[1]
     page_size = k_cache.shape[1] if layout == "nhd" else k_cache.shape[2]
     G = Hq // H
@@ -132,9 +160,8 @@ def reference_prefill(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tabl
     (natural log of the sum of ``exp(sm_scale * q.k)`` over the visible KV positions).
     """
     q = np.asarray(q, np.float64)
-    k_cache = np.asarray(k_cache, np.float64)
-    v_cache = np.asarray(v_cache, np.float64)
     ntok, hq, d = q.shape
+    k_cache, v_cache = _loaded(k_cache, d), _loaded(v_cache, d)
     if layout == "nhd":
         page_size, h = k_cache.shape[1], k_cache.shape[2]
     else:

@@ -93,6 +93,7 @@ class KVCacheManager(abc.ABC):
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size)
         self.max_seq_len = check_positive_int("max_seq_len", max_seq_len)
         self.num_layers = check_positive_int("num_layers", num_layers)
+        params.resolve_skip_layers(self.num_layers)
         self.devices = parse_devices(devices)
         self.n_devices = len(self.devices)
         heads = params.heads_per_device(self.n_devices)
@@ -521,7 +522,7 @@ class KVCacheManager(abc.ABC):
         for dev in range(self.n_devices):
             out.append(RaggedKVCacheInputSymbols(
                 blocks=TensorSymbol(tuple(int(s) for s in self._blocks[dev].shape),
-                                    self.params.dtype),
+                                    self.params.tensor_dtype),
                 cache_lengths=TensorSymbol(("batch",), "int32"),
                 lookup_table=TensorSymbol(("batch", self._tables.width), "int32"),
                 max_lengths=TensorSymbol(("num_steps", 2), "int32")))
@@ -549,7 +550,7 @@ class KVCacheManager(abc.ABC):
     def _allocate_blocks(self, shape) -> list:
         import torch
 
-        dtype = getattr(torch, self.params.dtype)
+        dtype = getattr(torch, self.params.tensor_dtype)  # uint8 for a quantized cache
         return [torch.zeros(shape, dtype=dtype, device=d) for d in self.devices]
 
     def device_nbytes(self) -> int:

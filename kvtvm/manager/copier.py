@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 from ..errors import InvalidArgumentError, describe
 
 __all__ = ["PageCopier", "set_default_copiers", "default_page_copier",
-           "default_slot_copier", "resolve_copier"]
+           "default_slot_copier", "resolve_copier", "copy_view"]
 
 
 @runtime_checkable
@@ -84,3 +84,18 @@ def resolve_copier(copier: Optional[Callable], kind: str, what: str) -> Optional
         raise InvalidArgumentError(describe(what, "a callable (blocks, src, dst) -> None",
                                             type(copier).__name__))
     return copier
+
+
+def copy_view(cache, axis: int):
+    """The tensor a copier is handed for ``cache``: ``cache`` itself, or for a quantized
+    cache (a uint8 byte tensor, :mod:`kvtvm.params`) a float32 view ``[units, 1, 1, 1,
+    unit_bytes // 16, 4]`` of the same bytes (``axis=1``, LINEAR: ``[1, units, 1, 1, ..., 4]``),
+    so one float32 copy kernel moves 16-byte words of any format bit for bit."""
+    import torch
+
+    if cache.dtype != torch.uint8:
+        return cache
+    words = cache.view(torch.float32)
+    if axis == 1:
+        return words.view(1, cache.shape[1], 1, 1, -1, 4)
+    return words.view(cache.shape[0], 1, 1, 1, -1, 4)

@@ -29,7 +29,7 @@ from ..errors import InvalidArgumentError, KVCacheError, SequenceTooLongError, d
 from ..inputs import RaggedKVCacheInputs
 from ..params import KVCacheParams, KVCacheStrategy
 from .args import check_positive_int, parse_devices
-from .copier import PageCopier, resolve_copier
+from .copier import PageCopier, copy_view, resolve_copier
 
 __all__ = ["LinearKVCache", "LinearCacheConfig"]
 
@@ -81,13 +81,14 @@ class LinearKVCache:
         self.max_batch_size = check_positive_int("max_batch_size", max_batch_size)
         self.max_seq_len = check_positive_int("max_seq_len", max_seq_len)
         self.num_layers = check_positive_int("num_layers", num_layers)
+        params.resolve_skip_layers(self.num_layers)
         self.devices = parse_devices(devices)
         self.n_devices = len(self.devices)
         self.device_params = dataclasses.replace(
             params, n_kv_heads=params.heads_per_device(self.n_devices))
         shape = params.cache_shape(self.num_layers, self.max_batch_size, self.max_seq_len,
                                    n_devices=self.n_devices)
-        dtype = getattr(torch, params.dtype)
+        dtype = getattr(torch, params.tensor_dtype)  # uint8 for a quantized cache
         self._cache = [torch.zeros(shape, dtype=dtype, device=d) for d in self.devices]
         self._lock = threading.RLock()
         mb = self.max_batch_size
@@ -154,6 +155,11 @@ class LinearKVCache:
         if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
             raise InvalidArgumentError(describe("layer", f"an int in [0, {self.num_layers})",
                                                 repr(layer)))
+        if self.params.quantized:
+            raise InvalidArgumentError(describe(
+                "get_kv_cache_for_decoder_layer", "a full-precision cache (a quantized cache "
+                "is one byte tensor: take step_inputs(...)[d].k_cache(layer) / v_cache(layer))",
+                f"cache_dtype={self.params.cache_dtype}"))
         return self._cache[device][layer]
 
     @property
@@ -289,7 +295,7 @@ class LinearKVCache:
                          for cache in self._cache]
                 try:
                     for cache in self._cache:  # in order: the default splits into rounds
-                        copier(cache, src, dst)
+                        copier(copy_view(cache, 1), src, dst)
                 except BaseException:
                     for cache, old in zip(self._cache, saved):
                         cache.index_copy_(1, dst_long.to(cache.device), old)

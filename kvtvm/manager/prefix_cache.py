@@ -1,7 +1,8 @@
 """Prefix cache of the paged manager: full pages keyed by a chained key of their tokens.
 
 The key of a sequence's page ``i`` is ``(key id of page i-1, bytes of the page's tokens)``
-(``-1`` for page 0): a chained hash where the dict's equality check compares the tokens exactly,
+(for page 0, the cache's ``root``: its storage format, ``KVCacheParams.storage_key``, so pages
+of two formats -- storage types, skipped layers -- never alias): a chained hash where the dict's equality check compares the tokens exactly,
 so two prompts share a page only if they agree on *every* token up to the page's end (no hash
 collision can alias two prefixes). Each key gets a fresh integer id when it is inserted; ids are
 never reused, so a child whose parent was evicted can no longer be reached.
@@ -15,7 +16,7 @@ list deepest page first, so a released prompt loses its tail before its root.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["PrefixCache", "PagedCacheStats"]
 
@@ -44,6 +45,12 @@ class PagedCacheStats:
         ``prefix_hit_tokens / prefix_query_tokens`` (0 when nothing was looked up).
     evictions : int
         Cached pages evicted to make room.
+    pages_leased : int
+        Pages held by an export or import lease (not freeable, evictable or writable);
+        ``pages_free + pages_used + pages_cached + pages_leased == pages_total``.
+    tiers : dict
+        Per lower tier (``"host"``, ``"disk"``): capacity, entries, bytes, hits, misses,
+        demotions, promotions, rejected (failed content or checksum checks).
     """
 
     pages_total: int
@@ -56,12 +63,16 @@ class PagedCacheStats:
     prefix_hit_tokens: int
     prefix_hit_rate: float
     evictions: int
+    pages_leased: int = 0
+    tiers: dict = field(default_factory=dict)
 
 
 class PrefixCache:
     """Key -> page map of full pages, with the LRU list of unreferenced cached pages."""
 
-    def __init__(self):
+    def __init__(self, root="-"):
+        #: Parent key of every sequence's page 0: the cache's storage format.
+        self.root = root
         self.table: dict[tuple, tuple[int, int]] = {}    # key -> (key id, page)
         self.page_key: dict[int, tuple] = {}               # cached page -> its key
         self.lru: OrderedDict[int, None] = OrderedDict()   # refcount-0 cached pages, oldest first
@@ -75,7 +86,7 @@ class PrefixCache:
     def lookup(self, token_bytes: list[bytes]) -> tuple[list[int], list[int]]:
         """Longest cached chain of the given full pages: (pages, key ids)."""
         pages, ids = [], []
-        parent = -1
+        parent = self.root
         table = self.table
         for chunk in token_bytes:
             hit = table.get((parent, chunk))
@@ -86,7 +97,7 @@ class PrefixCache:
             pages.append(page)
         return pages, ids
 
-    def insert(self, parent: int, chunk: bytes, page: int) -> int:
+    def insert(self, parent, chunk: bytes, page: int) -> int:
         """Register ``page`` under ``(parent, chunk)``; if the key is cached already (by
         another page with the same content), keep that one. Returns the key id."""
         key = (parent, chunk)

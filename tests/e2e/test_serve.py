@@ -1,5 +1,6 @@
-"""End to end: examples/serve.py serves a small random-weight Llama through kvtvm and every
-request's greedy tokens must equal transformers' own generate() on that request alone.
+"""End to end: examples/serve.py (over kvtvm.engine) serves a small random-weight Llama through
+kvtvm and every request's greedy tokens must equal transformers' own generate() on that request
+alone.
 
 Covers each cache strategy with: a prompt that fills pages exactly (and a request whose final
 length ends on a page boundary), requests arriving while others decode, a request reusing a
@@ -15,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+import kvtvm.engine.runner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,7 +181,7 @@ def test_mismatch_is_reported_with_position(model):
 
 def test_broken_rope_is_caught(model, monkeypatch):
     """A model bug (RoPE off) makes the served tokens differ and the run reports it."""
-    monkeypatch.setattr(serve, "rotate_half", lambda x: torch.zeros_like(x))
+    monkeypatch.setattr(kvtvm.engine.runner, "rotate_half", lambda x: torch.zeros_like(x))
     rng = np.random.default_rng(11)
     reqs = [Request(i, _rand(rng, 12), 6) for i in range(2)]
     _, _, problems = serve.run("paged", requests=reqs, max_batch_size=2, max_seq_len=32,
@@ -227,14 +230,14 @@ def test_cli_unknown_cache_lists_choices(capsys):
 def test_cli_exit_code_and_report(monkeypatch, capsys, model):
     """main() serves the demo workload, prints the figures, exits 0; a mismatch exits 1."""
     monkeypatch.setattr(serve, "build_model", lambda seed=0, device="cpu": model)
-    argv = ["--requests", "5", "--max-seq-len", "96", "--max-batch-size", "2"]
+    argv = ["--model", "toy", "--requests", "5", "--max-seq-len", "96", "--max-batch-size", "2"]
     assert serve.main(argv) == 0
     out = capsys.readouterr().out
     for text in ("tokens/s", "KV memory: peak live", "prefix cache:", "hit rate",
                  "rejected: empty prompt", "longer than max_seq_len",
                  "match transformers' generate()"):
         assert text in out
-    monkeypatch.setattr(serve, "rotate_half", lambda x: torch.zeros_like(x))
+    monkeypatch.setattr(kvtvm.engine.runner, "rotate_half", lambda x: torch.zeros_like(x))
     assert serve.main(argv + ["--cache", "linear"]) == 1
     assert "MISMATCH request " in capsys.readouterr().out
 

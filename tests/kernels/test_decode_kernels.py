@@ -3,29 +3,16 @@ definition compiled unscheduled for llvm, on fresh random inputs: page sizes, GQ
 lengths, KV splits, sliding windows, both token layouts. The CUDA kernel is compiled here and
 checked where a GPU is present."""
 
-import functools
 import math
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import unscheduled_kernel as unscheduled
 from kvtvm import compiler, runtime
 
 pytestmark = pytest.mark.skipif(not runtime.compiler_available(), reason="needs TVM's compiler")
-
-
-@functools.lru_cache(maxsize=None)
-def unscheduled(spec):
-    """The definition of ``spec`` as written (no schedule), compiled for llvm."""
-    import tvm
-
-    from kvtvm.kernels import decode
-
-    func = decode.define(spec).with_attr("global_symbol", spec.func_name)
-    with tvm.target.Target("llvm"):
-        built = tvm.compile(tvm.IRModule({spec.func_name: func}), target="llvm")
-    return built.mod[spec.func_name]
 
 
 def make_inputs(rng, spec, lengths, page_size, num_splits):

@@ -1,0 +1,411 @@
+"""The reference serving engine: a request queue over one kvtvm cache manager.
+
+Each :meth:`Engine.step` admits queued requests while a slot (and, paged, enough pages for the
+request's whole length) is free, runs one forward pass over every running request -- decode
+tokens of the requests already generating mixed with prompt chunks of new ones (chunked prefill:
+at most ``max_step_tokens`` tokens a step) -- samples the next tokens (greedy, or temperature /
+top-p with a per-request seed), and releases requests that hit a stop token or their
+``max_new_tokens`` (or were aborted). Bad requests are rejected with a message; the rest keep
+being served. :class:`ModelRunner` does the model step, the adapters of
+:mod:`kvtvm.engine.caches` the cache bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, KVCacheCapacityError
+from ..params import KVCacheParams
+from .caches import CACHE_CHOICES, make_cache
+from .runner import ModelRunner
+from .threads import DEFAULT_TORCH_THREADS, configure_threads
+
+__all__ = ["Request", "ServeStats", "Engine", "sample"]
+
+_log = logging.getLogger("kvtvm.engine")
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request.
+
+    ``arrival`` is the engine step at which it is submitted. ``stop_token_ids`` end it (the stop
+    token is kept in ``output``, as transformers' ``generate`` does); None takes the engine's
+    (the model's end-of-sequence tokens). ``temperature`` 0 is greedy; otherwise tokens are drawn
+    from the top-``top_p`` mass with a generator seeded by ``seed``. The engine fills ``output``,
+    ``status`` (``"waiting"``, ``"running"``, ``"done"``, ``"rejected"``, ``"aborted"``),
+    ``finish_reason`` (``"stop"`` or ``"length"``), ``error`` (why it was rejected),
+    ``prefix_hit_tokens`` and the wall-clock times ``t_arrived``, ``t_first``, ``t_done``.
+    """
+
+    rid: int
+    prompt: list
+    max_new_tokens: int
+    arrival: int = 0
+    stop_token_ids: tuple | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    output: list = dataclasses.field(default_factory=list)
+    status: str = "waiting"
+    finish_reason: str = ""
+    error: str = ""
+    prefix_hit_tokens: int = 0
+    seq_id: int = -1
+    admitted_step: int = -1
+    finished_step: int = -1
+    prefilled: int = 0               # prompt tokens in the cache
+    t_arrived: float = 0.0
+    t_first: float = 0.0
+    t_done: float = 0.0
+    generator: object = None
+
+    @property
+    def length(self) -> int:
+        """Tokens the cache holds at most when the request finishes (its last generated token
+        is never fed back)."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+    @property
+    def ttft(self) -> float:
+        """Seconds from arrival to the first generated token."""
+        return self.t_first - self.t_arrived if self.t_first else 0.0
+
+    @property
+    def tpot(self) -> float:
+        """Mean seconds per output token after the first."""
+        n = len(self.output) - 1
+        return (self.t_done - self.t_first) / n if n > 0 and self.t_done else 0.0
+
+
+@dataclasses.dataclass
+class ServeStats:
+    """Counters of an engine's run."""
+
+    steps: int = 0
+    prefill_tokens: int = 0          # prompt tokens computed
+    prompt_tokens: int = 0           # prompt tokens of admitted requests
+    prefix_hit_tokens: int = 0       # prompt tokens read from the prefix cache
+    generated_tokens: int = 0
+    decode_steps: int = 0            # steps run with the decode kernel
+    mixed_steps: int = 0             # steps mixing prompt chunks with ongoing decodes
+    waited: int = 0                  # requests that waited in the queue at least one step
+    peak_running: int = 0            # most requests in the cache at once
+    peak_live_bytes: int = 0
+    allocated_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+def sample(logits: torch.Tensor, reqs) -> list[int]:
+    """Next token of each request from its row of ``logits`` (float ``[batch, vocab]``): argmax
+    for ``temperature`` 0, else a draw from the softmax at that temperature restricted to the
+    smallest set of tokens holding ``top_p`` of the mass."""
+    greedy = logits.argmax(dim=-1).tolist()
+    for i, r in enumerate(reqs):
+        if r.temperature <= 0:
+            continue
+        probs = torch.softmax(logits[i].float() / r.temperature, dim=-1)
+        if r.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < r.top_p       # always keeps the top token
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        greedy[i] = int(torch.multinomial(probs.cpu(), 1, generator=r.generator))
+    return greedy
+
+
+class Engine:
+    """A continuous-batching engine over one kvtvm cache manager.
+
+    Parameters
+    ----------
+    model : transformers PreTrainedModel
+        A Llama-family ``*ForCausalLM`` (see :mod:`kvtvm.engine.runner`) on ``device``.
+    cache : {"paged", "continuous", "linear"}
+        Which kvtvm manager holds the KV cache.
+    max_batch_size, max_seq_len : int
+        Sequences at once and tokens per sequence.
+    page_size : int
+        Tokens per page (paged).
+    num_pages : int, optional
+        Pages in the pool (paged); default enough for every slot to reach ``max_seq_len``.
+    prefix_caching : bool
+        Reuse cached full pages of earlier prompts (paged).
+    device : str
+        ``"cpu"`` or ``"cuda"``; the model must be on it.
+    eos_token_ids : sequence of int, optional
+        Default stop tokens of requests; default the model's ``generation_config.eos_token_id``.
+    max_step_tokens : int, optional
+        Most tokens one step computes (decode tokens first, then prompt chunks); None: whole
+        prompts in one step.
+    torch_threads, kernel_threads : int or None
+        Thread counts set at the first step (:func:`kvtvm.engine.threads.configure_threads`).
+    """
+
+    def __init__(self, model, cache: str = "paged", max_batch_size: int = 4,
+                 max_seq_len: int = 128, page_size: int = 16, num_pages: int | None = None,
+                 prefix_caching: bool = True, device: str = "cpu", *, eos_token_ids=None,
+                 max_step_tokens: int | None = 512,
+                 torch_threads: int | None = DEFAULT_TORCH_THREADS,
+                 kernel_threads: int | None = None):
+        if cache not in CACHE_CHOICES:
+            raise InvalidArgumentError(f"cache must be one of {CACHE_CHOICES}, got {cache!r}")
+        if max_step_tokens is not None and (not isinstance(max_step_tokens, int)
+                                            or max_step_tokens < 1):
+            raise InvalidArgumentError(
+                f"max_step_tokens must be None or a positive int, got {max_step_tokens!r}")
+        self.hf_model = model
+        self.model = ModelRunner(model)
+        self.vocab_size = model.config.vocab_size
+        self.cache, self.device = cache, torch.device(device)
+        self.max_seq_len, self.max_step_tokens = max_seq_len, max_step_tokens
+        self._threads = (torch_threads, kernel_threads)
+        self._threads_set = False
+        if eos_token_ids is None:
+            gen = getattr(model, "generation_config", None)
+            eos_token_ids = getattr(gen, "eos_token_id", None)
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = (eos_token_ids,)
+        self.eos_token_ids = tuple(int(t) for t in (eos_token_ids or ()))
+        self.params = KVCacheParams(self.model.dtype, self.model.n_kv_heads,
+                                    self.model.head_dim, cache,
+                                    page_size=page_size if cache == "paged" else None,
+                                    enable_prefix_caching=prefix_caching and cache == "paged")
+        self.kv = make_cache(cache, self.params, max_batch_size, max_seq_len,
+                             self.model.num_layers, device, num_pages)
+        self.pending: list[Request] = []    # submitted, not yet arrived
+        self.queue: list[Request] = []      # arrived, waiting for room
+        self.running: list[Request] = []    # in the cache, in batch order
+        self.finished: list[Request] = []   # done, rejected or aborted
+        self.step_no = 0
+        self.stats = ServeStats(allocated_bytes=self.kv.allocated_bytes())
+        self.log: Callable[[str], None] = _log.info
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req``; it arrives at engine step ``req.arrival``."""
+        self.pending.append(req)
+        self.pending.sort(key=lambda r: r.arrival)
+
+    def abort(self, rid) -> bool:
+        """Stop request ``rid`` wherever it is (its cache is released); False if unknown or
+        already finished."""
+        for where in (self.pending, self.queue):
+            for r in where:
+                if r.rid == rid:
+                    where.remove(r)
+                    self._finish(r, "aborted")
+                    return True
+        for r in self.running:
+            if r.rid == rid:
+                self.kv.finish(self.running, [r])
+                self.running = [q for q in self.running if q is not r]
+                self._finish(r, "aborted")
+                return True
+        return False
+
+    def _finish(self, req: Request, status: str, reason: str = "") -> None:
+        req.status, req.finish_reason = status, reason
+        req.finished_step, req.t_done = self.step_no, time.perf_counter()
+        self.finished.append(req)
+
+    def _reject(self, req: Request, why: str) -> None:
+        req.error = why
+        self._finish(req, "rejected")
+        self.log(f"request {req.rid}: rejected: {why}")
+
+    def _validate(self, req: Request) -> str:
+        """Why ``req`` can never be served, or ``""``."""
+        try:
+            prompt = [int(t) for t in req.prompt]
+        except (TypeError, ValueError):
+            return "prompt must be a sequence of integer token ids"
+        if prompt != list(req.prompt):
+            return "prompt must be a sequence of integer token ids"
+        n = len(prompt)
+        if n == 0:
+            return "empty prompt (at least one token is needed)"
+        if n > self.max_seq_len:
+            return (f"prompt of {n} tokens is longer than max_seq_len={self.max_seq_len} "
+                    "(shorten it or raise --max-seq-len)")
+        if (not isinstance(req.max_new_tokens, int) or isinstance(req.max_new_tokens, bool)
+                or req.max_new_tokens < 1):
+            return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
+        if req.length > self.max_seq_len:
+            return (f"prompt of {n} tokens + max_new_tokens={req.max_new_tokens} needs "
+                    f"{req.length} cache positions, more than max_seq_len={self.max_seq_len}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+        if not (isinstance(req.temperature, (int, float)) and req.temperature >= 0):
+            return f"temperature must be a number >= 0, got {req.temperature!r}"
+        if not (isinstance(req.top_p, (int, float)) and 0 < req.top_p <= 1):
+            return f"top_p must be in (0, 1], got {req.top_p!r}"
+        return self.kv.never_fits(req)
+
+    def _arrive(self) -> None:
+        while self.pending and self.pending[0].arrival <= self.step_no:
+            req = self.pending.pop(0)
+            req.t_arrived = time.perf_counter()
+            why = self._validate(req)
+            if why:
+                self._reject(req, why)
+            else:
+                if req.stop_token_ids is None:
+                    req.stop_token_ids = self.eos_token_ids
+                if req.temperature > 0:
+                    req.generator = torch.Generator().manual_seed(
+                        req.seed if req.seed is not None else req.rid)
+                self.queue.append(req)
+
+    def _admit(self, budget: int) -> list[Request]:
+        """Move queued requests into the cache, first come first served, while they fit (slots,
+        pages, and this step's token budget)."""
+        new = []
+        while self.queue and budget > 0 and self.kv.can_admit(self.queue[0],
+                                                                self.running + new):
+            req = self.queue.pop(0)
+            self.kv.add(req)
+            req.status, req.admitted_step = "running", self.step_no
+            if req.admitted_step > req.arrival:
+                self.stats.waited += 1
+            budget -= len(req.prompt)
+            new.append(req)
+        return new
+
+    def _chunks(self, batch) -> list[list[int]]:
+        """This step's tokens per request: the last token of those generating, the next prompt
+        chunk of the others (at least one token each, within ``max_step_tokens``)."""
+        budget = self.max_step_tokens or 1 << 62
+        budget -= sum(1 for r in batch if r.prefilled == len(r.prompt))
+        out = []
+        for r in batch:
+            if r.prefilled == len(r.prompt):
+                out.append(r.output[-1:])
+                continue
+            n = max(1, min(len(r.prompt) - r.prefilled, budget))
+            budget -= n
+            out.append(r.prompt[r.prefilled:r.prefilled + n])
+        return out
+
+    # -- one step -------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not (self.pending or self.queue or self.running)
+
+    def step(self) -> None:
+        """One engine step: arrivals, admission, one forward pass over every running request
+        (prompt chunks and decode tokens together), sampling, then retire finished ones."""
+        if not self._threads_set:          # first use: the one place threads are set
+            configure_threads(*self._threads)
+            self._threads_set = True
+        self._arrive()
+        decoding = sum(1 for r in self.running if r.prefilled == len(r.prompt))
+        new = self._admit((self.max_step_tokens or 1 << 62) - decoding)
+        if not self.running and not new:
+            if self.queue:          # nothing runs and the head still does not fit: never will
+                self._reject(self.queue.pop(0), "does not fit in the cache even when it is empty")
+            self.step_no += 1
+            return
+        batch = self.running + new
+        tokens = self._chunks(batch)
+        try:
+            kv = self.kv.fetch(batch, tokens)
+        except KVCacheCapacityError as err:
+            if not new:     # admission reserves room for running requests: not expected
+                raise
+            # no room after all: the new requests go back to the head of the queue
+            self.log(f"requests {[r.rid for r in new]} wait: {err}")
+            self.kv.remove(new)
+            for r in reversed(new):
+                r.status, r.seq_id, r.admitted_step = "waiting", -1, -1
+                self.queue.insert(0, r)
+            new, batch = [], self.running
+            if not batch:
+                self.step_no += 1
+                return
+            tokens = self._chunks(batch)
+            kv = self.kv.fetch(batch, tokens)
+        self.running = batch
+        is_new = {id(r) for r in new}
+        prefilling = [r.prefilled < len(r.prompt) for r in batch]
+        computed = []
+        for r, t, h in zip(batch, tokens, kv.num_cached_tokens):
+            h = int(h)
+            computed.append(t[h:])
+            if id(r) in is_new:
+                r.prefix_hit_tokens = h
+                self.stats.prompt_tokens += len(r.prompt)
+                self.stats.prefix_hit_tokens += h
+            if r.prefilled < len(r.prompt):
+                self.stats.prefill_tokens += len(t) - h
+                r.prefilled += len(t)
+        logits = self.model.run_step(kv, computed)
+        self.kv.commit(batch, tokens)
+        ready = [r.prefilled == len(r.prompt) for r in batch]
+        rows = [i for i, ok in enumerate(ready) if ok]
+        picked = sample(logits[rows], [batch[i] for i in rows]) if rows else []
+        now, done = time.perf_counter(), []
+        for i, tok in zip(rows, picked):
+            r = batch[i]
+            r.output.append(int(tok))
+            if len(r.output) == 1:
+                r.t_first = now
+            if tok in r.stop_token_ids:
+                done.append((r, "stop"))
+            elif len(r.output) >= r.max_new_tokens:
+                done.append((r, "length"))
+        st = self.stats
+        st.generated_tokens += len(rows)
+        st.decode_steps += all(len(c) == 1 for c in computed)
+        st.mixed_steps += any(prefilling) and not all(prefilling)
+        st.steps += 1
+        st.peak_running = max(st.peak_running, len(batch))
+        st.peak_live_bytes = max(st.peak_live_bytes, self.kv.live_bytes(self.running))
+        self.kv.finish(batch, [r for r, _ in done])
+        for r, reason in done:
+            self._finish(r, "done", reason)
+        self.running = [r for r in batch if r.status == "running"]
+        self.step_no += 1
+
+    def serve(self, requests, progress: Callable | None = None) -> list[Request]:
+        """Submit ``requests`` and step until every one is finished."""
+        for r in requests:
+            self.submit(r)
+        total = len(requests)
+        t0 = time.perf_counter()
+        while not self.idle:
+            if not self.running and not self.queue and self.pending:
+                self.step_no = max(self.step_no, self.pending[0].arrival)  # skip idle steps
+            self.step()
+            if progress is not None:
+                progress(self, total)
+        self.stats.seconds = time.perf_counter() - t0
+        return requests
+
+    def warmup(self) -> float:
+        """Load (or build, once) every kernel this engine uses, on a throwaway cache of the
+        same kind; returns the seconds it took."""
+        t0 = time.perf_counter()
+        tmp = Engine(self.hf_model, self.cache, max_batch_size=2, max_seq_len=32,
+                     page_size=self.params.page_size or 16, num_pages=None,
+                     prefix_caching=False, device=str(self.device), eos_token_ids=(),
+                     torch_threads=self._threads[0], kernel_threads=self._threads[1])
+        tmp.log = lambda s: None
+        tmp.serve([Request(0, [5, 6, 7], 3), Request(1, [8, 9], 2, arrival=1)])
+        return time.perf_counter() - t0

@@ -1,0 +1,175 @@
+"""The model runner: a transformers Llama-family forward pass with kvtvm as its KV cache.
+
+torch runs the embeddings, RMSNorm, projections, RoPE, MLP and LM head with the model's own
+modules and weights; kvtvm appends each layer's new K/V into the manager's cache and attends over
+it through one :func:`kvtvm.plan.plan_step` per step. :class:`ModelRunner` is the piece another
+engine reuses (``examples/serve.py``'s engine, a disaggregated prefill/decode worker): fetch the
+step's inputs from any kvtvm manager, call :meth:`ModelRunner.run_step`, commit the step.
+
+Supported: decoder-only models whose layers are transformers' Llama layout (``self_attn`` with
+``q_proj``/``k_proj``/``v_proj``/``o_proj``, ``mlp``, ``input_layernorm``,
+``post_attention_layernorm``; ``model.rotary_emb``): Llama, Mistral, Qwen2, SmolLM, with GQA and
+an optional sliding window. Anything else raises :class:`UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError
+from ..plan import plan_step
+
+__all__ = ["ModelRunner", "UnsupportedModelError", "check_supported", "rotate_half",
+           "SUPPORTED_MODEL_TYPES"]
+
+#: ``config.model_type`` values whose layers this runner computes exactly like transformers.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm3")
+
+
+class UnsupportedModelError(InvalidArgumentError):
+    """The model is not one :class:`ModelRunner` can run (says what it is and what to use)."""
+
+
+def check_supported(config) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``config`` (a transformers config) is a
+    Llama-family decoder this runner computes exactly."""
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {kind!r} is not supported: kvtvm's engine runs Llama-family decoders "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)}); for other models use kvtvm's managers and ops "
+            "directly, or transformers on kvtvm (kvtvm.integrations.hf)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None):
+            raise UnsupportedModelError(f"{name}={getattr(config, name)}: kvtvm's attention "
+                                        "kernels have no logit softcap")
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        raise UnsupportedModelError("multi-head latent attention (MLA) is not supported")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("mrope_section"):
+        raise UnsupportedModelError("multimodal RoPE (mrope) is not supported")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' RoPE convention: the two halves of the head, ``(-x2, x1)``."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def sliding_window_of(config) -> int | None:
+    """The attention window of ``config`` in kvtvm's convention (None: full attention)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+class ModelRunner:
+    """The forward pass of a transformers Llama-family model over a ragged batch.
+
+    The batch is ragged: the new tokens of every sequence are concatenated into one
+    ``[num_tokens]`` row dimension and ``kv.qo_indptr`` says which rows belong to which sequence.
+    Each layer projects q, k, v, rotates them by position, appends k and v to the cache and
+    attends over the cache -- decode attention when every sequence adds exactly one token,
+    prefill attention otherwise.
+
+    Parameters
+    ----------
+    hf_model : transformers.PreTrainedModel
+        A ``*ForCausalLM`` of a supported family (see :func:`check_supported`), in eval mode.
+    """
+
+    def __init__(self, hf_model):
+        cfg = hf_model.config
+        check_supported(cfg)
+        self.hf_model = hf_model
+        self.model = hf_model.model          # embed_tokens, layers, norm, rotary_emb
+        self.lm_head = hf_model.lm_head
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.num_layers = cfg.num_hidden_layers
+        self.sliding_window = sliding_window_of(cfg)
+        self.dtype = next(hf_model.parameters()).dtype
+        self.device = next(hf_model.parameters()).device
+        self.use_decode_kernel = True
+
+    @torch.no_grad()
+    def forward(self, token_ids, positions, kv, decode: bool, last_only: bool = True):
+        """Logits of the new tokens.
+
+        Parameters
+        ----------
+        token_ids, positions : torch.Tensor
+            int64 ``[num_tokens]``: the new tokens and their positions in their sequence.
+        kv : kvtvm.inputs.RaggedKVCacheInputs
+            This step's cache inputs from the manager.
+        decode : bool
+            Every sequence adds exactly one token (use the decode kernel).
+        last_only : bool
+            Logits of the last new token of each sequence only (else of every new token).
+
+        Returns
+        -------
+        torch.Tensor
+            float32 ``[batch, vocab_size]`` (``[num_tokens, vocab_size]`` without
+            ``last_only``).
+        """
+        T, Hq, Hkv, D = token_ids.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        x = self.model.embed_tokens(token_ids)                            # [T, hidden]
+        cos, sin = self.model.rotary_emb(x, positions[None])              # [1, T, D]
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]                 # [T, 1, D]
+        # kvtvm: this step's append + attention for every layer, arguments checked once
+        plan = plan_step(kv, decode=decode and self.use_decode_kernel,
+                         sliding_window=self.sliding_window)
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(T, Hq, D)
+            k = attn.k_proj(h).view(T, Hkv, D)
+            v = attn.v_proj(h).view(T, Hkv, D).contiguous()
+            q = (q * cos + rotate_half(q) * sin).contiguous()            # RoPE
+            k = (k * cos + rotate_half(k) * sin).contiguous()
+            plan.append_kv(i, k, v)      # write this step's K/V into layer i's cache
+            o, _ = plan.attention(i, q)  # attend over it: decode or causal prefill kernel
+            x = x + attn.o_proj(o.reshape(T, Hq * D))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if last_only:
+            last = torch.from_numpy(kv.qo_indptr_host[1:].astype(np.int64) - 1).to(x.device)
+            x = x[last]
+        return self.lm_head(self.model.norm(x)).float()
+
+    def run_step(self, kv, new_tokens, last_only: bool = True):
+        """One model step for a manager's fetched inputs: the way to drive the model from any
+        loop over kvtvm's managers (fetch -> ``run_step`` -> step/commit).
+
+        Parameters
+        ----------
+        kv : kvtvm.inputs.RaggedKVCacheInputs
+            From ``mgr.fetch(batch)[0]`` (or ``LinearKVCache.step_inputs``).
+        new_tokens : list of list of int
+            Per sequence, in batch order, the tokens to compute this step: the fetched tokens
+            less the ``kv.num_cached_tokens`` prefix-cache hits at their front.
+        last_only : bool
+            As for :meth:`forward`.
+
+        Returns
+        -------
+        torch.Tensor
+            float32 logits ``[batch, vocab_size]`` of each sequence's last new token.
+        """
+        counts = np.array([len(t) for t in new_tokens], dtype=np.int64)
+        qo = np.asarray(kv.qo_indptr_host, dtype=np.int64)
+        if counts.shape[0] != qo.shape[0] - 1 or not np.array_equal(np.diff(qo), counts):
+            raise InvalidArgumentError(
+                f"new_tokens: expected per-sequence counts {np.diff(qo).tolist()} (the "
+                f"fetched inputs' qo_indptr), got {counts.tolist()}")
+        start = np.asarray(kv.cache_lengths_host, dtype=np.int64)
+        offsets = np.arange(int(counts.sum())) - np.repeat(qo[:-1], counts)
+        positions = np.repeat(start, counts) + offsets
+        ids = [t for seq in new_tokens for t in seq]
+        dev = self.device
+        return self.forward(torch.tensor(ids, dtype=torch.int64, device=dev),
+                            torch.from_numpy(positions).to(dev), kv,
+                            decode=bool(np.all(counts == 1)), last_only=last_only)

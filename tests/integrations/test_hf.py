@@ -1,0 +1,84 @@
+"""transformers on kvtvm: ``generate`` through KVTVMCache + the "kvtvm" attention equals sdpa
+token for token (toy Llama and SmolLM2), and what kvtvm lacks fails loudly."""
+
+import pytest
+import torch
+
+from kvtvm import KVCacheParams
+from kvtvm.engine import build_toy_model
+from kvtvm.errors import InvalidArgumentError
+
+hf = pytest.importorskip("kvtvm.integrations.hf")
+
+
+def _generate(model, ids, cache=None, n=10):
+    kw = {"cache": cache} if cache is not None else {}
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=n, pad_token_id=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    torch.manual_seed(0)
+    return build_toy_model(num_layers=2)
+
+
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+def test_toy_generate_on_kvtvm_equals_sdpa(toy, cache):
+    ids = torch.randint(3, 1000, (3, 21), generator=torch.Generator().manual_seed(1))
+    toy.set_attn_implementation("sdpa")
+    want = _generate(toy, ids)
+    hf.use_kvtvm(toy)
+    try:
+        kv = hf.KVTVMCache(toy, max_seq_len=64, cache=cache, max_batch_size=3)
+        got = _generate(toy, ids, kv)
+        assert kv.get_seq_length() == ids.shape[1] + 9     # the last token is never fed back
+        kv.release()
+        assert len(kv.mgr.slots_remaining) == 3
+    finally:
+        toy.set_attn_implementation("sdpa")
+    assert torch.equal(want, got)
+
+
+def test_padded_batch_and_overflow_refused(toy):
+    hf.use_kvtvm(toy)
+    try:
+        ids = torch.randint(3, 1000, (2, 8))
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0
+        with pytest.raises(InvalidArgumentError, match="padded"):
+            toy.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                         pad_token_id=0, cache=hf.KVTVMCache(toy, 32, max_batch_size=2))
+        with pytest.raises(InvalidArgumentError, match="max_seq_len"):
+            _generate(toy, ids, hf.KVTVMCache(toy, 12, max_batch_size=2), n=8)
+    finally:
+        toy.set_attn_implementation("sdpa")
+
+
+def test_softcap_refused():
+    with pytest.raises(InvalidArgumentError, match="softcap"):
+        hf.kvtvm_attention(None, None, None, None, None, softcap=30.0)
+
+
+def test_params_from_hf_config(toy):
+    p = KVCacheParams.from_hf_config(toy.config, dtype=torch.bfloat16, page_size=16)
+    assert (p.n_kv_heads, p.head_dim, p.dtype, p.page_size) == (2, 32, "bfloat16", 16)
+    with pytest.raises(InvalidArgumentError, match="config"):
+        KVCacheParams.from_hf_config(object())
+
+
+@pytest.mark.e2e
+def test_smollm2_generate_on_kvtvm_equals_sdpa():
+    pytest.importorskip("gguf")
+    from kvtvm.engine import load_model
+
+    model, tok = load_model("smollm2")
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    model.generation_config.eos_token_id = None            # a fixed number of tokens
+    want = _generate(model, ids, n=8)
+    hf.use_kvtvm(model)
+    got = _generate(model, ids, hf.KVTVMCache(model, 128), n=8)
+    assert torch.equal(want, got)
+    assert "Paris" in tok.decode(got[0, ids.shape[1]:])
