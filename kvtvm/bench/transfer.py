@@ -149,7 +149,14 @@ def host_tier(args) -> dict:
     P = args.page_size
     chunks = [np.asarray(tokens[i * P:(i + 1) * P], np.int64).tobytes() for i in range(n)]
     src = torch.cat([mgr.blocks[0][p][None] for p in range(mgr.num_pages)][:n]).clone()
-    dst = torch.empty_like(src, pin_memory=args.device.startswith("cuda"))
+    on_cuda = src.device.type == "cuda"
+    # the plain peer: the same bytes between the device and (pinned, on CUDA) host memory
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=on_cuda)
+
+    def sync():
+        if on_cuda:
+            torch.cuda.synchronize(src.device)
+
     demote, promote, plain = [], [], []
     for _ in range(args.warmup + args.repeat):
         pages = [page for _, (_, page) in sorted(mgr._prefix.table.items(),
@@ -158,15 +165,18 @@ def host_tier(args) -> dict:
         t0 = time.perf_counter()
         for p in pages:  # what eviction runs for each page
             mgr._demote(p)
+        sync()
         demote.append(time.perf_counter() - t0)
         while mgr._prefix.lru:  # evict them from the device (the host tier holds them)
             mgr._free.append(mgr._prefix.evict_one())
         t0 = time.perf_counter()
         got = mgr._promote(chunks)  # what a prefix hit on the host tier runs
+        sync()
         promote.append(time.perf_counter() - t0)
         assert got == n, f"promoted {got} of {n} pages"
         t0 = time.perf_counter()
         dst.copy_(src)
+        sync()
         plain.append(time.perf_counter() - t0)
     mgr.check_invariants()
     k = args.warmup
