@@ -1,0 +1,214 @@
+"""CPU (llvm) schedule of decode attention over a QUANTIZED cache
+(``kvtvm.kernels.decode_quant``) -- the hand-written kernel of ``schedules/decode/cpu.py`` with
+the K/V loads replaced: 8-bit values are converted to float32 in vector registers (int8:
+``sitofp``; e4m3: integer bit arithmetic, :mod:`kvtvm.kernels.quant_access`) and the row scales
+are folded into scalars (``score = scale_k * q.k_q``; ``acc += (p * scale_v) * v_q``), so the
+inner loops are a conversion and an FMA per element. tests/quant check it against the numpy
+reference over the reference-dequantized cache.
+
+The schedule rebuilds the definition's PrimFunc from the knobs (same parameters, same block
+names ``attend`` and ``merge``, same split arithmetic from :mod:`kvtvm.kernels.decode`). Each
+task loads a K row once for all ``group_size`` query heads (GQA), keeps per-head dot products in
+``lanes``-wide vector accumulators, rescales the output once per tile (online softmax in log2
+units) and streams V rows once; with ``head_block = n_kv_heads`` a task reads each token's K and
+V rows of all heads as one contiguous run (nhd).
+"""
+
+from __future__ import annotations
+
+from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
+from kvtvm.kernels.accessor import cache_index
+from kvtvm.kernels.decode import LN2, LOG2E, NEG, signature, split_range
+from kvtvm.kernels.decode_quant import match_params
+from kvtvm.kernels.quant_access import load_value, row_scale
+
+from ..common import replace_function
+from .cpu import _lanes, default_knobs, exp2_poly  # noqa: F401  (same knobs as the full kernel)
+
+
+def schedule(mod, spec, knobs):
+    H, G, Hq, D, dtype, layout, sliding = signature(spec)
+    ks, vs = spec.k_storage, spec.v_storage
+    TILE = int(knobs["tile_tokens"])
+    L = _lanes(spec, int(knobs["vector_bytes"]))
+    DV = D // L
+    HB = int(knobs.get("head_block", 1))
+    assert H % HB == 0, f"head_block {HB} must divide n_kv_heads {H}"
+    NHB = H // HB
+    W = min(TILE, 16)  # lanes of the tile reductions (TILE is a power of two)
+    # a serial variant serves small calls: waking TVM's thread pool costs more than it saves
+    tasks = T.parallel if knobs.get("parallel", True) else T.serial
+
+    def tile_tree(combine):
+        """A macro folding row ``r`` of ``sc`` (``TILE`` scores) into ``red[0]`` with
+        ``combine``: ``W`` lanes across the tile, then halving -- a vector tree instead of a
+        serial chain of scalar operations."""
+
+        @T.macro
+        def fold(red, sc, r):
+            for l in T.vectorized(W):
+                red[l] = sc[r, l]
+            for c in range(1, TILE // W):
+                for l in T.vectorized(W):
+                    red[l] = combine(red[l], sc[r, c * W + l])
+            if W >= 16:
+                for l in T.vectorized(8):
+                    red[l] = combine(red[l], red[l + 8])
+            if W >= 8:
+                for l in T.vectorized(4):
+                    red[l] = combine(red[l], red[l + 4])
+            if W >= 4:
+                for l in T.vectorized(2):
+                    red[l] = combine(red[l], red[l + 2])
+            if W >= 2:
+                red[0] = combine(red[0], red[1])
+
+        return fold
+
+    row_max = tile_tree(T.max)
+    row_sum = tile_tree(lambda a, b: a + b)
+
+    # fmt: off
+    @prim_func
+    def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
+               var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
+               var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
+               sm_scale: T.float32, window: T.int32):
+        T.func_attr({ATTR_NOALIAS: True})
+        (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
+         lookup, out, lse, o_part, lse_part) = match_params(
+            spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
+            var_lse, var_o_part, var_lse_part)
+        for task in tasks(batch * NHB * splits):
+            with block("attend"):
+                T.reads()
+                T.writes()
+                qf = alloc_buffer((HB * G, D), "float32")
+                acc = alloc_buffer((HB * G, D), "float32")
+                sc = alloc_buffer((HB * G, TILE), "float32")
+                part = alloc_buffer((G, L), "float32")
+                row = alloc_buffer((L,), "float32")
+                m = alloc_buffer((HB * G,), "float32")
+                den = alloc_buffer((HB * G,), "float32")
+                mt = alloc_buffer((1,), "float32")
+                red = alloc_buffer((W,), "float32")
+                scl = alloc_buffer((1,), "float32")
+                rs = alloc_buffer((1,), "float32")
+                b: T.int64 = task // (NHB * splits)
+                h0: T.int64 = T.floormod(task // splits, NHB) * HB
+                s: T.int64 = T.floormod(task, splits)
+                lo, hi = split_range(cache_lengths[b], window, s, splits, sliding)
+                for r in range(HB * G):  # r = hh * G + g: query head h0 * G + r
+                    for dv in range(DV):
+                        for l in T.vectorized(L):
+                            qf[r, dv * L + l] = T.Cast("float32", q[b, h0 * G + r, dv * L + l]) \
+                                * sm_scale * T.float32(LOG2E)
+                            acc[r, dv * L + l] = T.float32(0)
+                    m[r] = T.float32(NEG)
+                    den[r] = T.float32(0)
+                for it in range(T.floordiv(T.max(hi - lo, T.int64(0)) + TILE - 1, TILE)):
+                    for t in range(TILE):
+                        if lo + it * TILE + t < hi:
+                            page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
+                            slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
+                            for hh in range(HB):
+                                rs[0] = row_scale(k_cache, cache_index(layout, page, slot, h0 + hh, 0), D, ks)
+                                for g in range(G):
+                                    for l in T.vectorized(L):
+                                        part[g, l] = T.float32(0)
+                                for dv in range(DV):
+                                    for l in T.vectorized(L):
+                                        row[l] = load_value(k_cache, cache_index(layout, page, slot, h0 + hh, dv * L + l), ks)
+                                    for g in range(G):
+                                        for l in T.vectorized(L):
+                                            part[g, l] = part[g, l] + qf[hh * G + g, dv * L + l] * row[l]
+                                for g in range(G):  # horizontal sums as a vector tree
+                                    if L >= 16:
+                                        for l in T.vectorized(8):
+                                            part[g, l] = part[g, l] + part[g, l + 8]
+                                    if L >= 8:
+                                        for l in T.vectorized(4):
+                                            part[g, l] = part[g, l] + part[g, l + 4]
+                                    if L >= 4:
+                                        for l in T.vectorized(2):
+                                            part[g, l] = part[g, l] + part[g, l + 2]
+                                    if L >= 2:
+                                        part[g, 0] = part[g, 0] + part[g, 1]
+                                    sc[hh * G + g, t] = part[g, 0] * rs[0]
+                        else:
+                            for r in range(HB * G):
+                                sc[r, t] = T.float32(NEG)
+                    for r in range(HB * G):
+                        row_max(red, sc, r)  # (and row_sum below): vector trees
+                        mt[0] = T.max(m[r], red[0])
+                        if mt[0] > m[r]:
+                            scl[0] = T.exp2(m[r] - mt[0])
+                            den[r] = den[r] * scl[0]
+                            for dv in range(DV):
+                                for l in T.vectorized(L):
+                                    acc[r, dv * L + l] = acc[r, dv * L + l] * scl[0]
+                            m[r] = mt[0]
+                        for t in T.vectorized(TILE):
+                            sc[r, t] = exp2_poly(sc[r, t] - mt[0])
+                        row_sum(red, sc, r)
+                        den[r] = den[r] + red[0]
+                    for t in range(TILE):
+                        if lo + it * TILE + t < hi:
+                            page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
+                            slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
+                            for hh in range(HB):
+                                rs[0] = row_scale(v_cache, cache_index(layout, page, slot, h0 + hh, 0), D, vs)
+                                for g in range(G):
+                                    part[g, 0] = sc[hh * G + g, t] * rs[0]
+                                for dv in range(DV):
+                                    for l in T.vectorized(L):
+                                        row[l] = load_value(v_cache, cache_index(layout, page, slot, h0 + hh, dv * L + l), vs)
+                                    for g in range(G):
+                                        for l in T.vectorized(L):
+                                            acc[hh * G + g, dv * L + l] = acc[hh * G + g, dv * L + l] + part[g, 0] * row[l]
+                for r in range(HB * G):
+                    if splits == T.int64(1):
+                        for dv in range(DV):
+                            for l in T.vectorized(L):
+                                out[b, h0 * G + r, dv * L + l] = T.Cast(dtype, acc[r, dv * L + l] / den[r])
+                        lse[b, h0 * G + r] = (m[r] + T.log2(den[r])) * T.float32(LN2)
+                    elif den[r] > T.float32(0):
+                        for dv in range(DV):
+                            for l in T.vectorized(L):
+                                o_part[s, b, h0 * G + r, dv * L + l] = acc[r, dv * L + l] / den[r]
+                        lse_part[s, b, h0 * G + r] = m[r] + T.log2(den[r])
+                    else:
+                        for dv in range(DV):
+                            for l in T.vectorized(L):
+                                o_part[s, b, h0 * G + r, dv * L + l] = T.float32(0)
+                        lse_part[s, b, h0 * G + r] = T.float32(NEG)
+        if splits > T.int64(1):
+            for task in tasks(batch * Hq):
+                with block("merge"):
+                    T.reads()
+                    T.writes()
+                    acc = alloc_buffer((D,), "float32")
+                    m = alloc_buffer((1,), "float32")
+                    den = alloc_buffer((1,), "float32")
+                    w = alloc_buffer((1,), "float32")
+                    b: T.int64 = task // Hq
+                    hq: T.int64 = T.floormod(task, Hq)
+                    m[0] = T.float32(NEG)
+                    den[0] = T.float32(0)
+                    for s in range(splits):
+                        m[0] = T.max(m[0], lse_part[s, b, hq])
+                    for dv in range(DV):
+                        for l in T.vectorized(L):
+                            acc[dv * L + l] = T.float32(0)
+                    for s in range(splits):
+                        w[0] = T.exp2(lse_part[s, b, hq] - m[0])
+                        den[0] = den[0] + w[0]
+                        for dv in range(DV):
+                            for l in T.vectorized(L):
+                                acc[dv * L + l] = acc[dv * L + l] + w[0] * o_part[s, b, hq, dv * L + l]
+                    for dv in range(DV):
+                        for l in T.vectorized(L):
+                            out[b, hq, dv * L + l] = T.Cast(dtype, acc[dv * L + l] / den[0])
+                    lse[b, hq] = (m[0] + T.log2(den[0])) * T.float32(LN2)
+    # fmt: on
+    return replace_function(mod, decode, "decode")
