@@ -12,9 +12,10 @@ Every helper returns a TIR expression (call them inside a TVMScript function). T
 are integer arithmetic on the bits -- exact, vectorizable, independent of the FPU's
 denormal mode and of any native float8 support:
 
-- decode: magnitude ``m = bits & 0x7F``; ``m >= 8`` is a normal number whose float32 bits are
-  ``(m << 20) + (120 << 23)`` (exponent rebias 127 - 7); ``m < 8`` is ``m * 2**-9``; the sign
-  is bit 7 -> bit 31. (The NaN code 0x7F never occurs in a cache kvtvm wrote.)
+- decode: the bits moved into a float16 (sign to bit 15, the rest to bits 7-13) are the value
+  over 2**8; float16 -> float32 converts it (subnormals included) and the row scale carries the
+  2**8 back (:func:`e4m3_to_half_scaled`). (The NaN code 0x7F never occurs in a cache kvtvm
+  wrote.)
 - encode (``|y| <= 448``): below ``2**-6`` the subnormal code is ``rne(|y| * 2**9)`` (8
   rolls into the smallest normal code, as it should); above, round the float32 mantissa to 3
   bits to nearest even on the bits and rebias.
@@ -62,34 +63,44 @@ def _u8(byte):
     return T.bitwise_and(T.Cast("int32", byte), 0xFF)
 
 
-def e4m3_to_float(byte):
-    """float32 value of float8_e4m3fn bits held in an int8 (see the module docstring)."""
-    u = _u8(byte)
-    mag = T.bitwise_and(u, 0x7F)
-    sign = T.shift_left(T.bitwise_and(u, 0x80), 24)
-    normal = T.reinterpret("float32", T.bitwise_or(sign, T.shift_left(mag, 20) + (120 << 23)))
-    small = T.Cast("float32", T.Select(sign != 0, -mag, mag)) * T.float32(2.0 ** -9)
-    return T.Select(mag < 8, small, normal)
+def e4m3_to_half_scaled(byte):
+    """float32 of float8_e4m3fn bits held in an int8, divided by 2**8 (exactly): the bits
+    moved into a float16 (sign to bit 15, exponent and mantissa to bits 7-13) are the e4m3
+    value with exponent bias 15 instead of 7, and float16 -> float32 is one vector instruction
+    (``vcvtph2ps``) that handles the subnormals exactly. :func:`row_scale` returns the scale
+    times 2**8 for float8 rows, so ``load_value * row_scale`` is the exact dequantized value."""
+    s = T.Cast("int16", byte)  # sign-extended: bit 7 is the sign
+    bits = T.bitwise_or(T.bitwise_and(T.shift_left(s, T.int16(8)), T.int16(-32768)),
+                        T.bitwise_and(T.shift_left(s, T.int16(7)), T.int16(0x3F80)))
+    return T.Cast("float32", T.reinterpret("float16", bits))
+
+
+#: float8 values are loaded divided by this (:func:`e4m3_to_half_scaled`); their scale times it.
+FP8_LOAD_SCALE = 256.0
 
 
 def load_value(cache, index, storage: str):
-    """float32 value of element ``index`` of a cache buffer stored as ``storage`` (unscaled:
-    multiply by :func:`row_scale` to dequantize)."""
+    """float32 value of element ``index`` of a cache buffer stored as ``storage``, unscaled:
+    multiply by :func:`row_scale` to dequantize (float8 values come divided by
+    :data:`FP8_LOAD_SCALE`, which :func:`row_scale` multiplies back)."""
     if storage == "float8_e4m3fn":
-        return e4m3_to_float(cache[index])
+        return e4m3_to_half_scaled(cache[index])
     return T.Cast("float32", cache[index])
 
 
 def row_scale(cache, row_index, head_dim: int, storage: str):
     """The float32 scale of the row whose first element is ``row_index`` (a 4-tuple with dim
-    0); 1 for a full-precision buffer. Four byte loads, reassembled (little-endian)."""
+    0), times :data:`FP8_LOAD_SCALE` for float8 rows (exact: a power of two, and a scale is at
+    most ``FLT_MAX / 448``); 1 for a full-precision buffer. Four byte loads, reassembled
+    (little-endian)."""
     if not storage:
         return T.float32(1)
     *lead, _ = row_index
     bits = _u8(cache[(*lead, head_dim)])
     for i in range(1, SCALE_BYTES):
         bits = T.bitwise_or(bits, T.shift_left(_u8(cache[(*lead, head_dim + i)]), 8 * i))
-    return T.reinterpret("float32", bits)
+    scale = T.reinterpret("float32", bits)
+    return scale * T.float32(FP8_LOAD_SCALE) if storage == "float8_e4m3fn" else scale
 
 
 def _rne(x):
