@@ -56,3 +56,24 @@ def describe(name: str, expected, actual) -> str:
 class KernelVersionError(KVCacheError, RuntimeError):
     """A built kernel module was made by another kvtvm or TVM version (or has no readable
     manifest) and cannot be rebuilt here because only the TVM runtime is present."""
+
+
+class KernelIndexError(InvalidArgumentError):
+    """A kernel met an index outside its tensors (a page, a position or a row offset), skipped
+    that entry and recorded it in its error flag; raised after the launch (CPU) or by the next
+    checked call or :func:`kvtvm.ops.check` (CUDA). The entries it names were not written."""
+
+
+class StaleInputsError(SequenceStateError):
+    """Inputs from a superseded ``fetch`` (a later fetch, the batch's ``step`` or a ``release``
+    of one of its sequences came since) were given to an op or a plan; nothing was written."""
+
+
+class UntrustedKernelError(KVCacheError, PermissionError):
+    """A kernel directory or file is owned by another user, or group/others can write it (as
+    ssh does with keys, kvtvm loads no code another user could have planted)."""
+
+
+class CorruptKernelError(KVCacheError, RuntimeError):
+    """A built kernel (or a tuning log) is truncated or corrupt -- its sha256 differs from its
+    manifest's, or it cannot be read or loaded -- and cannot be rebuilt here."""

@@ -11,7 +11,11 @@ length never syncs a device.
 
 Lifetime: ``cache_lengths``, ``lookup_table`` and ``qo_indptr`` are views of the manager's
 preallocated per-step buffers (CUDA-graph friendly: fixed addresses, updated in place). They stay
-valid until the next ``fetch`` of the same manager overwrites them.
+valid until the next ``fetch`` of the same manager overwrites them, the batch's ``step`` commits
+it, or one of its sequences is released. Each fetch's inputs carry a :class:`FetchToken` (also
+stamped on its three table tensors); the manager kills it at that moment, and every op and plan
+given a table tensor of a dead token raises :class:`~kvtvm.errors.StaleInputsError` before
+writing anything (see docs/managers.md, "Threads").
 """
 
 from __future__ import annotations
@@ -21,13 +25,62 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import InvalidArgumentError, describe
+from .errors import InvalidArgumentError, StaleInputsError, describe
 from .params import KVCacheParams, KVCacheStrategy
 
 __all__ = [
     "BatchItem", "TokenBatch", "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs",
-    "KVCacheInputsSequence", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols",
+    "KVCacheInputsSequence", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols", "FetchToken",
+    "stamp", "token_of", "check_live",
 ]
+
+
+class FetchToken:
+    """Whether the inputs of one ``fetch`` may still be used.
+
+    The manager creates one per fetch and kills it when the fetch's tables stop describing it:
+    at the manager's next ``fetch`` (which overwrites the shared table buffers), at the
+    batch's ``step`` and at a ``release`` of one of its sequences. The ops read it through the
+    table tensors (:func:`token_of`), so they learn staleness without knowing managers.
+    """
+
+    __slots__ = ("live", "why", "lock")
+
+    def __init__(self, lock=None):
+        #: the manager's lock: a launch holds it from its liveness check to the kernel's
+        #: return (CPU) or enqueue (CUDA), so a concurrent fetch cannot slip in between
+        self.live, self.why, self.lock = True, "", lock
+
+    def kill(self, why: str) -> None:
+        """Mark the inputs superseded (the first reason is kept)."""
+        if self.live:
+            self.live, self.why = False, why
+
+    def __repr__(self) -> str:
+        return "FetchToken(live)" if self.live else f"FetchToken(dead: {self.why})"
+
+
+#: Attribute of a table tensor holding its fetch's token (torch tensors take attributes).
+_TOKEN_ATTR = "_kvtvm_fetch_token"
+
+
+def stamp(token: FetchToken, *tensors) -> None:
+    """Attach ``token`` to each tensor (fresh view objects of one fetch)."""
+    for t in tensors:
+        setattr(t, _TOKEN_ATTR, token)
+
+
+def token_of(tensor) -> "FetchToken | None":
+    """The fetch token stamped on ``tensor`` (None for a tensor no manager handed out)."""
+    return getattr(tensor, _TOKEN_ATTR, None)
+
+
+def check_live(name: str, token: "FetchToken | None") -> None:
+    """Raise :class:`StaleInputsError` naming ``name`` when ``token`` is dead."""
+    if token is not None and not token.live:
+        raise StaleInputsError(
+            f"{name}: inputs of a superseded fetch ({token.why}); use the inputs of the "
+            "latest fetch -- nothing was written")
 
 
 @dataclass
@@ -51,6 +104,8 @@ class BatchItem:
 
 def _host_int_vector(name: str, values) -> np.ndarray:
     """``values`` (a list, numpy array or CPU torch tensor of ints) as a 1-D int64 array."""
+    if isinstance(values, (list, tuple)) and set(map(type, values)) & {bool, np.bool_}:
+        raise InvalidArgumentError(describe(name, "ints", f"a bool in {list(values)}"))
     try:
         arr = np.asarray(values)
     except (TypeError, RuntimeError) as err:  # e.g. a CUDA tensor: a host copy would sync
@@ -211,6 +266,12 @@ class RaggedKVCacheInputs(KVCacheInputs):
     max_seq_len: int = 0
     device_index: int = 0
     extra: dict = field(default_factory=dict, repr=False)
+    token: FetchToken | None = field(default=None, repr=False)
+
+    def check_live(self) -> None:
+        """Raise :class:`~kvtvm.errors.StaleInputsError` when these inputs were superseded
+        (a later fetch, their step, or a release of one of their sequences)."""
+        check_live("kv_cache_inputs", self.token)
 
     @property
     def batch_size(self) -> int:

@@ -29,6 +29,8 @@ import numpy as np
 from .errors import InvalidArgumentError, describe
 from .ops import (Launch, SplitWorkspace, prepare_append_kv, prepare_decode_attention,
                   prepare_prefill_attention)
+from .inputs import check_live
+from .ops.errflag import check as check_device
 from .ops.checks import as_tensor
 
 __all__ = ["StepPlan", "plan_step"]
@@ -134,6 +136,21 @@ class StepPlan:
                     lse=lse, **self._attention_kwargs)
             self._attention = launch
         return launch.run()
+
+
+    def check(self) -> None:
+        """Report what this step's GPU kernels skipped so far (synchronizes with the device;
+        a no-op on the CPU, where every launch reports at once).
+
+        Raises
+        ------
+        KernelIndexError
+            A kernel skipped an out-of-range index (see :func:`kvtvm.ops.check`).
+        StaleInputsError
+            The plan's inputs were superseded by a later fetch, their step or a release.
+        """
+        check_live("inputs", getattr(self.inputs, "token", None))
+        check_device(self._caches[0][0].device if self._caches else None)
 
 
 def plan_step(inputs, **kwargs) -> StepPlan:

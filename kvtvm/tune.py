@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import compiler, runtime
 from .bench.common import device_name, median_seconds
+from .kernels.errflag import ERR_SLOTS
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,18 @@ def append_workload(spec, device: str):
 def workload(spec, device: str):
     """``(args, outputs)`` for calling ``spec``'s kernel function directly: ``args`` is the
     argument tuple and ``outputs`` the tensors to compare between candidates."""
+    import torch
+
     if spec.op == "append":
-        return append_workload(spec, device)
-    bench = importlib.import_module(f"kvtvm.bench.{spec.op}")
-    make = getattr(bench, "tuning_workload", None)
-    if make is None:
-        raise SystemExit(f"no tuning workload for op {spec.op!r}")
-    return make(spec, device)
+        args, outputs = append_workload(spec, device)
+    else:
+        bench = importlib.import_module(f"kvtvm.bench.{spec.op}")
+        make = getattr(bench, "tuning_workload", None)
+        if make is None:
+            raise SystemExit(f"no tuning workload for op {spec.op!r}")
+        args, outputs = make(spec, device)
+    # every kernel's last argument: its error flag (kvtvm.kernels.errflag)
+    return (*args, torch.zeros(ERR_SLOTS, dtype=torch.int32, device=device)), outputs
 
 
 def candidates(spec, max_trials: int, seed: int = 0) -> list[dict]:

@@ -40,3 +40,67 @@ def replace_function(mod, func, what: str):
     (name, old), = mod.functions_items()
     assert len(old.params) == len(func.params), f"{what} signature drifted from the definition"
     return tvm.IRModule({name: func.with_attr("global_symbol", name.name_hint)})
+
+
+_BLOCK_ANY = r"""
+__device__ __forceinline__ int kvtvm_block_any(int p) { return __syncthreads_or(p); }
+"""
+
+
+def block_any(pred):
+    """CUDA: 1 when ``pred`` is nonzero in any thread of the block, else 0 (a barrier: every
+    thread of the block must reach it)."""
+    from kvtvm.kernels._tvm import T
+
+    return T.cuda.func_call("kvtvm_block_any", T.Cast("int32", pred), source_code=_BLOCK_ANY,
+                            return_type="int32")
+
+
+def pages_bad_macro(threads: int, any_of=None, hoist: bool = True):
+    """CUDA: a macro setting ``bad[0]`` (a local int32 buffer) to 1 in every thread of the block
+    when a page of ``lookup[b, first:last + 1]`` lies outside ``[0, num_pages)`` (``threads``
+    threads read the entries in turn; a barrier makes the answer uniform, so the caller can
+    skip its whole range before staging any of it). Empty when ``last < first``. ``any_of``
+    (default: :func:`block_any`) makes the answer uniform; ``"warp"`` with 32 threads checks
+    within one warp (a butterfly of shuffles). ``hoist``: bind the range's start and length once (``False``
+    recomputes them in the loop; which of the two ptxas allocates without spills depends on
+    the kernel around it -- tests/compiler check both users).""" 
+    from kvtvm.kernels._tvm import T
+
+    warp = any_of == "warp"
+    any_of = block_any if warp or any_of is None else any_of
+
+    @T.macro
+    def pages_bad_hoisted(bad, lookup, b, first, last, num_pages, tid):
+        p_first: T.int32 = first
+        p_count: T.int32 = T.max(last - p_first + 1, 0)
+        bad[0] = 0
+        for i in range(T.truncdiv(p_count + threads - 1, threads)):
+            if i * threads + tid < p_count:
+                # one unsigned compare: a negative page wraps past every pool size
+                if T.Cast("uint64", T.Cast("int64", lookup[b, p_first + i * threads + tid])) \
+                        >= T.Cast("uint64", num_pages):
+                    bad[0] = 1
+        if warp:
+            for sh in T.unroll(5):
+                bad[0] = T.max(bad[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), bad[0],
+                                                              1 << sh, 32, 32))
+        else:
+            bad[0] = any_of(bad[0])
+
+    @T.macro
+    def pages_bad_inline(bad, lookup, b, first, last, num_pages, tid):
+        bad[0] = 0
+        for i in range(T.truncdiv(T.max(last - first + 1, 0) + threads - 1, threads)):
+            if first + i * threads + tid <= last:
+                if T.Cast("uint64", T.Cast("int64", lookup[b, first + i * threads + tid])) \
+                        >= T.Cast("uint64", num_pages):
+                    bad[0] = 1
+        if warp:
+            for sh in T.unroll(5):
+                bad[0] = T.max(bad[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), bad[0],
+                                                              1 << sh, 32, 32))
+        else:
+            bad[0] = any_of(bad[0])
+
+    return pages_bad_hoisted if hoist else pages_bad_inline

@@ -30,6 +30,7 @@ from .fatbin import fatbin_archs, fatbin_packer
 from .knobs import resolve_knobs, schedule_module
 from .manifest import is_fresh, write_manifest
 from .nvcc import nvcc_fatbin
+from .trust import set_file_mode
 from .spec import KernelSpec
 
 log = logging.getLogger(__name__)
@@ -113,9 +114,11 @@ def export_built(module, out: Path, arch: str | None = None) -> Path:
             report_path.write_text(report)
             module.export_library(str(tmp_out), workspace_dir=str(tmp),
                                   fpack_imports=fatbin_packer(source, fatbin))
+            set_file_mode(report_path)
             os.replace(report_path, out.with_suffix(".ptxas.txt"))
         else:
             module.export_library(str(tmp_out), workspace_dir=str(tmp))
+        set_file_mode(tmp_out)  # explicit, whatever the umask
         os.replace(tmp_out, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import runtime
-from ..errors import CompilerUnavailableError, KernelVersionError
+from ..errors import CompilerUnavailableError, CorruptKernelError, KernelVersionError
 from . import build as _build
-from .manifest import is_fresh, version_mismatch
+from .manifest import is_fresh, manifest_path, read_manifest, version_mismatch
+from .trust import check_digest, check_trusted, corrupt, secure_cache_dir
 from .spec import KernelSpec, tvm_version
 
 _extra_dirs: list[Path] = []
@@ -85,6 +86,10 @@ def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[
         path = d / spec.file_name()
         if not path.exists():
             continue
+        check_trusted(d, "kernel directory")  # raises: never load another user's code
+        check_trusted(path)
+        if manifest_path(path).exists():
+            check_trusted(manifest_path(path), "kernel manifest")
         if can_build:
             if is_fresh(path, spec):
                 return path, rejected
@@ -92,7 +97,10 @@ def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[
         else:
             why = version_mismatch(path)
             if why is None:
-                return path, rejected
+                bad = check_digest(path, read_manifest(path))
+                if bad is None:
+                    return path, rejected
+                raise corrupt(path, bad)
             rejected.append((path, why))
     return None, rejected
 
@@ -107,6 +115,11 @@ def get_kernel(spec: KernelSpec):
     KernelVersionError
         Runtime only, and the module found was built by another kvtvm or TVM version (or has
         no readable manifest).
+    UntrustedKernelError
+        A kernel directory or file is another user's or writable by group/others.
+    CorruptKernelError
+        Runtime only, and the module's bytes differ from its manifest's sha256 (truncated,
+        modified), or TVM cannot load it.
     DeviceUnavailableError
         A CUDA spec is requested on a machine that cannot run CUDA.
     """
@@ -128,8 +141,13 @@ def get_kernel(spec: KernelSpec):
                     f"kernel {spec.uri} for {spec.target_tag} is not built in any of "
                     f"{[str(d) for d in kernel_dirs()]} and the TVM compiler is not available "
                     "(runtime-only mode); build it ahead of time with `python -m kvtvm build`")
-            path = _build.build_spec(spec, cache_dir())
-        module = runtime.load_module(str(path), needs_cuda=spec.is_cuda)
+            path = _build.build_spec(spec, secure_cache_dir(cache_dir()))
+        try:
+            module = runtime.load_module(str(path), needs_cuda=spec.is_cuda)
+        except Exception as err:  # digest matched: a module TVM cannot load is still corrupt
+            if type(err).__module__.startswith("kvtvm"):
+                raise
+            raise CorruptKernelError(f"cannot load {path}: {err}") from None
         fn = module[spec.func_name]
         _loaded[key] = (module, fn)  # the module must outlive its functions
         return fn

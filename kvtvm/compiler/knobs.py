@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from ..errors import CorruptKernelError
 from .spec import KernelSpec
 
 _PKG = Path(__file__).resolve().parent.parent  # kvtvm/
@@ -55,7 +56,15 @@ def tuned_knobs(spec: KernelSpec) -> dict:
     path = tuning_log_path(spec)
     if not path.exists():
         return {}
-    return dict(json.loads(path.read_text()).get("knobs", {}))
+    try:
+        data = json.loads(path.read_text())
+        knobs = data.get("knobs", {}) if isinstance(data, dict) else None
+        if not isinstance(knobs, dict):
+            raise ValueError(f"'knobs' is {type(knobs).__name__}, not an object")
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise CorruptKernelError(f"tuning log {path} is unreadable or corrupt ({err}); "
+                                 "delete it or re-run `python -m kvtvm.tune`") from None
+    return dict(knobs)
 
 
 def default_knobs(spec: KernelSpec) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .._version import __version__
 from .knobs import schedules_dir, tuned_knobs
+from .trust import check_digest, set_file_mode, sha256_of
 from .spec import KernelSpec, target_key, tvm_version
 
 #: Bumped when the manifest's fields change meaning.
@@ -94,12 +95,13 @@ def write_manifest(module_path: Path, spec: KernelSpec, knobs: dict) -> Path:
     data = {"format": MANIFEST_FORMAT, "kvtvm": __version__, "tvm": tvm_version(),
             "spec": spec_fields(spec), "target_key": target_key() if spec.target == "llvm"
             else spec.arch, "knobs": knobs, "source_digest": source_digest(spec),
-            "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sha256": sha256_of(module_path)}
     out = manifest_path(module_path)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True, default=str)
         f.write("\n")
+    set_file_mode(Path(tmp))
     os.replace(tmp, out)
     return out
 
@@ -114,10 +116,12 @@ def read_manifest(module_path: str | os.PathLike) -> dict | None:
 
 
 def is_fresh(module_path: Path, spec: KernelSpec) -> bool:
-    """Whether the module at ``module_path`` was built by this TVM from the current sources."""
+    """Whether the module at ``module_path`` was built by this TVM from the current sources,
+    and its bytes are the ones its manifest's sha256 names."""
     data = read_manifest(module_path)
     return (data is not None and data.get("tvm") == tvm_version()
-            and data.get("source_digest") == source_digest(spec))
+            and data.get("source_digest") == source_digest(spec)
+            and check_digest(Path(module_path), data) is None)
 
 
 def version_mismatch(module_path: Path) -> str | None:

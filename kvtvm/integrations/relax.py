@@ -67,6 +67,18 @@ __all__ = [
 _OPAQUE = 8
 
 
+def _ERR_TY():  # noqa: N802
+    """Type of a kernel's error flag (its last parameter, :mod:`kvtvm.kernels.errflag`): in a
+    graph it is a scratch output nobody reads -- the kernels still skip every out-of-range
+    index, so a graph never touches memory outside its tensors; validate indices on the host
+    (``check_indices``-style) when the graph's caller needs the error reported."""
+    from tvm import relax
+
+    from ..kernels.errflag import ERR_SLOTS
+
+    return relax.TensorType([ERR_SLOTS], "int32")
+
+
 # ------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------
@@ -197,8 +209,8 @@ def emit_append_kv(bb, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_
     gv = add_kernel(bb, spec)
     args = [k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table]
     args = [a._expr if hasattr(a, "_expr") else a for a in args]
-    out = bb.emit(relax.op.call_tir_inplace(gv, args, inplace_indices=[0, 1],
-                                            out_ty=[args[0].ty, args[1].ty]),
+    out = bb.emit(relax.op.call_tir_inplace(gv, args, inplace_indices=[0, 1, -1],
+                                            out_ty=[args[0].ty, args[1].ty, _ERR_TY()]),
                   name_hint="kv_appended")
     return (bb.emit(relax.TupleGetItem(out, 0), name_hint="k_cache"),
             bb.emit(relax.TupleGetItem(out, 1), name_hint="v_cache"))
@@ -263,7 +275,7 @@ def emit_attention(bb, q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tab
     args = [a._expr if hasattr(a, "_expr") else a for a in args]
     ntok = qshape[0]
     out = bb.emit(relax.call_tir(gv, args, [relax.TensorType([ntok, hq, dim], dtype),
-                                            relax.TensorType([ntok, hq], "float32")]),
+                                            relax.TensorType([ntok, hq], "float32"), _ERR_TY()]),
                   name_hint="attn")
     o = bb.emit(relax.TupleGetItem(out, 0), name_hint="attn_out")
     if return_lse:
@@ -312,7 +324,8 @@ def emit_decode_attention(bb, q, k_cache, v_cache, cache_lengths, lookup_table, 
     out = bb.emit(relax.call_tir(gv, args, [
         relax.TensorType([batch, hq, dim], dtype), relax.TensorType([batch, hq], "float32"),
         relax.TensorType([num_splits, batch, hq, dim], "float32"),
-        relax.TensorType([num_splits, batch, hq], "float32")]), name_hint="decode_attn")
+        relax.TensorType([num_splits, batch, hq], "float32"), _ERR_TY()]),
+        name_hint="decode_attn")
     o = bb.emit(relax.TupleGetItem(out, 0), name_hint="attn_out")
     if return_lse:
         return o, bb.emit(relax.TupleGetItem(out, 1), name_hint="attn_lse")

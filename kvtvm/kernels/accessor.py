@@ -15,6 +15,7 @@ manager's cache tensor is passed with no copy. ``page_size`` is a runtime value.
 from __future__ import annotations
 
 from ._tvm import T
+from .errflag import ERR_SLOTS
 
 
 def i64(value):
@@ -69,6 +70,12 @@ def match_cache_pair(var_k_cache, var_v_cache, layout: str, n_kv_heads: int, hea
     v_cache = match_cache(var_v_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
                           dtype, [T.int64(), T.int64(), T.int64(), 1], T.int64())
     return num_pages, page_size, k_cache, v_cache
+
+
+def match_err(handle):
+    """``T.match_buffer`` of a kernel's error flag: int32 ``[ERR_SLOTS]`` (see
+    :mod:`kvtvm.kernels.errflag`)."""
+    return match_tensor(handle, (ERR_SLOTS,), "int32")
 
 
 #: Binary-search steps of :func:`find_sequence`: enough for a batch of 2**16 sequences.

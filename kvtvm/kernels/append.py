@@ -12,8 +12,12 @@ Inputs (``b`` in ``[0, batch)``, new tokens of ``b`` are rows ``qo_indptr[b]:qo_
                                        cache_lengths[b] + i - qo_indptr[b]
     lookup_table      [batch, max_pages] int32
 
-A row whose page index falls outside ``[0, num_pages)`` is not written (a guard; the ops layer
-raises before launch on such input).
+    err               [ERR_SLOTS] int32    error flag (:mod:`kvtvm.kernels.errflag`)
+
+Every index is checked in the kernel: a row outside its sequence's ``qo_indptr`` range
+(``ERR_INDPTR``), at a position outside ``[0, max_pages * page_size)`` (``ERR_POSITION``) or on
+a page outside ``[0, num_pages)`` (``ERR_PAGE``) is not written and sets its flag; the op turns
+the flag into a typed error (with ``check_indices`` it raises before launch instead).
 
 Blocks: ``locate`` (token -> sequence, by binary search of ``qo_indptr``) and ``append``.
 
@@ -24,7 +28,8 @@ Knobs: llvm ``vector_bytes``, ``parallel``; cuda ``vector_bytes``, ``tokens_per_
 from __future__ import annotations
 
 from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
-from .accessor import cache_index, find_sequence, match_cache_pair, match_tensor
+from .accessor import cache_index, find_sequence, match_cache_pair, match_err, match_tensor
+from .errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
 from .reference import reference_append  # noqa: F401  (the numpy reference, beside its kernel)
 from .variants import VARIANTS as _ALL_VARIANTS
 
@@ -46,7 +51,8 @@ def define(spec):
     # fmt: off
     @prim_func
     def append(var_k_cache: T.handle, var_v_cache: T.handle, var_k: T.handle, var_v: T.handle,
-               var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle):
+               var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
+               var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True})
         num_pages, page_size, k_cache, v_cache = match_cache_pair(var_k_cache, var_v_cache,
                                                                   layout, H, D, dtype)
@@ -56,6 +62,7 @@ def define(spec):
         qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
         cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
         lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
+        err = match_err(var_err)
         seq_of = alloc_buffer((ntok,), "int32")
         for n in range(ntok):
             with block("locate"):
@@ -69,15 +76,24 @@ def define(spec):
         for n, h, d in T.grid(ntok, H, D):
             with block("append"):
                 vn, vh, vd = T.axis.remap("SSS", [n, h, d])
-                T.reads(seq_of[vn], qo_indptr[seq_of[vn]], cache_lengths[seq_of[vn]],
+                T.reads(seq_of[vn], qo_indptr[seq_of[vn]:seq_of[vn] + 2], cache_lengths[seq_of[vn]],
                         lookup[seq_of[vn], 0:max_pages], k[vn, vh, vd], v[vn, vh, vd])
                 T.writes(k_cache[0:num_pages, 0:k_cache.shape[1], 0:k_cache.shape[2], vd],
-                         v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], vd])
-                pos: T.int64 = T.Cast("int64", cache_lengths[seq_of[vn]]) + vn \
-                    - T.Cast("int64", qo_indptr[seq_of[vn]])
-                page: T.int64 = T.Cast("int64", lookup[seq_of[vn], T.truncdiv(pos, page_size)])
-                if page >= 0 and page < num_pages:
-                    k_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = k[vn, vh, vd]
-                    v_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = v[vn, vh, vd]
+                         v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], vd],
+                         err[0:4])
+                b: T.int32 = seq_of[vn]
+                pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
+                    - T.Cast("int64", qo_indptr[b])
+                if vn < T.Cast("int64", qo_indptr[b]) or vn >= T.Cast("int64", qo_indptr[b + 1]):
+                    err[ERR_INDPTR] = 1
+                elif pos < T.int64(0) or pos >= max_pages * page_size:
+                    err[ERR_POSITION] = 1
+                else:
+                    page: T.int64 = T.Cast("int64", lookup[b, T.truncdiv(pos, page_size)])
+                    if page >= 0 and page < num_pages:
+                        k_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = k[vn, vh, vd]
+                        v_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = v[vn, vh, vd]
+                    else:
+                        err[ERR_PAGE] = 1
     # fmt: on
     return append

@@ -2,8 +2,9 @@
 8-bit values, float32 scale and zero padding (:mod:`kvtvm.quant`), byte for byte what
 :func:`kvtvm.quant.quantize_rows` writes.
 
-Same signature, inputs and guard as :mod:`kvtvm.kernels.append` (whose docstring describes
-them); the K and V caches are ``int8`` buffers of rows of ``quant_row_bytes(head_dim)``
+Same signature, inputs, bounds checks and error flag as :mod:`kvtvm.kernels.append` (whose
+docstring describes them: a row with a bad ``qo_indptr``, position or page is skipped and
+flagged); the K and V caches are ``int8`` buffers of rows of ``quant_row_bytes(head_dim)``
 bytes, or ``dtype`` rows for a full-precision side (``spec.k_storage`` / ``v_storage`` ``""``).
 
 Per row: ``amax`` of the finite values and whether any is NaN/inf (on the bits), then
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 from ..quant import QMAX, quant_row_bytes
 from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
-from .accessor import cache_index, find_sequence, match_tensor
+from .accessor import cache_index, find_sequence, match_err, match_tensor
 from .append import VARIANTS  # noqa: F401  (same runtime variants as the full-precision append)
+from .errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
 from .quant_access import encode, match_quant_cache_pair, scale_byte
 
 #: float32 bits of NaN (what numpy writes for the scale of a non-finite row).
@@ -111,7 +113,8 @@ def build(spec, parallel: bool, lanes: int):
     # fmt: off
     @prim_func
     def append(var_k_cache: T.handle, var_v_cache: T.handle, var_k: T.handle, var_v: T.handle,
-               var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle):
+               var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
+               var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True})
         num_pages, page_size, k_cache, v_cache = match_quant_cache_pair(
             var_k_cache, var_v_cache, layout, H, D, dtype, ks, vs)
@@ -121,6 +124,7 @@ def build(spec, parallel: bool, lanes: int):
         qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
         cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
         lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
+        err = match_err(var_err)
         for n in tasks(ntok):
             with block("append"):
                 T.reads()
@@ -133,11 +137,20 @@ def build(spec, parallel: bool, lanes: int):
                 find_sequence(qo_indptr, bounds, batch, n)
                 pos: T.int64 = T.Cast("int64", cache_lengths[bounds[0]]) + n \
                     - T.Cast("int64", qo_indptr[bounds[0]])
-                page: T.int64 = T.Cast("int64", lookup[bounds[0], T.truncdiv(pos, page_size)])
-                slot: T.int64 = T.truncmod(pos, page_size)
-                if page >= 0 and page < num_pages:
-                    for h in range(H):
-                        write_k(k_cache, k, n, h, page, slot, xf, amax, bad, sv)
-                        write_v(v_cache, v, n, h, page, slot, xf, amax, bad, sv)
+                if n < T.Cast("int64", qo_indptr[bounds[0]]) \
+                        or n >= T.Cast("int64", qo_indptr[bounds[0] + 1]):
+                    err[ERR_INDPTR] = 1
+                elif pos < T.int64(0) or pos >= max_pages * page_size:
+                    err[ERR_POSITION] = 1
+                else:
+                    page: T.int64 = T.Cast("int64", lookup[bounds[0],
+                                                           T.truncdiv(pos, page_size)])
+                    slot: T.int64 = T.truncmod(pos, page_size)
+                    if page >= 0 and page < num_pages:
+                        for h in range(H):
+                            write_k(k_cache, k, n, h, page, slot, xf, amax, bad, sv)
+                            write_v(v_cache, v, n, h, page, slot, xf, amax, bad, sv)
+                    else:
+                        err[ERR_PAGE] = 1
     # fmt: on
     return append

@@ -12,6 +12,10 @@ Inputs::
 
     buf       [outer, rows, inner, head_dim]   contiguous, read and written in place
     src, dst  [n] int32                         row indices
+    err       [ERR_SLOTS] int32                 error flag (:mod:`kvtvm.kernels.errflag`)
+
+A copy whose ``src`` or ``dst`` lies outside ``[0, rows)`` is skipped and sets
+``err[ERR_PAGE]`` (checked in the kernel in every mode).
 
 One launch runs independent copies: no ``dst`` index repeats and none is also a ``src``
 index, so any order gives ``buf[o, dst[i]] = buf[o, src[i]]`` (old values) for every ``i``
@@ -30,7 +34,8 @@ Knobs: llvm ``rows_per_task``, ``vector_bytes``; cuda ``vector_bytes``, ``thread
 from __future__ import annotations
 
 from ._tvm import T, block, prim_func
-from .accessor import _ITEMSIZE, match_tensor
+from .accessor import _ITEMSIZE, match_err, match_tensor
+from .errflag import ERR_PAGE
 from .reference import reference_copy_pages  # noqa: F401  (the numpy reference, beside its kernel)
 from .variants import VARIANTS as _ALL_VARIANTS
 
@@ -54,11 +59,12 @@ def define(spec):
 
     # fmt: off
     @prim_func
-    def copy(var_buf: T.handle, var_src: T.handle, var_dst: T.handle):
+    def copy(var_buf: T.handle, var_src: T.handle, var_dst: T.handle, var_err: T.handle):
         outer, rows, inner, n = T.int64(), T.int64(), T.int64(), T.int64()
         buf = match_tensor(var_buf, (outer, rows, inner, T.int64(D)), dtype)
         src = match_tensor(var_src, (n,), "int32")
         dst = match_tensor(var_dst, (n,), "int32")
+        err = match_err(var_err)
         # the written side of ``buf``: same memory, a second buffer object, so the block's
         # reads and writes are distinct buffers for the scheduler
         out = T.decl_buffer((outer, rows, inner, T.int64(D)), dtype, data=buf.data,
@@ -67,8 +73,12 @@ def define(spec):
             with block("copy"):
                 vo, vr, vi, vd = T.axis.remap("SSSS", [o, r, i, d])
                 T.reads(src[vi], dst[vi], buf[vo, 0:rows, vr, vd])
-                T.writes(out[vo, 0:rows, vr, vd])
-                out[vo, T.Cast("int64", dst[vi]), vr, vd] = \
-                    buf[vo, T.Cast("int64", src[vi]), vr, vd]
+                T.writes(out[vo, 0:rows, vr, vd], err[0:4])
+                if src[vi] >= 0 and T.Cast("int64", src[vi]) < rows and dst[vi] >= 0 \
+                        and T.Cast("int64", dst[vi]) < rows:
+                    out[vo, T.Cast("int64", dst[vi]), vr, vd] = \
+                        buf[vo, T.Cast("int64", src[vi]), vr, vd]
+                else:
+                    err[ERR_PAGE] = 1
     # fmt: on
     return copy

@@ -20,6 +20,12 @@ Inputs (``Hq = n_kv_heads * group_size``; query head ``h * group_size + g`` read
     sm_scale         float32
     window           int32   sliding window in tokens (only with the feature; <= 0: none);
                              start = max(0, cache_lengths[b] + 1 - window)
+    err              [ERR_SLOTS] int32  error flag (:mod:`kvtvm.kernels.errflag`)
+
+Every index is checked in the kernel: a sequence with ``cache_lengths[b] < 0`` or
+``cache_lengths[b] + 1 > max_pages * page_size`` attends over nothing (its outputs are
+unspecified) and sets ``err[ERR_POSITION]``; a KV position on a page outside
+``[0, num_pages)`` is left out of the softmax and sets ``err[ERR_PAGE]``.
 
 Split ``s`` of sequence ``b`` covers positions ``[start + s*chunk, min(start + (s+1)*chunk,
 L))`` with ``L = cache_lengths[b] + 1`` and ``chunk = ceil((L - start) / num_splits)``; an
@@ -39,8 +45,9 @@ from __future__ import annotations
 
 import math
 
-from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
-from .accessor import _ITEMSIZE, cache_index, match_cache_pair, match_tensor
+from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
+from .accessor import _ITEMSIZE, cache_index, match_cache_pair, match_err, match_tensor
+from .errflag import ERR_PAGE, ERR_POSITION
 from .reference import reference_decode  # noqa: F401  (the numpy reference, beside its kernel)
 from .variants import VARIANTS as _ALL_VARIANTS
 
@@ -55,19 +62,29 @@ LN2 = math.log(2.0)
 NEG = -3.0e38
 
 
-def kv_range(cache_length, window, sliding: bool):
+def length_ok(cache_length, capacity):
+    """Whether a sequence with ``cache_length`` cached tokens (plus the current one) fits the
+    ``capacity`` positions of its lookup-table row."""
+    return tir.all(T.Cast("int64", cache_length) >= T.int64(0),
+                   T.Cast("int64", cache_length) < capacity)
+
+
+def kv_range(cache_length, window, sliding: bool, capacity=None):
     """(start, end) int64 positions attended by a sequence with ``cache_length`` cached tokens
-    (the current token included)."""
+    (the current token included); empty when the length does not fit ``capacity``."""
     end = T.Cast("int64", cache_length) + T.int64(1)
+    if capacity is not None:
+        end = T.if_then_else(length_ok(cache_length, capacity), end, T.int64(0))
     if not sliding:
         return T.int64(0), end
     w = T.Cast("int64", window)
     return T.if_then_else(w > T.int64(0), T.max(end - w, T.int64(0)), T.int64(0)), end
 
 
-def split_range(cache_length, window, split, num_splits, sliding: bool):
-    """(lo, hi) int64 positions of KV split ``split`` of ``num_splits`` (hi <= lo: empty)."""
-    start, end = kv_range(cache_length, window, sliding)
+def split_range(cache_length, window, split, num_splits, sliding: bool, capacity=None):
+    """(lo, hi) int64 positions of KV split ``split`` of ``num_splits`` (hi <= lo: empty;
+    empty for every split when the length does not fit ``capacity``)."""
+    start, end = kv_range(cache_length, window, sliding, capacity)
     chunk = T.floordiv(end - start + num_splits - T.int64(1), num_splits)
     lo = start + T.Cast("int64", split) * chunk
     return lo, T.min(lo + chunk, end)
@@ -81,12 +98,12 @@ def signature(spec):
 
 
 def match_params(spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
-                 var_lse, var_o_part, var_lse_part):
+                 var_lse, var_o_part, var_lse_part, var_err):
     """Bind the buffers of the decode signature (call inside a TVMScript function; the
     definition and every schedule that writes its own PrimFunc share it).
 
     Returns ``(batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache,
-    cache_lengths, lookup, out, lse, o_part, lse_part)``.
+    cache_lengths, lookup, out, lse, o_part, lse_part, err)``.
     """
     H, _, Hq, D, dtype, layout, _ = signature(spec)
     batch, max_pages, splits = T.int64(), T.int64(), T.int64()
@@ -99,8 +116,9 @@ def match_params(spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_l
     lse = match_tensor(var_lse, (batch, Hq), "float32")
     o_part = match_tensor(var_o_part, (splits, batch, Hq, D), "float32")
     lse_part = match_tensor(var_lse_part, (splits, batch, Hq), "float32")
+    err = match_err(var_err)
     return (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
-            lookup, out, lse, o_part, lse_part)
+            lookup, out, lse, o_part, lse_part, err)
 
 
 def vec_choices(spec) -> list[int]:
@@ -129,12 +147,12 @@ def define(spec):
     def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
                var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
-               sm_scale: T.float32, window: T.int32):
+               sm_scale: T.float32, window: T.int32, var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True})
         (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
-         lookup, out, lse, o_part, lse_part) = match_params(
+         lookup, out, lse, o_part, lse_part, err) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
-            var_lse, var_o_part, var_lse_part)
+            var_lse, var_o_part, var_lse_part, var_err)
         for b, h, s in T.grid(batch, H, splits):
             with block("attend"):
                 T.reads()
@@ -144,7 +162,10 @@ def define(spec):
                 den = alloc_buffer((1,), "float32")
                 score = alloc_buffer((1,), "float32")
                 m_new = alloc_buffer((1,), "float32")
-                lo, hi = split_range(cache_lengths[b], window, s, splits, sliding)
+                lo, hi = split_range(cache_lengths[b], window, s, splits, sliding,
+                                     max_pages * page_size)
+                if not length_ok(cache_lengths[b], max_pages * page_size):
+                    err[ERR_POSITION] = 1
                 for g in range(G):
                     m[0] = T.float32(NEG)
                     den[0] = T.float32(0)
@@ -153,18 +174,21 @@ def define(spec):
                     for t in range(T.max(hi - lo, T.int64(0))):
                         page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + t, page_size)])
                         slot: T.int64 = T.floormod(lo + t, page_size)
-                        score[0] = T.float32(0)
-                        for d in range(D):
-                            score[0] = score[0] + T.Cast("float32", q[b, h * G + g, d]) * T.Cast(
-                                "float32", k_cache[cache_index(layout, page, slot, h, d)])
-                        score[0] = score[0] * sm_scale * T.float32(LOG2E)
-                        m_new[0] = T.max(m[0], score[0])
-                        den[0] = den[0] * T.exp2(m[0] - m_new[0]) + T.exp2(score[0] - m_new[0])
-                        for d in range(D):
-                            acc[d] = acc[d] * T.exp2(m[0] - m_new[0]) + T.exp2(
-                                score[0] - m_new[0]) * T.Cast(
-                                    "float32", v_cache[cache_index(layout, page, slot, h, d)])
-                        m[0] = m_new[0]
+                        if page >= 0 and page < num_pages:
+                            score[0] = T.float32(0)
+                            for d in range(D):
+                                score[0] = score[0] + T.Cast("float32", q[b, h * G + g, d]) * T.Cast(
+                                    "float32", k_cache[cache_index(layout, page, slot, h, d)])
+                            score[0] = score[0] * sm_scale * T.float32(LOG2E)
+                            m_new[0] = T.max(m[0], score[0])
+                            den[0] = den[0] * T.exp2(m[0] - m_new[0]) + T.exp2(score[0] - m_new[0])
+                            for d in range(D):
+                                acc[d] = acc[d] * T.exp2(m[0] - m_new[0]) + T.exp2(
+                                    score[0] - m_new[0]) * T.Cast(
+                                        "float32", v_cache[cache_index(layout, page, slot, h, d)])
+                            m[0] = m_new[0]
+                        else:
+                            err[ERR_PAGE] = 1
                     if splits == T.int64(1):
                         for d in range(D):
                             out[b, h * G + g, d] = T.Cast(dtype, acc[d] / den[0])

@@ -20,6 +20,13 @@ and their K/V are already in the cache, written by ``append``)::
     sm_scale          float32 scores are sm_scale * q.k
     window            int32   with feature "sliding_window": a row at position p sees only
                               KV positions > p - window (window >= 1); ignored otherwise
+    err               [ERR_SLOTS] int32   error flag (:mod:`kvtvm.kernels.errflag`)
+
+Every index is checked in the kernel: a row outside ``[qo_indptr[b], qo_indptr[b+1])`` of
+the sequence found for it sets ``err[ERR_INDPTR]``, a sequence with a negative length or
+``cache_lengths[b] + new tokens > max_pages * page_size`` sets ``err[ERR_POSITION]`` (those
+rows attend over nothing: their outputs are unspecified), and a KV position on a page outside
+``[0, num_pages)`` is left out of the softmax and sets ``err[ERR_PAGE]``.
 
 Query head ``h`` reads KV head ``h // group_size``. Accumulation is float32 for every dtype;
 the softmax runs in base 2 on scores pre-multiplied by ``sm_scale * log2(e)``.
@@ -38,8 +45,9 @@ from __future__ import annotations
 
 import math
 
-from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
-from .accessor import cache_index, find_sequence, match_cache_pair, match_tensor
+from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
+from .accessor import cache_index, find_sequence, match_cache_pair, match_err, match_tensor
+from .errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
 from .reference import reference_prefill  # noqa: F401  (the numpy reference, beside its kernel)
 from .variants import VARIANTS as _ALL_VARIANTS
 
@@ -53,12 +61,12 @@ NEG_INF = -1.0e30
 
 
 def match_params(spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
-                 var_lookup, var_out, var_lse):
+                 var_lookup, var_out, var_lse, var_err):
     """Bind the buffers of the prefill signature (call inside a TVMScript function; the
     definition and every schedule that writes its own PrimFunc share it).
 
     Returns ``(ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
-    cache_lengths, lookup, out, lse)``.
+    cache_lengths, lookup, out, lse, err)``.
     """
     H, D, dtype = spec.n_kv_heads, spec.head_dim, spec.dtype
     HQ = H * spec.group_size
@@ -71,8 +79,17 @@ def match_params(spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache
     lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
     out = match_tensor(var_out, (ntok, HQ, D), dtype)
     lse = match_tensor(var_lse, (ntok, HQ), "float32")
+    err = match_err(var_err)
     return (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
-            cache_lengths, lookup, out, lse)
+            cache_lengths, lookup, out, lse, err)
+
+
+def sequence_ok(qo_indptr, cache_lengths, b, capacity):
+    """Whether sequence ``b``'s length is >= 0 and its final length (cached + new) fits the
+    ``capacity`` positions of its lookup-table row (int64 arithmetic: no overflow)."""
+    return tir.all(cache_lengths[b] >= 0,
+                   T.Cast("int64", cache_lengths[b]) + T.Cast("int64", qo_indptr[b + 1])
+                   - T.Cast("int64", qo_indptr[b]) <= capacity)
 
 
 def uses_wgmma(spec) -> bool:
@@ -113,12 +130,12 @@ def define(spec):
     def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                 var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
-                window: T.int32):
+                window: T.int32, var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True})
         (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
-         cache_lengths, lookup, out, lse) = match_params(
+         cache_lengths, lookup, out, lse, err) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
-            var_lookup, var_out, var_lse)
+            var_lookup, var_out, var_lse, var_err)
         seq_of = alloc_buffer((ntok,), "int32")
         for n in range(ntok):
             with block("locate"):
@@ -135,36 +152,49 @@ def define(spec):
                         lookup[0:batch, 0:max_pages], q[vn, vh, 0:D],
                         k_cache[0:num_pages, 0:k_cache.shape[1], 0:k_cache.shape[2], 0:D],
                         v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], 0:D])
-                T.writes(out[vn, vh, 0:D], lse[vn, vh])
+                T.writes(out[vn, vh, 0:D], lse[vn, vh], err[0:4])
                 acc = alloc_buffer((D,), "float32", scope="local")
                 qs = alloc_buffer((D,), "float32", scope="local")
                 st = alloc_buffer((4,), "float32", scope="local")  # m, l, s, alpha
                 b: T.int32 = seq_of[vn]
                 pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
                     - T.Cast("int64", qo_indptr[b])
-                kv_len: T.int64 = T.Cast("int64", cache_lengths[b] + qo_indptr[b + 1]
-                                         - qo_indptr[b])
-                hi: T.int64 = T.if_then_else(causal != 0, pos + 1, kv_len)
+                kv_len: T.int64 = T.Cast("int64", cache_lengths[b]) \
+                    + T.Cast("int64", qo_indptr[b + 1]) - T.Cast("int64", qo_indptr[b])
+                row_ok: T.bool = tir.all(T.Cast("int64", qo_indptr[b]) <= vn,
+                                         vn < T.Cast("int64", qo_indptr[b + 1]))
+                len_ok: T.bool = sequence_ok(qo_indptr, cache_lengths, b,
+                                             max_pages * page_size)
+                if not row_ok:
+                    err[ERR_INDPTR] = 1
+                elif not len_ok:
+                    err[ERR_POSITION] = 1
+                hi: T.int64 = T.if_then_else(row_ok and len_ok,
+                                             T.if_then_else(causal != 0, pos + 1, kv_len),
+                                             T.int64(0))
                 lo: T.int64 = T.max(pos - T.Cast("int64", window) + 1, T.int64(0)) * SLIDE
                 for d in range(D):
                     qs[d] = T.Cast("float32", q[vn, vh, d]) * sm_scale * T.float32(LOG2E)
                     acc[d] = T.float32(0)
                 st[0] = T.float32(NEG_INF)
                 st[1] = T.float32(0)
-                for j in range(hi - lo):
+                for j in range(T.max(hi - lo, T.int64(0))):
                     page: T.int64 = T.Cast("int64", lookup[b, T.truncdiv(lo + j, page_size)])
                     slot: T.int64 = T.truncmod(lo + j, page_size)
-                    st[2] = T.float32(0)
-                    for d in range(D):
-                        st[2] = st[2] + qs[d] * T.Cast(
-                            "float32", k_cache[cache_index(layout, page, slot, vh // G, d)])
-                    st[3] = T.exp2(st[0] - T.max(st[0], st[2]))
-                    st[0] = T.max(st[0], st[2])
-                    st[2] = T.exp2(st[2] - st[0])
-                    st[1] = st[1] * st[3] + st[2]
-                    for d in range(D):
-                        acc[d] = acc[d] * st[3] + st[2] * T.Cast(
-                            "float32", v_cache[cache_index(layout, page, slot, vh // G, d)])
+                    if page >= 0 and page < num_pages:
+                        st[2] = T.float32(0)
+                        for d in range(D):
+                            st[2] = st[2] + qs[d] * T.Cast(
+                                "float32", k_cache[cache_index(layout, page, slot, vh // G, d)])
+                        st[3] = T.exp2(st[0] - T.max(st[0], st[2]))
+                        st[0] = T.max(st[0], st[2])
+                        st[2] = T.exp2(st[2] - st[0])
+                        st[1] = st[1] * st[3] + st[2]
+                        for d in range(D):
+                            acc[d] = acc[d] * st[3] + st[2] * T.Cast(
+                                "float32", v_cache[cache_index(layout, page, slot, vh // G, d)])
+                    else:
+                        err[ERR_PAGE] = 1
                 for d in range(D):
                     out[vn, vh, d] = T.Cast(dtype, acc[d] / st[1])
                 lse[vn, vh] = (st[0] + T.log2(st[1])) * T.float32(1.0 / LOG2E)

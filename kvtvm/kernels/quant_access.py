@@ -27,7 +27,7 @@ from ..quant import QMAX, SCALE_BYTES, quant_row_bytes
 from ._tvm import T
 from .accessor import cache_shape, i64, match_tensor
 
-__all__ = ["match_quant_cache_pair", "cache_row_elems", "load_value", "row_scale",
+__all__ = ["match_quant_cache_pair", "cache_row_elems", "load_value", "row_scale", "dequant",
            "encode", "scale_byte", "QMAX"]
 
 
@@ -125,3 +125,14 @@ def encode(y, storage: str):
 def scale_byte(scale, i: int):
     """Byte ``i`` (little-endian) of a float32 ``scale``, as int8."""
     return T.Cast("int8", T.shift_right(T.reinterpret("int32", scale), 8 * i))
+
+
+def dequant(cache, layout: str, page, slot, head, dim, head_dim: int, storage: str):
+    """The dequantized float32 value at (page, slot, head, dim): :func:`load_value` times
+    :func:`row_scale` (just the converted value for a full-precision buffer)."""
+    from .accessor import cache_index
+
+    value = load_value(cache, cache_index(layout, page, slot, head, dim), storage)
+    if not storage:
+        return value
+    return value * row_scale(cache, cache_index(layout, page, slot, head, 0), head_dim, storage)

@@ -17,7 +17,53 @@ import numpy as np
 
 from ..quant import dequantize_rows, quantize_rows
 
-__all__ = ["reference_append", "reference_copy_pages", "reference_decode", "reference_prefill"]
+__all__ = ["reference_append", "reference_copy_pages", "reference_decode", "reference_prefill",
+           "reference_errors", "append_row_target"]
+
+#: Error-flag slots (the same as :mod:`kvtvm.kernels.errflag`, which needs no TVM either).
+_ERR_PAGE, _ERR_POSITION, _ERR_INDPTR = 0, 1, 2
+
+
+def _find_sequence(qo_indptr, row: int) -> int:
+    """The kernels' binary search (``kvtvm.kernels.accessor.find_sequence``): the largest
+    ``b`` with ``qo_indptr[b] <= row`` when ``qo_indptr`` does not decrease."""
+    lo, hi = 0, len(qo_indptr) - 1
+    for _ in range(17):
+        if hi - lo > 1:
+            mid = (lo + hi) // 2
+            if int(qo_indptr[mid]) <= row:
+                lo = mid
+            else:
+                hi = mid
+    return lo
+
+
+def append_row_target(row, qo_indptr, cache_lengths, lookup_table, num_pages, page_size):
+    """Where the append kernel writes ragged row ``row``: ``(batch index, page, slot, None)``,
+    or ``(b, None, None, err_slot)`` when it skips the row (the kernels' skip semantics)."""
+    b = _find_sequence(qo_indptr, row)
+    if not int(qo_indptr[b]) <= row < int(qo_indptr[b + 1]):
+        return b, None, None, _ERR_INDPTR
+    pos = int(cache_lengths[b]) + row - int(qo_indptr[b])
+    if not 0 <= pos < lookup_table.shape[1] * page_size:
+        return b, None, None, _ERR_POSITION
+    page = int(lookup_table[b, pos // page_size])
+    if not 0 <= page < num_pages:
+        return b, None, None, _ERR_PAGE
+    return b, page, pos % page_size, None
+
+
+def reference_errors(qo_indptr, cache_lengths, lookup_table, num_pages, page_size,
+                     num_tokens) -> np.ndarray:
+    """int32 ``[4]``: the error flag the append kernel leaves for these tables (see
+    :mod:`kvtvm.kernels.errflag`)."""
+    flags = np.zeros(4, np.int32)
+    table = np.asarray(lookup_table)
+    for row in range(num_tokens):
+        err = append_row_target(row, qo_indptr, cache_lengths, table, num_pages, page_size)[3]
+        if err is not None:
+            flags[err] = 1
+    return flags
 
 
 def _is_quantized(cache, head_dim: int) -> bool:
@@ -43,28 +89,33 @@ def _loaded(cache, head_dim: int):
 
 def reference_append(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table,
                      layout: str = "nhd"):
-    """Plain numpy append: returns new (k_cache, v_cache) arrays, inputs untouched."""
+    """Plain numpy append: returns new (k_cache, v_cache) arrays, inputs untouched. A row the
+    kernel skips (out-of-range position, page or row offset) is not written."""
     k_out, v_out = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
     k, v = _stored(k, k_out), _stored(v, v_out)
     page_size = k_out.shape[1] if layout == "nhd" else k_out.shape[2]
-    for b in range(len(cache_lengths)):
-        for row in range(int(qo_indptr[b]), int(qo_indptr[b + 1])):
-            pos = int(cache_lengths[b]) + row - int(qo_indptr[b])
-            page, slot = int(lookup_table[b, pos // page_size]), pos % page_size
-            if layout == "nhd":
-                k_out[page, slot], v_out[page, slot] = k[row], v[row]
-            else:
-                k_out[page, :, slot], v_out[page, :, slot] = k[row], v[row]
+    table = np.asarray(lookup_table)
+    for row in range(len(k)):
+        _, page, slot, err = append_row_target(row, qo_indptr, cache_lengths, table,
+                                               k_out.shape[0], page_size)
+        if err is not None:
+            continue
+        if layout == "nhd":
+            k_out[page, slot], v_out[page, slot] = k[row], v[row]
+        else:
+            k_out[page, :, slot], v_out[page, :, slot] = k[row], v[row]
     return k_out, v_out
 
 
 def reference_copy_pages(buf: np.ndarray, src, dst, axis: int = 0) -> np.ndarray:
     """Numpy reference: a copy of ``buf`` after ``buf[..., dst[i], ...] = buf[..., src[i], ...]``
-    along ``axis``, for ``i`` in order."""
+    along ``axis``, for ``i`` in order; a copy with an index outside the axis is skipped."""
     out = np.array(buf, copy=True)
     moved = np.moveaxis(out, axis, 0)  # a view: writes land in ``out``
+    rows = moved.shape[0]
     for s, d in zip(np.asarray(src).tolist(), np.asarray(dst).tolist()):
-        moved[d] = moved[s]
+        if 0 <= s < rows and 0 <= d < rows:
+            moved[d] = moved[s]
     return out
 
 

@@ -1,12 +1,14 @@
-"""Argument checks every manager shares: positive ints and the device list."""
+"""Argument checks every manager shares: positive ints, the device list, a batch's tokens."""
 
 from __future__ import annotations
+
+from itertools import chain
 
 import numpy as np
 
 from ..errors import DeviceUnavailableError, InvalidArgumentError, describe
 
-__all__ = ["check_positive_int", "parse_devices"]
+__all__ = ["check_positive_int", "parse_devices", "ItemTokens"]
 
 
 def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
@@ -39,3 +41,35 @@ def parse_devices(devices) -> tuple:
             raise DeviceUnavailableError(
                 f"devices: {d} was asked for but CUDA is not available on this machine")
     return parsed
+
+
+class ItemTokens:
+    """The tokens of a list of batch items, converted to int64 arrays only when read."""
+
+    __slots__ = ("seqs", "counts", "what", "_flat")
+
+    def __init__(self, seqs: list, counts: np.ndarray, what: str):
+        self.seqs, self.counts, self.what, self._flat = seqs, counts, what, None
+
+    def _ints(self, values, count: int) -> np.ndarray:
+        try:
+            arr = np.array(values if isinstance(values, list) else list(values))
+        except (TypeError, ValueError) as err:
+            raise InvalidArgumentError(describe(f"{self.what}: tokens", "ints",
+                                                repr(err))) from None
+        if arr.ndim != 1 or arr.size != count or (arr.size and arr.dtype.kind not in "iu"):
+            raise InvalidArgumentError(describe(f"{self.what}: tokens", "flat sequences of ints",
+                                                f"{arr.dtype} array of shape {arr.shape}"))
+        return arr.astype(np.int64, copy=False)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """int64 ``[sum(counts)]``: every item's tokens, item after item."""
+        if self._flat is None:
+            self._flat = self._ints(list(chain.from_iterable(self.seqs)),
+                                    int(self.counts.sum()))
+        return self._flat
+
+    def tokens_of(self, b: int) -> np.ndarray:
+        """int64 ``[counts[b]]``: the tokens of item ``b``."""
+        return self._ints(self.seqs[b], int(self.counts[b]))

@@ -22,7 +22,11 @@ Choices written down here (the seeds are silent on them):
   followed by 0 .. ``num_steps - 1`` tokens fed in the later steps of a multistep run.
 - Atomic or nothing: every public method validates and plans first, then mutates; a call that
   raises leaves tables, lengths, refcounts and free lists as they were.
-- Thread safety: every public method holds the manager's ``RLock``.
+- Thread safety: every public method holds the manager's ``RLock``; a fetch's inputs live
+  until the next fetch, their step or a release of one of their sequences, and ops given
+  them afterwards raise :class:`StaleInputsError` (the full contract: docs/managers.md).
+- ``step`` checks the tokens against the fetch's (a 64-bit fingerprint per sequence, kept at
+  fetch): a batch whose tokens differ raises, so the prefix cache never learns wrong tokens.
 - Per-step tables (``cache_lengths``, ``qo_indptr``, ``lookup_table``) live in one preallocated
   int32 buffer per device (:mod:`.tables`), filled on the host and moved with one
   host-to-device copy per step.
@@ -36,7 +40,6 @@ import abc
 import dataclasses
 import operator
 import threading
-from itertools import chain
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,47 +47,17 @@ import numpy as np
 from ..errors import (InvalidArgumentError, KVCacheCapacityError,
                       SequenceStateError, SequenceTooLongError, UnknownSequenceError,
                       describe)
-from ..inputs import KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols, TokenBatch
+from ..inputs import (FetchToken, KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols,
+                      TokenBatch, stamp)
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import check_positive_int, parse_devices
+from .args import ItemTokens as _ItemTokens, check_positive_int, parse_devices
+from .fingerprint import fingerprints
 from .symbols import TensorSymbol, build_symbols
 
 __all__ = ["KVCacheManager", "parse_devices", "check_positive_int"]
 
 _SEQ_ID = operator.attrgetter("seq_id")
 _TOKENS = operator.attrgetter("tokens")
-
-
-class _ItemTokens:
-    """The tokens of a list of batch items, converted to int64 arrays only when read."""
-
-    __slots__ = ("seqs", "counts", "what", "_flat")
-
-    def __init__(self, seqs: list, counts: np.ndarray, what: str):
-        self.seqs, self.counts, self.what, self._flat = seqs, counts, what, None
-
-    def _ints(self, values, count: int) -> np.ndarray:
-        try:
-            arr = np.array(values if isinstance(values, list) else list(values))
-        except (TypeError, ValueError) as err:
-            raise InvalidArgumentError(describe(f"{self.what}: tokens", "ints",
-                                                repr(err))) from None
-        if arr.ndim != 1 or arr.size != count or (arr.size and arr.dtype.kind not in "iu"):
-            raise InvalidArgumentError(describe(f"{self.what}: tokens", "flat sequences of ints",
-                                                f"{arr.dtype} array of shape {arr.shape}"))
-        return arr.astype(np.int64, copy=False)
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """int64 ``[sum(counts)]``: every item's tokens, item after item."""
-        if self._flat is None:
-            self._flat = self._ints(list(chain.from_iterable(self.seqs)),
-                                    int(self.counts.sum()))
-        return self._flat
-
-    def tokens_of(self, b: int) -> np.ndarray:
-        """int64 ``[counts[b]]``: the tokens of item ``b``."""
-        return self._ints(self.seqs[b], int(self.counts[b]))
 
 
 class KVCacheManager(abc.ABC):
@@ -134,6 +107,9 @@ class KVCacheManager(abc.ABC):
         self._pending_steps = np.zeros(mb, dtype=np.int64)
         self._mark = np.zeros(mb, dtype=np.int64)         # scratch of the duplicate check
         self._positions = np.arange(mb, dtype=np.int64)
+        self._fingerprint = np.zeros(mb, dtype=np.uint64)  # of the fetched tokens per slot
+        self._token: FetchToken | None = None              # of the latest fetch
+        self._token_ids = np.zeros(0, dtype=np.int64)      # its sequences
 
     # ------------------------------------------------------------------------------------
     # Abstract / per-strategy parts
@@ -258,10 +234,16 @@ class KVCacheManager(abc.ABC):
         """
         with self._lock:
             self._check_known(seq_id, "release")
+            self._kill_token_of(np.array([int(seq_id)]), f"seq_id {int(seq_id)} was released")
             self._release_slot(int(seq_id))
             self._claimed[seq_id] = False
             self._lengths[seq_id] = 0
             self._pending[seq_id] = -1
+
+    def _kill_token_of(self, ids: np.ndarray, why: str) -> None:
+        """Kill the latest fetch's token when ``ids`` share a sequence with its batch."""
+        if self._token is not None and np.isin(ids, self._token_ids).any():
+            self._token.kill(why)
 
     def _check_known(self, seq_id, what: str) -> int:
         if not isinstance(seq_id, (int, np.integer)) or isinstance(seq_id, bool):
@@ -290,7 +272,10 @@ class KVCacheManager(abc.ABC):
         elif isinstance(batch, (list, tuple)):
             n = len(batch)
             try:
-                ids = np.array(list(map(_SEQ_ID, batch)))
+                id_list = list(map(_SEQ_ID, batch))
+                if set(map(type, id_list)) & {bool, np.bool_}:  # True would pass as seq_id 1
+                    raise TypeError(f"a bool seq_id in {id_list}")
+                ids = np.array(id_list)
                 seqs = list(map(_TOKENS, batch))
                 counts = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
             except (AttributeError, TypeError) as err:
@@ -386,6 +371,7 @@ class KVCacheManager(abc.ABC):
             np.cumsum(new, out=qo[1:n + 1])
             self._pending[ids] = counts
             self._pending_steps[ids] = num_steps
+            self._fingerprint[ids] = fingerprints(tokens.tokens, counts, counts)
             tables.upload(n)
             end0 = end - (num_steps - 1)  # max of lengths + counts
             max_lengths = np.empty((num_steps, 2), dtype=np.int32)
@@ -404,14 +390,19 @@ class KVCacheManager(abc.ABC):
         cl_host = tables.cache_lengths[:n].copy()
         qo_host = tables.qo_indptr[:n + 1].copy()
         max_t = torch.from_numpy(max_lengths)
+        if self._token is not None:
+            self._token.kill("superseded by a later fetch of the same manager")
+        self._token, self._token_ids = FetchToken(self._lock), ids.copy()
         out = []
         for dev in range(self.n_devices):
             cl, qo, lt = tables.views(dev, n)
+            stamp(self._token, cl, qo, lt)
             out.append(RaggedKVCacheInputs(
                 blocks=self._blocks[dev], cache_lengths=cl, lookup_table=lt,
                 max_lengths=max_t, qo_indptr=qo, seq_ids=seq_ids, num_cached_tokens=cached,
                 cache_lengths_host=cl_host, qo_indptr_host=qo_host, params=self.device_params,
-                num_layers=self.num_layers, max_seq_len=self.max_seq_len, device_index=dev))
+                num_layers=self.num_layers, max_seq_len=self.max_seq_len, device_index=dev,
+                token=self._token))
         return out
 
     def step(self, batch: Sequence[Any]) -> None:
@@ -447,6 +438,14 @@ class KVCacheManager(abc.ABC):
                 raise SequenceStateError(describe(
                     f"step: tokens of seq_id {int(ids[b])}",
                     f"between {lo} and {hi} tokens (as fetched)", int(counts[b])))
+            differs = fingerprints(tokens.tokens, counts, pending) != self._fingerprint[ids]
+            if np.count_nonzero(differs):
+                b = int(np.argmax(differs))
+                raise SequenceStateError(describe(
+                    f"step: tokens of seq_id {int(ids[b])}",
+                    f"the {int(pending[b])} tokens fetched, then any later ones",
+                    "different tokens (the cache holds K/V of the fetched ones)"))
+            self._kill_token_of(ids, "its batch was committed by step()")
             self._commit(tokens, ids, counts)
             self._lengths[ids] += counts
             self._pending[ids] = -1

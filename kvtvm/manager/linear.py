@@ -288,8 +288,18 @@ class LinearKVCache:
                                        "(kvtvm.manager.copier)")
                 src = torch.tensor([s for s, _ in moves], dtype=torch.int32)
                 dst = torch.tensor([d for _, d in moves], dtype=torch.int32)
-                for cache in self._cache:  # in order: the default splits into rounds
-                    copier(copy_view(cache, 1), src, dst)
+                # transactional: the slots written are saved first and put back when a copy
+                # fails part-way (a round, a device), so a failed evict changes nothing
+                dst_long = dst.long()
+                saved = [cache.index_select(1, dst_long.to(cache.device))
+                         for cache in self._cache]
+                try:
+                    for cache in self._cache:  # in order: the default splits into rounds
+                        copier(copy_view(cache, 1), src, dst)
+                except BaseException:
+                    for cache, old in zip(self._cache, saved):
+                        cache.index_copy_(1, dst_long.to(cache.device), old)
+                    raise
             kept = self._lengths[idx].copy()
             self._lengths[:] = 0
             self._lengths[:idx.size] = kept

@@ -40,7 +40,6 @@ class StepTables:
         self.lookup = self.host_np[2 * mb + 1:].reshape(mb, width)
         self.device_bufs = []
         self._events = []
-        self._views = {}
         for d in devices:
             if d.type == "cpu":
                 self.device_bufs.append(self.host)
@@ -69,16 +68,12 @@ class StepTables:
             self._events[i] = ev
 
     def views(self, dev: int, batch: int):
-        """(cache_lengths [batch], qo_indptr [batch+1], lookup_table [batch, width]) of a device
-        (views of the fixed buffer, made once per batch size and reused)."""
-        key = (dev, batch)
-        v = self._views.get(key)
-        if v is None:
-            buf, mb = self.device_bufs[dev], self.max_batch_size
-            v = self._views[key] = (
-                buf[:batch], buf[mb:mb + batch + 1],
+        """(cache_lengths [batch], qo_indptr [batch+1], lookup_table [batch, width]) of a device:
+        fresh view objects of the fixed buffer (same addresses every step), so that each fetch
+        can stamp its own :class:`~kvtvm.inputs.FetchToken` on them."""
+        buf, mb = self.device_bufs[dev], self.max_batch_size
+        return (buf[:batch], buf[mb:mb + batch + 1],
                 buf[2 * mb + 1:2 * mb + 1 + batch * self.width].view(batch, self.width))
-        return v
 
     def device_nbytes(self) -> int:
         """Bytes of one device buffer."""

@@ -21,9 +21,10 @@ from __future__ import annotations
 from .append import append_kv, prepare_append_kv
 from .copy import copy_pages, copy_slots, prepare_copy_pages, prepare_copy_slots
 from .decode import SplitWorkspace, decode_attention, prepare_decode_attention
+from .errflag import check
 from .launch import Launch, LaunchSequence
 from .prefill import prefill_attention, prepare_prefill_attention
 
 __all__ = ["append_kv", "prepare_append_kv", "decode_attention", "prepare_decode_attention",
            "prefill_attention", "prepare_prefill_attention", "copy_pages", "prepare_copy_pages",
-           "copy_slots", "prepare_copy_slots", "Launch", "LaunchSequence", "SplitWorkspace"]
+           "copy_slots", "prepare_copy_slots", "Launch", "LaunchSequence", "SplitWorkspace", "check"]

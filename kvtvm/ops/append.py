@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
                      check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
-                     common_device, indices_on_host)
+                     check_no_alias, common_device, indices_on_host, live_tokens,
+                     sync_checked_call)
 from .launch import Launch, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -87,10 +88,16 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
         raise InvalidArgumentError(describe("v.shape", list(kt.shape), list(vt.shape)))
     check_batch_tables(indptr, lengths, table)
     device = common_device(tensors)
+    check_no_alias({"k_cache": kc, "v_cache": vc},
+                   {"k": kt, "v": vt, "qo_indptr": indptr, "cache_lengths": lengths,
+                    "lookup_table": table})
     if device.type == "cuda":  # rows move as 16-byte vectors
         check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
+    tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
+                          "lookup_table": table})
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)
+    sync_checked_call(device, check_indices)
     if check_indices:
         check_batch_indices(indptr, lengths, table, geo, kt.shape[0])
     if quant:
@@ -99,10 +106,10 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     slots = dict(k_cache=kc, v_cache=vc, k=kt, v=vt, qo_indptr=indptr, cache_lengths=lengths,
                  lookup_table=table)
     if kt.shape[0] == 0:
-        return Launch(None, device, slots)
+        return Launch(None, device, slots, tokens=tokens)
     moved = 2 * kt.numel() * kt.element_size()  # K and V bytes
     # small appends: waking the thread pool costs more than it saves
     variant = "serial" if device.type == "cpu" and moved < CPU_PARALLEL_APPEND_BYTES else ""
     fn = kernel_for(device, **(quant.spec_fields if quant else {}), op="append", dtype=geo.dtype, head_dim=geo.head_dim,
                     n_kv_heads=geo.n_kv_heads, layout=layout, variant=variant)
-    return Launch(fn, device, slots)
+    return Launch(fn, device, slots, tokens=tokens)

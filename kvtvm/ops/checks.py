@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                       SequenceTooLongError, describe)
+from ..inputs import check_live, token_of
 from ..compiler import LAYOUTS
 from ..params import DTYPE_SIZES
 
@@ -24,6 +25,10 @@ from ..params import DTYPE_SIZES
 # ------------------------------------------------------------------------------------------
 # The DLPack boundary
 # ------------------------------------------------------------------------------------------
+
+
+#: Arguments the ops write in place: a read-only numpy array there is refused.
+WRITTEN = frozenset({"k_cache", "v_cache", "out", "lse", "blocks", "cache"})
 
 
 def as_tensor(name: str, value: Any):
@@ -37,6 +42,12 @@ def as_tensor(name: str, value: Any):
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
+        if name in WRITTEN and not value.flags.writeable:
+            raise InvalidArgumentError(describe(name, "a writable array (kvtvm writes it in "
+                                                "place)", "a read-only array"))
+        if any(s < 0 for s in value.strides):
+            raise InvalidArgumentError(describe(name, "an array with non-negative strides",
+                                                f"strides {list(value.strides)}"))
         if value.dtype.name == "bfloat16":
             return torch.from_numpy(value.view(np.uint16)).view(torch.bfloat16)
         try:
@@ -199,3 +210,57 @@ def check_batch_indices(qo_indptr, cache_lengths, lookup_table, geometry: CacheG
 def indices_on_host(*tensors) -> bool:
     """True when every index tensor is in host memory (checking them costs no sync)."""
     return all(t.device.type == "cpu" for t in tensors)
+
+
+def live_tokens(tensors: dict) -> tuple:
+    """The fetch tokens stamped on the given table tensors (name -> tensor), after checking
+    that none is dead: raises :class:`~kvtvm.errors.StaleInputsError` naming the tensor."""
+    tokens = ()
+    for name, t in tensors.items():
+        tok = token_of(t)
+        if tok is not None:
+            check_live(name, tok)
+            if tok not in tokens:
+                tokens += (tok,)
+    return tokens
+
+
+def sync_checked_call(device, check_indices: bool) -> None:
+    """A checked call on a GPU first reports what earlier unchecked launches skipped
+    (:func:`kvtvm.ops.errflag.check`; the host checks synchronize anyway)."""
+    if check_indices and device.type == "cuda":
+        from .errflag import check
+
+        check(device)
+
+
+def _span(t):
+    """(first, last + 1) byte addresses of a tensor's elements (None when empty)."""
+    if t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return start, start + extent * t.element_size()
+
+
+def check_no_alias(written: dict, read: dict) -> None:
+    """Refuse a written tensor sharing memory with any other argument of the call.
+
+    Tensors on different storages never alias (one pointer compare each); on one storage the
+    byte spans are compared, except for the K and V caches, which are interleaved views of one
+    cache tensor: those alias only when they are the same view (same data pointer).
+    """
+    items = list(written.items()) + list(read.items())
+    storages = [(n, t, t.untyped_storage().data_ptr()) for n, t in items]
+    for i, (wn, w, ws) in enumerate(storages[:len(written)]):
+        for j, (on, o, os_) in enumerate(storages):
+            if j <= i and j < len(written) or ws != os_ or w.device != o.device:
+                continue
+            if {wn, on} == {"k_cache", "v_cache"}:
+                overlap = w.data_ptr() == o.data_ptr()
+            else:
+                a, b = _span(w), _span(o)
+                overlap = a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+            if overlap:
+                raise InvalidArgumentError(describe(f"{wn} and {on}", "separate memory",
+                                                    "tensors sharing memory"))

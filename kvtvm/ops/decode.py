@@ -14,7 +14,7 @@ from .. import runtime
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_cache_pair, check_contiguous,
                      check_dim, check_dtype, check_rank, check_vector_aligned, common_device,
-                     indices_on_host)
+                     check_no_alias, indices_on_host, live_tokens, sync_checked_call)
 from .launch import Launch, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -264,10 +264,17 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
         raise InvalidArgumentError(describe("num_splits", f"None or an int in [1, {MAX_SPLITS}]",
                                             repr(num_splits)))
     device = common_device(tensors)
+    check_no_alias({n: tensors[n] for n in ("out", "lse") if n in tensors},
+                   {n: t for n, t in tensors.items() if n not in ("out", "lse")})
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(
+            sm_scale, (int, float)) or not math.isfinite(float(sm_scale))):
+        raise InvalidArgumentError(describe("sm_scale", "a finite float", repr(sm_scale)))
     if device.type == "cuda":  # K/V rows are staged with 16-byte cp.async copies
         check_vector_aligned({"k_cache": kc, "v_cache": vc})
+    tokens = live_tokens({"cache_lengths": lengths, "lookup_table": table})
     if check_indices is None:
         check_indices = indices_on_host(lengths, table)
+    sync_checked_call(device, check_indices)
     max_kv_len = table.shape[1] * geo.page_size
     if check_indices:
         indptr = torch.arange(batch + 1, dtype=torch.int32)  # one (appended) token each
@@ -295,7 +302,7 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
     slots = dict(q=qt, k_cache=kc, v_cache=vc, cache_lengths=lengths, lookup_table=table,
                  out=out_t, lse=lse_t)
     if batch == 0:
-        return Launch(None, device, slots, outputs=("out", "lse"))
+        return Launch(None, device, slots, outputs=("out", "lse"), tokens=tokens)
     if workspace is None:
         workspace = SplitWorkspace(device)
     elif workspace.device != device:
@@ -309,4 +316,4 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
                     n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
                     features=("sliding_window",) if sliding_window is not None else (),
                     variant="serial" if serial else "")
-    return Launch(fn, device, slots, outputs=("out", "lse"))
+    return Launch(fn, device, slots, outputs=("out", "lse"), tokens=tokens)

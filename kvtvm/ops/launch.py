@@ -5,6 +5,10 @@ Every op is ``prepare_<op>(...) -> Launch`` (all checks, policy such as the spli
 lookup) followed by ``.run()``. A plan (:mod:`kvtvm.plan`) keeps the launches of one layer and
 runs the other layers with :meth:`Launch.rebind`, which swaps tensors slot by slot after checking
 that each new tensor has the dtype, shape, strides and device of the one it replaces.
+
+Every launch's last slot, ``err``, is the kernel's error flag (:mod:`kvtvm.ops.errflag`): a CPU
+``run()`` raises :class:`~kvtvm.errors.KernelIndexError` right after a kernel that skipped an
+out-of-range index; on CUDA the device's flag is read by :func:`kvtvm.ops.check`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any, Callable
 
 from .. import compiler, runtime
 from ..errors import InvalidArgumentError, describe
+from ..inputs import check_live
+from . import errflag
 
 __all__ = ["Launch", "LaunchSequence", "kernel_for", "signature"]
 
@@ -52,18 +58,45 @@ class Launch:
     device : torch.device
         Where it runs.
     slots : dict
-        Argument name -> value (tensor or scalar), in the kernel's argument order.
+        Argument name -> value (tensor or scalar), in the kernel's argument order, but the
+        error flag: ``err`` is added last (the device's flag on CUDA, a fresh one on the CPU)
+        unless given (launches of one op may share it).
     outputs : tuple of str
         Slots ``run()`` returns (e.g. ``("out", "lse")``); ``run()`` returns None when empty.
     """
 
-    __slots__ = ("fn", "device", "slots", "outputs")
+    __slots__ = ("fn", "device", "slots", "outputs", "tokens", "_errv")
 
-    def __init__(self, fn, device, slots: dict, outputs: tuple = ()):
+    def __init__(self, fn, device, slots: dict, outputs: tuple = (), tokens: tuple = (),
+                 _errv=None):
+        if "err" not in slots:
+            slots = dict(slots)
+            slots["err"], _errv = errflag.new_flag(device)
         self.fn, self.device, self.slots, self.outputs = fn, device, slots, tuple(outputs)
+        self.tokens = tokens  # fetch tokens of the manager tables in the slots
+        self._errv = _errv  # numpy view of a CPU flag (None on CUDA)
 
     def run(self):
-        """Call the kernel; returns the output slots (a tuple), or None when there are none."""
+        """Call the kernel; returns the output slots (a tuple), or None when there are none.
+
+        Raises
+        ------
+        StaleInputsError
+            A table tensor comes from a superseded fetch (nothing is launched).
+        KernelIndexError
+            CPU: the kernel skipped an out-of-range index (nothing outside the tensors was
+            touched; the skipped entries were not written).
+        """
+        lock = self.tokens[0].lock if self.tokens else None
+        if lock is None:
+            return self._run()
+        with lock:  # the fetch's manager: no fetch between the check and the launch
+            return self._run()
+
+    def _run(self):
+        for tok in self.tokens:
+            if not tok.live:
+                check_live("inputs of this launch", tok)
         if self.fn is not None:
             if self.device.type == "cuda":
                 import torch
@@ -73,6 +106,8 @@ class Launch:
             else:
                 runtime.configure_cpu_threads()
                 self.fn(*self.slots.values())
+                if self._errv is not None and errflag.is_set(self._errv):
+                    errflag.check_view(self._errv, f"the {self._name()} kernel")
         if self.outputs:
             return tuple(self.slots[name] for name in self.outputs)
         return None
@@ -93,11 +128,13 @@ class Launch:
                 raise InvalidArgumentError(describe(
                     name, f"a tensor like the prepared one ({_describe(old)})", _describe(t)))
             slots[name] = t
-        return Launch(self.fn, self.device, slots, self.outputs)
+        return Launch(self.fn, self.device, slots, self.outputs, self.tokens, self._errv)
+
+    def _name(self) -> str:
+        return getattr(self.fn, "__name__", None) or ("no-op" if self.fn is None else "kernel")
 
     def __repr__(self) -> str:
-        name = getattr(self.fn, "__name__", None) or ("no-op" if self.fn is None else "kernel")
-        return f"Launch({name} on {self.device}, slots={list(self.slots)})"
+        return f"Launch({self._name()} on {self.device}, slots={list(self.slots)})"
 
 
 class LaunchSequence:

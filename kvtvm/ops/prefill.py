@@ -9,7 +9,8 @@ import numbers
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
                      check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
-                     common_device, indices_on_host)
+                     common_device, indices_on_host, live_tokens,
+                     sync_checked_call, check_no_alias)
 from .launch import Launch, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -150,11 +151,15 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
                                                 list(lse.shape)))
         check_contiguous("lse", lse)
     common_device(dict(tensors, out=out, lse=lse))
+    check_no_alias({"out": out, "lse": lse}, tensors)
 
     if device.type == "cuda":  # the tensor-core kernel moves q, K and V in 16-byte chunks
         check_vector_aligned({"q": qt, "k_cache": kc, "v_cache": vc})
+    tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
+                          "lookup_table": table})
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)
+    sync_checked_call(device, check_indices)
     if check_indices:
         check_batch_indices(indptr, lengths, table, geo, num_tokens)
     if quant:
@@ -164,11 +169,11 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
                  lookup_table=table, out=out, lse=lse, causal=int(bool(causal)),
                  sm_scale=float(sm_scale), sliding_window=int(sliding_window or 0))
     if num_tokens == 0:
-        return Launch(None, device, slots, outputs=("out", "lse"))
+        return Launch(None, device, slots, outputs=("out", "lse"), tokens=tokens)
     short = (device.type == "cuda" and geo.dtype != "float32"
              and num_tokens < CUDA_SHORT_QUERY_TOKENS * (len(indptr) - 1))
     fn = kernel_for(device, **(quant.spec_fields if quant else {}), op="prefill", dtype=geo.dtype, head_dim=geo.head_dim,
                     n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
                     features=("sliding_window",) if sliding_window is not None else (),
                     variant="short_query" if short else "")
-    return Launch(fn, device, slots, outputs=("out", "lse"))
+    return Launch(fn, device, slots, outputs=("out", "lse"), tokens=tokens)

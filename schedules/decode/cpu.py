@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
 from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.decode import LN2, LOG2E, NEG, match_params, signature, split_range
+from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, signature,
+                                  split_range)
+from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 
 from ..common import replace_function
 
@@ -95,12 +97,12 @@ def schedule(mod, spec, knobs):
     def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
                var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
-               sm_scale: T.float32, window: T.int32):
+               sm_scale: T.float32, window: T.int32, var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True})
         (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
-         lookup, out, lse, o_part, lse_part) = match_params(
+         lookup, out, lse, o_part, lse_part, err) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
-            var_lse, var_o_part, var_lse_part)
+            var_lse, var_o_part, var_lse_part, var_err)
         for task in tasks(batch * NHB * splits):
             with block("attend"):
                 T.reads()
@@ -118,7 +120,10 @@ def schedule(mod, spec, knobs):
                 b: T.int64 = task // (NHB * splits)
                 h0: T.int64 = T.floormod(task // splits, NHB) * HB
                 s: T.int64 = T.floormod(task, splits)
-                lo, hi = split_range(cache_lengths[b], window, s, splits, sliding)
+                lo, hi = split_range(cache_lengths[b], window, s, splits, sliding,
+                                     max_pages * page_size)
+                if not length_ok(cache_lengths[b], max_pages * page_size):
+                    err[ERR_POSITION] = 1
                 for r in range(HB * G):  # r = hh * G + g: query head h0 * G + r
                     for dv in range(DV):
                         for l in T.vectorized(L):
@@ -132,29 +137,34 @@ def schedule(mod, spec, knobs):
                         if lo + it * TILE + t < hi:
                             page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
                             slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
-                            for hh in range(HB):
-                                for g in range(G):
-                                    for l in T.vectorized(L):
-                                        part[g, l] = T.float32(0)
-                                for dv in range(DV):
-                                    for l in T.vectorized(L):
-                                        row[l] = T.Cast("float32", k_cache[cache_index(layout, page, slot, h0 + hh, dv * L + l)])
+                            if page >= 0 and page < num_pages:
+                                for hh in range(HB):
                                     for g in range(G):
                                         for l in T.vectorized(L):
-                                            part[g, l] = part[g, l] + qf[hh * G + g, dv * L + l] * row[l]
-                                for g in range(G):  # horizontal sums as a vector tree
-                                    if L >= 16:
-                                        for l in T.vectorized(8):
-                                            part[g, l] = part[g, l] + part[g, l + 8]
-                                    if L >= 8:
-                                        for l in T.vectorized(4):
-                                            part[g, l] = part[g, l] + part[g, l + 4]
-                                    if L >= 4:
-                                        for l in T.vectorized(2):
-                                            part[g, l] = part[g, l] + part[g, l + 2]
-                                    if L >= 2:
-                                        part[g, 0] = part[g, 0] + part[g, 1]
-                                    sc[hh * G + g, t] = part[g, 0]
+                                            part[g, l] = T.float32(0)
+                                    for dv in range(DV):
+                                        for l in T.vectorized(L):
+                                            row[l] = T.Cast("float32", k_cache[cache_index(layout, page, slot, h0 + hh, dv * L + l)])
+                                        for g in range(G):
+                                            for l in T.vectorized(L):
+                                                part[g, l] = part[g, l] + qf[hh * G + g, dv * L + l] * row[l]
+                                    for g in range(G):  # horizontal sums as a vector tree
+                                        if L >= 16:
+                                            for l in T.vectorized(8):
+                                                part[g, l] = part[g, l] + part[g, l + 8]
+                                        if L >= 8:
+                                            for l in T.vectorized(4):
+                                                part[g, l] = part[g, l] + part[g, l + 4]
+                                        if L >= 4:
+                                            for l in T.vectorized(2):
+                                                part[g, l] = part[g, l] + part[g, l + 2]
+                                        if L >= 2:
+                                            part[g, 0] = part[g, 0] + part[g, 1]
+                                        sc[hh * G + g, t] = part[g, 0]
+                            else:
+                                err[ERR_PAGE] = 1
+                                for r in range(HB * G):
+                                    sc[r, t] = T.float32(NEG)
                         else:
                             for r in range(HB * G):
                                 sc[r, t] = T.float32(NEG)
@@ -176,13 +186,14 @@ def schedule(mod, spec, knobs):
                         if lo + it * TILE + t < hi:
                             page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
                             slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
-                            for hh in range(HB):
-                                for dv in range(DV):
-                                    for l in T.vectorized(L):
-                                        row[l] = T.Cast("float32", v_cache[cache_index(layout, page, slot, h0 + hh, dv * L + l)])
-                                    for g in range(G):
+                            if page >= 0 and page < num_pages:
+                                for hh in range(HB):
+                                    for dv in range(DV):
                                         for l in T.vectorized(L):
-                                            acc[hh * G + g, dv * L + l] = acc[hh * G + g, dv * L + l] + sc[hh * G + g, t] * row[l]
+                                            row[l] = T.Cast("float32", v_cache[cache_index(layout, page, slot, h0 + hh, dv * L + l)])
+                                        for g in range(G):
+                                            for l in T.vectorized(L):
+                                                acc[hh * G + g, dv * L + l] = acc[hh * G + g, dv * L + l] + sc[hh * G + g, t] * row[l]
                 for r in range(HB * G):
                     if splits == T.int64(1):
                         for dv in range(DV):

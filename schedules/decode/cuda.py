@@ -29,10 +29,11 @@ from __future__ import annotations
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func)
 from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.decode import (LN2, LOG2E, NEG, match_params, signature, split_range,
-                                  vec_choices)
+from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, signature,
+                                  split_range, vec_choices)
+from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 
-from ..common import DTYPE_BYTES, replace_function
+from ..common import DTYPE_BYTES, pages_bad_macro, replace_function
 #: Static shared memory kept for the K/V stages (of the 48 KiB a kernel may declare statically).
 SMEM_KV_BYTES = 40 * 1024
 
@@ -55,7 +56,8 @@ def _wait_source(n: int) -> str:
 
 
 def _copy16(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_size):
-    """``cp.async`` of the 16-byte chunk ``col`` of token ``pos``'s row into ``smem[stage, row]``."""
+    """``cp.async`` of the 16-byte chunk ``col`` of token ``pos``'s row into ``smem[stage, row]``
+    (its page was checked by the block's page pre-pass)."""
     # positions and page sizes fit in int32: 32-bit division (64-bit is emulated on the GPU)
     pos32, ps32 = T.Cast("int32", pos), T.Cast("int32", page_size)
     page = T.Cast("int64", lookup[b, T.truncdiv(pos32, ps32)])
@@ -119,18 +121,19 @@ def schedule(mod, spec, knobs):
     MX = D // 4                              # merge: threads along head_dim (float4 each) ...
     MZ = max(1, min(1024 // MX, int(knobs["merge_threads"]) // MX))  # ... x split groups
     WAIT = _wait_source(S - 1)
+    pages_bad = pages_bad_macro(NT)
 
     # fmt: off
     @prim_func
     def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
                var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
-               sm_scale: T.float32, window: T.int32):
+               sm_scale: T.float32, window: T.int32, var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True, ATTR_IS_SCHEDULED: True})
         (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
-         lookup, out, lse, o_part, lse_part) = match_params(
+         lookup, out, lse, o_part, lse_part, err) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
-            var_lse, var_o_part, var_lse_part)
+            var_lse, var_o_part, var_lse_part, var_err)
         for bx in T.thread_binding(T.Cast("int32", batch * H * splits), thread="blockIdx.x"):
             for tz in T.thread_binding(BDZ, thread="threadIdx.z"):
                 for ty in T.thread_binding(BDY, thread="threadIdx.y"):
@@ -147,15 +150,26 @@ def schedule(mod, spec, knobs):
                             kv_reg = alloc_buffer((VEC,), dtype, scope="local")
                             s_reg = alloc_buffer((RPZ,), "float32", scope="local")
                             st = alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, dot
+                            bad = alloc_buffer((1,), "int32", scope="local")
                             ns: T.int32 = T.Cast("int32", splits)
                             b: T.int32 = T.truncdiv(bx, H * ns)
                             h: T.int32 = T.truncmod(T.truncdiv(bx, ns), H)
                             s: T.int32 = T.truncmod(bx, ns)
                             tid: T.int32 = (tz * BDY + ty) * BDX + tx
-                            lo64, hi64 = split_range(cache_lengths[b], window, s, splits, sliding)
+                            lo64, hi64 = split_range(cache_lengths[b], window, s, splits, sliding,
+                                                     max_pages * page_size)
+                            if tid == 0 and not length_ok(cache_lengths[b], max_pages * page_size):
+                                err[ERR_POSITION] = 1
                             lo: T.int32 = T.Cast("int32", lo64)  # positions fit in int32
                             hi: T.int32 = T.Cast("int32", hi64)
-                            ntiles: T.int32 = T.truncdiv(T.max(hi - lo, 0) + TILE - 1, TILE)
+                            # every page of the split is checked before any is staged: a page
+                            # outside the pool empties the split and sets the flag
+                            pages_bad(bad, lookup, b, T.truncdiv(lo, T.Cast("int32", page_size)),
+                                      T.if_then_else(hi > lo, T.truncdiv(hi - 1, T.Cast("int32", page_size)), -1),
+                                      num_pages, tid)
+                            if tid == 0 and bad[0] != 0:
+                                err[ERR_PAGE] = 1
+                            ntiles: T.int32 = T.truncdiv(T.max(hi - lo, 0) + TILE - 1, TILE) * (1 - bad[0])
                             for c in T.unroll(SUB):
                                 for v in T.unroll(CH):
                                     q_reg[c * CH + v] = T.Cast("float32", q[b, h * G + ty, (c * BDX + tx) * CH + v]) * sm_scale * T.float32(LOG2E)

@@ -24,7 +24,8 @@ import math
 
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, get_block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index, find_sequence
-from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params
+from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
+from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, sequence_ok
 
 from ..common import new_schedule, replace_function, under_locate
 
@@ -91,12 +92,12 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
     def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                 var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
-                window: T.int32):
+                window: T.int32, var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True})
         (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
-         cache_lengths, lookup, out, lse) = match_params(
+         cache_lengths, lookup, out, lse, err) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
-            var_lookup, var_out, var_lse)
+            var_lookup, var_out, var_lse, var_err)
         for w in T.parallel((ntok + TQ - 1) // TQ * H):
             with block("attn"):
                 vw = T.axis.spatial((ntok + TQ - 1) // TQ * H, w)
@@ -125,14 +126,20 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                     b: T.int32 = ib[0]
                     r0: T.int64 = ir[0]
                     r1: T.int64 = T.min(T.Cast("int64", qo_indptr[b + 1]), row1)
-                    if r1 > r0:
+                    if r1 > r0 and T.Cast("int64", qo_indptr[b]) > r0:
+                        err[ERR_INDPTR] = 1
+                    elif r1 > r0 and not sequence_ok(qo_indptr, cache_lengths, b,
+                                                     max_pages * page_size):
+                        err[ERR_POSITION] = 1
+                    elif r1 > r0:
                         mg: T.int64 = (r1 - r0) * G
                         nrc: T.int64 = (mg + RC - 1) // RC
                         p0: T.int64 = T.Cast("int64", cache_lengths[b]) + r0 \
                             - T.Cast("int64", qo_indptr[b])
                         kv_hi: T.int64 = T.if_then_else(
                             causal != 0, p0 + (r1 - r0),
-                            T.Cast("int64", cache_lengths[b] + qo_indptr[b + 1] - qo_indptr[b]))
+                            T.Cast("int64", cache_lengths[b]) + T.Cast("int64", qo_indptr[b + 1])
+                            - T.Cast("int64", qo_indptr[b]))
                         kv_lo: T.int64 = T.max(p0 - T.Cast("int64", window) + 1,
                                                T.int64(0)) * SLIDE
                         # Q^T of the segment's rows (r = token * G + head in group), pre-scaled
@@ -158,12 +165,19 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                     page: T.int64 = T.Cast(
                                         "int64", lookup[b, T.truncdiv(j0 + jj, page_size)])
                                     slot: T.int64 = T.truncmod(j0 + jj, page_size)
-                                    for d in T.vectorized(D):
-                                        Ks[jj, d] = T.Cast("float32", k_cache[cache_index(
-                                            layout, page, slot, h, d)])
-                                    for d in T.vectorized(D):
-                                        Vs[jj, d] = T.Cast("float32", v_cache[cache_index(
-                                            layout, page, slot, h, d)])
+                                    if page >= 0 and page < num_pages:
+                                        for d in T.vectorized(D):
+                                            Ks[jj, d] = T.Cast("float32", k_cache[cache_index(
+                                                layout, page, slot, h, d)])
+                                        for d in T.vectorized(D):
+                                            Vs[jj, d] = T.Cast("float32", v_cache[cache_index(
+                                                layout, page, slot, h, d)])
+                                    else:  # skipped: a zero key and value
+                                        err[ERR_PAGE] = 1
+                                        for d in T.vectorized(D):
+                                            Ks[jj, d] = T.float32(0)
+                                        for d in T.vectorized(D):
+                                            Vs[jj, d] = T.float32(0)
                                 else:
                                     for d in T.vectorized(D):
                                         Ks[jj, d] = T.float32(0)
@@ -230,5 +244,7 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                     * T.float32(1.0 / LOG2E)
                     ir[0] = T.max(r1, r0)
                     ib[0] = ib[0] + 1
+                if ir[0] < row1:  # rows past qo_indptr[batch]: no sequence holds them
+                    err[ERR_INDPTR] = 1
     # fmt: on
     return prefill

@@ -16,11 +16,12 @@ head_dim: correct, not tuned (float32 prefill is not a serving configuration).
 
 from __future__ import annotations
 
-from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
+from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index, find_sequence
-from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, uses_wgmma
+from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
+from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, sequence_ok, uses_wgmma
 
-from ..common import replace_function
+from ..common import pages_bad_macro, replace_function
 from .cuda_tensor_core import tensor_core_prefill
 
 
@@ -61,18 +62,21 @@ def simt_prefill(spec, NW: int):
     HQ = H * G
     DL = (D + 31) // 32  # elements per lane
     SLIDE = 1 if "sliding_window" in spec.features else 0
+    # which form ptxas allocates without spills depends on the kernel around it (checked by
+    # tests/compiler and tests/integrations at d16 .. d128)
+    pages_bad = pages_bad_macro(32, "warp", hoist=DL == 1)
 
     # fmt: off
     @prim_func
     def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                 var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
-                window: T.int32):
+                window: T.int32, var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True})
         (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
-         cache_lengths, lookup, out, lse) = match_params(
+         cache_lengths, lookup, out, lse, err) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
-            var_lookup, var_out, var_lse)
+            var_lookup, var_out, var_lse, var_err)
         for lbx in T.thread_binding((ntok * HQ + NW - 1) // NW, thread="blockIdx.x"):
             for lty in T.thread_binding(NW, thread="threadIdx.y"):
                 for ltx in T.thread_binding(32, thread="threadIdx.x"):
@@ -84,6 +88,7 @@ def simt_prefill(spec, NW: int):
                         acc = alloc_buffer((DL,), "float32", scope="local")
                         st = alloc_buffer((4,), "float32", scope="local")
                         ib = alloc_buffer((2,), "int32", scope="local")
+                        bad = alloc_buffer((1,), "int32", scope="local")
                         row: T.int64 = bx * NW + w
                         if row < ntok * HQ:
                             vn: T.int64 = row // HQ
@@ -92,9 +97,20 @@ def simt_prefill(spec, NW: int):
                             b: T.int32 = ib[0]
                             pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
                                 - T.Cast("int64", qo_indptr[b])
-                            kv_len: T.int64 = T.Cast("int64", cache_lengths[b] + qo_indptr[b + 1]
-                                                     - qo_indptr[b])
-                            hi: T.int64 = T.if_then_else(causal != 0, pos + 1, kv_len)
+                            kv_len: T.int64 = T.Cast("int64", cache_lengths[b]) \
+                                + T.Cast("int64", qo_indptr[b + 1]) \
+                                - T.Cast("int64", qo_indptr[b])
+                            row_ok: T.bool = tir.all(T.Cast("int64", qo_indptr[b]) <= vn,
+                                                     vn < T.Cast("int64", qo_indptr[b + 1]))
+                            len_ok: T.bool = sequence_ok(qo_indptr, cache_lengths, b,
+                                                         max_pages * page_size)
+                            if lane == 0 and not row_ok:
+                                err[ERR_INDPTR] = 1
+                            elif lane == 0 and not len_ok:
+                                err[ERR_POSITION] = 1
+                            hi: T.int64 = T.if_then_else(
+                                row_ok and len_ok, T.if_then_else(causal != 0, pos + 1, kv_len),
+                                T.int64(0))
                             lo: T.int64 = T.max(pos - T.Cast("int64", window) + 1,
                                                 T.int64(0)) * SLIDE
                             for i in T.unroll(DL):
@@ -106,7 +122,17 @@ def simt_prefill(spec, NW: int):
                                 acc[i] = T.float32(0)
                             st[0] = T.float32(NEG_INF)
                             st[1] = T.float32(0)
-                            for j in range(hi - lo):
+                            # every page the row reads is checked first (one warp per row)
+                            pages_bad(bad, lookup, b,
+                                      T.truncdiv(T.Cast("int32", lo), T.Cast("int32", page_size)),
+                                      T.if_then_else(hi > lo, T.truncdiv(T.Cast("int32", hi - 1), T.Cast("int32", page_size)), -1),
+                                      num_pages, lane)
+                            if lane == 0 and bad[0] != 0:
+                                err[ERR_PAGE] = 1
+                            # positions to visit, bound once (the loop test reads one value)
+                            n_j: T.int64 = T.if_then_else(bad[0] != 0, T.int64(0),
+                                                          T.max(hi - lo, T.int64(0)))
+                            for j in range(n_j):
                                 page: T.int64 = T.Cast("int64",
                                                        lookup[b, T.truncdiv(lo + j, page_size)])
                                 slot: T.int64 = T.truncmod(lo + j, page_size)

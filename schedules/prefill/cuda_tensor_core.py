@@ -37,7 +37,10 @@ from __future__ import annotations
 
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index, find_sequence
-from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params
+from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
+from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, sequence_ok
+
+from ..common import pages_bad_macro
 
 #: a masked score: exp2(MASKED - running max) is exactly 0 (running max >= NEG_INF)
 MASKED = -3.0e38
@@ -67,6 +70,7 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
     # wgmma, unpadded rows in 8x8 "core matrices" (8 rows x 16 bytes, 128 contiguous bytes)
     DP = D if WG else D + 8
     NT = 32 * NW
+    pages_bad = pages_bad_macro(NT)
     DC = D // 8           # 16-byte chunks per row
     KS = D // 16          # k-steps of Q K^T
     NB = BN // 8          # n-blocks of S
@@ -216,6 +220,7 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
     @T.macro
     def kv_load(Ks, Vs, k_cache, v_cache, lookup, b, h, page_size, stage, j0, kv_hi, L):
         # 16-byte chunk ``L`` of the K and V tiles starting at position j0; zero past kv_hi
+        # (the segment's pages were checked by its pre-pass)
         pos = j0 + ld_row(L)
         pc = T.min(pos, kv_hi - 1)
         page = T.Cast("int64", lookup[b, T.truncdiv(pc, page_size)])
@@ -257,12 +262,12 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
     def prefill(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
                 var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
                 var_out: T.handle, var_lse: T.handle, causal: T.int32, sm_scale: T.float32,
-                window: T.int32):
+                window: T.int32, var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True})
         (ntok, batch, num_pages, page_size, max_pages, q, k_cache, v_cache, qo_indptr,
-         cache_lengths, lookup, out, lse) = match_params(
+         cache_lengths, lookup, out, lse, err) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache_lengths,
-            var_lookup, var_out, var_lse)
+            var_lookup, var_out, var_lse, var_err)
         for lbx in T.thread_binding((ntok + TQ - 1) // TQ, thread="blockIdx.x"):
             for lby in T.thread_binding(H, thread="blockIdx.y"):
                 for lty in T.thread_binding(NW, thread="threadIdx.y"):
@@ -287,6 +292,7 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                             mx = alloc_buffer((2 * MT,), "float32", scope="local")
                             ib = alloc_buffer((2,), "int32", scope="local")
                             ir = alloc_buffer((1,), "int64", scope="local")
+                            bad = alloc_buffer((1,), "int32", scope="local")
                             # wgmma: shared-memory descriptors of Q (this warp group's rows),
                             # K and V (stage 0); P packed in pairs (4 b32 A registers a k-step)
                             dsc = alloc_buffer((3,), "uint64", scope="local")
@@ -304,17 +310,39 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                 b: T.int32 = ib[0]
                                 r0: T.int64 = ir[0]
                                 r1: T.int64 = T.min(T.Cast("int64", qo_indptr[b + 1]), row1)
-                                if T.tvm_thread_invariant(r1 > r0):
+                                # a segment outside its sequence's rows or capacity: skipped
+                                seg_ok: T.bool = tir.all(
+                                    T.Cast("int64", qo_indptr[b]) <= r0,
+                                    sequence_ok(qo_indptr, cache_lengths, b,
+                                                max_pages * page_size))
+                                if tid == 0 and r1 > r0 and not seg_ok:
+                                    err[T.if_then_else(T.Cast("int64", qo_indptr[b]) <= r0,
+                                                       ERR_POSITION, ERR_INDPTR)] = 1
+                                if T.tvm_thread_invariant(r1 > r0 and seg_ok):
                                     m: T.int64 = r1 - r0
                                     p0: T.int64 = T.Cast("int64", cache_lengths[b]) + r0 \
                                         - T.Cast("int64", qo_indptr[b])
                                     kv_hi: T.int64 = T.if_then_else(
                                         causal != 0, p0 + m,
-                                        T.Cast("int64", cache_lengths[b] + qo_indptr[b + 1]
-                                               - qo_indptr[b]))
+                                        T.Cast("int64", cache_lengths[b])
+                                        + T.Cast("int64", qo_indptr[b + 1])
+                                        - T.Cast("int64", qo_indptr[b]))
                                     kv_lo: T.int64 = T.max(p0 - T.Cast("int64", window) + 1,
                                                            T.int64(0)) * SLIDE
-                                    n_kv: T.int64 = (kv_hi - kv_lo + BN - 1) // BN
+                                    # every page of the segment is checked before any is
+                                    # staged: one outside the pool empties the segment
+                                    pages_bad(bad, lookup, b,
+                                              T.truncdiv(T.Cast("int32", kv_lo),
+                                                         T.Cast("int32", page_size)),
+                                              T.if_then_else(
+                                                  kv_hi > kv_lo,
+                                                  T.truncdiv(T.Cast("int32", kv_hi - 1),
+                                                             T.Cast("int32", page_size)), -1),
+                                              num_pages, tid)
+                                    if tid == 0 and bad[0] != 0:
+                                        err[ERR_PAGE] = 1
+                                    n_kv: T.int64 = T.if_then_else(
+                                        bad[0] != 0, T.int64(0), (kv_hi - kv_lo + BN - 1) // BN)
                                     # positions fit int32 (the ops layer caps lengths at 2**31)
                                     mi: T.int32 = T.Cast("int32", m)
                                     p0i: T.int32 = T.Cast("int32", p0)
@@ -468,5 +496,7 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                                         (mr[mt * 2 + hh] + T.log2(lr[mt * 2 + hh])) * T.float32(LN2)
                                 ir[0] = T.max(r1, r0)
                                 ib[0] = ib[0] + 1
+                            if tid == 0 and ir[0] < row1:  # rows past qo_indptr[batch]
+                                err[ERR_INDPTR] = 1
     # fmt: on
     return prefill

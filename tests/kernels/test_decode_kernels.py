@@ -34,15 +34,20 @@ def make_inputs(rng, spec, lengths, page_size, num_splits):
                 table=torch.from_numpy(table), splits=num_splits)
 
 
-def run(fn, inp, window, device="cpu"):
+def run(fn, inp, window, device="cpu", flags=None):
     q = inp["q"].to(device)
     batch, hq, d = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((batch, hq), float("nan"), device=device)
     o_part = torch.zeros((inp["splits"], batch, hq, d), device=device)
     lse_part = torch.zeros((inp["splits"], batch, hq), device=device)
+    err = torch.zeros(4, dtype=torch.int32, device=device)
     fn(q, inp["k"].to(device), inp["v"].to(device), inp["lengths"].to(device),
-       inp["table"].to(device), out, lse, o_part, lse_part, 1.0 / math.sqrt(d), window)
+       inp["table"].to(device), out, lse, o_part, lse_part, 1.0 / math.sqrt(d), window, err)
+    if flags is None:
+        assert not err.any(), f"error flag set on valid input: {err.tolist()}"
+    else:
+        flags.append(err.cpu().tolist())
     return out.float().cpu().numpy(), lse.cpu().numpy()
 
 
@@ -108,3 +113,23 @@ def test_cuda_kernel_matches_the_definition(args):
         ref_out, ref_lse = run(reference, inp, window)
         np.testing.assert_allclose(got_out, ref_out, rtol=2e-2, atol=2e-2)
         np.testing.assert_allclose(got_lse, ref_lse, rtol=2e-2, atol=2e-2)
+
+
+
+@pytest.mark.parametrize("bad", ["page", "negative_page", "length"])
+def test_cpu_kernel_flags_bad_indices_like_the_definition(bad):
+    """Out-of-range pages and lengths: the hand-written kernel sets the same error-flag
+    entries as the definition (and reads nothing outside: no crash on a 2**30 page)."""
+    spec = _spec(*SPECS[0])
+    kernel, reference = compiler.get_kernel(spec), unscheduled(spec)
+    inp = make_inputs(np.random.default_rng(11), spec, [3, 40, 0, 9], 4, 3)
+    if bad == "page":
+        inp["table"][1, 0] = 2 ** 30
+    elif bad == "negative_page":
+        inp["table"][0, 0] = -3
+    else:
+        inp["lengths"][0] = 2 ** 31 - 1
+    got, want = [], []
+    run(kernel, inp, 0, flags=got)
+    run(reference, inp, 0, flags=want)
+    assert got == want and sum(got[0]) == 1, (got, want)

@@ -36,13 +36,18 @@ def make_inputs(rng, spec, counts, starts, page_size):
                 lengths=torch.tensor(starts, dtype=torch.int32), table=torch.from_numpy(table))
 
 
-def run(fn, inp, causal, window, device="cpu"):
+def run(fn, inp, causal, window, device="cpu", flags=None):
     q = inp["q"].to(device)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=device)
+    err = torch.zeros(4, dtype=torch.int32, device=device)
     fn(q, inp["k"].to(device), inp["v"].to(device), inp["indptr"].to(device),
        inp["lengths"].to(device), inp["table"].to(device), out, lse, int(causal),
-       1.0 / math.sqrt(q.shape[2]), window)
+       1.0 / math.sqrt(q.shape[2]), window, err)
+    if flags is None:
+        assert not err.any(), f"error flag set on valid input: {err.tolist()}"
+    else:
+        flags.append(err.cpu().tolist())
     return out.float().cpu().numpy(), lse.cpu().numpy()
 
 
@@ -118,3 +123,23 @@ def test_cuda_kernels_match_the_definition(args, variant):
         ref_out, ref_lse = run(reference, inp, causal, window)
         np.testing.assert_allclose(got_out, ref_out, rtol=2e-2, atol=2e-2)
         np.testing.assert_allclose(got_lse, ref_lse, rtol=2e-2, atol=2e-2)
+
+
+
+@pytest.mark.parametrize("bad", ["page", "negative_page", "length"])
+def test_cpu_kernel_flags_bad_indices_like_the_definition(bad):
+    """Out-of-range pages and lengths: the hand-written kernel sets the same error-flag
+    entries as the definition (and reads nothing outside: no crash on a 2**30 page)."""
+    spec = _spec(*SPECS[0])
+    kernel, reference = compiler.get_kernel(spec), unscheduled(spec)
+    inp = make_inputs(np.random.default_rng(11), spec, [1, 17, 2, 6], [20, 0, 7, 11], 5)
+    if bad == "page":
+        inp["table"][1, 0] = 2 ** 30
+    elif bad == "negative_page":
+        inp["table"][0, 0] = -3
+    else:
+        inp["lengths"][0] = 2 ** 31 - 1
+    got, want = [], []
+    run(kernel, inp, True, 0, flags=got)
+    run(reference, inp, True, 0, flags=want)
+    assert got == want and sum(got[0]) == 1, (got, want)

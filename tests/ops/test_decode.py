@@ -157,7 +157,8 @@ def test_schedule_knobs(knobs):
         out = torch.full(q.shape, float("nan"))
         lse = torch.full(q.shape[:2], float("nan"))
         o_part, lse_part = torch.empty(splits, 3, 8, 64), torch.empty(splits, 3, 8)
-        fn(q, kv, vv, lengths, table, out, lse, o_part, lse_part, 0.125, 0)
+        fn(q, kv, vv, lengths, table, out, lse, o_part, lse_part, 0.125, 0,
+           torch.zeros(4, dtype=torch.int32))
         ref_o, ref_l = reference_decode(q.numpy(), kv.numpy(), vv.numpy(), lengths.numpy(),
                                         table.numpy(), sm_scale=0.125)
         np.testing.assert_allclose(out.numpy(), ref_o, rtol=1e-3, atol=1e-3)
@@ -179,7 +180,7 @@ def test_unscheduled_definition_matches_reference():
     for splits, window in ((1, 0), (3, 0), (2, 5)):
         out, lse = torch.full(q.shape, float("nan")), torch.full(q.shape[:2], float("nan"))
         fn(q, kv, vv, lengths, table, out, lse, torch.empty(splits, 3, 4, 32),
-           torch.empty(splits, 3, 4), 0.2, window)
+           torch.empty(splits, 3, 4), 0.2, window, torch.zeros(4, dtype=torch.int32))
         ref_o, ref_l = reference_decode(q.numpy(), kv.numpy(), vv.numpy(), lengths.numpy(),
                                         table.numpy(), sm_scale=0.2, sliding_window=window)
         np.testing.assert_allclose(out.numpy(), ref_o, rtol=1e-4, atol=1e-4)

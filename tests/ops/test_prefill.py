@@ -34,7 +34,8 @@ def check(args, *, layout="nhd", causal=True, sm_scale=None, sliding_window=None
             features=("sliding_window",) if sliding_window else (), knobs=knobs)
         scale = 1 / math.sqrt(q.shape[2]) if sm_scale is None else sm_scale
         compiler.get_kernel(spec)(q, kc, vc, indptr, lengths, table, out, lse, int(causal),
-                                  float(scale), int(sliding_window or 0))
+                                  float(scale), int(sliding_window or 0),
+                                  torch.zeros(4, dtype=torch.int32))
     got_out, got_lse = out.float().numpy(), lse.numpy()
     assert np.isfinite(got_out).all(), "output not fully written (NaN poison left)"
     assert np.isfinite(got_lse).all(), "lse not fully written (NaN poison left)"

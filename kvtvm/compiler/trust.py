@@ -1,0 +1,114 @@
+"""What the kernel cache trusts: directories and files that only this user (or root) can
+write, binaries whose sha256 matches their manifest, written with explicit modes.
+
+Like ssh with its keys, kvtvm refuses (:class:`~kvtvm.errors.UntrustedKernelError`, naming the
+path and the reason) to load code from a directory or file owned by another user, or that group
+or others can write. The user cache is created ``0700``; built files are made ``0644`` and
+directories kvtvm creates ``0700`` (cache) whatever the umask. Each module's manifest records
+its sha256, checked before ``dlopen``: a truncated or corrupt module is rebuilt when the
+compiler is present and is a :class:`~kvtvm.errors.CorruptKernelError` naming the file when it
+is not (never a SIGBUS). Only the directory holding a module and the module (and manifest)
+themselves are checked, not every parent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+from pathlib import Path
+
+from ..errors import CorruptKernelError, UntrustedKernelError
+
+__all__ = ["FILE_MODE", "CACHE_DIR_MODE", "check_trusted", "secure_cache_dir", "sha256_of",
+           "set_file_mode", "check_digest"]
+
+log = logging.getLogger(__name__)
+
+#: Mode of every file kvtvm writes into a kernel directory.
+FILE_MODE = 0o644
+#: Mode of the user cache directories kvtvm creates.
+CACHE_DIR_MODE = 0o700
+
+
+def _trusted_owner(uid: int) -> bool:
+    return uid == os.geteuid() or uid == 0
+
+
+def check_trusted(path: str | os.PathLike, what: str = "kernel file") -> None:
+    """Raise :class:`UntrustedKernelError` when ``path`` (a file or directory; symlinks
+    followed) is owned by another user than this one or root, or group/others can write it."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as err:
+        raise UntrustedKernelError(f"{what} {path}: cannot be checked ({err})") from None
+    if not _trusted_owner(st.st_uid):
+        raise UntrustedKernelError(
+            f"{what} {path}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) "
+            "or root; kvtvm loads no code another user could have written")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedKernelError(
+            f"{what} {path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"run `chmod go-w {path}`")
+
+
+def secure_cache_dir(path: Path) -> Path:
+    """Create the user cache directory ``path`` (``<base>/tvm-<version>``, missing parents
+    included) with mode 0700 whatever the umask. ``path`` and its base that this user owns
+    are tightened to 0700 (a cache made by an older kvtvm); one owned by another user, or
+    that group/others can write and that is not ours, is refused."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=CACHE_DIR_MODE)
+        except FileExistsError:  # another process made it meanwhile
+            pass
+        os.chmod(d, CACHE_DIR_MODE)
+    for d in (path.parent, path):
+        st = d.stat()
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+            log.warning("kvtvm cache directory %s had mode %o: tightened to 0700", d,
+                        stat.S_IMODE(st.st_mode))
+            os.chmod(d, CACHE_DIR_MODE)
+        check_trusted(d, "kernel cache directory")
+    return path
+
+
+def set_file_mode(path: Path) -> None:
+    """Give a file kvtvm wrote its explicit mode (0644), whatever the umask."""
+    os.chmod(path, FILE_MODE)
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_digest(path: Path, manifest: dict | None) -> str | None:
+    """Why the module at ``path`` does not match its manifest's sha256 (None when it does)."""
+    want = (manifest or {}).get("sha256")
+    if not want:
+        return "its manifest records no sha256 (built by an older kvtvm)"
+    try:
+        got = sha256_of(path)
+    except OSError as err:
+        return f"it cannot be read ({err})"
+    if got != want:
+        return (f"its sha256 {got[:16]}... differs from the manifest's {want[:16]}... "
+                f"(truncated or modified; {path.stat().st_size} bytes)")
+    return None
+
+
+def corrupt(path: Path, why: str) -> CorruptKernelError:
+    return CorruptKernelError(f"cannot load {path}: {why}; the TVM compiler is not available "
+                              "to rebuild it -- rebuild the kernels (`python -m kvtvm build`)")

@@ -1,0 +1,126 @@
+"""The kernel cache trusts nothing it did not write: owner and permission checks (like ssh),
+explicit modes whatever the umask, sha256 checked before dlopen, corrupt entries rebuilt (or a
+typed error naming the file without the compiler), corrupt tuning logs named."""
+
+import json
+import os
+import stat
+import textwrap
+
+import pytest
+
+from helpers import run_python
+from kvtvm import compiler
+from kvtvm.errors import CorruptKernelError, UntrustedKernelError
+
+SPEC = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KVTVM_KERNEL_PATH", raising=False)
+    return tmp_path / "cache"
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_cache_is_0700_and_files_0644_whatever_the_umask(cache):
+    old = os.umask(0)
+    try:
+        compiler.get_kernel(SPEC)
+    finally:
+        os.umask(old)
+    d = compiler.cache_dir()
+    assert _mode(cache) == 0o700 and _mode(d) == 0o700
+    path = d / SPEC.file_name()
+    assert _mode(path) == 0o644 and _mode(compiler.manifest_path(path)) == 0o644
+    data = json.loads(compiler.manifest_path(path).read_text())
+    assert len(data["sha256"]) == 64
+    leftovers = [p.name for p in d.iterdir() if p.name.startswith(".") and "build" in p.name]
+    assert not leftovers  # temp work files lived in the destination and were removed
+
+
+def test_a_group_writable_cache_of_this_user_is_tightened(cache):
+    d = compiler.cache_dir()
+    d.mkdir(parents=True)
+    os.chmod(d, 0o777)
+    compiler.build_spec(SPEC, d)  # a planted or old entry ...
+    compiler.get_kernel(compiler.KernelSpec(op="append", dtype="float32", head_dim=32,
+                                            n_kv_heads=2))
+    assert _mode(d) == 0o700
+
+
+@pytest.mark.parametrize("planted", ["dir_writable", "file_writable", "other_owner"])
+def test_planted_kernels_are_refused_with_the_path_and_reason(tmp_path, cache, monkeypatch,
+                                                               planted):
+    kernels = tmp_path / "kernels"
+    path = compiler.build_spec(SPEC, kernels)
+    if planted == "dir_writable":
+        os.chmod(kernels, 0o777)
+        target, reason = kernels, "writable by group or others"
+    elif planted == "file_writable":
+        os.chmod(path, 0o666)
+        target, reason = path, "writable by group or others"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        os.chown(path, 12345, 12345)
+        target, reason = path, "owned by uid 12345"
+    monkeypatch.setenv("KVTVM_KERNEL_PATH", str(kernels))
+    with pytest.raises(UntrustedKernelError, match=reason) as info:
+        compiler.get_kernel(SPEC)
+    assert str(target) in str(info.value)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_corrupt_cached_module_is_rebuilt(cache, damage):
+    path = compiler.build_spec(SPEC, compiler.cache_dir())
+    good = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(good[:len(good) // 3])
+    else:
+        path.write_bytes(good[:100] + bytes([good[100] ^ 0xFF]) + good[101:])
+    assert not compiler.is_fresh(path, SPEC)
+    fn = compiler.get_kernel(SPEC)
+    assert fn is not None and compiler.is_fresh(path, SPEC)
+    assert len(path.read_bytes()) == len(good)
+
+
+RUNTIME_ONLY = textwrap.dedent("""
+    from kvtvm import compiler, runtime
+    from kvtvm.errors import CorruptKernelError
+    assert not runtime.compiler_available()
+    spec = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
+    try:
+        compiler.get_kernel(spec)
+    except CorruptKernelError as err:
+        print("ERROR:", err)
+    else:
+        print("LOADED")
+""")
+
+
+def test_runtime_only_names_a_truncated_module_instead_of_crashing(tmp_path):
+    out = tmp_path / "kernels"
+    path = compiler.build_spec(SPEC, out)
+    path.write_bytes(path.read_bytes()[:4096])
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", KVTVM_KERNEL_PATH=str(out),
+               KVTVM_CACHE_DIR=str(tmp_path / "empty-cache"))
+    said = run_python(RUNTIME_ONLY, env=env, timeout=120)
+    assert "ERROR:" in said and str(path) in said and "sha256" in said, said
+
+
+def test_a_corrupt_tuning_log_is_named(tmp_path, cache, monkeypatch):
+    logs = tmp_path / "logs"
+    log_path = compiler.tuning_log_path(SPEC, logs)
+    log_path.parent.mkdir(parents=True)
+    log_path.write_text('{"knobs": {"vector_bytes": 8')  # truncated JSON
+    monkeypatch.setenv("KVTVM_TUNING_LOGS", str(logs))
+    with pytest.raises(CorruptKernelError, match=str(log_path)):
+        compiler.resolve_knobs(SPEC)
+    log_path.write_text('{"knobs": [1, 2]}')
+    with pytest.raises(CorruptKernelError, match="not an object"):
+        compiler.resolve_knobs(SPEC)
