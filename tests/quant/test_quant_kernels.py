@@ -286,3 +286,48 @@ def test_kernel_spec_storage_names_and_refusals():
         KernelSpec("decode", "float16", 128, 8, 4, k_storage="int4")
     with pytest.raises(InvalidArgumentError, match="copy"):
         KernelSpec("copy", "float16", 128, 8, k_storage="int8")
+
+
+def test_generated_quantized_kernels_are_up_to_date():
+    """decode/prefill quantized kernels are generated from the full-precision ones."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "gen_quant_kernels.py"
+    proc = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("table,what", [([[1, 9], [3, 4]], "lookup_table"),
+                                        ([[1, -2], [3, 4]], "lookup_table")])
+def test_unchecked_quantized_calls_skip_bad_pages_and_raise(table, what):
+    """With ``check_indices=False`` the quantizing append and the quantized attention skip an
+    out-of-range page (nothing outside the views is touched) and raise afterwards."""
+    from kvtvm.errors import KernelIndexError
+
+    rng = np.random.default_rng(2)
+    H, D, ps, pages, guard = 2, 64, 4, 6, 2
+    whole = torch.from_numpy(rng.integers(-128, 128, (pages + 2 * guard, 2, ps, H,
+                                                      quant_row_bytes(D)), dtype=np.int8))
+    before = whole.clone()
+    cache = whole[guard:guard + pages]
+    kc, vc = cache[:, 0], cache[:, 1].view(torch.float8_e4m3fn)
+    indptr = torch.tensor([0, 6, 8], dtype=torch.int32)
+    lengths = torch.tensor([0, 1], dtype=torch.int32)
+    tab = torch.tensor(table, dtype=torch.int32)
+    k, v = torch.randn(8, H, D), torch.randn(8, H, D)
+    want_k, _ = reference_append(kc.numpy(), _np(vc), k.numpy(), v.numpy(), indptr.numpy(),
+                                 lengths.numpy(), tab.numpy())
+    with pytest.raises(KernelIndexError, match=what):
+        ops.append_kv(kc, vc, k, v, indptr, lengths, tab, check_indices=False)
+    assert torch.equal(whole[:guard], before[:guard]) and torch.equal(whole[-guard:],
+                                                                      before[-guard:])
+    np.testing.assert_array_equal(kc.numpy(), want_k)
+    with pytest.raises(KernelIndexError, match=what):
+        ops.decode_attention(torch.randn(2, 2 * H, D), kc, vc, torch.tensor(
+            [6, 1], dtype=torch.int32), tab, check_indices=False)
+    with pytest.raises(KernelIndexError, match=what):
+        ops.prefill_attention(torch.randn(8, 2 * H, D), kc, vc, indptr, lengths, tab,
+                              check_indices=False)
