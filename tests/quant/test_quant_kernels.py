@@ -331,3 +331,21 @@ def test_unchecked_quantized_calls_skip_bad_pages_and_raise(table, what):
     with pytest.raises(KernelIndexError, match=what):
         ops.prefill_attention(torch.randn(8, 2 * H, D), kc, vc, indptr, lengths, tab,
                               check_indices=False)
+
+
+def test_relax_integration_refuses_quantized_caches_by_name():
+    from tvm import relax
+
+    from kvtvm.integrations import relax as kr
+
+    p = KVCacheParams("float16", 2, 64, "paged", page_size=16, k_cache_dtype="int8")
+    with pytest.raises(DTypeMismatchError, match="params.k_cache_dtype.*int8"):
+        kr.kv_input_vars_for(PagedKVCacheManager(p, 2, 64, 2))
+    bb = relax.BlockBuilder()
+    kc = relax.Var("kc", relax.TensorType((4, 16, 2, quant_row_bytes(64)), "int8"))
+    vc = relax.Var("vc", relax.TensorType((4, 16, 2, 64), "float16"))
+    k = relax.Var("k", relax.TensorType((3, 2, 64), "float16"))
+    tab = [relax.Var(n, relax.TensorType(s, "int32"))
+           for n, s in (("i", (2,)), ("c", (1,)), ("t", (1, 4)))]
+    with pytest.raises(DTypeMismatchError, match="k_cache dtype.*int8"):
+        kr.emit_append_kv(bb, kc, vc, k, k, *tab)
