@@ -1,6 +1,7 @@
 """Quantized (and other-precision) copies of a benchmark case's cache for ``--cache-dtype``:
-the same K/V stored as int8 / float8_e4m3fn rows (the reference quantizer, :mod:`kvtvm.quant`)
-or as another full-precision type, and the stored bytes a kernel reads."""
+the same K/V stored as int8 / float8_e4m3fn rows (kvtvm's quantizing append, byte-equal to the
+reference quantizer of :mod:`kvtvm.quant`) or as another full-precision type, and the stored
+bytes a kernel reads."""
 
 from __future__ import annotations
 
@@ -14,16 +15,27 @@ CACHE_DTYPES = (*sorted(DTYPE_SIZES), *QUANT_DTYPES)
 
 
 def cache_as(cache, storage: str):
-    """``cache [..., D]`` stored as ``storage``: a quantized view ``[..., quant_row_bytes(D)]``
-    on the cache's device, or a full-precision copy."""
+    """``cache [pages, page_size, H, D]`` (nhd) stored as ``storage``: a quantized view
+    ``[..., quant_row_bytes(D)]`` written by kvtvm's own quantizing append on the cache's device
+    (every row in page order: the reference bytes, fast on a GPU), or a full-precision copy."""
     import torch
 
     if storage not in QUANT_DTYPES:
         return cache.to(getattr(torch, storage))
-    from ..quant import quantize_rows
+    from .. import ops
 
-    rows = quantize_rows(cache.float().cpu().numpy(), storage).view("int8")
-    return torch.from_numpy(rows).to(cache.device).view(getattr(torch, storage))
+    pages, page_size, heads, dim = cache.shape
+    rows = cache.reshape(-1, heads, dim)
+    dev = cache.device
+    out = torch.zeros((pages, page_size, heads, quant_row_bytes(dim)), dtype=torch.int8,
+                      device=dev).view(getattr(torch, storage))
+    spare = torch.zeros_like(out)  # the V side of the call, dropped
+    indptr = torch.tensor([0, rows.shape[0]], dtype=torch.int32, device=dev)
+    lengths = torch.zeros(1, dtype=torch.int32, device=dev)
+    table = torch.arange(pages, dtype=torch.int32, device=dev)[None]
+    ops.append_kv(out, spare, rows, rows, indptr, lengths, table)
+    del spare
+    return out
 
 
 def row_bytes(storage: str, head_dim: int) -> int:

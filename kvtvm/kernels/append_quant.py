@@ -14,7 +14,9 @@ written as zeros with a NaN scale.
 
 :func:`build` writes the CPU kernel from two knobs (one task per token in parallel or
 serially; ``lanes`` float32 lanes per vector), :func:`build_cuda` the CUDA one (a thread per
-(token, head) row); :func:`define` is the serial scalar form.
+(token, head) row, IEEE division despite nvcc's fast math); :func:`define` is the serial
+scalar form. On CUDA (flush-to-zero under fast math) a row whose largest magnitude is a
+float32 subnormal (below 2**-126) is stored as zeros; the CPU follows the reference there too.
 """
 
 from __future__ import annotations
@@ -50,7 +52,17 @@ def define(spec):
     return build(spec, parallel=False, lanes=1)
 
 
-def _row_writer(storage: str, layout: str, D: int, L: int):
+def _ieee_div(a, b):
+    return a / b
+
+
+def _cuda_div(a, b):
+    """IEEE division on CUDA (nvcc builds with ``--use_fast_math``: a plain ``/`` would be
+    approximate and the scale bytes would differ from the reference)."""
+    return T.call_pure_extern("float32", "__fdiv_rn", a, b)
+
+
+def _row_writer(storage: str, layout: str, D: int, L: int, div=_ieee_div):
     """A macro writing row ``(n, h)`` of ``x`` into ``cache`` at (page, slot): a copy for a
     full-precision side, quantize + scale + padding for an 8-bit one."""
     R = quant_row_bytes(D)
@@ -87,8 +99,9 @@ def _row_writer(storage: str, layout: str, D: int, L: int):
             # cannot reinterpret a constant)
             sv[1] = T.float32(0)
         else:
-            sv[0] = amax[0] / T.float32(qmax)
-            sv[1] = T.Select(amax[0] > T.float32(0), T.float32(qmax) / amax[0], T.float32(0))
+            sv[0] = div(amax[0], T.float32(qmax))
+            sv[1] = T.Select(amax[0] > T.float32(0), div(T.float32(qmax), amax[0]),
+                             T.float32(0))
         for dv in range(DV):
             for l in T.vectorized(L):
                 cache[cache_index(layout, page, slot, h, dv * L + l)] = encode(T.min(T.max(
@@ -181,8 +194,8 @@ def build_cuda(spec, threads: int):
     H, D, dtype, layout = spec.n_kv_heads, spec.head_dim, spec.dtype, spec.layout
     ks, vs = spec.k_storage, spec.v_storage
     L = 1
-    write_k = _row_writer(ks, layout, D, L)
-    write_v = _row_writer(vs, layout, D, L)
+    write_k = _row_writer(ks, layout, D, L, _cuda_div)
+    write_v = _row_writer(vs, layout, D, L, _cuda_div)
     NT = int(threads)
 
     quant_token = _token_writer(write_k, write_v)

@@ -136,3 +136,25 @@ def dequant(cache, layout: str, page, slot, head, dim, head_dim: int, storage: s
     if not storage:
         return value
     return value * row_scale(cache, cache_index(layout, page, slot, head, 0), head_dim, storage)
+
+
+def quant_vec_choices(spec) -> list[int]:
+    """CUDA decode knob ``vec`` for 8-bit rows: head_dim elements per thread, 1, 2 or 4
+    16-byte vectors (16 values each), at most 32 threads per row."""
+    return [v for v in (16, 32, 64) if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
+
+
+def word_value(word, i, storage: str):
+    """:func:`load_value` of byte ``i`` (little-endian) of an int32 ``word`` of an 8-bit row
+    staged as 32-bit words (CUDA shared memory)."""
+    byte = T.Cast("int8", T.shift_right(word, 8 * i))
+    if storage == "float8_e4m3fn":
+        return e4m3_to_half_scaled(byte)
+    return T.Cast("float32", byte)
+
+
+def word_row_scale(words, lead, head_dim: int, storage: str):
+    """:func:`row_scale` of a row staged as int32 words (``words[(*lead, head_dim // 4)]`` holds
+    the scale)."""
+    scale = T.reinterpret("float32", words[(*lead, head_dim // 4)])
+    return scale * T.float32(FP8_LOAD_SCALE) if storage == "float8_e4m3fn" else scale

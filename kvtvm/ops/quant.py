@@ -22,9 +22,15 @@ from .checks import CacheGeometry, check_rank
 __all__ = ["is_quantized_pair", "QuantPair", "check_quant_cache_pair", "check_quant_target",
            "QUANT_TARGETS"]
 
-#: Where kernels reading / writing quantized caches exist: target -> storage types.
-QUANT_TARGETS = {"llvm": QUANT_DTYPES}
-
+#: Where kernels reading / writing quantized caches exist: (target, op) -> storage types.
+#: CUDA: append and decode with K and V both 8-bit (float8 needs no native support: the e4m3
+#: codec is integer / float16 arithmetic, so sm_80 runs it too); prefill over a quantized
+#: cache and K-only / V-only caches run on the CPU only so far.
+QUANT_TARGETS = {("llvm", "append"): QUANT_DTYPES, ("llvm", "decode"): QUANT_DTYPES,
+                 ("llvm", "prefill"): QUANT_DTYPES, ("cuda", "append"): QUANT_DTYPES,
+                 ("cuda", "decode"): QUANT_DTYPES}
+#: Targets whose quantized kernels need both K and V 8-bit.
+BOTH_8BIT = ("cuda",)
 
 def _is_8bit(t) -> bool:
     return t.element_size() == 1
@@ -108,14 +114,21 @@ def check_quant_target(device, pair: QuantPair, op: str) -> None:
         Naming the storage type given and those supported there.
     """
     target = "llvm" if device.type == "cpu" else device.type
-    supported = QUANT_TARGETS.get(target, ())
+    supported = QUANT_TARGETS.get((target, op), ())
     for name, storage in (("k_cache", pair.k_storage), ("v_cache", pair.v_storage)):
         if storage and storage not in supported:
             raise DTypeMismatchError(describe(
                 f"{name} storage for {op} on {device}",
                 f"one of {[pair.geometry.dtype, *supported]}"
-                + ("" if supported else " (no quantized kernels for this target yet)"),
-                storage))
+                + ("" if supported else f" (no quantized {op} kernel for {target} yet; "
+                   "the CPU has them)"), storage))
+    if target in BOTH_8BIT and not (pair.k_storage and pair.v_storage):
+        name = "v_cache" if pair.k_storage else "k_cache"
+        raise DTypeMismatchError(describe(
+            f"{name} storage for {op} on {device}",
+            f"8-bit like the other view ({', '.join(QUANT_DTYPES)}): {target} kernels read "
+            "K and V both quantized or both full precision",
+            pair.geometry.dtype))
 
 
 def quant_pair_for(k_cache, v_cache, layout: str, ref_name: str, ref) -> QuantPair | None:
