@@ -13,7 +13,7 @@ Generated (do not edit by hand; edit the source, then rerun):
   dequantizes into the float32 tiles;
 - ``schedules/decode/cpu_quant.py`` from ``schedules/decode/cpu.py``: 8-bit loads converted in
   vector registers, the row scales folded into scalars (``score = scale_k * q.k_q``;
-  ``acc += (p * scale_v) * v_q``).
+  ``acc += (p * scale_v) * v_q``), the GQA group's loops unrolled.
 
 The transformations are textual and assert that each pattern they rely on is found, so a
 change of the source that breaks one fails loudly here instead of producing a wrong kernel.
@@ -103,6 +103,9 @@ reference over the reference-dequantized cache.""", src)
     text = _sub(LOAD, lambda m: (f"load_value({m.group(1)}_cache, cache_index("
                                  f"{' '.join(m.group(2).split())}), spec.{m.group(1)}_storage)"),
                 text, min_count=2)
+    # the query heads of a KV head unrolled: their partial sums stay in registers (measured
+    # ~10% less CPU time per int8 decode on the 2-core AMD box)
+    text = _sub(r"for g in range\(G\):", "for g in T.unroll(G):", text, min_count=3)
     text = _sub(r'(\n(\s*)scl = alloc_buffer\(\(1,\), "float32"\)\n)',
                 r'\1\2rs = alloc_buffer((1,), "float32")\n', text, count=1)
     text = _sub(r"\nfrom \.\.common import",

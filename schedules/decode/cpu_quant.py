@@ -141,16 +141,16 @@ def schedule(mod, spec, knobs):
                             if page >= 0 and page < num_pages:
                                 for hh in range(HB):
                                     rs[0] = row_scale(k_cache, cache_index(layout, page, slot, h0 + hh, 0), D, spec.k_storage)
-                                    for g in range(G):
+                                    for g in T.unroll(G):
                                         for l in T.vectorized(L):
                                             part[g, l] = T.float32(0)
                                     for dv in range(DV):
                                         for l in T.vectorized(L):
                                             row[l] = load_value(k_cache, cache_index(layout, page, slot, h0 + hh, dv * L + l), spec.k_storage)
-                                        for g in range(G):
+                                        for g in T.unroll(G):
                                             for l in T.vectorized(L):
                                                 part[g, l] = part[g, l] + qf[hh * G + g, dv * L + l] * row[l]
-                                    for g in range(G):  # horizontal sums as a vector tree
+                                    for g in T.unroll(G):  # horizontal sums as a vector tree
                                         if L >= 16:
                                             for l in T.vectorized(8):
                                                 part[g, l] = part[g, l] + part[g, l + 8]
@@ -191,12 +191,12 @@ def schedule(mod, spec, knobs):
                             if page >= 0 and page < num_pages:
                                 for hh in range(HB):
                                     rs[0] = row_scale(v_cache, cache_index(layout, page, slot, h0 + hh, 0), D, spec.v_storage)
-                                    for g in range(G):
+                                    for g in T.unroll(G):
                                         part[g, 0] = sc[hh * G + g, t] * rs[0]
                                     for dv in range(DV):
                                         for l in T.vectorized(L):
                                             row[l] = load_value(v_cache, cache_index(layout, page, slot, h0 + hh, dv * L + l), spec.v_storage)
-                                        for g in range(G):
+                                        for g in T.unroll(G):
                                             for l in T.vectorized(L):
                                                 acc[hh * G + g, dv * L + l] = acc[hh * G + g, dv * L + l] + part[g, 0] * row[l]
                 for r in range(HB * G):

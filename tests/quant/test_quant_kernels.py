@@ -358,3 +358,17 @@ def test_relax_integration_refuses_quantized_caches_by_name():
            for n, s in (("i", (2,)), ("c", (1,)), ("t", (1, 4)))]
     with pytest.raises(DTypeMismatchError, match="k_cache dtype.*int8"):
         kr.emit_append_kv(bb, kc, vc, k, k, *tab)
+
+
+def test_build_command_specs_for_quantized_caches():
+    from kvtvm.cli import default_specs
+
+    specs = default_specs("cuda", "sm_80", ["append", "decode", "prefill", "copy"], ["float16"],
+                          [128], [8], [4], ["nhd"], cache_dtypes=["none", "float8_e4m3fn"])
+    quant = {(s.op, s.k_storage, s.v_storage) for s in specs if s.quantized}
+    assert quant == {("append", "float8_e4m3fn", "float8_e4m3fn"),
+                     ("decode", "float8_e4m3fn", "float8_e4m3fn")}   # no CUDA prefill yet
+    assert sum(not s.quantized for s in specs) == 4
+    cpu = default_specs("llvm", None, ["prefill"], ["float32"], [64], [2], [1], ["hnd"],
+                        cache_dtypes=["int8"])
+    assert [(s.op, s.k_storage) for s in cpu] == [("prefill", "int8")]
