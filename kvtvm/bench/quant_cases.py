@@ -64,5 +64,5 @@ def speedup_lines(rows, baseline: str, dtype: str) -> list[str]:
                   and o.impl[6:] in DTYPE_SIZES and r.impl[6:] in QUANT_DTYPES]
         lines.append(f"{r.case}: {r.impl} {base.ms / r.ms:.2f}x the {dtype} cache"
                      + "".join(f", {o}" for o in others)
-                     + f" ({_gbs(r):.1f} GB/s of stored bytes vs {_gbs(base):.1f})")
+                     + f" ({_gbs(r):.3g} GB/s of stored bytes vs {_gbs(base):.3g})")
     return lines
