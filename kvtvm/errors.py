@@ -77,3 +77,20 @@ class UntrustedKernelError(KVCacheError, PermissionError):
 class CorruptKernelError(KVCacheError, RuntimeError):
     """A built kernel (or a tuning log) is truncated or corrupt -- its sha256 differs from its
     manifest's, or it cannot be read or loaded -- and cannot be rebuilt here."""
+
+
+class TransferError(KVCacheError, RuntimeError):
+    """Moving pages between caches or processes failed (export, import, transport)."""
+
+
+class FormatMismatchError(TransferError, ValueError):
+    """A page header describes a cache the receiver cannot hold (dtype, layout, page size,
+    heads, layers, version): the message names the field and both values."""
+
+
+class CorruptTransferError(TransferError, ValueError):
+    """Page data is truncated or a page's checksum does not match its header."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A peer did not answer in time (dead peer, dropped message)."""

@@ -5,4 +5,5 @@ by side in the same run and reported as ratios. Shared timing and reporting live
 :mod:`kvtvm.bench.common`.
 """
 
-BENCHMARKS = ("append", "copy", "manager", "decode", "prefill", "host", "e2e", "quality")
+BENCHMARKS = ("append", "copy", "manager", "decode", "prefill", "host", "e2e", "quality",
+              "transfer")

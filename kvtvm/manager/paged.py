@@ -26,6 +26,8 @@ Choices written down here:
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from ..errors import (InvalidArgumentError, KVCacheCapacityError, KVCacheError,
@@ -33,8 +35,10 @@ from ..errors import (InvalidArgumentError, KVCacheCapacityError, KVCacheError,
 from ..params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
+from .pageio import PageIOMixin
 from .prefix_cache import PagedCacheStats, PrefixCache
 from .tables import StepTables, table_elems
+from .tiers import TierMixin
 
 __all__ = ["PagedKVCacheManager", "PagedCacheStats"]
 
@@ -60,7 +64,7 @@ def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: 
     return max_batch_size * width
 
 
-class PagedKVCacheManager(KVCacheManager):
+class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
     """Paged KV cache with refcounted pages, prefix caching, fork and rollback.
 
     Parameters
@@ -117,6 +121,8 @@ class PagedKVCacheManager(KVCacheManager):
             self._tokens = np.zeros((mb, self.max_seq_len), dtype=np.int64)
             self._keys: list[list[int]] = [[] for _ in range(mb)]
             self._page_offsets = np.arange(self.page_size, dtype=np.int64)[None, :]
+        self._init_pageio()  # leases, export/import (.pageio)
+        self._tiers = None   # host/disk tiers of the prefix cache (.tiers, attach_tiers)
 
     # ------------------------------------------------------------------------------------
     # Sizes
@@ -164,7 +170,10 @@ class PagedKVCacheManager(KVCacheManager):
         pages = free[::-1]
         free.clear()
         while len(pages) < k:
+            if self._tiers is not None:  # the oldest cached page goes down a tier first
+                self._demote(next(iter(self._prefix.lru)))
             pages.append(self._prefix.evict_one())
+        pages.sort()  # evicted deepest first: ascending runs keep transfers zero-copy
         return pages
 
     def _drop_refs(self, pages) -> None:
@@ -175,7 +184,7 @@ class PagedKVCacheManager(KVCacheManager):
             rc[p] -= 1
             if rc[p] == 1:
                 self._n_shared -= 1
-            elif rc[p] == 0:
+            elif rc[p] == 0 and not self._leased[p]:  # a leased page waits for its lease
                 if p in cached:
                     lru[p] = None
                 else:
@@ -210,6 +219,8 @@ class PagedKVCacheManager(KVCacheManager):
                 toks = tokens.tokens_of(b)
                 full = (toks.size - 1) // P  # the last token is always recomputed
                 chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(full)]
+                if self._tiers is not None:  # lower-tier hits come back as cached pages
+                    self._promote(chunks, keep=[p for _, ps, _, _ in hit_plan for p in ps])
                 pages, kids = prefix.lookup(chunks)
                 hit_plan.append((int(b), pages, kids, toks.size))
                 hits[b] = len(pages) * P
@@ -230,7 +241,7 @@ class PagedKVCacheManager(KVCacheManager):
         partial = (flagged & (start % P != 0)).nonzero()[0] if any_flagged else ()
         if len(partial):
             pages = self._page_table[ids[partial], start[partial] // P]
-            rc = self._refcount[pages]
+            rc = self._refcount[pages] + self._leased[pages]  # a leased page is copied too
             # prefix hits of this same batch hold the pages they hit too: a page another item
             # is about to share must be copied, never written in place (nor uncached)
             hit_refs: dict[int, int] = {}
@@ -247,7 +258,7 @@ class PagedKVCacheManager(KVCacheManager):
                     uncache.append(page)  # held by this item alone: write in place, uncached
         n_alloc = int(alloc.sum())
         n_new = n_alloc + len(cow)
-        pinned = {p for _, pages, _, _ in hit_plan for p in pages if self._refcount[p] == 0}
+        pinned = {p for _, pages, _, _ in hit_plan for p in pages if p in prefix.lru}
         available = self._available_pages() - len(pinned)
         if n_new > available:
             raise KVCacheCapacityError(
@@ -299,7 +310,7 @@ class PagedKVCacheManager(KVCacheManager):
             prefix.hit_tokens += len(pages) * P
             for p in pages:
                 if rc[p] == 0:
-                    del prefix.lru[p]
+                    prefix.lru.pop(p, None)  # absent when leased
                 rc[p] += 1
                 if rc[p] == 2:
                     self._n_shared += 1
@@ -476,12 +487,14 @@ class PagedKVCacheManager(KVCacheManager):
                 del self._keys[sid][new_len // self.page_size:]
 
     def stats(self) -> PagedCacheStats:
-        """Pages used / free / cached / shared and the prefix-cache hit rate."""
+        """Pages used / free / cached / shared / leased, the prefix-cache hit rate and the
+        lower tiers' counters (``free + used + cached + leased == total``)."""
         with self._lock:
             p = self._prefix
+            leased = self._leased > 0
             return PagedCacheStats(
                 pages_total=self.num_pages,
-                pages_used=int((self._refcount > 0).sum()),
+                pages_used=int(((self._refcount > 0) & ~leased).sum()),
                 pages_free=len(self._free),
                 pages_cached=len(p.lru),
                 pages_shared=int((self._refcount > 1).sum()),
@@ -489,7 +502,9 @@ class PagedKVCacheManager(KVCacheManager):
                 prefix_query_tokens=p.query_tokens,
                 prefix_hit_tokens=p.hit_tokens,
                 prefix_hit_rate=p.hit_tokens / p.query_tokens if p.query_tokens else 0.0,
-                evictions=p.evictions)
+                evictions=p.evictions,
+                pages_leased=int(leased.sum()),
+                tiers=self._tiers.stats() if self._tiers is not None else {})
 
     def pages_of(self, seq_id: int) -> list[int]:
         """The pages ``seq_id`` holds, in token order (including pages reserved past its
@@ -549,9 +564,16 @@ class PagedKVCacheManager(KVCacheManager):
             free = set(self._free)
             assert len(free) == len(self._free), "page on the free list twice"
             lru = set(self._prefix.lru)
-            used = set(np.flatnonzero(owners).tolist())
+            leased = set(np.flatnonzero(self._leased).tolist())
+            assert (self._leased >= 0).all(), "negative lease count"
+            held = Counter(p for ls in self._leases.values() for p in ls.pages)
+            assert all(self._leased[p] == held.get(p, 0) for p in range(self.num_pages)), \
+                "lease counts differ from the open leases"
+            used = set(np.flatnonzero(owners).tolist()) - leased
             assert not (free & lru) and not (free & used) and not (lru & used)
-            assert len(free) + len(lru) + len(used) == self.num_pages, "page leaked"
+            assert not (leased & (free | lru)), "a leased page is free or evictable"
+            assert len(free) + len(lru) + len(used) + len(leased) == self.num_pages, \
+                "page leaked"
             p = self._prefix
             assert all(q in p.page_key and self._refcount[q] == 0 for q in lru)
             assert not any(q in p.page_key for q in free)

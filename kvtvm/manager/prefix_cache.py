@@ -16,7 +16,7 @@ list deepest page first, so a released prompt loses its tail before its root.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["PrefixCache", "PagedCacheStats"]
 
@@ -45,6 +45,12 @@ class PagedCacheStats:
         ``prefix_hit_tokens / prefix_query_tokens`` (0 when nothing was looked up).
     evictions : int
         Cached pages evicted to make room.
+    pages_leased : int
+        Pages held by an export or import lease (not freeable, evictable or writable);
+        ``pages_free + pages_used + pages_cached + pages_leased == pages_total``.
+    tiers : dict
+        Per lower tier (``"host"``, ``"disk"``): capacity, entries, bytes, hits, misses,
+        demotions, promotions, rejected (failed content or checksum checks).
     """
 
     pages_total: int
@@ -57,6 +63,8 @@ class PagedCacheStats:
     prefix_hit_tokens: int
     prefix_hit_rate: float
     evictions: int
+    pages_leased: int = 0
+    tiers: dict = field(default_factory=dict)
 
 
 class PrefixCache:

@@ -20,6 +20,8 @@ CASES = {
     "manager": ["--batches", "1,4", "--context", "64", "--steps", "20", "--requests", "40",
                 "--max-batch", "8", "--max-seq-len", "256"],
     "host": ["--layers", "2", "--context", "16", "--steps", "3"],
+    "transfer": ["--tokens", "64", "--layers", "1", "--n-kv-heads", "2", "--head-dim", "16",
+                 "--repeat", "2", "--warmup", "1"],
 }
 
 
@@ -43,6 +45,11 @@ def test_bench_runs(name, tmp_path):
     if name in ("decode", "prefill"):
         assert "kvtvm int8" in proc.stdout and "x the " in proc.stdout and "GB/s of stored" \
             in proc.stdout
+    if name == "transfer":  # both sides of both comparisons measured
+        res = json.loads(out.read_text())
+        assert "kvtvm / plain" in proc.stdout
+        assert res["transfer"]["kvtvm_s"] > 0 and res["transfer"]["plain_s"] > 0
+        assert res["host"]["demote_s"] > 0 and res["host"]["promote_s"] > 0
 
 
 @pytest.mark.slow

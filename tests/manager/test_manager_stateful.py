@@ -237,8 +237,64 @@ class PagedMachine(ManagerMachine):
 
     def check_structure(self):
         self.mgr.check_invariants()
+        st_ = self.mgr.stats()
+        assert st_.pages_free + st_.pages_used + st_.pages_cached + st_.pages_leased \
+            == st_.pages_total
         for s, toks in self.shadow.items():
             assert len(self.mgr.pages_of(s)) >= -(-len(toks) // P)
+        # a leased page is never rewritten: its bytes are those it had when leased
+        for pages, saved in getattr(self, "leases", {}).values():
+            for blocks, want in zip(self.mgr.blocks, saved):
+                assert torch.equal(blocks[pages], want)
+
+    # -- leases (export / import): issue 17 -------------------------------------------------
+    @rule(data=st.data())
+    def export_lease(self, data):
+        live = [s for s in self.live() if self.shadow[s]]
+        if not self.prefix or not live:
+            return
+        s = data.draw(st.sampled_from(live))
+        ex = self.mgr.export_pages(s, timeout=data.draw(st.sampled_from([None, 1.0])))
+        pages = self.mgr.pages_of(s)[:-(-len(self.shadow[s]) // P)]
+        self.leases = getattr(self, "leases", {})
+        self.leases[ex.lease_id] = (pages, [b[pages].clone() for b in self.mgr.blocks])
+
+    @rule(data=st.data(), twice=st.booleans())
+    def end_lease(self, data, twice):
+        if not getattr(self, "leases", None):
+            return
+        lid = data.draw(st.sampled_from(sorted(self.leases)))
+        assert self.mgr.end_lease(lid)
+        del self.leases[lid]
+        if twice:
+            assert not self.mgr.end_lease(lid)
+
+    @rule()
+    def expire_leases(self):
+        if not getattr(self, "leases", None):
+            return
+        for lid in self.mgr.expire_leases(now=float("inf")):
+            del self.leases[lid]
+
+    @rule(data=st.data())
+    def copy_via_import(self, data):
+        """Export a sequence and import it into a fresh one of the same cache (the full pages
+        are found by their tokens, only the partial one is written)."""
+        live = [s for s in self.live() if self.shadow[s]]
+        if not self.prefix or not live or not self.mgr.slots_remaining:
+            return
+        s = data.draw(st.sampled_from(live))
+        ex = self.mgr.export_pages(s)
+        (t,) = self.mgr.claim(1)
+        before = self.snapshot()
+        try:
+            self.mgr.import_pages(ex.header, ex.data, seq_id=t)
+        except KVCacheCapacityError:
+            assert self.snapshot() == before
+            self.mgr.release(t)
+        else:
+            self.shadow[t] = list(self.shadow[s])
+        assert self.mgr.end_lease(ex.lease_id)
 
     def read_back(self, s, n):
         pages = self.mgr.pages_of(s)

@@ -1,0 +1,225 @@
+"""``python -m kvtvm.bench transfer``: KV transfer between two processes, and the host tier.
+
+1. *Transfer*: two processes (``torch.multiprocessing``, ``torch.distributed`` over loopback:
+   gloo on CPU, ``--backend nccl --device cuda`` on a GPU). Side by side, on the same bytes:
+   kvtvm's export + send + import of one sequence's pages (the header, the checksums on both
+   sides, the page runs received straight into the receiver's pages, the acknowledgement;
+   also with the lookup by hashes first, as :func:`kvtvm.transfer.send_sequence` does) against a plain ``torch.distributed``
+   send of one contiguous tensor of the same size into a preallocated buffer, acknowledged the
+   same way. Reported: GB/s of each and kvtvm / plain (target: at least 0.8).
+2. *Host tier*: demotion (what an eviction runs: copy a cached page to the host pool) and
+   promotion (what a prefix hit on the host tier runs: content check, copy back, register)
+   of a whole sequence's pages, against a plain ``copy_`` of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+from .common import log
+
+__all__ = ["main"]
+
+
+def _params(args):
+    from ..params import KVCacheParams
+
+    return KVCacheParams(args.dtype, args.n_kv_heads, args.head_dim, "paged",
+                         page_size=args.page_size, enable_prefix_caching=True)
+
+
+def _manager(args, device):
+    from ..manager import PagedKVCacheManager
+
+    pages = 2 * (-(-args.tokens // args.page_size)) + 4
+    return PagedKVCacheManager(_params(args), 2, args.tokens + args.page_size, args.layers,
+                               devices=(device,), num_pages=pages)
+
+
+def _prefill(mgr, tokens):
+    """A sequence holding ``tokens`` (its pages filled with random K/V)."""
+    import torch
+
+    from ..inputs import BatchItem
+
+    (s,) = mgr.claim(1)
+    mgr.fetch([BatchItem(s, tokens)])
+    for p in mgr.pages_of(s):
+        mgr.blocks[0][p].copy_(torch.randn(mgr.blocks[0][p].shape))
+    mgr.step([BatchItem(s, tokens)])
+    return s
+
+
+def _worker(rank, args, port, out):
+    import torch
+    import torch.distributed as dist
+
+    from ..transfer import DistributedTransport
+
+    torch.set_num_threads(max(1, args.threads))
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        device = args.device
+        if device.startswith("cuda"):  # one GPU per rank when there are two (NCCL refuses
+            # two ranks on one device); on a single GPU both share it (gloo only)
+            device = f"cuda:{rank % torch.cuda.device_count()}"
+            torch.cuda.set_device(device)
+        mgr = _manager(args, device)
+        tr = DistributedTransport(timeout=300.0)
+        tr.register(mgr)
+        nbytes = -(-args.tokens // args.page_size) * mgr.params.bytes_per_page(args.layers)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=tr.device)
+        ack = torch.zeros(1, dtype=torch.int64, device=tr.device)
+        plain, kvtvm, data_only = [], [], []
+        for rep in range(args.warmup + args.repeat):
+            tokens = [rep * args.tokens + i for i in range(args.tokens)]  # fresh hashes
+            # -- plain: one contiguous tensor of the same bytes, acknowledged -------------
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(ack, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(ack, 0)
+            plain.append(time.perf_counter() - t0)
+            # -- kvtvm: export + lookup + send + import + ack ----------------------------
+            s = _prefill(mgr, tokens) if rank == 0 else None
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:  # what send_sequence does, timed in two parts
+                have = tr.lookup(1, mgr.block_hashes_of(s))
+                t1 = time.perf_counter()
+                export = mgr.export_pages(s, first_page=have)
+                tr.send(1, export).wait(300.0)
+                data_only.append(time.perf_counter() - t1)
+            else:
+                seqs = []
+                while True:
+                    msg = tr.handle(0, lambda h, tag: seqs.append(mgr.claim(1)[0]) or seqs[-1])
+                    if msg.kind == "pages":
+                        break
+                if msg.error is not None:
+                    raise msg.error
+            kvtvm.append(time.perf_counter() - t0)
+            if rank == 0:
+                mgr.release(s)
+            else:
+                mgr.release(seqs[-1])
+            mgr.expire_leases(now=float("inf"))
+        if rank == 0:
+            out.put({"nbytes": nbytes, "plain_s": statistics.median(plain[args.warmup:]),
+                     "kvtvm_s": statistics.median(data_only[args.warmup:]),
+                     "kvtvm_lookup_s": statistics.median(kvtvm[args.warmup:])})
+    finally:
+        dist.destroy_process_group()
+
+
+def transfer(args) -> dict:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, args.threads)))
+    mp.start_processes(_worker, args=(args, port, out), nprocs=2, start_method="spawn",
+                       join=True)
+    return out.get()
+
+
+def host_tier(args) -> dict:
+    """Median seconds to demote / promote one sequence's pages, and of a plain copy_."""
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(max(1, args.threads))
+    mgr = _manager(args, args.device)
+    n = -(-args.tokens // args.page_size)
+    mgr.attach_tiers(host_pages=n + 2)
+    tokens = list(range(args.tokens + 1))  # n full pages, all cached once released
+    mgr.release(_prefill(mgr, tokens))
+    P = args.page_size
+    chunks = [np.asarray(tokens[i * P:(i + 1) * P], np.int64).tobytes() for i in range(n)]
+    src = torch.cat([mgr.blocks[0][p][None] for p in range(mgr.num_pages)][:n]).clone()
+    dst = torch.empty_like(src, pin_memory=args.device.startswith("cuda"))
+    demote, promote, plain = [], [], []
+    for _ in range(args.warmup + args.repeat):
+        pages = [page for _, (_, page) in sorted(mgr._prefix.table.items(),
+                                                   key=lambda kv: kv[1][0])]
+        assert len(pages) == n, "the sequence's pages are not all cached"
+        t0 = time.perf_counter()
+        for p in pages:  # what eviction runs for each page
+            mgr._demote(p)
+        demote.append(time.perf_counter() - t0)
+        while mgr._prefix.lru:  # evict them from the device (the host tier holds them)
+            mgr._free.append(mgr._prefix.evict_one())
+        t0 = time.perf_counter()
+        got = mgr._promote(chunks)  # what a prefix hit on the host tier runs
+        promote.append(time.perf_counter() - t0)
+        assert got == n, f"promoted {got} of {n} pages"
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        plain.append(time.perf_counter() - t0)
+    mgr.check_invariants()
+    k = args.warmup
+    return {"nbytes": src.numel() * src.element_size(), "demote_s": statistics.median(demote[k:]),
+            "promote_s": statistics.median(promote[k:]), "copy_s": statistics.median(plain[k:])}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtvm.bench transfer",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--tokens", type=int, default=512, help="tokens of the sequence sent")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--n-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--skip", default="", help="comma list of: transfer, host")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    skip = {s for s in args.skip.split(",") if s}
+    res = {"args": vars(args)}
+    shape = (f"{args.tokens} tokens, pages of {args.page_size}, {args.layers} layers, "
+             f"{args.n_kv_heads} kv heads x {args.head_dim}, {args.dtype}, {args.device}")
+    if "transfer" not in skip:
+        log.info("transfer: two processes over %s, %d repeats", args.backend, args.repeat)
+        t = res["transfer"] = transfer(args)
+        gb = t["nbytes"] / 1e9
+        print(f"transfer between two processes ({args.backend}, loopback): {shape}, "
+              f"{t['nbytes'] / 2**20:.1f} MiB, median of {args.repeat}")
+        print(f"  plain send of one tensor            {1e3 * t['plain_s']:8.2f} ms "
+              f"{gb / t['plain_s']:6.2f} GB/s")
+        print(f"  kvtvm export+send+import            {1e3 * t['kvtvm_s']:8.2f} ms "
+              f"{gb / t['kvtvm_s']:6.2f} GB/s   kvtvm / plain {t['plain_s'] / t['kvtvm_s']:.2f}x")
+        s = t["kvtvm_lookup_s"]
+        print(f"  kvtvm lookup+export+send+import     {1e3 * s:8.2f} ms "
+              f"{gb / s:6.2f} GB/s   kvtvm / plain {t['plain_s'] / s:.2f}x")
+    if "host" not in skip:
+        log.info("host tier: demote and promote %d tokens", args.tokens)
+        h = res["host"] = host_tier(args)
+        gb = h["nbytes"] / 1e9
+        print(f"host tier: {shape}, {h['nbytes'] / 2**20:.1f} MiB, median of {args.repeat}")
+        print(f"  plain copy_                         {1e3 * h['copy_s']:8.2f} ms "
+              f"{gb / h['copy_s']:6.2f} GB/s")
+        for name in ("demote", "promote"):
+            s = h[f"{name}_s"]
+            print(f"  {name:<8} (per page, LRU, checks) {1e3 * s:8.2f} ms {gb / s:6.2f} GB/s"
+                  f"   / plain {h['copy_s'] / s:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

@@ -1,0 +1,151 @@
+"""The self-describing format of exported pages: :class:`PageHeader` (the metadata plane,
+sent as JSON) and :class:`PageExport` (a header, the page data as views of the cache, and the
+lease that keeps those pages unchanged until the data has been sent). Plain data: the manager
+side that fills and checks them is :mod:`.pageio`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from ..errors import CorruptTransferError
+
+__all__ = ["FORMAT_VERSION", "LAYOUT", "STORAGE", "PageHeader", "PageExport"]
+
+FORMAT_VERSION = 1
+LAYOUT = "page,kv,layer,slot,head,dim"
+STORAGE = "dense"  # quantized caches name their scale format here
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    """Self-description of a run of exported pages (the metadata plane).
+
+    Attributes
+    ----------
+    version, dtype, storage, layout : int, str, str, str
+        Format version; element type; ``"dense"`` (or a quantized format with its scale
+        layout: ``quant:<KVCacheParams.storage_key>:scale=f32-per-row:align=16``, each layer's
+        K/V storage type and a float32 scale per (token, head) row); the axes of one page,
+        ``page,kv,layer,slot,head,dim``.
+    page_size, n_kv_heads, head_dim, num_layers : int
+        Tokens per page; KV heads of the model (all devices); elements per head; layers.
+    head_range : tuple of int
+        ``(h0, h1)``: the heads carried, of ``n_kv_heads``.
+    tokens : tuple of int
+        Every token the pages cover, from token 0 (``n_pages = ceil(len / page_size)``).
+    first_page : int
+        Pages ``[first_page, n_pages)`` carry data (the peer holds the ones before).
+    block_hashes : tuple of int
+        Chained hashes of the full pages, from page 0 (:mod:`.hashing`), ``hash_bits`` wide.
+    checksum, checksums : str, tuple of int
+        Checksum algorithm and one checksum per carried page.
+    page_bytes : int
+        Bytes of one carried page.
+    """
+
+    version: int
+    dtype: str
+    storage: str
+    layout: str
+    page_size: int
+    n_kv_heads: int
+    head_range: tuple
+    head_dim: int
+    num_layers: int
+    tokens: tuple
+    first_page: int
+    block_hashes: tuple
+    hash_bits: int
+    checksum: str
+    checksums: tuple
+    page_bytes: int = 0
+
+    @property
+    def tensor_dtype(self) -> str:
+        """Element type of the page data: ``dtype``, or ``uint8`` for a quantized cache."""
+        return self.dtype if self.storage == STORAGE else "uint8"
+
+    @property
+    def n_pages(self) -> int:
+        return -(-len(self.tokens) // self.page_size)
+
+    @property
+    def n_carried(self) -> int:
+        return self.n_pages - self.first_page
+
+    @property
+    def page_shape(self) -> tuple:
+        """Shape of one carried page: ``(2, num_layers, page_size, heads, head_dim)``, or
+        ``(page_bytes,)`` for a quantized cache (its pages are byte rows)."""
+        if self.storage != STORAGE:
+            return (self.page_bytes,)
+        h0, h1 = self.head_range
+        return (2, self.num_layers, self.page_size, h1 - h0, self.head_dim)
+
+    def to_bytes(self) -> bytes:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict deep-copies
+        return json.dumps(d, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "PageHeader":
+        """Parse and sanity-check a header; anything malformed is a CorruptTransferError."""
+        try:
+            d = json.loads(bytes(raw).decode())
+            hdr = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+            ints = [hdr.version, hdr.page_size, hdr.n_kv_heads, hdr.head_dim, hdr.num_layers,
+                    hdr.first_page, hdr.hash_bits, hdr.page_bytes, *hdr.head_range, *hdr.tokens,
+                    *hdr.block_hashes, *hdr.checksums]
+            ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
+                  and all(isinstance(v, str) for v in (hdr.dtype, hdr.storage, hdr.layout,
+                                                       hdr.checksum))
+                  and len(hdr.head_range) == 2 and hdr.page_size > 0
+                  and 0 <= hdr.first_page <= hdr.n_pages
+                  and len(hdr.checksums) == hdr.n_carried
+                  and len(hdr.block_hashes) == len(hdr.tokens) // hdr.page_size)
+        except (ValueError, TypeError, UnicodeDecodeError) as err:
+            raise CorruptTransferError(f"page header: unreadable ({err})") from None
+        if not ok:
+            raise CorruptTransferError("page header: fields of the wrong type or inconsistent "
+                                       "lengths (truncated or corrupt)")
+        return hdr
+
+
+class PageExport:
+    """An export: its header, its data and the lease to end once it is sent.
+
+    ``data`` is ``[n_carried, *header.page_shape]``: a view of the cache when the pages are
+    consecutive, else gathered on first access. A transport that can send page runs reads
+    ``page_runs(...)`` instead: views of the cache only (zero copy), valid while the lease
+    holds. ``pages`` are the cache pages carried (``None`` when the cache splits the heads
+    over several devices or only some heads are carried: then only ``data`` exists).
+    """
+
+    def __init__(self, header: PageHeader, lease_id: int, pages, blocks, gather):
+        self.header, self.lease_id, self.pages = header, lease_id, pages
+        self._blocks, self._gather, self._data = blocks, gather, None
+
+    @property
+    def data(self):
+        if self._data is None:
+            self._data = self._gather()
+        return self._data
+
+    def page_runs(self, first_row: int, cuts=()):
+        """Views ``[(row, tensor [n, *page_shape])]`` covering rows ``[first_row,
+        n_carried)``: each a run of consecutive cache pages, also cut at the given rows. They
+        are torch views of the cache (``__dlpack__`` hands them zero-copy to a transport that
+        is not torch's, e.g. NIXL's memory registration)."""
+        if self.pages is None:
+            return [(first_row, self.data[first_row:])]
+        pages, out = self.pages, []
+        cuts, r = set(cuts), first_row
+        while r < len(pages):
+            e = r + 1
+            while e < len(pages) and pages[e] == pages[e - 1] + 1 and e not in cuts:
+                e += 1
+            out.append((r, self._blocks[pages[r]:pages[r] + e - r]))
+            r = e
+        return out
+
+

@@ -1,0 +1,584 @@
+"""Page export/import and leases of the paged manager: the manager's side of KV transfer.
+
+A transfer moves whole pages between two caches (another process, another machine, a lower
+tier). The manager owns the bytes, so it exposes them as torch tensors; moving them is the
+caller's business (:mod:`kvtvm.transfer` over ``torch.distributed``). Two planes:
+
+- metadata: a :class:`PageHeader` (format version, dtype, storage, layout, page size, KV
+  heads and the head range carried, head_dim, layers, every token the pages cover, the
+  chained block hashes of the full pages and one checksum per carried page), sent as JSON;
+- data: one tensor ``[n_pages, 2, num_layers, page_size, heads, head_dim]`` -- a view of the
+  cache when the pages are consecutive on one device (no copy), else one gather.
+
+Leases. A page being exported or imported is *leased*: it cannot be freed, evicted or
+rewritten (a write into it copies it first) until the lease ends -- by release, abort,
+timeout (:meth:`PageIOMixin.expire_leases`) or a failed import -- and it ends exactly once
+(ending it again returns False and changes nothing). Releasing the exporting sequence while
+its transfer still reads the pages leaves them leased; they are freed (or stay cached) when
+the lease ends. Every page is exactly one of free, used (held by a sequence, not leased),
+cached (on the LRU list) or leased: ``free + used + cached + leased == total``.
+
+Import checks every header field against the receiving cache (:class:`FormatMismatchError`
+naming the field and both values), the data's shape (:class:`CorruptTransferError`: truncated)
+and every checksum (:class:`CorruptTransferError`) before it writes anything, then registers
+the full pages in the prefix cache under their *tokens* (so a later claim + fetch of the same
+tokens hits them: content-verified, a hash collision can only cause a miss) and optionally
+hands every page to a claimed, empty sequence, which then continues at the exported length.
+A receiver that splits the KV heads over a different number of devices takes its heads from
+the header's head range (resharding).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
+                      KVCacheCapacityError, SequenceStateError, TransferError, describe)
+from .hashing import CHECKSUM_NAME, DEFAULT_HASH_BITS, HASH_SEED, chain_hash, checksum, \
+    fingerprint
+from .hashing import block_hashes as _block_hashes
+from .pageformat import FORMAT_VERSION, LAYOUT, STORAGE, PageExport, PageHeader
+
+__all__ = ["FORMAT_VERSION", "PageHeader", "PageExport", "PageIOMixin"]
+
+
+@dataclass
+class _Lease:
+    kind: str                  # "export" or "import"
+    pages: list
+    deadline: float | None
+    header: PageHeader | None = None
+    seq_id: int | None = None
+    held: int = 0              # import: leading pages already cached here
+    first_row: int = 0         # import: first row of the header's data that is written
+    held_kids: list = field(default_factory=list)
+
+
+class PageIOMixin:
+    """Export, import and leases for :class:`~kvtvm.manager.PagedKVCacheManager`."""
+
+    #: Width of the chained block hashes this cache names its pages by (a test narrows it).
+    hash_bits: int = DEFAULT_HASH_BITS
+
+    def storage_name(self) -> str:
+        """The ``storage`` field of this cache's page headers."""
+        p = self.params
+        if not p.quantized:
+            return STORAGE
+        return f"quant:{p.storage_key(self.num_layers)}:scale=f32-per-row:align=16"
+
+    def _root_chain(self) -> tuple[int, int]:
+        """(hash, fingerprint) of the empty prefix: seeded by the storage format, so pages of
+        two formats never share a name (in a shared disk tier, say)."""
+        key = self.params.storage_key(self.num_layers).encode()
+        return chain_hash(HASH_SEED, key, self.hash_bits), fingerprint(HASH_SEED, key)
+
+    def _init_pageio(self) -> None:
+        self._leased = np.zeros(self.num_pages, dtype=np.int32)
+        self._leases: dict[int, _Lease] = {}
+        self._next_lease = 0
+        self._chain_memo: dict[int, tuple[int, int]] = {}  # key id -> (hash, fingerprint)
+        self._memo_bits = self.hash_bits
+
+    # -- leases -------------------------------------------------------------------------------
+    def _lease_pages(self, pages) -> None:
+        leased, rc, lru = self._leased, self._refcount, self._prefix.lru
+        for p in pages:
+            if leased[p] == 0 and rc[p] == 0:
+                lru.pop(p, None)
+            leased[p] += 1
+
+    def _unlease_pages(self, pages) -> None:
+        leased, rc, cached = self._leased, self._refcount, self._prefix.page_key
+        for p in reversed(pages):
+            leased[p] -= 1
+            if leased[p] == 0 and rc[p] == 0:
+                if p in cached:
+                    self._prefix.lru[p] = None
+                else:
+                    self._free.append(p)
+
+    def _new_lease(self, lease: _Lease) -> int:
+        self._lease_pages(lease.pages)
+        lid = self._next_lease
+        self._next_lease += 1
+        self._leases[lid] = lease
+        return lid
+
+    def end_lease(self, lease_id: int) -> bool:
+        """End a lease (a finished send, an abort, a preemption): its pages can be freed,
+        evicted and written again. True the first time, False if it already ended (a
+        duplicate completion), so each lease ends exactly once. An import lease that ends
+        before :meth:`finish_import` drops its fresh pages (nothing was registered)."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            self._unlease_pages(lease.pages)
+            return True
+
+    def expire_leases(self, now: float | None = None) -> list[int]:
+        """End every lease whose deadline (``time.monotonic()`` seconds) has passed; returns
+        their ids (a dead peer's transfers)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            late = [lid for lid, ls in self._leases.items()
+                    if ls.deadline is not None and ls.deadline <= now]
+            for lid in late:
+                self.end_lease(lid)
+            return late
+
+    def active_leases(self) -> dict[int, str]:
+        """``{lease_id: "export" | "import"}`` of the leases not yet ended."""
+        with self._lock:
+            return {lid: ls.kind for lid, ls in self._leases.items()}
+
+    # -- hashes of cached pages ---------------------------------------------------------------
+    def _chain_of(self, kid: int):
+        """(hash, fingerprint) of prefix-cache key ``kid``, or None if its chain is gone."""
+        memo = self._chain_memo
+        if self._memo_bits != self.hash_bits:
+            memo.clear()
+            self._memo_bits = self.hash_bits
+        root = self._prefix.root
+        if kid == root:
+            return self._root_chain()
+        hit = memo.get(kid)
+        if hit is not None:
+            return hit
+        by_id = self._by_id()
+        chain = []
+        while kid != root and kid not in memo:
+            key = by_id.get(kid)
+            if key is None:
+                return None
+            chain.append((kid, key[1]))
+            kid = key[0]
+        h, fp = memo[kid] if kid != root else self._root_chain()
+        for k, chunk in reversed(chain):
+            h, fp = chain_hash(h, chunk, self.hash_bits), fingerprint(fp, chunk)
+            memo[k] = (h, fp)
+        if len(memo) > 4 * self.num_pages + 64:  # forget keys no longer cached
+            live = {v[0] for v in self._prefix.table.values()}
+            for k in [k for k in memo if k not in live]:
+                del memo[k]
+        return h, fp
+
+    def _by_id(self) -> dict:
+        """``{key id: key}`` of the prefix cache (rebuilt only when it changed)."""
+        p = self._prefix
+        version = (p.next_id, len(p.table), p.evictions, id(p.table))
+        cached = getattr(self, "_by_id_cache", None)
+        if cached is None or cached[0] != version or cached[2] is not p.table:
+            cached = self._by_id_cache = (version, {v[0]: k for k, v in p.table.items()},
+                                          p.table)
+        return cached[1]
+
+    def _hash_index(self) -> dict:
+        """``{hash: (key id, page, token bytes, parent key id)}`` of every reachable cached
+        page (one entry per hash: with a narrow hash, a collision keeps one of them); rebuilt
+        only when the prefix cache changed."""
+        p = self._prefix
+        version = (p.next_id, len(p.table), p.evictions, self.hash_bits, id(p.table))
+        cached = getattr(self, "_index_cache", None)
+        if cached is not None and cached[0] == version and cached[2] is p.table:
+            return cached[1]
+        out = {}
+        for (parent, chunk), (kid, page) in sorted(self._prefix.table.items(),
+                                                   key=lambda kv: kv[1][0]):
+            hf = self._chain_of(kid)
+            if hf is not None:
+                out[hf[0]] = (kid, page, chunk, parent)
+        self._index_cache = (version, out, p.table)
+        return out
+
+    def held_prefix_pages(self, block_hashes) -> int:
+        """How many leading pages of ``block_hashes`` this cache holds (device pool, then the
+        lower tiers): what a peer asks before sending. A hash answers only "probably": the
+        import checks tokens, so a collision costs a resend, never wrong KV."""
+        with self._lock:
+            index = self._hash_index()
+            parent, n = self._prefix.root, 0
+            for h in block_hashes:
+                hit = index.get(int(h))
+                if hit is None or hit[3] != parent:
+                    break
+                parent, n = hit[0], n + 1
+            tiers = getattr(self, "_tiers", None)
+            if tiers is not None:
+                n += tiers.count_prefix([int(h) for h in block_hashes[n:]])
+            return n
+
+    def block_hashes_of(self, seq_id: int) -> list[int]:
+        """Chained hashes of the full pages of ``seq_id`` (prefix caching on): what a peer is
+        asked about before sending."""
+        with self._lock:
+            sid = self._check_known(seq_id, "block_hashes_of")
+            if not self.prefix_caching:
+                raise InvalidArgumentError(describe(
+                    "block_hashes_of: params.enable_prefix_caching", True, False))
+            toks = self._tokens[sid, :int(self._lengths[sid])]
+            return _block_hashes(toks, self.page_size, self.hash_bits, self._root_chain()[0])
+
+    # -- export -------------------------------------------------------------------------------
+    def _header(self, tokens, first_page, heads, page_views) -> PageHeader:
+        P = self.page_size
+        toks = np.asarray(tokens, dtype=np.int64)
+        hashes, h = [], self._root_chain()[0]
+        for i in range(toks.size // P):
+            h = chain_hash(h, toks[i * P:(i + 1) * P].tobytes(), self.hash_bits)
+            hashes.append(h)
+        return PageHeader(
+            version=FORMAT_VERSION, dtype=self.params.dtype, storage=self.storage_name(),
+            layout=LAYOUT, page_bytes=self.params.bytes_per_page(self.num_layers),
+            page_size=P, n_kv_heads=self.params.n_kv_heads, head_range=tuple(heads),
+            head_dim=self.params.head_dim, num_layers=self.num_layers,
+            tokens=tuple(int(t) for t in toks), first_page=int(first_page),
+            block_hashes=tuple(hashes), hash_bits=self.hash_bits, checksum=CHECKSUM_NAME,
+            checksums=tuple(checksum(v) for v in page_views))
+
+    def _gather(self, pages: list, heads: tuple):
+        """``[n, 2, L, P, h1-h0, D]`` of the given pages: a view when they are consecutive,
+        on one device, with every head; else one gather."""
+        h0, h1 = heads
+        if self.n_devices == 1 and (h0, h1) == (0, self.params.n_kv_heads) and pages and \
+                pages == list(range(pages[0], pages[0] + len(pages))):
+            return self._blocks[0][pages[0]:pages[0] + len(pages)]
+        import torch
+
+        idx = torch.tensor(pages, dtype=torch.int64)
+        parts = [b.index_select(0, idx.to(b.device)).cpu() for b in self._blocks]
+        if self.params.quantized:  # byte rows, one device (see _check_heads)
+            return parts[0]
+        full = torch.cat(parts, dim=4) if len(parts) > 1 else parts[0]
+        return full[:, :, :, :, h0:h1].contiguous()
+
+    def _check_quant_layout(self, what: str) -> None:
+        if self.params.quantized and self.n_devices != 1:
+            raise InvalidArgumentError(describe(
+                what, "a quantized cache on one device (resharding the byte rows of a "
+                "quantized cache by head is not supported yet)", f"{self.n_devices} devices"))
+
+    def _check_heads(self, heads) -> tuple:
+        H = self.params.n_kv_heads
+        self._check_quant_layout("export_pages")
+        if heads is not None and self.params.quantized and tuple(heads) != (0, H):
+            raise InvalidArgumentError(describe("heads", f"(0, {H}) for a quantized cache",
+                                                repr(heads)))
+        if heads is None:
+            return 0, H
+        try:
+            h0, h1 = (int(x) for x in heads)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(describe("heads", "(h0, h1)", repr(heads))) from None
+        if not 0 <= h0 < h1 <= H:
+            raise InvalidArgumentError(describe("heads", f"0 <= h0 < h1 <= {H}", (h0, h1)))
+        return h0, h1
+
+    def export_pages(self, seq_id: int | None = None, *, block_hashes=None, first_page: int = 0,
+                     heads=None, timeout: float | None = None) -> PageExport:
+        """Lease and describe the pages of a sequence or of cached block hashes.
+
+        Parameters
+        ----------
+        seq_id : int, optional
+            A claimed sequence with no fetch in flight: its pages up to its length (the
+            partial last page included). Needs prefix caching (the tokens are recorded).
+        block_hashes : sequence of int, optional
+            Instead of ``seq_id``: a chain of cached full pages, from page 0.
+        first_page : int
+            Carry pages ``[first_page, n_pages)`` only (the peer holds the others).
+        heads : (int, int), optional
+            Head range to carry (default: all).
+        timeout : float, optional
+            Seconds after which :meth:`expire_leases` ends the lease.
+
+        Returns
+        -------
+        PageExport
+            ``data`` is ``[n_carried, 2, num_layers, page_size, heads, head_dim]``; end the
+            lease with :meth:`end_lease` once it has been sent.
+
+        Raises
+        ------
+        UnknownSequenceError, SequenceStateError
+            ``seq_id`` is unknown, released or has a fetch in flight.
+        InvalidArgumentError
+            Neither or both of ``seq_id`` / ``block_hashes``; a hash not cached; a bad range.
+        """
+        with self._lock:
+            if (seq_id is None) == (block_hashes is None):
+                raise InvalidArgumentError(describe("export_pages", "seq_id or block_hashes",
+                                                    "both" if seq_id is not None else "neither"))
+            if not self.prefix_caching:
+                raise InvalidArgumentError(describe(
+                    "export_pages: params.enable_prefix_caching", "True (the tokens of the "
+                    "pages are recorded only then)", False))
+            heads = self._check_heads(heads)
+            P = self.page_size
+            if seq_id is not None:
+                sid = self._check_settled(seq_id, "export_pages")
+                L = int(self._lengths[sid])
+                tokens = self._tokens[sid, :L].copy()
+                all_pages = self._page_table[sid, :-(-L // P)].tolist()
+            else:
+                sid = None
+                index = self._hash_index()
+                parent, all_pages, chunks = self._prefix.root, [], []
+                for i, h in enumerate(block_hashes):
+                    hit = index.get(int(h))
+                    if hit is None or hit[3] != parent:
+                        raise InvalidArgumentError(describe(
+                            f"export_pages: block_hashes[{i}]", "a cached page chained to the "
+                            "previous hash", f"{int(h):#x} (not cached)"))
+                    parent = hit[0]
+                    all_pages.append(hit[1])
+                    chunks.append(hit[2])
+                tokens = np.frombuffer(b"".join(chunks), dtype=np.int64)
+            n = len(all_pages)
+            if not isinstance(first_page, (int, np.integer)) or not 0 <= first_page <= n:
+                raise InvalidArgumentError(describe("first_page", f"an int in [0, {n}]",
+                                                    repr(first_page)))
+            pages = all_pages[first_page:]
+            direct = self.n_devices == 1 and heads == (0, self.params.n_kv_heads)
+            blocks = self._blocks[0]
+            if direct:  # views of the cache pages: nothing is copied
+                views = [blocks[p] for p in pages]
+                gather = lambda: self._gather(pages, heads)  # noqa: E731
+            else:
+                data = self._gather(pages, heads)
+                views = [data[i] for i in range(data.shape[0])]
+                gather = lambda: data  # noqa: E731
+            header = self._header(tokens, first_page, heads, views)
+            deadline = None if timeout is None else time.monotonic() + float(timeout)
+            lid = self._new_lease(_Lease("export", pages, deadline))
+            if sid is not None:
+                self._tail_check[sid] = True  # a write into a leased page copies it first
+            return PageExport(header, lid, pages if direct else None, blocks, gather)
+
+    # -- import -------------------------------------------------------------------------------
+    def _check_header(self, hdr: PageHeader) -> None:
+        p = self.params
+        want = {"version": FORMAT_VERSION, "dtype": p.dtype, "storage": self.storage_name(),
+                "layout": LAYOUT, "page_size": self.page_size, "n_kv_heads": p.n_kv_heads,
+                "head_dim": p.head_dim, "num_layers": self.num_layers,
+                "checksum": CHECKSUM_NAME}
+        for name, value in want.items():
+            got = getattr(hdr, name)
+            if got != value:
+                raise FormatMismatchError(f"page header field {name}: this cache has "
+                                          f"{value!r}, the peer sent {got!r}")
+        self._check_quant_layout("import")
+        if hdr.page_bytes != p.bytes_per_page(self.num_layers):
+            raise FormatMismatchError(
+                f"page header field page_bytes: this cache has "
+                f"{p.bytes_per_page(self.num_layers)}, the peer sent {hdr.page_bytes}")
+        if tuple(hdr.head_range) != (0, p.n_kv_heads):
+            raise FormatMismatchError(
+                f"page header field head_range: this cache holds heads (0, {p.n_kv_heads}), "
+                f"the peer sent {tuple(hdr.head_range)!r}")
+        if len(hdr.tokens) > self.max_seq_len or not hdr.tokens:
+            raise InvalidArgumentError(describe("header.tokens",
+                                                f"1 to max_seq_len={self.max_seq_len} tokens",
+                                                len(hdr.tokens)))
+
+    def begin_import(self, header: PageHeader, seq_id: int | None = None,
+                     timeout: float | None = None) -> tuple[int, int]:
+        """Check ``header`` and lease the pages the import will fill.
+
+        Pages this cache already holds (same tokens, device pool or a lower tier) are reused
+        and skipped; only the others are allocated. Returns ``(lease_id, first_row)``: rows
+        ``[first_row, header.n_carried)`` of the data are written by :meth:`finish_import`.
+
+        Raises
+        ------
+        FormatMismatchError
+            A header field differs from this cache (named, with both values).
+        TransferError
+            This cache lacks pages before ``header.first_page`` (the peer must resend them).
+        KVCacheCapacityError
+            Not enough free or evictable pages (nothing changed).
+        UnknownSequenceError, SequenceStateError
+            ``seq_id`` is not a claimed, empty sequence.
+        """
+        with self._lock:
+            if not isinstance(header, PageHeader):
+                raise InvalidArgumentError(describe("header", "a PageHeader",
+                                                    type(header).__name__))
+            self._check_header(header)
+            if not self.prefix_caching:
+                raise InvalidArgumentError(describe(
+                    "import: params.enable_prefix_caching", "True", False))
+            sid = None
+            if seq_id is not None:
+                sid = self._check_settled(seq_id, "import")
+                if self._lengths[sid] or self._npages[sid]:
+                    raise SequenceStateError(f"import: seq_id {sid} already holds tokens")
+            P = self.page_size
+            toks = np.asarray(header.tokens, dtype=np.int64)
+            chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(toks.size // P)]
+            if getattr(self, "_tiers", None) is not None:
+                self._promote(chunks)
+            held, kids = self._prefix.lookup(chunks)
+            k = len(held)
+            if k < header.first_page:
+                raise TransferError(f"import: this cache holds {k} leading pages of the "
+                                    f"sequence, the peer sent from page {header.first_page}; "
+                                    f"resend from page {k}")
+            start = max(k, header.first_page)
+            n_new = header.n_pages - start
+            pinned = sum(1 for p in held if p in self._prefix.lru)
+            available = self._available_pages() - pinned
+            if n_new > available:
+                raise KVCacheCapacityError(f"import: needs {n_new} new pages, {available} are "
+                                           f"free or evictable (pool of {self.num_pages})")
+            self._lease_pages(held)  # pinned before taking: _take must not evict them
+            try:
+                new = self._take(n_new)
+            except BaseException:
+                self._unlease_pages(held)
+                raise
+            self._unlease_pages(held)
+            deadline = None if timeout is None else time.monotonic() + float(timeout)
+            lid = self._new_lease(_Lease("import", list(held) + new, deadline, header, sid,
+                                         held=k, held_kids=list(kids),
+                                         first_row=start - header.first_page))
+            return lid, start - header.first_page
+
+    def import_runs(self, lease_id: int):
+        """Where the data of an open import lease can be received in place: ``[(row, view
+        [n, *page_shape])]``, runs of consecutive fresh pages covering rows ``[0, n_new)`` of
+        what :meth:`finish_import` expects; None when the cache splits heads over devices
+        (receive into a buffer then). After receiving into them, call
+        ``finish_import(lease_id, None)``: it verifies the checksums and copies nothing; on a
+        bad checksum the pages are only ever freed, never registered or handed out."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.kind != "import":
+                raise SequenceStateError(f"import_runs: lease {lease_id} is not an open "
+                                         "import lease")
+            if self.n_devices != 1:
+                return None
+            new, out, r = lease.pages[lease.held:], [], 0
+            while r < len(new):
+                e = r + 1
+                while e < len(new) and new[e] == new[e - 1] + 1:
+                    e += 1
+                out.append((r, self._blocks[0][new[r]:new[r] + e - r]))
+                r = e
+            return out
+
+    def finish_import(self, lease_id: int, data, verified: bool = False) -> int:
+        """Verify ``data`` (rows ``[first_row, n_carried)`` of the header's pages: shape
+        ``[n_carried - first_row, *header.page_shape]``, ``first_row`` from
+        :meth:`begin_import`; None when it was received in place, see :meth:`import_runs`)
+        and write and register the pages of an import lease; the lease ends either way.
+        Returns the pages written. ``verified=True``: the caller (a transport, as the pages
+        arrived) already compared every page with its checksum in the header.
+
+        Raises
+        ------
+        SequenceStateError
+            The lease is not an open import lease (ended, aborted, expired).
+        CorruptTransferError
+            Wrong shape or dtype (truncated) or a checksum differs: nothing is written.
+        """
+        import torch
+
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.kind != "import":
+                raise SequenceStateError(f"finish_import: lease {lease_id} is not an open "
+                                         "import lease (ended, aborted or expired)")
+            hdr = lease.header
+            try:
+                r0 = lease.first_row
+                want = (hdr.n_carried - r0, *hdr.page_shape)
+                in_place = data is None and self.n_devices == 1  # see import_runs
+                rows = [self._blocks[0][p] for p in lease.pages[lease.held:]] if in_place \
+                    else data
+                if not in_place and (not isinstance(data, torch.Tensor)
+                                     or tuple(data.shape) != want
+                                     or str(data.dtype).removeprefix("torch.")
+                                     != hdr.tensor_dtype):
+                    got = (tuple(data.shape), data.dtype) if isinstance(data, torch.Tensor) \
+                        else type(data).__name__
+                    raise CorruptTransferError(describe("import data",
+                                                        f"{want} {hdr.tensor_dtype}",
+                                                        got))
+                for i in range(0 if verified else want[0]):
+                    if checksum(rows[i]) != hdr.checksums[r0 + i]:
+                        raise CorruptTransferError(
+                            f"import data: page {hdr.first_page + r0 + i} fails its "
+                            f"{hdr.checksum} checksum (sent {hdr.checksums[r0 + i]:#x})")
+            except BaseException:
+                self.end_lease(lease_id)
+                raise
+            self._write_import(lease, data)
+            self.end_lease(lease_id)
+            return lease_idx_written(lease)
+
+    def _write_import(self, lease: _Lease, data) -> None:
+        import torch
+
+        hdr, P = lease.header, self.page_size
+        k = lease.held
+        new_pages = lease.pages[k:]
+        start = hdr.n_pages - len(new_pages)
+        rows = data
+        if new_pages and rows is not None:  # else: received in place
+            idx = torch.tensor(new_pages, dtype=torch.int64)
+            hpd = self.params.n_kv_heads // self.n_devices
+            for d, blocks in enumerate(self._blocks):
+                part = rows if self.params.quantized else rows[:, :, :, :, d * hpd:(d + 1) * hpd]
+                part = part.to(blocks.device)
+                if part.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr():
+                    part = part.clone()  # an export of this very cache (a view of it)
+                blocks.index_copy_(0, idx.to(blocks.device), part)
+        toks = np.asarray(hdr.tokens, dtype=np.int64)
+        kids = list(lease.held_kids)
+        parent = kids[-1] if kids else self._prefix.root
+        for i in range(start, toks.size // P):
+            parent = self._prefix.insert(parent, toks[i * P:(i + 1) * P].tobytes(),
+                                         lease.pages[i])
+            kids.append(parent)
+        if lease.seq_id is not None and self.contains(lease.seq_id):
+            sid, pages = lease.seq_id, lease.pages
+            self._invalidate_lookup()
+            rc = self._refcount
+            for p in pages:
+                rc[p] += 1
+                if rc[p] == 2:
+                    self._n_shared += 1
+            self._page_table[sid, :len(pages)] = pages
+            self._npages[sid] = len(pages)
+            self._lengths[sid] = toks.size
+            self._tokens[sid, :toks.size] = toks
+            self._keys[sid] = kids
+            self._tail_check[sid] = True
+
+    def import_pages(self, header: PageHeader, data, seq_id: int | None = None) -> int:
+        """:meth:`begin_import` then :meth:`finish_import` (see both); returns the pages
+        written. With ``seq_id`` (a claimed, empty sequence) the sequence takes every page and
+        its length becomes ``len(header.tokens)``: it continues where the exporter stopped."""
+        import torch
+
+        with self._lock:
+            if not isinstance(header, PageHeader):
+                raise InvalidArgumentError(describe("header", "a PageHeader",
+                                                    type(header).__name__))
+            self._check_header(header)
+            want = (header.n_carried, *header.page_shape)
+            if not isinstance(data, torch.Tensor) or tuple(data.shape) != want:
+                raise CorruptTransferError(describe(
+                    "import data", want, tuple(getattr(data, "shape", ())) or type(data)))
+            lid, first_row = self.begin_import(header, seq_id)
+            return self.finish_import(lid, data[first_row:])
+
+
+def lease_idx_written(lease: _Lease) -> int:
+    """Pages an import lease wrote (those it did not find cached)."""
+    return len(lease.pages) - lease.held

@@ -1,0 +1,507 @@
+"""KV transfer between caches: the :class:`PageTransport` interface and its implementations.
+
+The managers export and import pages (:mod:`kvtvm.manager.pageio`); a transport moves them. It
+sits above the managers and uses an existing engine -- ``torch.distributed`` point-to-point
+ops (gloo on CPU, NCCL on GPU) -- not a transport of its own. Any other engine (NIXL, Mooncake)
+would implement the same four calls:
+
+- :meth:`PageTransport.register` -- the cache this endpoint serves;
+- :meth:`PageTransport.lookup` -- how many leading pages of a chain of block hashes the peer
+  holds (metadata plane, asked before sending, so a shared system prompt is not resent);
+- :meth:`PageTransport.send` / :meth:`PageTransport.handle` -- send an export / receive and
+  import one message on the peer (data plane);
+- :meth:`Transfer.poll` / :meth:`Transfer.wait` -- completion; the exporter's lease ends
+  exactly once when the peer acknowledged (or the transfer failed).
+
+Wire protocol of :class:`DistributedTransport` (control messages are one fixed
+:data:`MSG_BYTES` buffer each: ``[kind, length, tag]`` and a payload), one round trip:
+
+    lookup:  A->B LOOKUP(hashes)                 B->A ANSWER(count)
+    pages:   A->B PAGES(JSON header, run lengths) + one message per run of consecutive cache
+             pages (views: no copy); B receives each run straight into a run of its fresh
+             pages when it fits (else into a buffer, one copy)
+                                                 B->A ACK(status, pages written or held)
+
+``status`` 0 is success, 1 "resend from an earlier page" (the peer lacks the prefix the
+sender thought it held -- e.g. a hash collision in the lookup), 2 a refused import
+(format, capacity, corruption; the sender gets :class:`~kvtvm.errors.TransferError`). Every
+wait polls with a deadline: a dead or silent peer is a
+:class:`~kvtvm.errors.TransferTimeoutError` and the leases are ended, no page is leaked.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import logging
+import struct
+import time
+from collections import deque
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
+                     KVCacheCapacityError, TransferError, TransferTimeoutError, describe)
+from .manager.hashing import checksum
+from .manager.pageio import PageExport, PageHeader
+
+__all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
+           "InProcessTransport", "send_sequence"]
+
+log = logging.getLogger(__name__)
+
+# message kinds, and the status of an import plan / acknowledgement
+LOOKUP, ANSWER, PAGES, ACK, INTS, CLOSE = range(1, 7)
+OK, RESEND, REFUSED = 0, 1, 2
+#: Bytes of the fixed buffer every control message travels in.
+MSG_BYTES = 8192
+_FRAME = struct.Struct("<qqq")  # kind, payload length, tag
+_MASK = (1 << 64) - 1
+_LEN = struct.Struct("<q")
+#: Most pages one data message carries: the receiver checks a message's pages while the next
+#: ones arrive.
+CHUNK_PAGES = 16
+
+
+@dataclass
+class Transfer:
+    """A send in flight: ``poll()`` is True once done; ``wait()`` returns the pages the peer
+    wrote or raises the transfer's error."""
+
+    export: PageExport
+    manager: object = None          # the exporter: its lease ends when the transfer does
+    _step: object = None            # callable advancing the protocol, True when finished
+    _block: object = None           # optional callable(timeout) sleeping until _step may be
+    done: bool = False
+    pages_written: int = 0
+    error: BaseException | None = None
+
+    def poll(self) -> bool:
+        if not self.done and self._step is not None:
+            try:
+                self.done = bool(self._step())
+            except BaseException as err:  # noqa: BLE001 - kept and re-raised by wait()
+                self.error, self.done = err, True
+        if self.done and self.manager is not None:
+            self.manager.end_lease(self.export.lease_id)  # exactly once: later calls no-op
+        return self.done
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._block is not None and not self.done:
+            try:
+                self._block(timeout)
+            except BaseException as err:  # noqa: BLE001 - ends the lease in poll, re-raised
+                self.error, self.done = err, True
+        while not self.poll():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransferTimeoutError(f"transfer: not done after {timeout} s")
+            if self._block is not None:  # sleep on the completion instead of spinning
+                self._block(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            else:
+                time.sleep(0.0005)
+        if self.error is not None:
+            raise self.error
+        return self.pages_written
+
+
+@dataclass
+class Received:
+    """What :meth:`PageTransport.handle` processed: a lookup or an import."""
+
+    kind: str                      # "lookup", "pages" or "close"
+    tag: int = 0
+    header: PageHeader | None = None
+    seq_id: int | None = None
+    pages_written: int = 0
+    lookup_count: int = 0
+    error: BaseException | None = field(default=None, repr=False)
+
+
+class PageTransport(abc.ABC):
+    """Moves exported pages to a peer's cache (see the module docstring)."""
+
+    manager = None
+
+    def register(self, manager) -> None:
+        """The paged manager (prefix caching on) this endpoint exports from / imports into."""
+        if not hasattr(manager, "export_pages") or not getattr(manager, "prefix_caching", 0):
+            raise InvalidArgumentError(describe("manager", "a PagedKVCacheManager with prefix "
+                                                "caching", type(manager).__name__))
+        self.manager = manager
+
+    @abc.abstractmethod
+    def lookup(self, peer: int, block_hashes) -> int:
+        """Leading pages of ``block_hashes`` the peer's cache holds."""
+
+    @abc.abstractmethod
+    def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
+        """Start sending ``export``; the returned transfer ends its lease when done."""
+
+    @abc.abstractmethod
+    def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
+        """Process one incoming message from ``peer``: answer a lookup, or import pages.
+        ``seq_for(header, tag)`` may return a claimed empty ``seq_id`` to import into."""
+
+    def _need(self):
+        if self.manager is None:
+            raise TransferError("transport: register() a cache first")
+        return self.manager
+
+
+def _import_status(err: BaseException) -> int:
+    return RESEND if type(err) is TransferError else REFUSED
+
+
+def send_sequence(transport: PageTransport, peer: int, seq_id: int, tag: int = 0,
+                  timeout: float | None = 60.0) -> int:
+    """Send the pages of ``seq_id`` that the peer lacks (lookup by hashes first), wait for
+    the acknowledgement; returns the pages the peer wrote. The export lease ends exactly once,
+    whatever happens."""
+    mgr = transport._need()
+    have = transport.lookup(peer, mgr.block_hashes_of(seq_id))
+    for first in (have, 0):
+        export = mgr.export_pages(seq_id, first_page=first, timeout=timeout)
+        transfer = transport.send(peer, export, tag)
+        try:
+            return transfer.wait(timeout)
+        except TransferError as err:
+            if not getattr(err, "resend", False) or first == 0:
+                raise
+        finally:
+            mgr.end_lease(export.lease_id)
+    raise AssertionError("unreachable")
+
+
+class DistributedTransport(PageTransport):
+    """:class:`PageTransport` over ``torch.distributed`` point-to-point ops.
+
+    Control messages travel in one fixed-size buffer (:data:`MSG_BYTES`; a longer payload --
+    a long prompt's header -- continues in a second message), page data as views of the
+    cache pages, one message per run of pages consecutive on both sides.
+
+    Parameters
+    ----------
+    group : optional
+        Process group (default: the world). gloo moves CPU tensors, NCCL CUDA tensors.
+    timeout : float
+        Seconds any single wait for the peer may take.
+    """
+
+    def __init__(self, group=None, timeout: float = 60.0):
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise TransferError("DistributedTransport: torch.distributed is not initialized")
+        self.dist, self.group, self.timeout = dist, group, float(timeout)
+        backend = dist.get_backend(group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if backend == "nccl" else torch.device("cpu")
+        self._pool = None
+        self._stage = None
+        self._out = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
+        self._in = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
+
+    # -- low level ------------------------------------------------------------------------------
+    def _waiter(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtvm-transfer")
+        return self._pool
+
+    def _wait(self, work, what: str, timeout: float | None = None) -> None:
+        # gloo's receive work never reports is_completed() before wait(): wait with a timeout
+        seconds = self.timeout if timeout is None else timeout
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=seconds))
+        except RuntimeError as err:  # DistBackendError derives from it
+            raise TransferTimeoutError(f"transport: peer silent or gone for {seconds} s "
+                                       f"({what}): {str(err).splitlines()[0][:200]}") from None
+
+    def _staging(self, shape, dtype):
+        """A reused receive buffer (fresh memory per message would cost page faults)."""
+        import torch
+
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        if self._stage is None or self._stage.numel() < nbytes:
+            self._stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._stage[:nbytes].view(dtype).view(shape)
+
+    def _send_msg(self, peer: int, kind: int, tag: int = 0, payload: bytes = b"",
+                  what: str = "message") -> None:
+        """One control message: ``[kind, len, tag]`` and the payload's first bytes in one
+        fixed-size buffer, the rest (if any) in a second message."""
+        import torch
+
+        head = _FRAME.pack(kind, len(payload), tag) + payload[:MSG_BYTES - _FRAME.size]
+        buf = self._out
+        buf[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._wait(self.dist.isend(buf, peer, group=self.group), what)
+        rest = payload[MSG_BYTES - _FRAME.size:]
+        if rest:
+            t = torch.frombuffer(bytearray(rest), dtype=torch.uint8).to(self.device)
+            self._wait(self.dist.isend(t, peer, group=self.group), what)
+
+    def _recv_msg(self, peer: int, what: str, timeout: float | None = None):
+        """``(kind, tag, payload bytes)`` of the next control message."""
+        import torch
+
+        buf = self._in
+        self._wait(self.dist.irecv(buf, peer, group=self.group), what, timeout)
+        raw = buf.cpu().numpy().tobytes()
+        kind, n, tag = _FRAME.unpack_from(raw)
+        if n < 0 or n > 1 << 31:
+            raise CorruptTransferError(f"transport: bad message length {n}")
+        payload = raw[_FRAME.size:_FRAME.size + n]
+        if n > len(payload):
+            rest = torch.empty(n - len(payload), dtype=torch.uint8, device=self.device)
+            self._wait(self.dist.irecv(rest, peer, group=self.group), what, timeout)
+            payload += rest.cpu().numpy().tobytes()
+        return kind, tag, payload
+
+    def _expect(self, peer: int, kind: int, what: str) -> tuple[int, bytes]:
+        got, tag, payload = self._recv_msg(peer, what)
+        if got != kind:
+            raise CorruptTransferError(f"transport: expected {what} (kind {kind}), got kind "
+                                       f"{got}")
+        return tag, payload
+
+    # -- interface ------------------------------------------------------------------------------
+    def lookup(self, peer: int, block_hashes) -> int:
+        hashes = np.asarray([int(h) & _MASK for h in block_hashes], dtype=np.uint64)
+        self._send_msg(peer, LOOKUP, 0, hashes.tobytes(), "lookup")
+        _, payload = self._expect(peer, ANSWER, "lookup answer")
+        return int(np.frombuffer(payload, np.int64)[0])
+
+    def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
+        self._need()
+        # one round trip: the header and the run lengths, the runs (views of the cache pages,
+        # zero copy), then the peer's acknowledgement
+        runs = export.page_runs(0) if export.header.n_carried else []
+        runs = [(r + i, v[i:i + CHUNK_PAGES]) for r, v in runs
+                for i in range(0, v.shape[0], CHUNK_PAGES)]
+        raw = export.header.to_bytes()
+        lengths = np.asarray([v.shape[0] for _, v in runs], dtype=np.int64)
+        self._send_msg(peer, PAGES, tag, _LEN.pack(len(raw)) + raw + lengths.tobytes(),
+                       "page header")
+        works = [self.dist.isend(v.to(self.device), peer, group=self.group) for _, v in runs]
+        for work in works:
+            self._wait(work, "page data")
+        transfer = Transfer(export, self.manager)
+        what = f"acknowledgement from rank {peer}"
+        state = {}  # "future": the ack awaited on a helper thread (poll never blocks);
+        #             "payload": the ack, received in the caller's thread by wait()
+
+        def step():
+            if "payload" not in state:
+                if "future" not in state:
+                    state["future"] = self._waiter().submit(self._expect, peer, ACK, what)
+                if not state["future"].done():
+                    return False
+                state["payload"] = state["future"].result()[1]
+            st, n = np.frombuffer(state["payload"], np.int64).tolist()
+            if st != OK:
+                err = TransferError(f"transport: the peer did not import the pages "
+                                    f"({_CODES[st]}; it holds {n} leading pages)")
+                err.resend = st == RESEND
+                raise err
+            transfer.pages_written = n
+            return True
+
+        def block(timeout):
+            if "future" in state:
+                futures_wait([state["future"]], timeout=timeout)
+            elif "payload" not in state:  # nobody polled: no thread hop
+                state["payload"] = self._expect(peer, ACK, what)[1]
+
+        transfer._step, transfer._block = step, block
+        return transfer
+
+    def send_ints(self, peer: int, values) -> None:
+        """Send a few int64 values (an application's own control message, e.g. the first
+        generated token); the peer takes them with :meth:`recv_ints`."""
+        self._send_msg(peer, INTS, 0, np.asarray(values, np.int64).tobytes(), "ints")
+
+    def recv_ints(self, peer: int, n: int) -> list[int]:
+        """Receive the ``n`` int64 values sent with :meth:`send_ints`."""
+        _, payload = self._expect(peer, INTS, "ints")
+        out = np.frombuffer(payload, np.int64).tolist()
+        if len(out) != n:
+            raise CorruptTransferError(f"transport: expected {n} ints, got {len(out)}")
+        return out
+
+    def close(self, peer: int) -> None:
+        """Tell the peer's :meth:`handle` loop that nothing more comes."""
+        self._send_msg(peer, CLOSE, 0, b"", "close")
+
+    def _ints_msg(self, peer, kind, values, what):
+        self._send_msg(peer, kind, 0, np.asarray(values, np.int64).tobytes(), what)
+
+    def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
+        import torch
+
+        mgr = self._need()
+        kind, tag, payload = self._recv_msg(peer, "next message", timeout)
+        if kind == CLOSE:
+            return Received("close")
+        if kind == LOOKUP:
+            hashes = np.frombuffer(payload, np.uint64).tolist()
+            count = mgr.held_prefix_pages(hashes)
+            self._ints_msg(peer, ANSWER, [count], "lookup answer")
+            return Received("lookup", tag, lookup_count=count)
+        if kind != PAGES:
+            raise CorruptTransferError(f"transport: unexpected message kind {kind}")
+        header, seq_id, lid = None, None, None
+        try:
+            (hlen,) = _LEN.unpack_from(payload)
+            header = PageHeader.from_bytes(payload[_LEN.size:_LEN.size + hlen])
+            lengths = np.frombuffer(payload[_LEN.size + hlen:], np.int64).tolist()
+            if sum(lengths) != header.n_carried or min(lengths, default=1) < 1:
+                raise CorruptTransferError(f"transport: runs {lengths} announced for "
+                                           f"{header.n_carried} pages")
+        except (struct.error, ValueError) as err:
+            raise CorruptTransferError(f"transport: unreadable page message ({err})") from None
+        dtype = getattr(torch, header.tensor_dtype)
+        try:
+            seq_id = seq_for(header, tag) if seq_for is not None else None
+            lid, first_row = mgr.begin_import(header, seq_id, timeout=self.timeout)
+        except (TransferError, KVCacheCapacityError, InvalidArgumentError) as err:
+            # refused: take the data off the wire all the same, then say why
+            self._drain(peer, lengths, header.page_shape, dtype)
+            held = mgr.held_prefix_pages(header.block_hashes) if type(err) is TransferError \
+                else 0
+            self._ints_msg(peer, ACK, [_import_status(err), held], "acknowledgement")
+            return Received("pages", tag, header=header, error=err)
+        try:
+            targets = self._targets(mgr.import_runs(lid), lengths, first_row)
+            if targets is None:  # not in place: everything into a buffer, one copy after
+                data = self._staging((header.n_carried, *header.page_shape), dtype)
+                targets, r = [], 0
+                for n in lengths:
+                    targets.append(data[r:r + n])
+                    r += n
+            else:
+                data = None
+            works = [self.dist.irecv(t, peer, group=self.group) for t in targets]
+            # verify each run while the next ones arrive (the checksums leave the critical path)
+            bad, r = None, 0
+            for work, target in zip(works, targets):
+                self._wait(work, "page data")
+                for i in range(target.shape[0]):
+                    if r + i >= first_row and bad is None and \
+                            checksum(target[i]) != header.checksums[r + i]:
+                        bad = r + i
+                r += target.shape[0]
+            if bad is not None:
+                raise CorruptTransferError(f"transport: page {header.first_page + bad} fails "
+                                           f"its {header.checksum} checksum")
+            written = mgr.finish_import(lid, None if data is None else data[first_row:],
+                                        verified=True)
+        except BaseException as err:
+            mgr.end_lease(lid)  # no-op if finish_import ended it
+            if isinstance(err, TransferTimeoutError):
+                raise
+            self._ints_msg(peer, ACK, [REFUSED, 0], "acknowledgement")
+            return Received("pages", tag, header=header, error=err)
+        self._ints_msg(peer, ACK, [OK, written], "acknowledgement")
+        return Received("pages", tag, header=header, seq_id=seq_id, pages_written=written)
+
+    def _targets(self, dest, lengths, first_row):
+        """Views of this cache's fresh pages receiving each of the sender's runs in place, or
+        None when a run does not land in one run of consecutive fresh pages (then a buffer
+        takes them). ``dest`` is :meth:`import_runs`' answer; rows before ``first_row`` (pages
+        the sender thought missing but this cache holds) go to a scratch buffer."""
+        if dest is None or any(v.device != self.device for _, v in dest):
+            return None
+        out, r = [], 0
+        for n in lengths:
+            rel = r - first_row
+            if rel < 0:
+                return None
+            row, view = next(((row, v) for row, v in reversed(dest) if row <= rel), (0, None))
+            if view is None or rel - row + n > view.shape[0]:
+                return None
+            out.append(view[rel - row:rel - row + n])
+            r += n
+        return out
+
+    def _drain(self, peer, lengths, page_shape, dtype) -> None:
+        """Receive and drop the runs of a refused import (the sender sends them regardless)."""
+        if lengths:
+            buf = self._staging((max(lengths), *page_shape), dtype)
+            for n in lengths:
+                self._wait(self.dist.irecv(buf[:n], peer, group=self.group), "page data")
+
+
+_CODES = {OK: "ok", RESEND: "missing prefix, resend", REFUSED: "refused"}
+
+
+class InProcessTransport(PageTransport):
+    """Two endpoints in one process (tests): :meth:`pair` links them; a send is queued on the
+    peer and done once the peer's :meth:`handle` imported it -- at once when the peer was
+    made with ``auto=True`` (then ``peer.seq_for`` picks the sequence to import into)."""
+
+    def __init__(self, auto: bool = False, seq_for=None):
+        self.peer_ep: InProcessTransport | None = None
+        self.inbox: deque = deque()
+        self.auto, self.seq_for = auto, seq_for
+
+    @classmethod
+    def pair(cls, mgr_a, mgr_b, auto: bool = False,
+             seq_for=None) -> tuple["InProcessTransport", "InProcessTransport"]:
+        """Endpoints of ``mgr_a`` and ``mgr_b``; ``auto``/``seq_for`` apply to ``mgr_b``'s."""
+        a, b = cls(), cls(auto, seq_for)
+        a.register(mgr_a)
+        b.register(mgr_b)
+        a.peer_ep, b.peer_ep = b, a
+        return a, b
+
+    def lookup(self, peer: int, block_hashes) -> int:
+        return self.peer_ep._need().held_prefix_pages(block_hashes)
+
+    def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
+        self._need()
+        transfer = Transfer(export, self.manager)
+        box = {}
+        # the bytes travel now (a copy, as a wire would); the ack comes when the peer handles
+        self.peer_ep.inbox.append((PageHeader.from_bytes(export.header.to_bytes()),
+                                   export.data.clone(), tag, box))
+        if self.peer_ep.auto:
+            self.peer_ep.handle(0, self.peer_ep.seq_for)
+
+        def step():
+            if "error" in box:
+                err = box["error"]
+                if type(err) is TransferError:
+                    err.resend = True
+                raise err
+            if "written" in box:
+                transfer.pages_written = box["written"]
+                return True
+            return False
+
+        transfer._step = step
+        return transfer
+
+    def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
+        mgr = self._need()
+        if not self.inbox:
+            raise TransferTimeoutError("in-process transport: nothing to handle")
+        header, data, tag, box = self.inbox.popleft()
+        seq_id = None
+        try:
+            seq_id = seq_for(header, tag) if seq_for is not None else None
+            box["written"] = mgr.import_pages(header, data, seq_id)
+        except (TransferError, KVCacheCapacityError, InvalidArgumentError,
+                FormatMismatchError) as err:
+            box["error"] = err
+            return Received("pages", tag, header=header, error=err)
+        return Received("pages", tag, header=header, seq_id=seq_id,
+                        pages_written=box["written"])

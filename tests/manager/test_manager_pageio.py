@@ -1,0 +1,281 @@
+"""Page export/import and leases of the paged manager (issue 17): round trips with resharding,
+header checks field by field, corrupt and truncated data, capacity, unknown sequences, leases
+that outlive a release and end exactly once, copy-on-write of leased pages, and a narrow hash
+range whose collisions cost a resend, never wrong KV (content-verified imports)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm import KVCacheParams
+from kvtvm.errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
+                          KVCacheCapacityError, SequenceStateError, TransferError,
+                          UnknownSequenceError)
+from kvtvm.manager import BatchItem, PagedKVCacheManager
+from kvtvm.manager.pageio import PageHeader
+from kvtvm.transfer import InProcessTransport, send_sequence
+
+H, D, L, P = 2, 4, 2, 4
+
+
+def torch_copier(blocks, src, dst):
+    for s, d in zip(src.tolist(), dst.tolist()):
+        blocks[d].copy_(blocks[s])
+
+
+def make(devices=("cpu",), pages=16, dtype="float32", prefix=True, page_size=P, layers=L,
+         heads=H, head_dim=D):
+    mgr = PagedKVCacheManager(
+        KVCacheParams(dtype, heads, head_dim, "paged", page_size=page_size,
+                      enable_prefix_caching=prefix),
+        4, 64, layers, devices, num_pages=pages, page_copier=torch_copier)
+    for b in mgr.blocks:
+        b.copy_(torch.randn(b.shape))
+    return mgr
+
+
+def run_prompt(mgr, tokens):
+    (s,) = mgr.claim(1)
+    mgr.fetch([BatchItem(s, tokens)])
+    mgr.step([BatchItem(s, tokens)])
+    return s
+
+
+def kv_of(mgr, s, n):
+    """[pages, 2, L, P, H, D] of the pages covering the first n tokens of s (all heads)."""
+    pages = mgr.pages_of(s)[:-(-n // mgr.page_size)]
+    return torch.cat([b[pages] for b in mgr.blocks], dim=4)
+
+
+def stats(mgr):
+    st = mgr.stats()
+    return (st.pages_free, st.pages_used, st.pages_cached, st.pages_leased, st.pages_shared)
+
+
+def conserved(mgr):
+    st = mgr.stats()
+    assert st.pages_free + st.pages_used + st.pages_cached + st.pages_leased == st.pages_total
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("src_devs,dst_devs", [(1, 2), (2, 1), (1, 1)])
+def test_round_trip_into_sequence_reshards(src_devs, dst_devs):
+    a, b = make(("cpu",) * src_devs), make(("cpu",) * dst_devs)
+    toks = list(range(3, 14))  # 2 full pages + 3 tokens
+    s = run_prompt(a, toks)
+    ex = a.export_pages(s)
+    assert ex.header.n_pages == 3 and ex.header.tokens == tuple(toks)
+    assert tuple(ex.data.shape) == (3, 2, L, P, H, D)
+    assert len(ex.header.block_hashes) == 2 and len(ex.header.checksums) == 3
+    (t,) = b.claim(1)
+    assert b.import_pages(ex.header, ex.data, seq_id=t) == 3
+    assert b.cache_length(t) == len(toks)
+    assert torch.equal(kv_of(b, t, len(toks)), kv_of(a, s, len(toks)))
+    conserved(a), conserved(b)
+    # the decode side continues the sequence: one more token goes to slot 11 of page 2
+    inp = b.fetch([BatchItem(t, [99])])[0]
+    assert inp.cache_lengths_host.tolist() == [len(toks)]
+    b.step([BatchItem(t, [99])])
+    conserved(b)
+    assert a.end_lease(ex.lease_id) and not a.end_lease(ex.lease_id)
+    conserved(a)
+
+
+def test_import_registers_pages_for_a_later_prefix_hit():
+    a, b = make(), make()
+    toks = list(range(40, 53))  # 3 full pages + 1
+    ex = a.export_pages(run_prompt(a, toks))
+    b.import_pages(ex.header, ex.data)
+    assert stats(b)[2] == 3  # the full pages are cached, the partial one went back
+    (t,) = b.claim(1)
+    (inp,) = b.fetch([BatchItem(t, toks + [7])])
+    assert list(inp.num_cached_tokens) == [12]
+    assert torch.equal(kv_of(b, t, 12), ex.data[:3])
+    assert b.held_prefix_pages(ex.header.block_hashes) == 3
+    conserved(b)
+
+
+def test_export_by_block_hashes_and_partial_send():
+    a, b = make(), make()
+    sys_prompt = list(range(100, 108))  # 2 full pages shared by two requests
+    s1 = run_prompt(a, sys_prompt + [1, 2, 3, 4, 5])
+    ex = a.export_pages(block_hashes=a.block_hashes_of(s1)[:2])
+    assert ex.header.tokens == tuple(sys_prompt)
+    b.import_pages(ex.header, ex.data)
+    a.end_lease(ex.lease_id)
+    s2 = run_prompt(a, sys_prompt + [9, 9, 9, 9, 9, 9])
+    hashes = a.block_hashes_of(s2)
+    assert b.held_prefix_pages(hashes) == 2
+    ex2 = a.export_pages(s2, first_page=2)
+    assert ex2.header.n_carried == 2  # only the pages the peer lacks travel
+    (t,) = b.claim(1)
+    assert b.import_pages(ex2.header, ex2.data, seq_id=t) == 2
+    assert torch.equal(kv_of(b, t, 14), kv_of(a, s2, 14))
+    with pytest.raises(InvalidArgumentError, match=r"block_hashes\[0\]"):
+        a.export_pages(block_hashes=[12345])
+    conserved(a), conserved(b)
+
+
+FIELDS = [("dtype", dict(dtype="float16"), "'float32'"), ("page_size", dict(page_size=8), "4"),
+          ("num_layers", dict(layers=3), "2"), ("n_kv_heads", dict(heads=4), "2"),
+          ("head_dim", dict(head_dim=8), "4")]
+
+
+@pytest.mark.parametrize("field,kwargs,mine", FIELDS)
+def test_header_field_mismatch_names_field_and_both_values(field, kwargs, mine):
+    a, b = make(), make(**kwargs)
+    ex = a.export_pages(run_prompt(a, list(range(9))))
+    before = stats(b)
+    (t,) = b.claim(1)
+    with pytest.raises(FormatMismatchError) as err:
+        b.import_pages(ex.header, ex.data, seq_id=t)
+    msg = str(err.value)
+    assert field in msg and str(getattr(ex.header, field)) in msg
+    assert stats(b) == before and b.cache_length(t) == 0
+
+
+@pytest.mark.parametrize("field,value", [("version", 99), ("storage", "int8-per-page-scale"),
+                                         ("layout", "page,layer,kv,slot,head,dim"),
+                                         ("head_range", (0, 1))])
+def test_header_other_fields(field, value):
+    a, b = make(), make()
+    ex = a.export_pages(run_prompt(a, list(range(9))), heads=(0, 1) if field == "head_range"
+                        else None)
+    hdr = dataclasses.replace(ex.header, **{field: value})
+    with pytest.raises(FormatMismatchError, match=field):
+        b.import_pages(hdr, ex.data)
+    conserved(b)
+    assert stats(b)[0] == 16
+
+
+def test_corrupt_and_truncated_data_write_nothing():
+    a, b = make(), make()
+    ex = a.export_pages(run_prompt(a, list(range(13))))
+    snapshot = [x.clone() for x in b.blocks]
+    bad = ex.data.clone()
+    bad[1, 0, 0, 0, 0, 0] += 1.0
+    with pytest.raises(CorruptTransferError, match="page 1"):
+        b.import_pages(ex.header, bad)
+    with pytest.raises(CorruptTransferError, match="import data"):
+        b.import_pages(ex.header, ex.data[:2])
+    with pytest.raises(CorruptTransferError):
+        PageHeader.from_bytes(ex.header.to_bytes()[:-7])
+    with pytest.raises(CorruptTransferError):
+        PageHeader.from_bytes(ex.header.to_bytes().replace(b'"first_page":0', b'"first_page":9'))
+    assert stats(b) == (16, 0, 0, 0, 0)
+    assert all(torch.equal(x, y) for x, y in zip(snapshot, b.blocks))
+    assert not b.active_leases()
+    conserved(b)
+
+
+def test_import_into_full_cache_and_unknown_sequences():
+    a, b = make(), make(pages=2)
+    s = run_prompt(a, list(range(13)))
+    ex = a.export_pages(s)
+    with pytest.raises(KVCacheCapacityError, match="needs 4 new pages"):
+        b.import_pages(ex.header, ex.data)
+    assert stats(b) == (2, 0, 0, 0, 0)
+    with pytest.raises(UnknownSequenceError):
+        a.export_pages(3)
+    a.release(s)
+    with pytest.raises(UnknownSequenceError):
+        a.export_pages(s)
+    (t,) = a.claim(1)
+    a.fetch([BatchItem(t, [1, 2])])
+    with pytest.raises(SequenceStateError, match="in flight"):
+        a.export_pages(t)
+    with pytest.raises(InvalidArgumentError, match="prefix_caching"):
+        make(prefix=False).export_pages(0)
+    with pytest.raises(SequenceStateError):
+        b.finish_import(1234, ex.data)
+
+
+def test_lease_outlives_release_and_blocks_eviction():
+    a = make(pages=4)
+    s = run_prompt(a, list(range(12)))  # 3 pages, all full
+    ex = a.export_pages(s, timeout=5.0)
+    a.release(s)  # preempted while its transfer still reads the pages
+    assert stats(a) == (1, 0, 0, 3, 0)
+    conserved(a)
+    (t,) = a.claim(1)
+    with pytest.raises(KVCacheCapacityError):  # leased pages are not evictable
+        a.fetch([BatchItem(t, list(range(50, 58)))])
+    assert a.expire_leases(now=0.0) == []          # not yet due
+    assert a.expire_leases(now=1e18) == [ex.lease_id]
+    assert not a.end_lease(ex.lease_id)            # ended once, by the timeout
+    assert stats(a) == (1, 0, 3, 0, 0)             # back to cached: evictable again
+    a.fetch([BatchItem(t, list(range(50, 58)))])
+    conserved(a)
+
+
+def test_leased_tail_page_is_copied_before_a_write():
+    a = make()
+    s = run_prompt(a, list(range(6)))  # page 1 is partial (2 tokens)
+    ex = a.export_pages(s)
+    sent = ex.data.clone()
+    tail = a.pages_of(s)[1]
+    a.fetch([BatchItem(s, [42])])
+    assert a.pages_of(s)[1] != tail  # copy-on-write: the leased page is not rewritten
+    a.blocks[0][a.pages_of(s)[1]].fill_(7.0)
+    a.step([BatchItem(s, [42])])
+    assert torch.equal(ex.data, sent)
+    conserved(a)
+    a.end_lease(ex.lease_id)
+    conserved(a)
+
+
+def test_tiny_hash_range_collisions_cost_a_resend_never_wrong_kv():
+    a, b = make(pages=48), make(pages=48)
+    a.hash_bits = b.hash_bits = 1  # 2 possible hashes: collisions everywhere
+    box = {}
+    ta, tb = InProcessTransport.pair(a, b, auto=True, seq_for=lambda hdr, tag: box["t"])
+    rng = np.random.default_rng(0)
+    resends = 0
+    for tag in range(8):
+        toks = rng.integers(0, 50, size=int(rng.integers(5, 13))).tolist()
+        s = run_prompt(a, toks)
+        (box["t"],) = (t,) = b.claim(1)
+        said = b.held_prefix_pages(a.block_hashes_of(s))
+        chunks = [np.asarray(toks[i * P:(i + 1) * P], np.int64).tobytes()
+                  for i in range(len(toks) // P)]
+        really = len(b._prefix.lookup(chunks)[0])
+        resends += said > really  # the hashes lied: the import asks for the whole prefix
+        send_sequence(ta, 1, s, tag=tag)
+        assert b.cache_length(t) == len(toks)
+        assert torch.equal(kv_of(b, t, len(toks)), kv_of(a, s, len(toks))), tag
+        a.release(s), b.release(t)
+        conserved(a), conserved(b)
+        assert not a.active_leases() and not b.active_leases()
+    assert resends >= 2
+
+
+def make_quant(pages=16, cache_dtype="int8"):
+    mgr = PagedKVCacheManager(
+        KVCacheParams("float16", H, 16, "paged", page_size=P, enable_prefix_caching=True,
+                      cache_dtype=cache_dtype),
+        4, 64, L, num_pages=pages, page_copier=torch_copier)
+    for b in mgr.blocks:
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
+    return mgr
+
+
+def test_quantized_pages_travel_as_byte_rows_and_formats_never_mix():
+    a, b = make_quant(), make_quant()
+    s = run_prompt(a, list(range(11)))
+    ex = a.export_pages(s)
+    assert ex.header.storage.startswith("quant:") and "int8" in ex.header.storage
+    assert ex.header.page_shape == (a.params.bytes_per_page(L),)
+    (t,) = b.claim(1)
+    b.import_pages(ex.header, ex.data, seq_id=t)
+    assert torch.equal(b.blocks[0][b.pages_of(t)], a.blocks[0][a.pages_of(s)])
+    conserved(b)
+    # another storage format (fp8, or full precision) refuses it by name
+    for other in (make_quant(cache_dtype="float8_e4m3fn"), make_quant(cache_dtype=None)):
+        with pytest.raises(FormatMismatchError, match="storage"):
+            other.import_pages(ex.header, ex.data)
+        conserved(other)
+    # the hashes are seeded by the format: the same tokens are other names in another format
+    c = make_quant(cache_dtype="float8_e4m3fn")
+    assert c.block_hashes_of(run_prompt(c, list(range(11)))) != a.block_hashes_of(s)

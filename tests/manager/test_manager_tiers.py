@@ -1,0 +1,202 @@
+"""Host and disk tiers of the prefix cache (issue 17): eviction demotes, a prefix hit promotes
+the same bytes back, the disk tier survives a restart, corrupt / truncated / colliding entries
+are misses (never wrong KV), a refused directory, and a writer killed by a signal mid-write
+leaves only complete entries."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm import KVCacheParams
+from kvtvm.errors import InvalidArgumentError
+from kvtvm.manager import BatchItem, PagedKVCacheManager
+from kvtvm.manager.tiers import DiskTier
+
+H, D, L, P = 2, 4, 2, 4
+
+
+def make(pages=6, devices=("cpu",)):
+    mgr = PagedKVCacheManager(
+        KVCacheParams("float32", H, D, "paged", page_size=P, enable_prefix_caching=True),
+        2, 32, L, devices, num_pages=pages)
+    for b in mgr.blocks:
+        b.copy_(torch.randn(b.shape))
+    return mgr
+
+
+def kv_of(mgr, s, n_pages):
+    parts = [b[mgr.pages_of(s)[:n_pages]] for b in mgr.blocks]
+    return (torch.cat(parts, dim=4) if len(parts) > 1 else parts[0]).clone()
+
+
+def serve(mgr, toks):
+    """Prefill ``toks`` (writing fresh random K/V into the pages it computes), release it;
+    returns (prefix hit tokens, the K/V of its full pages)."""
+    (s,) = mgr.claim(1)
+    (inp,) = mgr.fetch([BatchItem(s, toks)])[:1]
+    hit = int(inp.num_cached_tokens[0])
+    for p in mgr.pages_of(s)[hit // P:]:
+        for b in mgr.blocks:
+            b[p].copy_(torch.randn(b[p].shape))
+    mgr.step([BatchItem(s, toks)])
+    kv = kv_of(mgr, s, len(toks) // P)
+    mgr.release(s)
+    mgr.check_invariants()
+    return hit, kv
+
+
+SYS = list(range(500, 512))  # 3 full pages
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])
+def test_host_tier_demotes_and_promotes_the_same_bytes(devices):
+    mgr = make(devices=devices)
+    mgr.attach_tiers(host_pages=8)
+    _, want = serve(mgr, SYS + [1])
+    for k in range(3):  # other prompts push the system prompt out of the 6-page pool
+        serve(mgr, list(range(100 * k, 100 * k + 13)))
+    st = mgr.stats()
+    assert st.evictions >= 3 and st.tiers["host"]["demotions"] >= 3
+    hit, got = serve(mgr, SYS + [2])
+    assert hit == 12
+    assert torch.equal(got, want)
+    assert mgr.stats().tiers["host"]["hits"] >= 3
+    assert mgr.stats().tiers["host"]["promotions"] >= 3
+
+
+def test_disk_tier_survives_a_restart(tmp_path):
+    a = make()
+    a.attach_tiers(disk_dir=tmp_path / "kv", disk_bytes=1 << 20)
+    _, want = serve(a, SYS + [1])
+    assert a.persist_prefix_cache() == 3
+    assert oct((tmp_path / "kv").stat().st_mode & 0o777) == "0o700"
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in (tmp_path / "kv").glob("*.kvp"))
+    b = make()  # "restarted": a fresh cache, same directory
+    b.attach_tiers(disk_dir=tmp_path / "kv", disk_bytes=1 << 20)
+    hit, got = serve(b, SYS + [3])
+    assert hit == 12 and torch.equal(got, want)
+    assert b.stats().tiers["disk"]["hits"] == 3
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_corrupt_disk_entry_is_a_logged_miss(tmp_path, caplog, damage):
+    a = make()
+    a.attach_tiers(disk_dir=tmp_path, disk_bytes=1 << 20)
+    serve(a, SYS + [1])
+    a.persist_prefix_cache()
+    files = sorted(tmp_path.glob("*.kvp"), key=lambda p: p.stat().st_mtime_ns)
+    victim = files[1]  # the second page of the chain
+    blob = bytearray(victim.read_bytes())
+    if damage == "flip":
+        blob[-5] ^= 0xFF
+    elif damage == "truncate":
+        blob = blob[:len(blob) // 2]
+    else:
+        blob = bytearray(b"not an entry")
+    victim.write_bytes(bytes(blob))
+    b = make()
+    b.attach_tiers(disk_dir=tmp_path, disk_bytes=1 << 20)
+    with caplog.at_level("WARNING", logger="kvtvm.manager.tiers"):
+        hit, _ = serve(b, SYS + [3])
+    pages_hit = hit // P
+    assert pages_hit in (0, 1)  # whichever page of the chain was hit
+    assert "is a miss" in caplog.text
+    assert b.stats().tiers["disk"]["rejected"] == 1
+
+
+def test_tiny_hash_range_in_tiers_is_a_miss_never_wrong_kv(tmp_path):
+    mgr = make(pages=4)
+    mgr.hash_bits = 1  # two hash values: entries overwrite each other
+    mgr.attach_tiers(host_pages=2, disk_dir=tmp_path, disk_bytes=1 << 20)
+    truth = {}
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 9, size=9).tolist() for _ in range(6)]
+    for rnd in range(3):
+        for toks in prompts:
+            hit, kv = serve(mgr, toks)
+            key = tuple(toks[:8])
+            if hit:  # whatever tier served it, the bytes are the ones computed for it
+                assert torch.equal(kv[:hit // P], truth[key][:hit // P])
+            else:
+                truth[key] = kv
+            truth.setdefault(key, kv)
+    tiers = mgr.stats().tiers
+    assert tiers["host"]["rejected"] + tiers["disk"]["rejected"] > 0
+
+
+def test_refused_directories(tmp_path, monkeypatch):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o777)
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(InvalidArgumentError, match="disk_dir.*group or others"):
+        make().attach_tiers(disk_dir=open_dir)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    uid = theirs.stat().st_uid
+    monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    with pytest.raises(InvalidArgumentError, match="disk_dir.*owned by"):
+        make().attach_tiers(disk_dir=theirs)
+    monkeypatch.undo()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(InvalidArgumentError, match="disk_dir"):
+        make().attach_tiers(disk_dir=a_file)
+    mgr = make()
+    with pytest.raises(InvalidArgumentError, match="host_pages"):
+        mgr.attach_tiers(host_pages=-1)
+    assert mgr.stats().tiers == {}
+
+
+WRITER = """
+import sys, torch
+from kvtvm.manager.tiers import DiskTier
+tier = DiskTier(sys.argv[1], 1 << 40)
+i = 0
+while True:
+    data = torch.full((2, 8, 64, 8, 64), float(i))  # 2 MiB per entry
+    tier.put(i, i, torch.tensor([i], dtype=torch.int64).numpy().tobytes(), data)
+    print(i, flush=True)
+    i += 1
+"""
+
+
+def test_writer_killed_mid_write_leaves_only_complete_entries(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):  # a few complete entries, then a kill at an arbitrary point
+            assert proc.stdout.readline()
+        time.sleep(0.013)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    tier = DiskTier(tmp_path, 1 << 40)
+    names = sorted(p.name for p in tmp_path.glob("*.kvp"))
+    assert len(names) >= 3
+    for name in names:
+        i = int(name.split(".")[0], 16)
+        got = tier.get(i, i, np.array([i], np.int64).tobytes())
+        assert got is not None and torch.equal(got, torch.full((2, 8, 64, 8, 64), float(i)))
+    assert tier.stats()["rejected"] == 0
+
+
+def test_quantized_cache_demotes_and_promotes_its_byte_rows(tmp_path):
+    mgr = PagedKVCacheManager(
+        KVCacheParams("float16", H, 16, "paged", page_size=P, enable_prefix_caching=True,
+                      cache_dtype="int8"), 2, 32, L, num_pages=6)
+    mgr.blocks[0].copy_(torch.randint(0, 256, mgr.blocks[0].shape, dtype=torch.uint8))
+    mgr.attach_tiers(host_pages=8, disk_dir=tmp_path, disk_bytes=1 << 20)
+    _, want = serve(mgr, SYS + [1])
+    for k in range(3):
+        serve(mgr, list(range(100 * k, 100 * k + 13)))
+    hit, got = serve(mgr, SYS + [2])
+    assert hit == 12 and torch.equal(got, want)
+    assert mgr.stats().tiers["host"]["hits"] >= 3
