@@ -89,6 +89,74 @@ def configure_cpu_threads() -> None:
     _thread_state.configured = n
 
 
+class _CpuExecutor:
+    """One long-lived thread that runs the *parallel* CPU kernels of threads without a pool
+    of their own.
+
+    TVM keeps one worker pool per calling thread and never frees it when that thread ends:
+    short-lived threads calling parallel kernels would each leave ``n - 1`` spinning workers
+    behind. Their calls are handed to this thread instead (one pool for all of them); serial
+    kernels, the main thread and threads that opted in with :func:`use_own_pool` call inline.
+    """
+
+    def __init__(self):
+        import queue
+
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="kvtvm-cpu-kernels",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while True:
+            fn, args, box, done = self._queue.get()
+            try:
+                configure_cpu_threads()
+                fn(*args)
+            except BaseException as err:  # handed back to the caller
+                box.append(err)
+            done.set()
+
+    def call(self, fn, args) -> None:
+        box: list = []
+        done = threading.Event()
+        self._queue.put((fn, args, box, done))
+        done.wait()
+        if box:
+            raise box[0]
+
+
+_executor: _CpuExecutor | None = None
+
+
+def use_own_pool(flag: bool = True) -> None:
+    """Let the calling thread run parallel CPU kernels inline, on a TVM pool of its own (full
+    speed, no hand-off), instead of on kvtvm's shared kernel thread. For long-lived threads
+    (an engine's worker); TVM keeps that pool until the process exits. The main thread always
+    has its own."""
+    _thread_state.own_pool = bool(flag)
+
+
+def call_cpu_kernel(fn, args, parallel: bool = True) -> None:
+    """Call a CPU kernel: inline when it is serial or the calling thread owns a pool (the
+    main thread, :func:`use_own_pool`), else on kvtvm's one shared kernel thread -- so threads
+    that come and go leave no TVM workers behind."""
+    if not parallel:
+        fn(*args)
+        return
+    if getattr(_thread_state, "own_pool", False) or \
+            threading.current_thread() is threading.main_thread():
+        configure_cpu_threads()
+        fn(*args)
+        return
+    global _executor
+    if _executor is None:
+        with _lock:
+            if _executor is None:
+                _executor = _CpuExecutor()
+    _executor.call(fn, args)
+
+
 def tvm_runtime():
     """Import and return the ``tvm.runtime`` package (runtime-only safe)."""
     import tvm.runtime

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtvm.kernels._tvm import LoopRV, Schedule, get_block
+from kvtvm.kernels._tvm import LoopRV, Schedule, get_block, written_names
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -24,11 +24,14 @@ def vector_lanes(spec, vector_bytes: int) -> int:
 
 def under_locate(sch: Schedule, consumer) -> LoopRV:
     """Move ``consumer`` under the token loop of the ``locate`` block (token -> sequence),
-    keep the located sequence in a register, and return that token loop."""
+    keep what it locates (``seq_of``, and append's ``page_of``/``slot_of``) in registers, and
+    return that token loop."""
     locate = get_block(sch, "locate")
     (token,) = sch.get_loops(locate)
     sch.reverse_compute_at(consumer, token)
-    sch.set_scope(locate, 0, "local")
+    for i, name in enumerate(written_names(sch, locate)):  # seq_of (page_of, slot_of)
+        if name.endswith("_of"):
+            sch.set_scope(locate, i, "local")
     return token
 
 

@@ -10,7 +10,8 @@ source "$(dirname "$0")/gpu-env.sh"
 step device nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv
 step "GPU tests" python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/compiler/test_decode_cuda_build.py tests/compiler/test_prefill_cuda_build.py \
-     tests/kernels tests/ops/test_copy_kernel.py tests/manager/test_manager_cuda.py \
+     tests/kernels tests/ops/test_copy_kernel.py tests/ops/test_bounds_cuda.py \
+     tests/manager/test_manager_cuda.py \
      tests/manager/test_manager_linear_cuda.py tests/quant/test_quant_cuda.py
 for b in append copy decode prefill; do
   extra=()  # quantized caches side by side (their kernels: tools/gpu-kit.sh)

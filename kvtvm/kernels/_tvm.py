@@ -41,6 +41,16 @@ def get_block(sch, name: str):
     return sch.get_sblock(name)
 
 
+def written_names(sch, block) -> list[str]:
+    """Names of the buffers ``block`` writes, in its write-region order (0.27's region names
+    its buffer ``.source``; earlier releases ``.buffer``)."""
+    out = []
+    for region in sch.get(block).writes:
+        buf = getattr(region, "buffer", None)
+        out.append(buf.name if buf is not None else region.source.name)
+    return out
+
+
 def _decorated_by_prim_func(node) -> bool:
     return any(getattr(dec, "id", None) == "prim_func" for dec in node.decorator_list)
 
@@ -68,4 +78,4 @@ def prim_func(func):
 prim_func.dispatch_token = "tirx"  # the parser dispatches a decorated function on this
 
 __all__ = ["tir", "T", "Schedule", "LoopRV", "ATTR_NOALIAS", "ATTR_IS_SCHEDULED", "block",
-           "alloc_buffer", "get_block", "prim_func"]
+           "alloc_buffer", "get_block", "prim_func", "written_names"]

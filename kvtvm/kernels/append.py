@@ -14,10 +14,11 @@ Inputs (``b`` in ``[0, batch)``, new tokens of ``b`` are rows ``qo_indptr[b]:qo_
 
     err               [ERR_SLOTS] int32    error flag (:mod:`kvtvm.kernels.errflag`)
 
-Every index is checked in the kernel: a row outside its sequence's ``qo_indptr`` range
-(``ERR_INDPTR``), at a position outside ``[0, max_pages * page_size)`` (``ERR_POSITION``) or on
-a page outside ``[0, num_pages)`` (``ERR_PAGE``) is not written and sets its flag; the op turns
-the flag into a typed error (with ``check_indices`` it raises before launch instead).
+Every index is checked in the kernel, once per row by ``locate``: a row outside its sequence's
+``qo_indptr`` range (``ERR_INDPTR``), at a position outside ``[0, max_pages * page_size)``
+(``ERR_POSITION``) or on a page outside ``[0, num_pages)`` (``ERR_PAGE``) is marked skipped
+(sequence -1), not written, and sets its flag; the op turns the flag into a typed error (with
+``check_indices`` it raises before launch instead).
 
 Blocks: ``locate`` (token -> sequence, by binary search of ``qo_indptr``) and ``append``.
 
@@ -64,36 +65,47 @@ def define(spec):
         lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
         err = match_err(var_err)
         seq_of = alloc_buffer((ntok,), "int32")
+        page_of = alloc_buffer((ntok,), "int64")
+        slot_of = alloc_buffer((ntok,), "int64")
         for n in range(ntok):
             with block("locate"):
                 vn = T.axis.spatial(ntok, n)
-                T.reads(qo_indptr[0:batch + 1])
-                T.writes(seq_of[vn])
-                # largest b with qo_indptr[b] <= vn
+                T.reads(qo_indptr[0:batch + 1], cache_lengths[0:batch],
+                        lookup[0:batch, 0:max_pages])
+                T.writes(seq_of[vn], page_of[vn], slot_of[vn], err[0:4])
+                # the row's sequence (largest b with qo_indptr[b] <= vn), page and slot, all
+                # checked here once per row; sequence -1: the row is skipped (outside its
+                # sequence's rows, its lookup row's capacity, or the pool)
                 bounds = alloc_buffer((2,), "int32", scope="local")
                 find_sequence(qo_indptr, bounds, batch, vn)
-                seq_of[vn] = bounds[0]
+                seq_of[vn] = -1
+                page_of[vn] = T.int64(0)
+                slot_of[vn] = T.int64(0)
+                if vn < T.Cast("int64", qo_indptr[bounds[0]]) \
+                        or vn >= T.Cast("int64", qo_indptr[bounds[0] + 1]):
+                    err[ERR_INDPTR] = 1
+                else:
+                    pos: T.int64 = T.Cast("int64", cache_lengths[bounds[0]]) + vn \
+                        - T.Cast("int64", qo_indptr[bounds[0]])
+                    if pos < T.int64(0) or pos >= max_pages * page_size:
+                        err[ERR_POSITION] = 1
+                    else:
+                        page: T.int64 = T.Cast("int64", lookup[bounds[0],
+                                                               T.truncdiv(pos, page_size)])
+                        if page < T.int64(0) or page >= num_pages:
+                            err[ERR_PAGE] = 1
+                        else:
+                            seq_of[vn] = bounds[0]
+                            page_of[vn] = page
+                            slot_of[vn] = T.truncmod(pos, page_size)
         for n, h, d in T.grid(ntok, H, D):
             with block("append"):
                 vn, vh, vd = T.axis.remap("SSS", [n, h, d])
-                T.reads(seq_of[vn], qo_indptr[seq_of[vn]:seq_of[vn] + 2], cache_lengths[seq_of[vn]],
-                        lookup[seq_of[vn], 0:max_pages], k[vn, vh, vd], v[vn, vh, vd])
+                T.reads(seq_of[vn], page_of[vn], slot_of[vn], k[vn, vh, vd], v[vn, vh, vd])
                 T.writes(k_cache[0:num_pages, 0:k_cache.shape[1], 0:k_cache.shape[2], vd],
-                         v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], vd],
-                         err[0:4])
-                b: T.int32 = seq_of[vn]
-                pos: T.int64 = T.Cast("int64", cache_lengths[b]) + vn \
-                    - T.Cast("int64", qo_indptr[b])
-                if vn < T.Cast("int64", qo_indptr[b]) or vn >= T.Cast("int64", qo_indptr[b + 1]):
-                    err[ERR_INDPTR] = 1
-                elif pos < T.int64(0) or pos >= max_pages * page_size:
-                    err[ERR_POSITION] = 1
-                else:
-                    page: T.int64 = T.Cast("int64", lookup[b, T.truncdiv(pos, page_size)])
-                    if page >= 0 and page < num_pages:
-                        k_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = k[vn, vh, vd]
-                        v_cache[cache_index(layout, page, T.truncmod(pos, page_size), vh, vd)] = v[vn, vh, vd]
-                    else:
-                        err[ERR_PAGE] = 1
+                         v_cache[0:num_pages, 0:v_cache.shape[1], 0:v_cache.shape[2], vd])
+                if seq_of[vn] >= 0:  # checked by ``locate``
+                    k_cache[cache_index(layout, page_of[vn], slot_of[vn], vh, vd)] = k[vn, vh, vd]
+                    v_cache[cache_index(layout, page_of[vn], slot_of[vn], vh, vd)] = v[vn, vh, vd]
     # fmt: on
     return append

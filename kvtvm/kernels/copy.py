@@ -33,7 +33,7 @@ Knobs: llvm ``rows_per_task``, ``vector_bytes``; cuda ``vector_bytes``, ``thread
 
 from __future__ import annotations
 
-from ._tvm import T, block, prim_func
+from ._tvm import T, block, prim_func, tir
 from .accessor import _ITEMSIZE, match_err, match_tensor
 from .errflag import ERR_PAGE
 from .reference import reference_copy_pages  # noqa: F401  (the numpy reference, beside its kernel)
@@ -50,6 +50,11 @@ def knob_space(spec) -> dict:
     if spec.target == "llvm":
         return {"rows_per_task": [16, 64, 256], "vector_bytes": [16, 32, 64]}
     return {"vector_bytes": [4, 8, 16], "threads": [128, 256, 512]}
+
+
+def in_rows(s, d, rows):
+    """Whether copy ``s -> d`` stays inside the ``rows`` rows."""
+    return tir.all(s >= 0, T.Cast("int64", s) < rows, d >= 0, T.Cast("int64", d) < rows)
 
 
 def define(spec):
@@ -69,16 +74,22 @@ def define(spec):
         # reads and writes are distinct buffers for the scheduler
         out = T.decl_buffer((outer, rows, inner, T.int64(D)), dtype, data=buf.data,
                             align=align)
+        # the flag is set by its own block: the copy's innermost loop keeps a branch-free,
+        # loop-invariant condition the vectorizer hoists
+        for i in range(n):
+            with block("check"):
+                vi = T.axis.spatial(n, i)
+                T.reads(src[vi], dst[vi])
+                T.writes(err[0:4])
+                if not in_rows(src[vi], dst[vi], rows):
+                    err[ERR_PAGE] = 1
         for o, r, i, d in T.grid(outer, inner, n, T.int64(D)):
             with block("copy"):
                 vo, vr, vi, vd = T.axis.remap("SSSS", [o, r, i, d])
                 T.reads(src[vi], dst[vi], buf[vo, 0:rows, vr, vd])
-                T.writes(out[vo, 0:rows, vr, vd], err[0:4])
-                if src[vi] >= 0 and T.Cast("int64", src[vi]) < rows and dst[vi] >= 0 \
-                        and T.Cast("int64", dst[vi]) < rows:
+                T.writes(out[vo, 0:rows, vr, vd])
+                if in_rows(src[vi], dst[vi], rows):
                     out[vo, T.Cast("int64", dst[vi]), vr, vd] = \
                         buf[vo, T.Cast("int64", src[vi]), vr, vd]
-                else:
-                    err[ERR_PAGE] = 1
     # fmt: on
     return copy

@@ -112,4 +112,4 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     variant = "serial" if device.type == "cpu" and moved < CPU_PARALLEL_APPEND_BYTES else ""
     fn = kernel_for(device, **(quant.spec_fields if quant else {}), op="append", dtype=geo.dtype, head_dim=geo.head_dim,
                     n_kv_heads=geo.n_kv_heads, layout=layout, variant=variant)
-    return Launch(fn, device, slots, tokens=tokens)
+    return Launch(fn, device, slots, tokens=tokens, parallel=variant != "serial")

@@ -316,4 +316,5 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
                     n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
                     features=("sliding_window",) if sliding_window is not None else (),
                     variant="serial" if serial else "")
-    return Launch(fn, device, slots, outputs=("out", "lse"), tokens=tokens)
+    return Launch(fn, device, slots, outputs=("out", "lse"), tokens=tokens,
+                  parallel=not serial)

@@ -65,15 +65,16 @@ class Launch:
         Slots ``run()`` returns (e.g. ``("out", "lse")``); ``run()`` returns None when empty.
     """
 
-    __slots__ = ("fn", "device", "slots", "outputs", "tokens", "_errv")
+    __slots__ = ("fn", "device", "slots", "outputs", "tokens", "parallel", "_errv")
 
     def __init__(self, fn, device, slots: dict, outputs: tuple = (), tokens: tuple = (),
-                 _errv=None):
+                 _errv=None, parallel: bool = True):
         if "err" not in slots:
             slots = dict(slots)
             slots["err"], _errv = errflag.new_flag(device)
         self.fn, self.device, self.slots, self.outputs = fn, device, slots, tuple(outputs)
         self.tokens = tokens  # fetch tokens of the manager tables in the slots
+        self.parallel = parallel  # CPU: uses TVM's thread pool (False: a serial variant)
         self._errv = _errv  # numpy view of a CPU flag (None on CUDA)
 
     def run(self):
@@ -104,8 +105,7 @@ class Launch:
                 with torch.cuda.device(self.device):
                     self.fn(*self.slots.values())
             else:
-                runtime.configure_cpu_threads()
-                self.fn(*self.slots.values())
+                runtime.call_cpu_kernel(self.fn, tuple(self.slots.values()), self.parallel)
                 if self._errv is not None and errflag.is_set(self._errv):
                     errflag.check_view(self._errv, f"the {self._name()} kernel")
         if self.outputs:
@@ -128,7 +128,8 @@ class Launch:
                 raise InvalidArgumentError(describe(
                     name, f"a tensor like the prepared one ({_describe(old)})", _describe(t)))
             slots[name] = t
-        return Launch(self.fn, self.device, slots, self.outputs, self.tokens, self._errv)
+        return Launch(self.fn, self.device, slots, self.outputs, self.tokens, self._errv,
+                      self.parallel)
 
     def _name(self) -> str:
         return getattr(self.fn, "__name__", None) or ("no-op" if self.fn is None else "kernel")

@@ -23,4 +23,8 @@ def schedule(mod, spec, knobs):
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
     sch.vectorize(d_vec)
+    (c,) = sch.get_loops(get_block(sch, "check"))
+    cb, ct = sch.split(c, [None, 128])
+    sch.bind(cb, "blockIdx.x")
+    sch.bind(ct, "threadIdx.x")
     return sch.mod

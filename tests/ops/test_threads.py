@@ -48,3 +48,84 @@ def test_set_num_threads_refuses_nonsense():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(InvalidArgumentError, match="n"):
             runtime.set_num_threads(bad)
+
+
+CHURN = r"""
+import os, resource, sys, threading, time
+import torch
+from kvtvm import ops
+torch.set_num_threads(1)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+H, D, PS = 1, 16, 16
+kc = torch.randn(600, PS, H, D); vc = torch.randn_like(kc)
+table = torch.arange(600, dtype=torch.int32).view(1, -1)
+lengths = torch.tensor([9000], dtype=torch.int32)        # decode: the parallel kernel
+rows = 1 << 16                                          # append: 8 MiB moved, parallel
+big_k = torch.randn(1, rows // PS, PS, H, D).view(rows, H, D)
+big_cache = torch.zeros(rows // PS, PS, H, D)
+ip = torch.tensor([0, rows], dtype=torch.int32)
+big_table = torch.arange(rows // PS, dtype=torch.int32).view(1, -1)
+zero = torch.tensor([0], dtype=torch.int32)
+def work():
+    ops.append_kv(big_cache, big_cache.clone(), big_k, big_k, ip, zero, big_table)
+    ops.decode_attention(torch.randn(1, 2, D), kc, vc, lengths, table)
+start = threads()
+for _ in range(int(sys.argv[1])):
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+time.sleep(1.0)  # TVM's workers spin a while after their last task, then sleep
+after = threads()
+r = resource.getrusage(resource.RUSAGE_SELF)
+c0 = r.ru_utime + r.ru_stime
+time.sleep(1.0)
+r = resource.getrusage(resource.RUSAGE_SELF)
+print(start, after, round(r.ru_utime + r.ru_stime - c0, 3))
+sys.stdout.flush()
+print("END", time.time())
+"""
+
+
+def test_short_lived_threads_leave_no_threads_cpu_or_slow_exit():
+    """200 threads that each call append and decode (their parallel kernels) and end: the
+    OS thread count comes back within a few of the start, the idle process burns no CPU and
+    exits in under 2 s (TVM keeps one worker pool per calling thread, forever: kvtvm runs
+    such threads' parallel kernels on one shared kernel thread)."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", CHURN, "200"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=600)
+    ended = time.time()
+    assert proc.returncode == 0, err[-3000:]
+    first, last = out.strip().splitlines()[-2:]
+    start, after, idle_cpu = first.split()
+    assert int(after) <= int(start) + 3, (start, after)
+    # before: about one core busy (the pools' workers of every ended thread)
+    assert float(idle_cpu) < 0.1, f"{idle_cpu} CPU-seconds burnt in 1 s of idling"
+    assert ended - float(last.split()[1]) < 2.0, "exit took too long"
+
+
+def test_a_thread_with_its_own_pool_runs_inline_and_matches():
+    out = run_python(r"""
+import threading, torch
+from kvtvm import ops, runtime
+kc = torch.randn(600, 16, 1, 16); vc = torch.randn_like(kc)
+table = torch.arange(600, dtype=torch.int32).view(1, -1)
+lengths = torch.tensor([9000], dtype=torch.int32)
+q = torch.randn(1, 2, 16)
+want, _ = ops.decode_attention(q, kc, vc, lengths, table)
+got = {}
+def own():
+    runtime.use_own_pool()
+    got["own"] = ops.decode_attention(q, kc, vc, lengths, table)[0]
+def shared():
+    got["shared"] = ops.decode_attention(q, kc, vc, lengths, table)[0]
+for f in (own, shared):
+    t = threading.Thread(target=f); t.start(); t.join()
+print(torch.equal(got["own"], want), torch.equal(got["shared"], want))
+""")
+    assert out.split() == ["True", "True"]

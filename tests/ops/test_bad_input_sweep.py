@@ -1,0 +1,134 @@
+"""Every public op driven with each kind of bad argument: each raises a kvtvm error (a
+``ValueError`` or ``TypeError``) naming the argument, and the cache bytes are unchanged."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm import ops
+from kvtvm.errors import KVCacheError
+
+P, PS, H, G, D = 6, 4, 2, 2, 16
+
+
+def _valid(op):
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randn(P, 2, PS, H, D, generator=gen)
+    a = dict(k_cache=blocks[:, 0], v_cache=blocks[:, 1], _blocks=blocks,
+             cache_lengths=torch.tensor([2, 0], dtype=torch.int32),
+             lookup_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+    if op == "append":
+        a.update(k=torch.randn(3, H, D, generator=gen), v=torch.randn(3, H, D, generator=gen),
+                 qo_indptr=torch.tensor([0, 1, 3], dtype=torch.int32))
+    elif op == "decode":
+        a.update(q=torch.randn(2, H * G, D, generator=gen))
+    elif op == "prefill":
+        a.update(q=torch.randn(3, H * G, D, generator=gen),
+                 qo_indptr=torch.tensor([0, 1, 3], dtype=torch.int32))
+    return blocks, a
+
+
+def _call(op, a):
+    if op == "append":
+        ops.append_kv(a["k_cache"], a["v_cache"], a["k"], a["v"], a["qo_indptr"],
+                      a["cache_lengths"], a["lookup_table"], **a.get("kw", {}))
+    elif op == "decode":
+        ops.decode_attention(a["q"], a["k_cache"], a["v_cache"], a["cache_lengths"],
+                             a["lookup_table"], **a.get("kw", {}))
+    else:
+        ops.prefill_attention(a["q"], a["k_cache"], a["v_cache"], a["qo_indptr"],
+                              a["cache_lengths"], a["lookup_table"], **a.get("kw", {}))
+
+
+def _mutations(op, a):
+    """(what, argument named in the message, mutate(a))."""
+    first = "k" if op == "append" else "q"
+    out = [
+        ("dtype", first, lambda a: a.__setitem__(first, a[first].double())),
+        ("rank", first, lambda a: a.__setitem__(first, a[first][None])),
+        ("shape", first, lambda a: a.__setitem__(first, a[first][:, :, :D // 2])),
+        ("stride", first, lambda a: a.__setitem__(
+            first, torch.randn(a[first].shape[2], a[first].shape[1], a[first].shape[0])
+            .permute(2, 1, 0))),
+        ("type", first, lambda a: a.__setitem__(first, a[first].tolist())),
+        ("device", first, lambda a: a.__setitem__(first, a[first].to("meta"))),
+        ("index dtype", "cache_lengths",
+         lambda a: a.__setitem__("cache_lengths", a["cache_lengths"].long())),
+        ("negative length", "cache_lengths",
+         lambda a: a.__setitem__("cache_lengths", torch.tensor([-1, 0], dtype=torch.int32))),
+        ("huge length", "cache_lengths", lambda a: a.__setitem__(
+            "cache_lengths", torch.tensor([2 ** 31 - 1, 0], dtype=torch.int32))),
+        ("huge page", "lookup_table", lambda a: a.__setitem__(
+            "lookup_table", torch.tensor([[0, 1], [2 ** 30, 3]], dtype=torch.int32))),
+        ("negative page", "lookup_table", lambda a: a.__setitem__(
+            "lookup_table", torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32))),
+        ("cache dtype", "v_cache", lambda a: a.__setitem__("v_cache", a["v_cache"].double())),
+        ("read-only cache", "k_cache", lambda a: a.__setitem__("k_cache", _readonly(a))),
+        ("negative strides", "k_cache", lambda a: a.__setitem__(
+            "k_cache", a["k_cache"].numpy()[::-1])),
+    ]
+    if op != "decode":
+        out.append(("decreasing indptr", "qo_indptr", lambda a: a.__setitem__(
+            "qo_indptr", torch.tensor([0, 3, 1], dtype=torch.int32))))
+    if op != "append":
+        out += [
+            ("nan sm_scale", "sm_scale", lambda a: a.__setitem__("kw", {"sm_scale": math.nan})),
+            ("inf sm_scale", "sm_scale", lambda a: a.__setitem__("kw", {"sm_scale": math.inf})),
+            ("bool sliding_window", "sliding_window",
+             lambda a: a.__setitem__("kw", {"sliding_window": True})),
+            ("out aliases q", "out", lambda a: a.__setitem__("kw", {"out": a["q"]})),
+            ("out aliases the cache", "out", lambda a: a.__setitem__(
+                "kw", {"out": a["_blocks"][1].view(-1)[:a["q"].numel()].view(a["q"].shape)})),
+        ]
+    else:
+        out.append(("k aliases the cache", "k_cache", lambda a: a.__setitem__(
+            "k", a["_blocks"][0].view(-1)[:a["k"].numel()].view(a["k"].shape))))
+    return out
+
+
+def _readonly(a):
+    arr = a["k_cache"].numpy().copy()
+    arr.flags.writeable = False
+    return arr
+
+
+CASES = [(op, what, name, mutate) for op in ("append", "decode", "prefill")
+         for what, name, mutate in _mutations(op, _valid(op)[1])]
+
+
+@pytest.mark.parametrize("op,what,name,mutate", CASES,
+                         ids=[f"{c[0]}-{c[1].replace(' ', '_')}" for c in CASES])
+def test_bad_argument_raises_a_named_kvtvm_error_and_changes_nothing(op, what, name, mutate):
+    blocks, a = _valid(op)
+    _call(op, dict(a))  # valid as given
+    before = blocks.clone()
+    mutate(a)
+    with pytest.raises(KVCacheError) as info:
+        _call(op, a)
+    assert isinstance(info.value, (ValueError, TypeError))
+    assert name in str(info.value), str(info.value)
+    assert torch.equal(blocks, before)
+
+
+@pytest.mark.parametrize("what", ["dtype", "rank", "huge", "negative", "type"])
+def test_copy_pages_bad_arguments(what):
+    blocks = torch.randn(P, 2, PS, H, D)
+    before = blocks.clone()
+    src, dst = torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    name = "dst"
+    if what == "dtype":
+        dst = dst.long()
+    elif what == "rank":
+        dst = dst[None]
+    elif what == "huge":
+        dst = torch.tensor([2 ** 30], dtype=torch.int32)
+    elif what == "negative":
+        dst = torch.tensor([-1], dtype=torch.int32)
+    else:
+        dst = [2]
+    with pytest.raises(KVCacheError) as info:
+        ops.copy_pages(blocks, src, dst)
+    assert name in str(info.value) and isinstance(info.value, (ValueError, TypeError))
+    assert torch.equal(blocks, before)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine (as tools/gpu-check.sh: carrying .device-bundle and build/kernels from
+# tools/gpu-kit.sh): the ops' GPU tests, the in-kernel bounds tests and the serving example under
+# `compute-sanitizer --tool memcheck`, which must report 0 errors. Logs land in $OUT (default
+# ./gpu-check-out): gpu-memcheck.log (the steps) and memcheck-<step>.txt (the sanitizer's own
+# reports). The exit status counts the failed steps (a memcheck error fails its step).
+set -uo pipefail
+LOG=${LOG:-${OUT:-$PWD/gpu-check-out}/gpu-memcheck.log}
+source "$(dirname "$0")/gpu-env.sh"
+SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+memcheck() {  # memcheck NAME COMMAND...: the command under memcheck, its report in $OUT
+  local name=$1
+  shift
+  step "memcheck $name" "$SAN" --tool memcheck --error-exitcode 1 --leak-check no \
+       --print-limit 100 --log-file "$OUT/memcheck-$name.txt" "$@"
+  grep -h "ERROR SUMMARY" "$OUT/memcheck-$name.txt" | tee -a "$LOG"
+}
+step device nvidia-smi --query-gpu=name,driver_version --format=csv
+# the ops on the GPU: numerics, bad input, the kernels' own bounds checks (unchecked mode)
+memcheck ops python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels \
+     tests/ops/test_copy_kernel.py tests/manager/test_manager_cuda.py \
+     tests/manager/test_manager_linear_cuda.py
+memcheck bounds python3 -m pytest -q -p no:cacheprovider tests/ops/test_bounds_cuda.py
+memcheck serve python3 examples/serve.py --device cuda --kernels build/kernels
+echo "=== $failed step(s) failed" | tee -a "$LOG"
+exit "$failed"
