@@ -137,9 +137,9 @@ ATTN_CASES = [
 
 
 def _full_precision_bound(ks, vs):
-    """Stated bound of |quantized-cache attention - full-precision attention| on these
-    inputs (standard normal K/V scaled per page, head_dim 64-128)."""
-    return 0.25 if "float8_e4m3fn" in (ks, vs) else 0.05
+    """Stated bound of max |quantized-cache decode - float32-cache decode| for standard normal
+    K/V/q, head_dim 128, 90-200 tokens (measured: int8 0.0055, fp8 0.023, outputs up to 0.53)."""
+    return 0.08 if "float8_e4m3fn" in (ks, vs) else 0.02
 
 
 @pytest.mark.parametrize("ks,vs,dtype,layout,page_size,H,G,D", ATTN_CASES)
