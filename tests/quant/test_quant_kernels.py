@@ -372,3 +372,28 @@ def test_build_command_specs_for_quantized_caches():
     cpu = default_specs("llvm", None, ["prefill"], ["float32"], [64], [2], [1], ["hnd"],
                         cache_dtypes=["int8"])
     assert [(s.op, s.k_storage) for s in cpu] == [("prefill", "int8")]
+
+
+@pytest.mark.parametrize("fmt", [dict(cache_dtype="float8_e4m3fn"),
+                                 dict(k_cache_dtype="int8", skip_layers=(1,))])
+def test_step_plans_run_quantized_caches_like_the_plain_ops(fmt):
+    from helpers import run_step
+
+    L, H, D = 2, 2, 64
+    outs = []
+    for planned in (False, True):
+        p = KVCacheParams("float32", H, D, "paged", page_size=4, **fmt)
+        m = PagedKVCacheManager(p, 2, 32, L)
+        a, b = m.claim(2)
+        rng = np.random.default_rng(9)
+        steps = []
+        for batch in ([BatchItem(a, list(range(5))), BatchItem(b, list(range(3)))],
+                      [BatchItem(a, [5]), BatchItem(b, [3])]):
+            n = sum(len(x.tokens) for x in batch)
+            qkv = [tuple(torch.from_numpy(rng.standard_normal((n, h, D)).astype(np.float32))
+                         for h in (2 * H, H, H)) for _ in range(L)]
+            steps.append(run_step(m, batch, qkv, planned))
+        outs.append(steps)
+    for plain, planned in zip(*outs):
+        for (o1, l1), (o2, l2) in zip(plain, planned):
+            assert torch.equal(o1, o2) and torch.equal(l1, l2)
