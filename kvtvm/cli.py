@@ -139,8 +139,9 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    """Answer one chat prompt with kvtvm's engine (SmolLM2 unless --model is given)."""
-    from .engine import Engine, Request, load_model
+    """Answer one chat prompt with kvtvm's engine (SmolLM2 unless --model is given); with
+    ``--model toy`` the prompt is token ids and the answer is token ids."""
+    from .engine import Engine, Request, load_model, reference_tokens
     from .errors import InvalidArgumentError
 
     try:
@@ -148,14 +149,20 @@ def cmd_generate(args) -> int:
     except InvalidArgumentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if tok is None:
-        print("error: --model toy has no tokenizer; give a chat model", file=sys.stderr)
-        return 2
-    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                  add_generation_prompt=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    if tok is None:                      # the toy: token ids in, token ids out
+        try:
+            ids = [int(t) for t in args.prompt.split()]
+        except ValueError:
+            print("error: --model toy has no tokenizer: give --prompt as token ids, e.g. "
+                  "--prompt '5 6 7'", file=sys.stderr)
+            return 2
+    else:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                      add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     engine = Engine(model, "paged", max_batch_size=1,
-                    max_seq_len=len(ids) + args.max_new_tokens, device=args.device)
+                    max_seq_len=max(len(ids), 1) + args.max_new_tokens, device=args.device,
+                    torch_threads=args.torch_threads, kernel_threads=args.kernel_threads)
     req = Request(0, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   seed=args.seed)
     engine.log = lambda s: print(s, file=sys.stderr)
@@ -163,7 +170,15 @@ def cmd_generate(args) -> int:
     if req.status != "done":
         print(f"error: {req.error}", file=sys.stderr)
         return 2
-    print(tok.decode(req.output, skip_special_tokens=True).strip())
+    print(" ".join(map(str, req.output)) if tok is None else
+          tok.decode(req.output, skip_special_tokens=True).strip())
+    if args.check and req.temperature == 0:
+        want = reference_tokens(model, ids, args.max_new_tokens, req.stop_token_ids)
+        if want != req.output:
+            print(f"MISMATCH: transformers' generate gives {want}, kvtvm {req.output}",
+                  file=sys.stderr)
+            return 1
+        print(f"checked: {len(want)} tokens equal transformers' generate", file=sys.stderr)
     return 0
 
 
@@ -205,7 +220,8 @@ def main(argv=None) -> int:
     sub.add_parser("tune", help="autotune kernel knobs (python -m kvtvm tune --help)",
                    add_help=False)
     g = sub.add_parser("generate", help="answer a prompt with kvtvm's engine (SmolLM2 default)")
-    g.add_argument("--model", default="smollm2", help="'smollm2' or a local model directory")
+    g.add_argument("--model", default="smollm2",
+                   help="'smollm2', a local model directory, or 'toy' (prompt = token ids)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -213,6 +229,12 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: see kvtvm.engine.threads)")
+    g.add_argument("--kernel-threads", type=int, default=None,
+                   help="kvtvm kernel threads (default KVTVM_NUM_THREADS or the cores)")
+    g.add_argument("--check", action="store_true",
+                   help="greedy: compare the tokens with transformers' generate (exit 1 if not)")
     g.set_defaults(func=cmd_generate)
     i = sub.add_parser("info", help="what is built, for which targets, where the cache lives")
     i.set_defaults(func=cmd_info)

@@ -34,8 +34,9 @@ build --ops append,decode --dtypes float16 --head-dims 128 --kv-heads 4,8 --grou
       --layouts nhd,hnd --cache-dtypes int8,float8_e4m3fn
 # TVM 0.27's built-in decode and prefill kernels, the benchmarks' peer (no compiler there)
 "$PY" -m kvtvm.bench.tvm_peer --arch "$ARCH" --out "$OUT" | tail -1
-# examples/serve.py --device cuda (its CUDA_BUILD_COMMAND)
-build --ops append,prefill,decode,copy --dtypes float32 --head-dims 32 --kv-heads 1,2 \
+# examples/serve.py --model toy --device cuda, float32 and bfloat16 (the toy Llama: 8 query
+# heads, 2 KV heads of 32, GQA 4; nhd for paged/continuous, hnd for linear; copy: n_kv_heads 1)
+build --ops append,prefill,decode,copy --dtypes float32,bfloat16 --head-dims 32 --kv-heads 1,2 \
       --group-sizes 4 --layouts nhd,hnd
 # examples/serve.py --device cuda --dtype bfloat16 (SmolLM2: 3 KV heads of 64, GQA 3;
 # nhd for paged/continuous, hnd for linear; copy for the linear cache's eviction)

@@ -1,30 +1,41 @@
 """``python -m kvtvm.bench e2e``: one request set served several ways, end to end.
 
 The same requests (``--requests`` prompts of each ``--prompt-lens`` length, random tokens,
-``--new-tokens`` greedy tokens each, no early stop) are served by
+``--new-tokens`` greedy tokens each, no early stop, all submitted at once) are served by
 
-* ``engine``: kvtvm's reference engine (:class:`kvtvm.engine.Engine`, paged cache, every request
-  submitted at once);
+* ``engine``: kvtvm's reference engine (:class:`kvtvm.engine.Engine`, paged cache);
 * ``hf-batch-sdpa`` / ``hf-batch-paged-eager``: transformers' continuous batching
   (``model.generate_batch``) with its own attention (``sdpa``, ``paged|eager``);
+* ``hf-batch-kvtvm``: the same on kvtvm's kernels (:mod:`kvtvm.integrations.hf_batch`);
 * ``hf-generate-sdpa``: transformers' ``generate`` with sdpa, one request at a time;
 * ``hf-generate-kvtvm``: the same on kvtvm (:mod:`kvtvm.integrations.hf`).
 
-Reported per way: generated tokens / wall time (prefill included), and for the engine the mean
-time to first token and time per output token; ratios against the best transformers path.
+``generate_batch`` gets a ``ContinuousBatchingConfig`` sized for the request set
+(:func:`kvtvm.integrations.hf_batch.cb_config`): its default sizes the paged cache from free
+memory, which on a CPU means most of the host's RAM and seconds of page faults per call.
+Every way runs once untimed first (kernels loaded, allocator warm), then ``--repeat`` times,
+interleaved (way A, B, ..., A, B, ...), and the median is reported. Reported per way:
+generated tokens / wall time (prefill included), mean time to first token (from submission:
+one at a time includes the wait for earlier requests) and mean time per output token after the
+first; ratios against the best transformers path; for the engine, the share of its decode steps
+spent in kvtvm's append + attention calls (timed around the step plan's calls, whose host-side
+binding is included).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import statistics
 import time
 
 import numpy as np
 import torch
 
-WAYS = ("engine", "hf-batch-sdpa", "hf-batch-paged-eager", "hf-generate-sdpa",
-        "hf-generate-kvtvm")
+WAYS = ("engine", "hf-batch-sdpa", "hf-batch-paged-eager", "hf-batch-kvtvm",
+        "hf-generate-sdpa", "hf-generate-kvtvm")
 
 
 def _prompts(n, length, vocab, seed=0):
@@ -32,60 +43,177 @@ def _prompts(n, length, vocab, seed=0):
     return [rng.integers(100, vocab - 1, length).tolist() for _ in range(n)]
 
 
-def _engine(model, prompts, new, batch):
+@contextlib.contextmanager
+def kernel_timer():
+    """Time kvtvm's step-plan calls and the engine's decode steps: yields a dict whose
+    ``kernel_s`` and ``step_s`` grow with every decode step run inside the block."""
+    from ..engine.runner import ModelRunner
+    from ..plan import StepPlan
+
+    acc = {"kernel_s": 0.0, "step_s": 0.0, "steps": 0}
+    live = {"on": False}
+    orig = {n: getattr(StepPlan, n) for n in ("append_kv", "attention")}
+    orig_step = ModelRunner.run_step
+
+    def timed(fn):
+        def wrapper(self, *a, **k):
+            if not live["on"]:
+                return fn(self, *a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **k)
+            finally:
+                acc["kernel_s"] += time.perf_counter() - t0
+        return wrapper
+
+    def step(self, kv, new_tokens, last_only=True):
+        live["on"] = all(len(t) == 1 for t in new_tokens)
+        t0 = time.perf_counter()
+        try:
+            return orig_step(self, kv, new_tokens, last_only)
+        finally:
+            if live["on"]:
+                acc["step_s"] += time.perf_counter() - t0
+                acc["steps"] += 1
+            live["on"] = False
+
+    for n, fn in orig.items():
+        setattr(StepPlan, n, timed(fn))
+    ModelRunner.run_step = step
+    try:
+        yield acc
+    finally:
+        for n, fn in orig.items():
+            setattr(StepPlan, n, fn)
+        ModelRunner.run_step = orig_step
+
+
+def _engine(model, prompts, new, step_tokens):
     from ..engine import Engine, Request
 
-    e = Engine(model, "paged", max_batch_size=batch, max_seq_len=len(prompts[0]) + new,
-               page_size=16, prefix_caching=False, eos_token_ids=(), max_step_tokens=2048)
+    e = Engine(model, "paged", max_batch_size=len(prompts),
+               max_seq_len=max(map(len, prompts)) + new, page_size=16, prefix_caching=False,
+               eos_token_ids=(), max_step_tokens=step_tokens)
     e.log = lambda s: None
-    e.warmup()
     reqs = [Request(i, p, new) for i, p in enumerate(prompts)]
-    e.serve(reqs)
-    return (e.stats.generated_tokens, e.stats.seconds,
-            float(np.mean([r.ttft for r in reqs])), float(np.mean([r.tpot for r in reqs])))
+    with kernel_timer() as acc:
+        e.serve(reqs)
+    share = acc["kernel_s"] / acc["step_s"] if acc["step_s"] else None
+    return dict(tokens=e.stats.generated_tokens, seconds=e.stats.seconds,
+                ttft=float(np.mean([r.ttft for r in reqs])),
+                tpot=float(np.mean([r.tpot for r in reqs])), kernel_share=share,
+                decode_step_ms=1e3 * acc["step_s"] / max(acc["steps"], 1))
 
 
 def _hf_batch(model, prompts, new, attn):
     from transformers import GenerationConfig
 
-    model.set_attn_implementation(attn)
-    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1,
-                           pad_token_id=0)
+    from ..integrations.hf_batch import cb_config, use_kvtvm_batch
+
+    if attn == "kvtvm":
+        use_kvtvm_batch(model)
+    else:
+        model.set_attn_implementation(attn)
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cfg = cb_config(max(map(len, prompts)), new, len(prompts))
     t0 = time.perf_counter()
-    out = model.generate_batch(prompts, generation_config=cfg, warmup=False)
-    sec = time.perf_counter() - t0
-    model.set_attn_implementation("sdpa")
-    return sum(len(o.generated_tokens) for o in out.values()), sec, None, None
+    try:
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cfg,
+                                   warmup=False, record_timestamps=True)
+    finally:
+        sec = time.perf_counter() - t0
+        model.set_attn_implementation("sdpa")
+    outs = list(out.values())
+    ttft = [o.timestamps[0] - o.created_time for o in outs]
+    tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs]
+    return dict(tokens=sum(len(o.generated_tokens) for o in outs), seconds=sec,
+                ttft=float(np.mean(ttft)), tpot=float(np.mean(tpot)))
+
+
+class _Clock:
+    """A logits processor that records when each token of ``generate`` is chosen."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
 
 
 def _hf_generate(model, prompts, new, kvtvm: bool):
-    kw = {}
+    from transformers import LogitsProcessorList
+
     if kvtvm:
         from ..integrations.hf import KVTVMCache, use_kvtvm
 
         use_kvtvm(model)
-    n, t0 = 0, time.perf_counter()
-    for p in prompts:
-        ids = torch.tensor([p])
-        if kvtvm:
-            kw = {"cache": KVTVMCache(model, len(p) + new)}
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=new, min_new_tokens=new, pad_token_id=0, **kw)
-        n += out.shape[1] - ids.shape[1]
-    sec = time.perf_counter() - t0
-    model.set_attn_implementation("sdpa")
-    return n, sec, None, None
+    n, ttft, tpot, t0 = 0, [], [], time.perf_counter()
+    try:
+        for p in prompts:
+            ids = torch.tensor([p])
+            kw = {"cache": KVTVMCache(model, len(p) + new)} if kvtvm else {}
+            clock = _Clock()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([clock]), **kw)
+            n += out.shape[1] - ids.shape[1]
+            ttft.append(clock.times[0] - t0)
+            tpot.append((clock.times[-1] - clock.times[0]) / max(len(clock.times) - 1, 1))
+    finally:
+        model.set_attn_implementation("sdpa")
+    return dict(tokens=n, seconds=time.perf_counter() - t0, ttft=float(np.mean(ttft)),
+                tpot=float(np.mean(tpot)))
+
+
+def run_way(way, model, prompts, new, args):
+    """One timed run of ``way``; torch threads as the way's thread policy says."""
+    from ..engine.threads import configure_threads
+
+    if way == "engine" or (args.kvtvm_threads_one and way.endswith("kvtvm")):
+        configure_threads(1)        # kvtvm's policy (kvtvm.engine.threads)
+    else:
+        torch.set_num_threads(args.hf_threads)
+    if way == "engine":
+        res = _engine(model, prompts, new, args.step_tokens)
+    elif way.startswith("hf-batch"):
+        res = _hf_batch(model, prompts, new, {"hf-batch-sdpa": "sdpa", "hf-batch-kvtvm": "kvtvm",
+                                              "hf-batch-paged-eager": "paged|eager"}[way])
+    else:
+        res = _hf_generate(model, prompts, new, way.endswith("kvtvm"))
+    res["torch_threads"] = torch.get_num_threads()
+    return res
+
+
+def _row(length, way, runs):
+    sec = statistics.median(r["seconds"] for r in runs)
+    mid = min(runs, key=lambda r: abs(r["seconds"] - sec))
+    row = dict(prompt_len=length, way=way, tokens=mid["tokens"], seconds=sec,
+               seconds_all=[round(r["seconds"], 3) for r in runs],
+               tokens_per_s=mid["tokens"] / sec, ttft_ms=1e3 * mid["ttft"],
+               tpot_ms=1e3 * mid["tpot"], torch_threads=mid["torch_threads"])
+    if "kernel_share" in mid:
+        row["kernel_share"] = mid["kernel_share"]
+        row["decode_step_ms"] = mid["decode_step_ms"]
+    return row
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtvm.bench e2e", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvtvm.bench e2e", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="'smollm2', 'toy' or a directory")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-lens", default="128,1024")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"subset of {','.join(WAYS)}")
-    parser.add_argument("--torch-threads", type=int, default=None,
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs per way (median)")
+    parser.add_argument("--step-tokens", type=int, default=2048,
+                        help="the engine's max_step_tokens (chunked prefill budget)")
+    parser.add_argument("--hf-threads", type=int, default=None,
                         help="torch threads of the transformers paths (default: torch's)")
+    parser.add_argument("--kvtvm-threads-one", action=argparse.BooleanOptionalAction,
+                        default=True, help="run the hf-*-kvtvm ways with torch on one thread, "
+                        "as the engine (default yes)")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--plot", default=None, metavar="PATH.png")
     args = parser.parse_args(argv)
@@ -95,56 +223,61 @@ def main(argv=None) -> int:
     unknown = sorted(set(ways) - set(WAYS))
     if unknown:
         parser.error(f"--ways: unknown {unknown}; known: {list(WAYS)}")
+    args.hf_threads = args.hf_threads or torch.get_num_threads()
     model, _ = load_model(args.model)
     model.generation_config.eos_token_id = None
-    hf_threads = args.torch_threads or torch.get_num_threads()
     rows = []
+    print(f"load average {os.getloadavg()[0]:.1f} at start; {os.cpu_count()} cpus")
     for length in (int(x) for x in args.prompt_lens.split(",")):
         prompts = _prompts(args.requests, length, model.config.vocab_size)
+        for way in ways:                         # untimed: kernels, allocator, caches warm
+            run_way(way, model, prompts[:2], 2, args)
+        runs = {w: [] for w in ways}
+        for _ in range(args.repeat):
+            for way in ways:
+                runs[way].append(run_way(way, model, prompts, args.new_tokens, args))
         for way in ways:
-            if way == "engine":
-                res = _engine(model, prompts, args.new_tokens, args.requests)
-            else:
-                torch.set_num_threads(hf_threads)
-                if way.startswith("hf-batch"):
-                    res = _hf_batch(model, prompts, args.new_tokens,
-                                    "sdpa" if way.endswith("sdpa") else "paged|eager")
-                else:
-                    res = _hf_generate(model, prompts, args.new_tokens, way.endswith("kvtvm"))
-            n, sec, ttft, tpot = res
-            rows.append(dict(prompt_len=length, way=way, tokens=n, seconds=sec,
-                             tokens_per_s=n / sec, ttft_ms=ttft and 1e3 * ttft,
-                             tpot_ms=tpot and 1e3 * tpot,
-                             torch_threads=torch.get_num_threads()))
-            r = rows[-1]
-            print(f"prompt {length:>5} {way:<22} {n:>5} tokens {sec:7.2f} s "
-                  f"{r['tokens_per_s']:7.1f} tok/s"
-                  + (f"  TTFT {r['ttft_ms']:.0f} ms TPOT {r['tpot_ms']:.1f} ms" if ttft else ""),
-                  flush=True)
+            r = _row(length, way, runs[way])
+            rows.append(r)
+            extra = (f"  kvtvm kernels {100 * r['kernel_share']:.0f}% of a "
+                     f"{r['decode_step_ms']:.1f} ms decode step" if r.get("kernel_share") else "")
+            print(f"prompt {length:>5} {way:<22} {r['tokens']:>5} tok {r['seconds']:7.2f} s "
+                  f"{r['tokens_per_s']:7.1f} tok/s  TTFT {r['ttft_ms']:7.0f} ms  TPOT "
+                  f"{r['tpot_ms']:6.1f} ms  (torch threads {r['torch_threads']}; runs "
+                  f"{r['seconds_all']}){extra}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at end")
     for length in sorted({r["prompt_len"] for r in rows}):
         mine = {r["way"]: r["tokens_per_s"] for r in rows if r["prompt_len"] == length}
-        hf_best = max((v for k, v in mine.items() if k.startswith("hf-") and "kvtvm" not in k),
-                      default=None)
-        if hf_best and "engine" in mine:
-            print(f"prompt {length}: engine / best transformers path = "
-                  f"{mine['engine'] / hf_best:.2f}x")
+        hf = {k: v for k, v in mine.items() if k.startswith("hf-") and "kvtvm" not in k}
+        if hf and "engine" in mine:
+            best = max(hf, key=hf.get)
+            print(f"prompt {length}: engine / best transformers path ({best}) = "
+                  f"{mine['engine'] / hf[best]:.2f}x")
+        if "hf-batch-kvtvm" in mine and "hf-batch-sdpa" in mine:
+            print(f"prompt {length}: generate_batch on kvtvm / on sdpa = "
+                  f"{mine['hf-batch-kvtvm'] / mine['hf-batch-sdpa']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "e2e", "args": vars(args), "rows": rows}, f, indent=1)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4))
-        lengths = sorted({r["prompt_len"] for r in rows})
-        for i, way in enumerate(ways):
-            vals = [next((r["tokens_per_s"] for r in rows if r["way"] == way and
-                          r["prompt_len"] == n), 0) for n in lengths]
-            ax.bar(np.arange(len(lengths)) + i * 0.15, vals, 0.15, label=way)
-        ax.set_xticks(np.arange(len(lengths)) + 0.3, [f"prompt {n}" for n in lengths])
-        ax.set_ylabel("generated tokens/s")
-        ax.legend(fontsize=7)
-        fig.savefig(args.plot, dpi=100, bbox_inches="tight")
+        _plot(rows, ways, args.plot)
     return 0
+
+
+def _plot(rows, ways, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    lengths = sorted({r["prompt_len"] for r in rows})
+    w = 0.8 / max(len(ways), 1)
+    for i, way in enumerate(ways):
+        vals = [next((r["tokens_per_s"] for r in rows if r["way"] == way and
+                      r["prompt_len"] == n), 0) for n in lengths]
+        ax.bar(np.arange(len(lengths)) + i * w, vals, w, label=way)
+    ax.set_xticks(np.arange(len(lengths)) + 0.4 - w / 2, [f"prompt {n}" for n in lengths])
+    ax.set_ylabel("generated tokens/s")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=100, bbox_inches="tight")

@@ -1,10 +1,36 @@
-"""Checking an engine's tokens against transformers' own ``generate`` on each request alone."""
+"""Checking an engine's tokens against transformers' own ``generate`` on each request alone.
+
+In float32 the greedy tokens must be equal. In bfloat16/float16 two correct implementations
+pick different tokens wherever the top logits are closer than the rounding (transformers' own
+sdpa and eager differ on 16 of the toy demo's 24 requests in bfloat16), so there a request whose
+tokens differ passes when every token it chose is, teacher-forced through transformers on the
+same prefix, within ``rel_tol`` of the logit range of transformers' best token
+(:func:`near_greedy_gap`).
+"""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["reference_tokens", "check_against_reference"]
+__all__ = ["reference_tokens", "check_against_reference", "near_greedy_gap", "LOW_PRECISION_TOL"]
+
+#: Largest teacher-forced logit gap (a fraction of the logit range) a low-precision token may
+#: have: 0.65% measured at most on the toy demo in bfloat16 (CPU); a wrong attention gives tens
+#: of percent.
+LOW_PRECISION_TOL = 0.02
+
+
+@torch.no_grad()
+def near_greedy_gap(model, prompt, output) -> tuple[float, int]:
+    """The largest ``(max logit - logit of the chosen token) / logit range`` over ``output``,
+    teacher-forced through ``model`` on ``prompt + output``, and the position where it is."""
+    ids = torch.tensor([list(prompt) + list(output[:-1])], device=model.device)
+    logits = model(ids).logits[0, len(prompt) - 1:].float()
+    chosen = logits[torch.arange(len(output)), torch.tensor(list(output), device=model.device)]
+    top, low = logits.max(-1).values, logits.min(-1).values
+    gap = (top - chosen) / (top - low).clamp_min(1e-6)
+    i = int(gap.argmax())
+    return float(gap[i]), i
 
 
 @torch.no_grad()
@@ -21,10 +47,14 @@ def reference_tokens(model, prompt, max_new_tokens: int, stop_token_ids=()) -> l
     return out[0, ids.shape[1]:].tolist()
 
 
-def check_against_reference(model, requests) -> list[str]:
+def check_against_reference(model, requests, rel_tol: float | None = None) -> list[str]:
     """One message per served greedy request whose tokens differ from ``generate``'s (empty:
     all equal). The message names the request, the position and the expected and actual
-    token."""
+    token. ``rel_tol`` (default :data:`LOW_PRECISION_TOL` for a bfloat16/float16 model, None:
+    exact, for float32) accepts differing tokens that are near-greedy (:func:`near_greedy_gap`).
+    """
+    if rel_tol is None and next(model.parameters()).dtype in (torch.bfloat16, torch.float16):
+        rel_tol = LOW_PRECISION_TOL
     problems = []
     for r in requests:
         if r.status != "done" or r.temperature > 0:
@@ -33,11 +63,18 @@ def check_against_reference(model, requests) -> list[str]:
         got = r.output
         if got == want:
             continue
+        note = ""
+        if rel_tol is not None and got:
+            gap, at = near_greedy_gap(model, r.prompt, got)
+            if gap <= rel_tol:
+                continue
+            note = (f"; teacher-forced, token {at} is {100 * gap:.1f}% of the logit range below "
+                    f"transformers' best (tolerance {100 * rel_tol:.1f}%)")
         i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want),
                                                                                len(got)))
         exp = want[i] if i < len(want) else "<end>"
         act = got[i] if i < len(got) else "<end>"
         problems.append(f"request {r.rid}: generated token {i} (sequence position "
                         f"{len(r.prompt) + i}): expected {exp} (transformers), got {act} "
-                        f"(kvtvm {len(got)} tokens: {got[:i + 1]}...)")
+                        f"(kvtvm {len(got)} tokens: {got[:i + 1]}...){note}")
     return problems

@@ -235,32 +235,37 @@ def sync_checked_call(device, check_indices: bool) -> None:
 
 
 def _span(t):
-    """(first, last + 1) byte addresses of a tensor's elements (None when empty)."""
-    if t.numel() == 0:
-        return None
-    start = t.data_ptr()
-    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return start, start + extent * t.element_size()
+    """Byte addresses ``(first, end)`` a tensor may touch: its elements when contiguous, else
+    (a strided cache view) its whole storage -- conservative and cheap (no Python loop)."""
+    if t.is_contiguous():
+        start = t.data_ptr()
+        return start, start + t.nbytes
+    st = t.untyped_storage()
+    start = st.data_ptr()
+    return start, start + st.nbytes()
 
 
 def check_no_alias(written: dict, read: dict) -> None:
-    """Refuse a written tensor sharing memory with any other argument of the call.
+    """Refuse a written tensor sharing memory with any other argument of the call (all on one
+    device: :func:`common_device` first).
 
-    Tensors on different storages never alias (one pointer compare each); on one storage the
-    byte spans are compared, except for the K and V caches, which are interleaved views of one
-    cache tensor: those alias only when they are the same view (same data pointer).
+    Byte spans (first to last element) are compared, except for the K and V caches, which are
+    interleaved views of one cache tensor: those alias only when they are the same view (same
+    data pointer).
     """
-    items = list(written.items()) + list(read.items())
-    storages = [(n, t, t.untyped_storage().data_ptr()) for n, t in items]
-    for i, (wn, w, ws) in enumerate(storages[:len(written)]):
-        for j, (on, o, os_) in enumerate(storages):
-            if j <= i and j < len(written) or ws != os_ or w.device != o.device:
+    spans = [(n, _span(t)) for n, t in written.items()]
+    spans += [(n, _span(t)) for n, t in read.items()]
+    for wn, (w0, w1) in spans[:len(written)]:
+        for on, (o0, o1) in spans:
+            if on == wn:
                 continue
-            if {wn, on} == {"k_cache", "v_cache"}:
-                overlap = w.data_ptr() == o.data_ptr()
+            if wn in _KV and on in _KV:
+                overlap = written[wn].data_ptr() == written[on].data_ptr()
             else:
-                a, b = _span(w), _span(o)
-                overlap = a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+                overlap = w0 < o1 and o0 < w1
             if overlap:
                 raise InvalidArgumentError(describe(f"{wn} and {on}", "separate memory",
                                                     "tensors sharing memory"))
+
+
+_KV = ("k_cache", "v_cache")

@@ -265,7 +265,7 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
                                             repr(num_splits)))
     device = common_device(tensors)
     check_no_alias({n: tensors[n] for n in ("out", "lse") if n in tensors},
-                   {n: t for n, t in tensors.items() if n not in ("out", "lse")})
+                   {n: tensors[n] for n in ("q", "k_cache", "v_cache")})
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(
             sm_scale, (int, float)) or not math.isfinite(float(sm_scale))):
         raise InvalidArgumentError(describe("sm_scale", "a finite float", repr(sm_scale)))

@@ -3,9 +3,11 @@
 Every kernel takes an int32 ``[ERR_SLOTS]`` flag as its last argument and sets an entry when it
 skips an out-of-range index (:mod:`kvtvm.kernels.errflag`). Here:
 
-- CPU: each prepared :class:`~kvtvm.ops.launch.Launch` owns a flag; ``run()`` reads it after
-  the call (a 16-byte compare) and raises :class:`~kvtvm.errors.KernelIndexError`, after
-  zeroing it, when an entry is set.
+- CPU: each thread preparing launches has one flag (thread-local: it goes with its thread);
+  ``run()`` reads it right after the call (a 16-byte compare) and raises
+  :class:`~kvtvm.errors.KernelIndexError`, after zeroing it, when an entry is set. (A launch
+  prepared in one thread and run in another while the first runs its own may report the other's
+  error: the flag is per preparing thread, not per launch.)
 - CUDA: one flag per device, shared by every launch on it, never read on the fast path (that
   would synchronize). :func:`check` reads it -- so does every call with
   ``check_indices=True``, which synchronizes anyway -- raises and zeroes it.
@@ -25,16 +27,20 @@ __all__ = ["new_flag", "raise_flag", "check", "ERR_SLOTS"]
 _ZERO = bytes(4 * ERR_SLOTS)
 _lock = threading.Lock()
 _device_flags: dict = {}  # torch.device (cuda) -> int32 [ERR_SLOTS] tensor
+_host = threading.local()  # .flag: (tensor, numpy view) of this thread's CPU flag
 
 
 def new_flag(device):
-    """The flag a launch on ``device`` writes: a fresh zeroed host tensor on the CPU (with its
-    numpy view), the device's shared flag on a GPU (view None). Returns ``(tensor, view)``."""
+    """The flag a launch on ``device`` writes: the calling thread's host flag on the CPU (with
+    its numpy view), the device's shared flag on a GPU (view None). Returns ``(tensor, view)``."""
     import torch
 
     if device.type == "cpu":
-        arr = np.zeros(ERR_SLOTS, np.int32)
-        return torch.from_numpy(arr), arr
+        flag = getattr(_host, "flag", None)
+        if flag is None:
+            arr = np.zeros(ERR_SLOTS, np.int32)
+            flag = _host.flag = (torch.from_numpy(arr), arr)
+        return flag
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     flag = _device_flags.get(device)

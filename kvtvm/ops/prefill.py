@@ -151,7 +151,8 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
                                                 list(lse.shape)))
         check_contiguous("lse", lse)
     common_device(dict(tensors, out=out, lse=lse))
-    check_no_alias({"out": out, "lse": lse}, tensors)
+    check_no_alias({"out": out, "lse": lse},
+                   {n: tensors[n] for n in ("q", "k_cache", "v_cache")})
 
     if device.type == "cuda":  # the tensor-core kernel moves q, K and V in 16-byte chunks
         check_vector_aligned({"q": qt, "k_cache": kc, "v_cache": vc})

@@ -133,3 +133,22 @@ def test_plot_draws_values_on_the_bars(tmp_path):
         plt.Figure.savefig = saved
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert drawn["labels"] == ["1.78", "2.14", "2.5"]  # the missing (b4, torch) bar: no label
+
+
+def test_bench_e2e_toy_serves_every_way(tmp_path):
+    """The e2e benchmark on the toy: every way generates every token, the figures and the
+    kernel share are there, the ratios are printed."""
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, "-m", "kvtvm.bench", "e2e", "--model", "toy",
+                           "--requests", "2", "--prompt-lens", "16", "--new-tokens", "3",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    rows = {r["way"]: r for r in json.loads(out.read_text())["rows"]}
+    from kvtvm.bench.e2e import WAYS
+
+    assert set(rows) == set(WAYS)
+    assert all(r["tokens"] == 6 and r["tokens_per_s"] > 0 and r["tpot_ms"] > 0
+               and r["ttft_ms"] > 0 for r in rows.values())
+    assert 0 < rows["engine"]["kernel_share"] < 1
+    assert "engine / best transformers path" in proc.stdout
+    assert "generate_batch on kvtvm / on sdpa" in proc.stdout

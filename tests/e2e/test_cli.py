@@ -81,3 +81,22 @@ def test_build_refuses_unknown_features(tmp_path):
                "--out", str(tmp_path))
     assert proc.returncode == 2
     assert "unknown ['alibi']" in proc.stderr and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_generate_toy_matches_transformers(dtype):
+    """`python -m kvtvm generate` on the toy: token ids in and out, every CPU dtype, checked
+    against transformers' generate (--check exits 1 on a difference)."""
+    proc = run("generate", "--model", "toy", "--prompt", "5 6 7 8 9", "--max-new-tokens", "6",
+               "--dtype", dtype, "--check", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.split()
+    assert len(out) == 6 and all(t.isdigit() for t in out)
+    assert "6 tokens equal transformers' generate" in proc.stderr
+
+
+def test_generate_bad_prompts_say_why():
+    proc = run("generate", "--model", "toy", "--prompt", "hello")
+    assert proc.returncode == 2 and "token ids" in proc.stderr
+    proc = run("generate", "--model", "toy", "--prompt", "")
+    assert proc.returncode == 2 and "empty prompt" in proc.stderr

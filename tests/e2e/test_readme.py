@@ -89,7 +89,7 @@ def test_docs_hold_the_old_readme_sections():
     """The README's former sections live on in docs/ (moved, not dropped)."""
     docs = "\n".join(p.read_text() for p in DOCS)
     for heading in ("## The three managers", "## Rules every manager keeps",
-                    "## Serving a model (examples/serve.py)", "## The ops",
+                    "## Serving a model (kvtvm.engine)", "## The ops",
                     "## Ahead-of-time builds and runtime-only deployment",
                     "## Graph integration (TVM Relax)", "## Tuning a kernel",
                     "## Running them", "## Layout of the repository",
