@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 from . import compiler
+from .compiler.spec import QUANT_FAMILIES
+from .quant import QUANT_DTYPES
 
 
 def _csv(kind):
@@ -23,12 +25,14 @@ ATTENTION_FEATURES = {"none": (), "sliding_window": ("sliding_window",)}
 
 
 def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_heads, groups,
-                  layouts, features=("none",)):
+                  layouts, features=("none",), cache_dtypes=("none",)):
     """The cross product of the requested axes, for every family whose kernel exists.
 
     The copy kernel moves whole rows whatever the head count and layout, so the copy op
     always loads it with ``n_kv_heads=1`` and layout ``nhd``; it is built that way.
     ``features`` (names of :data:`ATTENTION_FEATURES`) apply to decode and prefill.
+    ``cache_dtypes``: ``"none"`` (full precision) and/or 8-bit storage types (K and V both
+    stored so) for append, decode and prefill.
     """
     specs = []
     for op, dtype, d, h, layout in itertools.product(ops, dtypes, head_dims, kv_heads, layouts):
@@ -37,9 +41,14 @@ def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_head
         attention = op in ("decode", "prefill")
         for g, feats in itertools.product(groups if attention else [1],
                                           features if attention else ["none"]):
-            specs.append(compiler.KernelSpec(op=op, dtype=dtype, head_dim=d, n_kv_heads=h,
-                                             group_size=g, layout=layout, target=target,
-                                             arch=arch, features=ATTENTION_FEATURES[feats]))
+            # (CUDA has no quantized prefill kernel yet: kvtvm.ops.quant.QUANT_TARGETS)
+            quant = op in QUANT_FAMILIES and not (target == "cuda" and op == "prefill")
+            for cd in cache_dtypes if quant else ["none"]:
+                storage = "" if cd == "none" else cd
+                specs.append(compiler.KernelSpec(
+                    op=op, dtype=dtype, head_dim=d, n_kv_heads=h, group_size=g, layout=layout,
+                    target=target, arch=arch, features=ATTENTION_FEATURES[feats],
+                    k_storage=storage, v_storage=storage))
     return list(dict.fromkeys(specs))
 
 
@@ -60,8 +69,13 @@ def cmd_build(args) -> int:
         print(f"--features: unknown {unknown}; known: {sorted(ATTENTION_FEATURES)}",
               file=sys.stderr)
         return 2
+    unknown = sorted(set(args.cache_dtypes) - {"none", *QUANT_DTYPES})
+    if unknown:
+        print(f"--cache-dtypes: unknown {unknown}; known: none, {', '.join(QUANT_DTYPES)}",
+              file=sys.stderr)
+        return 2
     specs = default_specs(args.target, arch, ops, args.dtypes, args.head_dims, args.kv_heads,
-                          args.group_sizes, args.layouts, args.features)
+                          args.group_sizes, args.layouts, args.features, args.cache_dtypes)
     specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
     out = Path(args.out)
     print(f"building {len(specs)} kernels for {args.target}"
@@ -191,6 +205,10 @@ def main(argv=None) -> int:
     b.add_argument("--features", type=_csv(str), default=["none"],
                    help="attention feature sets to build, comma-separated: "
                    f"{', '.join(ATTENTION_FEATURES)} (default: none)")
+    b.add_argument("--cache-dtypes", type=_csv(str), default=["none"],
+                   help="cache storage types to build append/decode/prefill for, "
+                   f"comma-separated: none (full precision), {', '.join(QUANT_DTYPES)} "
+                   "(K and V both 8-bit; default: none)")
     b.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none anyway when not on a terminal)")
     b.add_argument("-v", "--verbose", action="store_true",

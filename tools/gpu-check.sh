@@ -12,9 +12,12 @@ step "GPU tests" python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/compiler/test_decode_cuda_build.py tests/compiler/test_prefill_cuda_build.py \
      tests/kernels tests/ops/test_copy_kernel.py tests/ops/test_bounds_cuda.py \
      tests/manager/test_manager_cuda.py \
-     tests/manager/test_manager_linear_cuda.py
+     tests/manager/test_manager_linear_cuda.py tests/quant/test_quant_cuda.py
 for b in append copy decode prefill; do
-  step "bench $b" python3 -m kvtvm bench "$b" --device cuda --json "$OUT/bench-$b.json"
+  extra=()  # quantized caches side by side (their kernels: tools/gpu-kit.sh)
+  case $b in append|decode) extra=(--cache-dtype int8 float8_e4m3fn) ;; esac
+  step "bench $b" python3 -m kvtvm bench "$b" --device cuda ${extra[@]+"${extra[@]}"} \
+       --json "$OUT/bench-$b.json"
 done
 step "bench host" python3 -m kvtvm bench host --device cuda --head-dim 32  # serve.py's kernels
 step "serve --device cuda" python3 examples/serve.py --model toy --device cuda --dtype float32 \

@@ -28,6 +28,10 @@ build --ops prefill --dtypes float16 --head-dims 256 --kv-heads 1 --group-sizes 
 # (hnd: the linear cache)
 build --ops append,decode,prefill --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 \
       --layouts nhd,hnd
+# quantized caches (tests/quant/test_quant_cuda.py and bench decode --cache-dtype): the
+# quantizing append and the quantized decode, int8 and float8_e4m3fn, both layouts
+build --ops append,decode --dtypes float16 --head-dims 128 --kv-heads 4,8 --group-sizes 4 \
+      --layouts nhd,hnd --cache-dtypes int8,float8_e4m3fn
 # TVM 0.27's built-in decode and prefill kernels, the benchmarks' peer (no compiler there)
 "$PY" -m kvtvm.bench.tvm_peer --arch "$ARCH" --out "$OUT" | tail -1
 # examples/serve.py --model toy --device cuda, float32 and bfloat16 (the toy Llama: 8 query

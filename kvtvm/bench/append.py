@@ -10,6 +10,7 @@ import argparse
 
 import numpy as np
 
+from ..quant import QUANT_DTYPES, quant_row_bytes
 from .common import Row, add_common_args, log, progress, report, timed
 
 # (name, tokens per sequence, sequences): prefill of one long prompt, a batch of decode steps
@@ -68,6 +69,23 @@ def torch_indexed_copy(case, page_size: int):
     return run
 
 
+def quantizing_run(case, storage: str):
+    """The quantizing append of the case's rows into a ``storage`` cache of the same pages
+    (its TB/s column counts the plain append's bytes, so the ratio column is its cost)."""
+    import torch
+
+    from .. import ops
+
+    shape = case["cache"][:, 0, 0].shape[:-1] + (quant_row_bytes(case["k"].shape[-1]),)
+    kc, vc = (torch.zeros(shape, dtype=torch.int8, device=case["k"].device)
+              .view(getattr(torch, storage)) for _ in range(2))
+
+    def run():
+        ops.append_kv(kc, vc, case["k"], case["v"], case["indptr"], case["lengths"],
+                      case["table"], check_indices=False)
+    return run
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench append", description=__doc__)
     add_common_args(parser)
@@ -75,6 +93,10 @@ def main(argv=None) -> int:
     parser.add_argument("--n-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--cache-dtype", nargs="*", default=[], choices=QUANT_DTYPES,
+                        metavar="STORAGE",
+                        help="also time the quantizing append into an int8 / float8_e4m3fn "
+                             "cache of the same rows (its cost beside the plain copy)")
     args = parser.parse_args(argv)
 
     import torch
@@ -103,7 +125,11 @@ def main(argv=None) -> int:
         torch_run()
         if not torch.equal(by_kvtvm, case["cache"]):
             raise SystemExit(f"{name}: kvtvm and torch wrote different caches")
-        for impl, fn in (("kvtvm", kvtvm_run), ("torch index_put_", torch_run)):
+        runs = [("kvtvm", kvtvm_run)]
+        for storage in dict.fromkeys(args.cache_dtype):
+            runs.append((f"kvtvm {storage}", quantizing_run(case, storage)))
+        runs.append(("torch index_put_", torch_run))
+        for impl, fn in runs:
             sec, how = timed(fn, device, args.repeat, args.warmup, args.timing)
             rows.append(Row(name, impl, sec * 1e3, moved / sec / 1e12,
                             {"bytes": moved, "tokens": per_seq * batch, "timing": how}))

@@ -15,6 +15,7 @@ import time
 
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
+from .quant_cases import CACHE_DTYPES, cache_as, row_bytes, speedup_lines
 
 #: (batch, context) cases.
 DEFAULT_CASES = {
@@ -118,6 +119,22 @@ def flashinfer_decode(case, ctx, page_size, scale):
     return lambda: wrapper.run(case["q"], kv)
 
 
+def quantized_run(case, storage: str, dtype: str, scale: float):
+    """kvtvm decode over the case's K/V stored as ``storage`` (q in ``dtype``, or in
+    ``storage`` for a full-precision one)."""
+    import torch
+
+    from .. import ops
+    from ..quant import QUANT_DTYPES
+
+    kc, vc = cache_as(case["k_cache"], storage), cache_as(case["v_cache"], storage)
+    q = case["q"] if storage in QUANT_DTYPES else case["q"].to(getattr(torch, storage))
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    return lambda: ops.decode_attention(q, kc, vc, case["lengths"], case["table"],
+                                        sm_scale=scale, out=out, lse=lse, check_indices=False)
+
+
 def tuning_workload(spec, device: str):
     """``(args, outputs)`` calling ``spec``'s kernel directly (for ``python -m kvtvm.tune``):
     a batch of 4 x 2K tokens on the CPU, 16 x 4K on a GPU, page 16, splits as the op picks."""
@@ -154,6 +171,11 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--cases", nargs="*", metavar="BATCHxCTX",
                         help="e.g. 1x4096 64x4096 (default: a per-device set)")
+    parser.add_argument("--cache-dtype", nargs="*", default=[], choices=CACHE_DTYPES,
+                        metavar="STORAGE",
+                        help="also run kvtvm over the same K/V stored as these types (int8, "
+                             "float8_e4m3fn, or another full-precision type), side by side; "
+                             f"choices: {', '.join(CACHE_DTYPES)}")
     add_skip_arg(parser)
     args = parser.parse_args(argv)
     skip = parse_skip(args)
@@ -186,6 +208,10 @@ def main(argv=None) -> int:
                                  check_indices=False)
 
         peers = [("kvtvm", lambda: kvtvm_run)]
+        for storage in dict.fromkeys(args.cache_dtype):
+            if storage != dtype:
+                peers.append((f"kvtvm {storage}",
+                              lambda storage=storage: quantized_run(case, storage, dtype, scale)))
         if "dense" not in skip:
             peers.append((PEERS["dense"], lambda: torch_dense(case, scale)))
         if "gather" not in skip:
@@ -221,13 +247,19 @@ def main(argv=None) -> int:
             repeat = args.repeat if once < 0.1 else max(3, min(args.repeat, int(2 / once)))
             warmup = args.warmup if once < 0.1 else 1
             sec, how = timed(fn, device, repeat, warmup, args.timing)
-            rows.append(Row(name, impl, sec * 1e3, kv_bytes / sec / 1e12,
+            nbytes = kv_bytes
+            if impl.startswith("kvtvm "):  # the bytes that cache stores
+                nbytes = 2 * batch * ctx * args.n_kv_heads * row_bytes(impl[6:], args.head_dim)
+            rows.append(Row(name, impl, sec * 1e3, nbytes / sec / 1e12,
                             {"batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
+                             "stored_bytes": nbytes,
                              "dtype": dtype, "timing": how}))
         del case
     report(f"decode attention, {args.n_kv_heads * args.group_size} q / {args.n_kv_heads} kv "
            f"heads x {args.head_dim}, {dtype}, page {args.page_size}", rows, "TB/s", "kvtvm",
            args, device)
+    for line in speedup_lines(rows, "kvtvm", dtype):
+        print(line)
     if not cuda and args.dtype is None:
         print("(CPU default dtype float32: torch's CPU SDPA in float16 is far slower than in "
               "float32; pass --dtype float16 to compare at half precision)")

@@ -20,6 +20,7 @@ import math
 
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
+from .quant_cases import CACHE_DTYPES, cache_as, row_bytes, speedup_lines
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 #: (batch, new tokens per sequence, cached tokens per sequence)
@@ -88,6 +89,25 @@ def run_kvtvm(case):
     def fn():
         ops.prefill_attention(case.q, case.k_cache, case.v_cache, case.indptr, case.lengths,
                               case.table, out=case.out, lse=case.lse, check_indices=False)
+    return fn
+
+
+def run_kvtvm_stored(case, storage: str):
+    """kvtvm prefill over the case's K/V stored as ``storage`` (q in the case's dtype, or in
+    ``storage`` for a full-precision one)."""
+    import torch
+
+    from kvtvm import ops
+
+    from ..quant import QUANT_DTYPES
+
+    kc, vc = cache_as(case.k_cache, storage), cache_as(case.v_cache, storage)
+    q = case.q if storage in QUANT_DTYPES else case.q.to(getattr(torch, storage))
+    out = torch.empty_like(q)
+
+    def fn():
+        ops.prefill_attention(q, kc, vc, case.indptr, case.lengths, case.table, out=out,
+                              lse=case.lse, check_indices=False)
     return fn
 
 
@@ -210,6 +230,10 @@ def main(argv=None) -> int:
     add_common_args(parser)
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--cases", help="batch:new:cached,... (default: per device)")
+    parser.add_argument("--cache-dtype", nargs="*", default=[], choices=CACHE_DTYPES,
+                        metavar="STORAGE",
+                        help="also run kvtvm over the same K/V stored as these types (int8, "
+                             "float8_e4m3fn, or another full-precision type), side by side")
     add_skip_arg(parser)
     args = parser.parse_args(argv)
     device = args.device
@@ -233,6 +257,8 @@ def main(argv=None) -> int:
                  (PEERS["gather"], "gather", lambda: run_gather_sdpa(case)),
                  (PEERS["tvm"], "tvm", lambda: run_tvm_builtin(case, args.dtype, device)[0]),
                  (PEERS["flashinfer"], "flashinfer", lambda: run_flashinfer(case, args.dtype))]
+        peers[1:1] = [(f"kvtvm {st}", None, lambda st=st: run_kvtvm_stored(case, st))
+                      for st in dict.fromkeys(args.cache_dtype) if st != args.dtype]
         for impl, key, make in peers:
             if key in skip:
                 continue
@@ -252,13 +278,18 @@ def main(argv=None) -> int:
                     raise SystemExit(f"{case.name}: kvtvm and torch SDPA disagree (max diff "
                                      f"{(got - case.out.float()).abs().max().item():.3g})")
             sec, how = timed(fn, device, args.repeat, args.warmup, args.timing)
+            storage = impl[6:] if impl.startswith("kvtvm ") else args.dtype
+            stored = 2 * batch * case.kv_len * N_KV_HEADS * row_bytes(storage, HEAD_DIM)
             rows.append(Row(case.name, impl, sec * 1e3, case.flops() / sec / 1e12,
                             extra={"batch": batch, "new": new, "cached": cached,
+                                   "stored_bytes": stored,
                                    "timing": how}))
             print(f"  {case.name:<18} {impl:<12} {sec * 1e3:10.3f} ms "
                   f"{case.flops() / sec / 1e12:8.3f} TFLOP/s", flush=True)
     report(f"prefill attention ({args.dtype}, {N_Q_HEADS}q/{N_KV_HEADS}kv heads, d{HEAD_DIM}, "
            f"page {PAGE}, causal)", rows, "TFLOP/s", "kvtvm", args, device)
+    for line in speedup_lines(rows, "kvtvm", args.dtype):
+        print(line)
     for note in notes:
         print(note)
     return 0

@@ -45,7 +45,7 @@ def lower(spec: KernelSpec, knobs: dict | None = None):
         raise CompilerUnavailableError("building kernels needs TVM's compiler library")
     import tvm
 
-    family = importlib.import_module(f"kvtvm.kernels.{spec.op}")
+    family = importlib.import_module(spec.family_module)
     func = family.define(spec).with_attr("global_symbol", spec.func_name)
     mod = tvm.IRModule({spec.func_name: func})
     return schedule_module(spec).schedule(mod, spec, resolve_knobs(spec) if knobs is None

@@ -16,8 +16,10 @@ _REPO = _PKG.parent
 
 
 def schedule_module_name(spec: KernelSpec) -> str:
-    """``<family>.<cpu|cuda>``: the module of ``schedules/`` that schedules ``spec``."""
-    return f"{spec.op}.{'cpu' if spec.target == 'llvm' else 'cuda'}"
+    """``<family>.<cpu|cuda>``: the module of ``schedules/`` that schedules ``spec``
+    (``<family>.<cpu|cuda>_quant`` for a quantized spec)."""
+    quant = "_quant" if spec.quantized else ""
+    return f"{spec.op}.{'cpu' if spec.target == 'llvm' else 'cuda'}{quant}"
 
 
 def schedule_module(spec: KernelSpec):
@@ -83,4 +85,4 @@ def resolve_knobs(spec: KernelSpec) -> dict:
 def knob_space(spec: KernelSpec):
     """The knob values ``kvtvm.tune`` searches for ``spec``: a dict of lists, or a list of
     such grids (their union), declared by the family (``kvtvm.kernels.<family>``)."""
-    return importlib.import_module(f"kvtvm.kernels.{spec.op}").knob_space(spec)
+    return importlib.import_module(spec.family_module).knob_space(spec)

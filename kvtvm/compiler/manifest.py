@@ -42,8 +42,10 @@ def source_files(spec: KernelSpec) -> list[Path]:
     """The sources a build of ``spec`` depends on (besides TVM and the tuning log)."""
     kernels, sched = kernels_dir(), schedules_dir()
     prefix = "cpu" if spec.target == "llvm" else "cuda"
+    quant = ([kernels / f"{spec.op}_quant.py", kernels / "quant_access.py"]
+             if spec.quantized else [])
     return ([kernels / f"{spec.op}.py", kernels / "accessor.py", kernels / "_tvm.py",
-             kernels / "variants.py", sched / "common.py"]
+             kernels / "variants.py", sched / "common.py"] + quant
             + sorted((sched / spec.op).glob(f"{prefix}*.py")))
 
 
@@ -84,7 +86,8 @@ def spec_fields(spec: KernelSpec) -> dict:
             "n_kv_heads": spec.n_kv_heads, "group_size": spec.group_size,
             "layout": spec.layout, "target": spec.target, "arch": spec.arch,
             "features": list(spec.features), "knobs": [list(kv) for kv in spec.knobs],
-            "variant": spec.variant}
+            "variant": spec.variant, "k_storage": spec.k_storage,
+            "v_storage": spec.v_storage}
 
 
 def write_manifest(module_path: Path, spec: KernelSpec, knobs: dict) -> Path:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from ..errors import DeviceMismatchError, DeviceUnavailableError, InvalidArgumentError, describe
 from ..kernels.variants import variant_knobs
 from ..params import dtype_name
+from ..quant import QUANT_DTYPES
 
 #: Kernel families, each defined by ``kvtvm.kernels.<family>`` and scheduled by
 #: ``schedules/<family>/{cpu,cuda}.py``.
@@ -26,6 +27,10 @@ LAYOUTS = ("nhd", "hnd")
 #: CUDA archs kvtvm builds for (one CUDA schedule per family; arch differences are knob
 #: defaults chosen inside it).
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
+#: Families whose kernels read or write quantized caches (``k_storage`` / ``v_storage``).
+QUANT_FAMILIES = ("append", "decode", "prefill")
+#: How a storage type is spelled in a quantized spec's uri ("" = full precision).
+_STORAGE_TAGS = {"": "full", "int8": "i8", "float8_e4m3fn": "e4m3"}
 
 
 @dataclass(frozen=True)
@@ -56,11 +61,17 @@ class KernelSpec:
         A named runtime variant of the family on this target (``"serial"`` of append and
         decode on llvm, ``"short_query"`` of prefill on cuda; see
         :mod:`kvtvm.kernels.variants`); "" for the tuned default.
+    k_storage, v_storage : str
+        How the K (V) cache stores its rows: ``""`` (full precision, ``dtype``), ``"int8"`` or
+        ``"float8_e4m3fn"`` (quantized rows with an inline float32 scale, :mod:`kvtvm.quant`).
+        The ops read them off the cache views (:func:`kvtvm.storage.view_storage`); a spec
+        with either quantized is built from ``kvtvm.kernels.<op>_quant`` and
+        ``schedules/<op>/<cpu|cuda>_quant.py`` and has its own file name.
 
     Raises
     ------
     InvalidArgumentError
-        An unknown family, layout, target, arch or variant, or a non-positive size.
+        An unknown family, layout, target, arch, variant or storage, or a non-positive size.
     """
 
     op: str
@@ -74,6 +85,8 @@ class KernelSpec:
     features: tuple = ()
     knobs: tuple = field(default=())
     variant: str = ""
+    k_storage: str = ""
+    v_storage: str = ""
 
     def __post_init__(self):
         if self.op not in KERNEL_FAMILIES:
@@ -99,14 +112,39 @@ class KernelSpec:
         object.__setattr__(self, "features", tuple(sorted(self.features)))
         object.__setattr__(self, "variant", str(self.variant or ""))
         variant_knobs(self.op, self.target, self.variant)  # raises for an unknown name
+        for name in ("k_storage", "v_storage"):
+            value = str(getattr(self, name) or "")
+            if value == self.dtype:
+                value = ""
+            if value not in ("",) + QUANT_DTYPES:
+                raise InvalidArgumentError(describe(name, ["", self.dtype, *QUANT_DTYPES],
+                                                    repr(value)))
+            if value and self.op not in QUANT_FAMILIES:
+                raise InvalidArgumentError(describe(
+                    name, f'"" for {self.op} (quantized caches: {", ".join(QUANT_FAMILIES)})',
+                    repr(value)))
+            object.__setattr__(self, name, value)
 
     # -- names ------------------------------------------------------------------------------
     @property
     def uri(self) -> str:
         """Target-independent name of the specialization (no knobs, no variant)."""
         feats = "".join(f"_{f}" for f in self.features)
+        quant = (f"_k{_STORAGE_TAGS[self.k_storage]}_v{_STORAGE_TAGS[self.v_storage]}"
+                 if self.quantized else "")
         return (f"{self.op}_{self.dtype}_h{self.n_kv_heads}_g{self.group_size}"
-                f"_d{self.head_dim}_{self.layout}{feats}")
+                f"_d{self.head_dim}_{self.layout}{feats}{quant}")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K or V is stored quantized (an 8-bit cache, :mod:`kvtvm.quant`)."""
+        return bool(self.k_storage or self.v_storage)
+
+    @property
+    def family_module(self) -> str:
+        """The module defining this spec's kernel: ``kvtvm.kernels.<op>`` or, for a quantized
+        spec, ``kvtvm.kernels.<op>_quant``."""
+        return f"kvtvm.kernels.{self.op}{'_quant' if self.quantized else ''}"
 
     @property
     def target_tag(self) -> str:

@@ -49,6 +49,7 @@ import math
 
 from ..compiler import KernelSpec, lower
 from ..errors import InvalidArgumentError, describe
+from .relax_inputs import refuse_quantized
 from .relax_inputs import (KV_INPUT_NAMES, KVInputVars, input_symbols_for, kv_call_args,
                            kv_input_types, kv_input_vars, kv_input_vars_for, struct_info_of)
 
@@ -164,6 +165,8 @@ def _static(value, what):
 def _check_cache(k_cache, v_cache, layout):
     kshape, kdtype = _ty(k_cache)
     vshape, vdtype = _ty(v_cache)
+    refuse_quantized("k_cache dtype", kdtype)
+    refuse_quantized("v_cache dtype", vdtype)
     if len(kshape) != 4:
         raise InvalidArgumentError(describe("k_cache rank", 4, len(kshape)))
     if kdtype != vdtype or len(vshape) != 4:

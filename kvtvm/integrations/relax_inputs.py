@@ -191,6 +191,24 @@ def _static_dims(ty) -> list:
     return out
 
 
+def refuse_quantized(what: str, storage: str) -> None:
+    """Raise for a quantized (8-bit) cache: the Relax integration emits the full-precision
+    kernels only (quantized caches run through :mod:`kvtvm.ops`).
+
+    Raises
+    ------
+    DTypeMismatchError
+        Naming the storage type given and those supported.
+    """
+    from ..errors import DTypeMismatchError, describe
+    from ..params import DTYPE_SIZES
+
+    if storage not in DTYPE_SIZES:
+        raise DTypeMismatchError(describe(
+            what, f"one of {sorted(DTYPE_SIZES)} (the Relax integration has no quantized-cache "
+            "kernels; use kvtvm.ops with a quantized cache)", storage))
+
+
 def kv_input_vars_for(manager, device: int = 0) -> KVInputVars:
     """Relax vars for the KV inputs of ``manager`` on ``device``, agreeing with
     ``manager.input_symbols()``.
@@ -205,6 +223,9 @@ def kv_input_vars_for(manager, device: int = 0) -> KVInputVars:
     from ..params import KVCacheStrategy
 
     strategy = manager.params.cache_strategy
+    for name in ("k_cache_dtype", "v_cache_dtype"):
+        refuse_quantized(f"params.{name}", str(getattr(manager.params, name,
+                                                       manager.params.dtype)))
     if hasattr(manager, "input_symbols"):
         sym = manager.input_symbols()[device]
         blocks, dtype = _static_dims(sym.blocks), str(sym.blocks.dtype)

@@ -8,6 +8,7 @@ from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_c
                      check_no_alias, common_device, indices_on_host, live_tokens,
                      sync_checked_call)
 from .launch import Launch, kernel_for
+from .quant import check_quant_target, quant_pair_for
 
 __all__ = ["append_kv", "prepare_append_kv", "CPU_PARALLEL_APPEND_BYTES"]
 
@@ -75,7 +76,8 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     kc, vc, kt, vt = (tensors[n] for n in ("k_cache", "v_cache", "k", "v"))
     indptr, lengths, table = (tensors[n] for n in ("qo_indptr", "cache_lengths",
                                                    "lookup_table"))
-    geo = check_cache_pair(kc, vc, layout)
+    quant = quant_pair_for(kc, vc, layout, "k", kt)  # 8-bit cache views
+    geo = quant.geometry if quant else check_cache_pair(kc, vc, layout)
     for name, t in (("k", kt), ("v", vt)):
         check_rank(name, t, 3, "[num_tokens, n_kv_heads, head_dim]")
         check_dtype(name, t, geo.dtype)
@@ -98,6 +100,9 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     sync_checked_call(device, check_indices)
     if check_indices:
         check_batch_indices(indptr, lengths, table, geo, kt.shape[0])
+    if quant:
+        check_quant_target(device, quant, "append")
+        kc, vc = quant.k_arg, quant.v_arg
     slots = dict(k_cache=kc, v_cache=vc, k=kt, v=vt, qo_indptr=indptr, cache_lengths=lengths,
                  lookup_table=table)
     if kt.shape[0] == 0:
@@ -105,6 +110,6 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     moved = 2 * kt.numel() * kt.element_size()  # K and V bytes
     # small appends: waking the thread pool costs more than it saves
     variant = "serial" if device.type == "cpu" and moved < CPU_PARALLEL_APPEND_BYTES else ""
-    fn = kernel_for(device, op="append", dtype=geo.dtype, head_dim=geo.head_dim,
+    fn = kernel_for(device, **(quant.spec_fields if quant else {}), op="append", dtype=geo.dtype, head_dim=geo.head_dim,
                     n_kv_heads=geo.n_kv_heads, layout=layout, variant=variant)
     return Launch(fn, device, slots, tokens=tokens, parallel=variant != "serial")

@@ -16,6 +16,7 @@ from .checks import (as_tensor, check_batch_indices, check_cache_pair, check_con
                      check_dim, check_dtype, check_rank, check_vector_aligned, common_device,
                      check_no_alias, indices_on_host, live_tokens, sync_checked_call)
 from .launch import Launch, kernel_for
+from .quant import check_quant_target, quant_pair_for
 
 __all__ = ["decode_attention", "prepare_decode_attention", "choose_num_splits",
            "SplitWorkspace", "split_workspace", "MAX_SPLITS"]
@@ -220,7 +221,8 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
         tensors["lse"] = as_tensor("lse", lse)
     qt, kc, vc, lengths, table = (tensors[n] for n in ("q", "k_cache", "v_cache",
                                                        "cache_lengths", "lookup_table"))
-    geo = check_cache_pair(kc, vc, layout)
+    quant = quant_pair_for(kc, vc, layout, "q", qt)  # 8-bit cache views
+    geo = quant.geometry if quant else check_cache_pair(kc, vc, layout)
     check_rank("q", qt, 3, "[batch, n_q_heads, head_dim]")
     check_dtype("q", qt, geo.dtype)
     check_dim("q", qt, 2, geo.head_dim, "head_dim")
@@ -294,6 +296,9 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
     lse_t = tensors.get("lse")
     if lse_t is None:
         lse_t = torch.empty((batch, n_q_heads), dtype=torch.float32, device=device)
+    if quant:
+        check_quant_target(device, quant, "decode")
+        kc, vc = quant.k_arg, quant.v_arg
     slots = dict(q=qt, k_cache=kc, v_cache=vc, cache_lengths=lengths, lookup_table=table,
                  out=out_t, lse=lse_t)
     if batch == 0:
@@ -307,7 +312,7 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
                                                          geo.head_dim)
     slots["sm_scale"] = 1.0 / math.sqrt(geo.head_dim) if sm_scale is None else float(sm_scale)
     slots["sliding_window"] = int(sliding_window or 0)
-    fn = kernel_for(device, op="decode", dtype=geo.dtype, head_dim=geo.head_dim,
+    fn = kernel_for(device, **(quant.spec_fields if quant else {}), op="decode", dtype=geo.dtype, head_dim=geo.head_dim,
                     n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
                     features=("sliding_window",) if sliding_window is not None else (),
                     variant="serial" if serial else "")

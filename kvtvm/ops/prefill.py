@@ -12,6 +12,7 @@ from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_c
                      common_device, indices_on_host, live_tokens,
                      sync_checked_call, check_no_alias)
 from .launch import Launch, kernel_for
+from .quant import check_quant_target, quant_pair_for
 
 __all__ = ["prefill_attention", "prepare_prefill_attention", "CUDA_SHORT_QUERY_TOKENS"]
 
@@ -105,7 +106,8 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
     qt, kc, vc = tensors["q"], tensors["k_cache"], tensors["v_cache"]
     indptr, lengths, table = (tensors[n] for n in ("qo_indptr", "cache_lengths",
                                                    "lookup_table"))
-    geo = check_cache_pair(kc, vc, layout)
+    quant = quant_pair_for(kc, vc, layout, "q", qt)  # 8-bit cache views
+    geo = quant.geometry if quant else check_cache_pair(kc, vc, layout)
     check_rank("q", qt, 3, "[num_tokens, n_q_heads, head_dim]")
     check_dtype("q", qt, geo.dtype)
     check_dim("q", qt, 2, geo.head_dim, "head_dim")
@@ -161,6 +163,9 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
     sync_checked_call(device, check_indices)
     if check_indices:
         check_batch_indices(indptr, lengths, table, geo, num_tokens)
+    if quant:
+        check_quant_target(device, quant, "prefill")
+        kc, vc = quant.k_arg, quant.v_arg
     slots = dict(q=qt, k_cache=kc, v_cache=vc, qo_indptr=indptr, cache_lengths=lengths,
                  lookup_table=table, out=out, lse=lse, causal=int(bool(causal)),
                  sm_scale=float(sm_scale), sliding_window=int(sliding_window or 0))
@@ -168,7 +173,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
         return Launch(None, device, slots, outputs=("out", "lse"), tokens=tokens)
     short = (device.type == "cuda" and geo.dtype != "float32"
              and num_tokens < CUDA_SHORT_QUERY_TOKENS * (len(indptr) - 1))
-    fn = kernel_for(device, op="prefill", dtype=geo.dtype, head_dim=geo.head_dim,
+    fn = kernel_for(device, **(quant.spec_fields if quant else {}), op="prefill", dtype=geo.dtype, head_dim=geo.head_dim,
                     n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
                     features=("sliding_window",) if sliding_window is not None else (),
                     variant="short_query" if short else "")

@@ -10,8 +10,12 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 CASES = {
-    "decode": ["--cases", "2x256", "--skip", "tvm", "--repeat", "2", "--warmup", "1"],
-    "prefill": ["--cases", "2:32:16", "--skip", "tvm", "--repeat", "2", "--warmup", "1"],
+    "decode": ["--cases", "2x256", "--skip", "tvm", "--repeat", "2", "--warmup", "1",
+               "--cache-dtype", "int8", "float8_e4m3fn"],
+    "prefill": ["--cases", "2:32:16", "--skip", "tvm", "--repeat", "2", "--warmup", "1",
+                "--cache-dtype", "int8"],
+    "append": ["--repeat", "2", "--warmup", "1", "--n-kv-heads", "2", "--head-dim", "64",
+               "--cache-dtype", "int8", "float8_e4m3fn"],
     "copy": ["--n-kv-heads", "1", "--head-dim", "16", "--repeat", "2", "--warmup", "1"],
     "manager": ["--batches", "1,4", "--context", "64", "--steps", "20", "--requests", "40",
                 "--max-batch", "8", "--max-seq-len", "256"],
@@ -35,6 +39,12 @@ def test_bench_runs(name, tmp_path):
         impls = {r["impl"] for r in rows}
         assert "kvtvm" in impls and len(impls) >= 2
         assert all(r["ms"] > 0 for r in rows)
+    if name in ("decode", "prefill", "append"):  # quantized caches side by side
+        impls = {r["impl"] for r in json.loads(out.read_text())["rows"]}
+        assert "kvtvm int8" in impls and "kvtvm int8 / kvtvm" in proc.stdout
+    if name in ("decode", "prefill"):
+        assert "kvtvm int8" in proc.stdout and "x the " in proc.stdout and "GB/s of stored" \
+            in proc.stdout
     if name == "transfer":  # both sides of both comparisons measured
         res = json.loads(out.read_text())
         assert "kvtvm / plain" in proc.stdout

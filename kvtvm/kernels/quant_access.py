@@ -1,0 +1,160 @@
+"""How kernels read and write quantized cache rows (:mod:`kvtvm.quant`): binding a K/V pair
+whose sides may be stored differently, decoding an 8-bit value, reading a row's inline scale,
+and encoding a float32 value into int8 / float8_e4m3fn bits.
+
+A quantized side of a cache is bound as an ``int8`` buffer whose last extent is the row
+(``quant_row_bytes(head_dim)`` bytes: values, float32 scale, padding); the ops hand the kernel
+an ``int8`` view of the same bytes whatever the storage type, so float8 needs no DLPack
+support and the storage type is compiled in (``KernelSpec.k_storage`` / ``v_storage``). A
+full-precision side (``""``: a skipped layer, the V of a K-only cache) is bound as today.
+
+Every helper returns a TIR expression (call them inside a TVMScript function). The e4m3 codecs
+are integer arithmetic on the bits -- exact, vectorizable, independent of the FPU's
+denormal mode and of any native float8 support:
+
+- decode: the bits moved into a float16 (sign to bit 15, the rest to bits 7-13) are the value
+  over 2**8; float16 -> float32 converts it (subnormals included) and the row scale carries the
+  2**8 back (:func:`e4m3_to_half_scaled`). (The NaN code 0x7F never occurs in a cache kvtvm
+  wrote.)
+- encode (``|y| <= 448``): below ``2**-6`` the subnormal code is ``rne(|y| * 2**9)`` (8
+  rolls into the smallest normal code, as it should); above, round the float32 mantissa to 3
+  bits to nearest even on the bits and rebias.
+"""
+
+from __future__ import annotations
+
+from ..quant import QMAX, SCALE_BYTES, quant_row_bytes
+from ._tvm import T
+from .accessor import cache_shape, i64, match_tensor
+
+__all__ = ["match_quant_cache_pair", "cache_row_elems", "load_value", "row_scale", "dequant",
+           "encode", "scale_byte", "QMAX"]
+
+
+def cache_row_elems(storage: str, head_dim: int) -> int:
+    """Last extent of a cache buffer: the quantized row's bytes, or ``head_dim``."""
+    return quant_row_bytes(head_dim) if storage else head_dim
+
+
+def _match(handle, layout, num_pages, page_size, heads, head_dim, storage, dtype):
+    shape = cache_shape(layout, num_pages, page_size, heads, cache_row_elems(storage, head_dim))
+    strides = [T.int64(), T.int64(), T.int64(), i64(1)]
+    if storage:  # bytes: assume byte alignment only (as match_tensor does for its types)
+        return T.match_buffer(handle, shape, "int8", align=1, strides=strides,
+                              elem_offset=T.int64())
+    return match_tensor(handle, shape, dtype, strides=strides, elem_offset=T.int64())
+
+
+def match_quant_cache_pair(var_k_cache, var_v_cache, layout: str, n_kv_heads: int,
+                           head_dim: int, dtype: str, k_storage: str, v_storage: str):
+    """Bind a K and a V cache stored as ``k_storage`` / ``v_storage`` (``""``: ``dtype``).
+    Returns ``(num_pages, page_size, k_cache, v_cache)`` like
+    :func:`kvtvm.kernels.accessor.match_cache_pair`."""
+    num_pages, page_size = T.int64(), T.int64()
+    k_cache = _match(var_k_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
+                     k_storage, dtype)
+    v_cache = _match(var_v_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
+                     v_storage, dtype)
+    return num_pages, page_size, k_cache, v_cache
+
+
+def _u8(byte):
+    """An int8 element as its unsigned byte value (int32)."""
+    return T.bitwise_and(T.Cast("int32", byte), 0xFF)
+
+
+def e4m3_to_half_scaled(byte):
+    """float32 of float8_e4m3fn bits held in an int8, divided by 2**8 (exactly): the bits
+    moved into a float16 (sign to bit 15, exponent and mantissa to bits 7-13) are the e4m3
+    value with exponent bias 15 instead of 7, and float16 -> float32 is one vector instruction
+    (``vcvtph2ps``) that handles the subnormals exactly. :func:`row_scale` returns the scale
+    times 2**8 for float8 rows, so ``load_value * row_scale`` is the exact dequantized value."""
+    s = T.Cast("int16", byte)  # sign-extended: bit 7 is the sign
+    bits = T.bitwise_or(T.bitwise_and(T.shift_left(s, T.int16(8)), T.int16(-32768)),
+                        T.bitwise_and(T.shift_left(s, T.int16(7)), T.int16(0x3F80)))
+    return T.Cast("float32", T.reinterpret("float16", bits))
+
+
+#: float8 values are loaded divided by this (:func:`e4m3_to_half_scaled`); their scale times it.
+FP8_LOAD_SCALE = 256.0
+
+
+def load_value(cache, index, storage: str):
+    """float32 value of element ``index`` of a cache buffer stored as ``storage``, unscaled:
+    multiply by :func:`row_scale` to dequantize (float8 values come divided by
+    :data:`FP8_LOAD_SCALE`, which :func:`row_scale` multiplies back)."""
+    if storage == "float8_e4m3fn":
+        return e4m3_to_half_scaled(cache[index])
+    return T.Cast("float32", cache[index])
+
+
+def row_scale(cache, row_index, head_dim: int, storage: str):
+    """The float32 scale of the row whose first element is ``row_index`` (a 4-tuple with dim
+    0), times :data:`FP8_LOAD_SCALE` for float8 rows (exact: a power of two, and a scale is at
+    most ``FLT_MAX / 448``); 1 for a full-precision buffer. Four byte loads, reassembled
+    (little-endian)."""
+    if not storage:
+        return T.float32(1)
+    *lead, _ = row_index
+    bits = _u8(cache[(*lead, head_dim)])
+    for i in range(1, SCALE_BYTES):
+        bits = T.bitwise_or(bits, T.shift_left(_u8(cache[(*lead, head_dim + i)]), 8 * i))
+    scale = T.reinterpret("float32", bits)
+    return scale * T.float32(FP8_LOAD_SCALE) if storage == "float8_e4m3fn" else scale
+
+
+def _rne(x):
+    """Round a float32 to the nearest integer, ties to even (``nearbyint``: a vector
+    instruction on x86; ``nearbyintf`` in CUDA -- ``T.round`` would round ties away on CUDA)."""
+    return T.nearbyint(x)
+
+
+def encode(y, storage: str):
+    """int8 bits of ``y`` (float32, already clipped to ``[-QMAX, QMAX]``, no NaN)."""
+    if storage == "int8":
+        return T.Cast("int8", T.Cast("int32", _rne(y)))
+    bits = T.reinterpret("int32", y)
+    sign = T.bitwise_and(T.shift_right(bits, 24), 0x80)
+    a = T.bitwise_and(bits, 0x7FFFFFFF)
+    sub = T.Cast("int32", _rne(T.reinterpret("float32", a) * T.float32(512.0)))
+    normal = T.shift_right(a + 0x7FFFF + T.bitwise_and(T.shift_right(a, 20), 1), 20) - (120 << 3)
+    code = T.Select(a < (121 << 23), sub, normal)  # 121 << 23: the float32 bits of 2**-6
+    return T.Cast("int8", T.bitwise_or(code, sign))
+
+
+def scale_byte(scale, i: int):
+    """Byte ``i`` (little-endian) of a float32 ``scale``, as int8."""
+    return T.Cast("int8", T.shift_right(T.reinterpret("int32", scale), 8 * i))
+
+
+def dequant(cache, layout: str, page, slot, head, dim, head_dim: int, storage: str):
+    """The dequantized float32 value at (page, slot, head, dim): :func:`load_value` times
+    :func:`row_scale` (just the converted value for a full-precision buffer)."""
+    from .accessor import cache_index
+
+    value = load_value(cache, cache_index(layout, page, slot, head, dim), storage)
+    if not storage:
+        return value
+    return value * row_scale(cache, cache_index(layout, page, slot, head, 0), head_dim, storage)
+
+
+def quant_vec_choices(spec) -> list[int]:
+    """CUDA decode knob ``vec`` for 8-bit rows: head_dim elements per thread, 1, 2 or 4
+    16-byte vectors (16 values each), at most 32 threads per row."""
+    return [v for v in (16, 32, 64) if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
+
+
+def word_value(word, i, storage: str):
+    """:func:`load_value` of byte ``i`` (little-endian) of an int32 ``word`` of an 8-bit row
+    staged as 32-bit words (CUDA shared memory)."""
+    byte = T.Cast("int8", T.shift_right(word, 8 * i))
+    if storage == "float8_e4m3fn":
+        return e4m3_to_half_scaled(byte)
+    return T.Cast("float32", byte)
+
+
+def word_row_scale(words, lead, head_dim: int, storage: str):
+    """:func:`row_scale` of a row staged as int32 words (``words[(*lead, head_dim // 4)]`` holds
+    the scale)."""
+    scale = T.reinterpret("float32", words[(*lead, head_dim // 4)])
+    return scale * T.float32(FP8_LOAD_SCALE) if storage == "float8_e4m3fn" else scale

@@ -1,0 +1,138 @@
+"""Quantized-cache CUDA kernels: the quantizing append and the quantized decode compile with
+nvcc for sm_90a and sm_80 (both SASS in the fatbin) without register spills; on a GPU, append
+writes the reference bytes and decode equals attention over the reference-dequantized cache."""
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from kvtvm import compiler
+
+STORAGES = ("int8", "float8_e4m3fn")
+
+
+def _gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _no_spills(text):
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    assert spills, "no ptxas resource report"
+    assert all(int(a) == 0 and int(b) == 0 for a, b in spills), spills
+    assert "Registers are spilled" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("op,ks,vs,D,G,layout", [
+    ("decode", "int8", "int8", 128, 4, "nhd"),
+    ("decode", "float8_e4m3fn", "int8", 64, 1, "hnd"),
+    ("append", "int8", "float8_e4m3fn", 128, 1, "nhd"),
+])
+def test_quantized_cuda_kernels_build_for_sm90a_and_sm80_without_spills(tmp_path, op, ks, vs,
+                                                                        D, G, layout):
+    spec = compiler.KernelSpec(op, "float16", D, 8, G, layout=layout, target="cuda",
+                               arch="sm_90a", k_storage=ks, v_storage=vs)
+    path = compiler.build_spec(spec, tmp_path)
+    report = path.with_suffix(".ptxas.txt").read_text()
+    _no_spills(report)
+    assert "sm_80" in report and "sm_90a" in report
+
+
+def _case(torch, rng, storage, layout, page_size, H, D, lengths):
+    from kvtvm.quant import quantize_rows
+
+    need = [-(-(n + 1) // page_size) for n in lengths]
+    num_pages = sum(need) + 2
+    perm = rng.permutation(num_pages)
+    table = np.zeros((len(lengths), max(need)), np.int32)
+    cursor = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[cursor:cursor + n]
+        cursor += n
+    shape = (num_pages, page_size, H, D) if layout == "nhd" else (num_pages, H, page_size, D)
+    caches = []
+    for _ in range(2):
+        x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.1, 4, (num_pages,)
+                                                                         + (1,) * 3)
+        rows = torch.from_numpy(quantize_rows(x, storage).view(np.int8))
+        caches.append(rows.cuda().view(getattr(torch, storage)))
+    return caches, torch.from_numpy(table)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("layout,page_size,num_splits", [("nhd", 16, 1), ("nhd", 1, 4),
+                                                         ("hnd", 256, 2)])
+def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits):
+    import torch
+
+    from kvtvm import ops
+    from kvtvm.kernels.reference import reference_decode
+
+    rng = np.random.default_rng(0)
+    H, G, D, lengths = 8, 4, 128, [0, 1, 2 * page_size - 1, 300]
+    (kc, vc), table = _case(torch, rng, storage, layout, page_size, H, D, lengths)
+    q = torch.randn(len(lengths), H * G, D, dtype=torch.float16, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = ops.decode_attention(q, kc, vc, lens.cuda(), table.cuda(), layout=layout,
+                                    num_splits=num_splits)
+    host = [t.view(torch.uint8).cpu().numpy().view(np.int8 if storage == "int8" else
+                                                  __import__("ml_dtypes").float8_e4m3fn)
+            for t in (kc, vc)]
+    want, want_lse = reference_decode(q.float().cpu().numpy(), *host, lens.numpy(),
+                                      table.numpy(), layout=layout)
+    np.testing.assert_allclose(out.float().cpu().numpy(), want, atol=4e-3, rtol=0)
+    np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ks,vs", [("int8", "int8"), ("float8_e4m3fn", "float8_e4m3fn")])
+def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs):
+    """Normal rows, zero rows, outliers, NaN/inf rows (no float32 subnormals: CUDA flushes
+    them to zero under nvcc's fast math)."""
+    import torch
+
+    from kvtvm import ops
+    from kvtvm.kernels.reference import reference_append
+    from kvtvm.quant import quant_row_bytes
+
+    rng = np.random.default_rng(1)
+    H, D, ps, pages = 4, 128, 16, 12
+    shape = (pages, ps, H, quant_row_bytes(D))
+    kc = torch.from_numpy(rng.integers(-128, 128, shape, dtype=np.int8)).cuda()
+    vc = torch.from_numpy(rng.integers(-128, 128, shape, dtype=np.int8)).cuda()
+    kc, vc = kc.view(getattr(torch, ks)), vc.view(getattr(torch, vs))
+    n = 40
+    x = (rng.standard_normal((2, n, H, D)) * rng.uniform(1e-3, 50, (2, n, H, 1))).astype(
+        np.float32)
+    x[0, 0, 0] = 0
+    x[0, 1, 1, 3] *= 100
+    x[1, 2, 0, 5] = np.nan
+    x[0, 3, 2, 1] = -np.inf
+    k, v = (torch.from_numpy(t).half().cuda() for t in x)
+    indptr = torch.tensor([0, 25, 40], dtype=torch.int32)
+    lengths = torch.tensor([3, 30], dtype=torch.int32)
+    table = torch.from_numpy(rng.permutation(pages)[:8].reshape(2, 4).astype(np.int32))
+
+    def host(t):
+        import ml_dtypes
+
+        raw = t.view(torch.uint8).cpu().numpy()
+        return raw.view(np.int8 if t.dtype == torch.int8 else ml_dtypes.float8_e4m3fn)
+
+    want_k, want_v = reference_append(host(kc), host(vc), k.float().cpu().numpy(),
+                                      v.float().cpu().numpy(), indptr.numpy(), lengths.numpy(),
+                                      table.numpy())
+    ops.append_kv(kc, vc, k, v, indptr.cuda(), lengths.cuda(), table.cuda())
+    np.testing.assert_array_equal(kc.view(torch.uint8).cpu().numpy(), want_k.view(np.uint8))
+    np.testing.assert_array_equal(vc.view(torch.uint8).cpu().numpy(), want_v.view(np.uint8))
