@@ -1,6 +1,11 @@
 """Quantized-cache CUDA kernels: the quantizing append and the quantized decode compile with
 nvcc for sm_90a and sm_80 (both SASS in the fatbin) without register spills; on a GPU, append
-writes the reference bytes and decode equals attention over the reference-dequantized cache."""
+writes the reference bytes and decode equals attention over the reference-dequantized cache.
+
+They failed on an H100 on 2026-11-25 (decode: CUDA_ERROR_MISALIGNED_ADDRESS, a sticky error
+that breaks every later CUDA call of the process; append: other bytes than the reference), so
+the ops refuse quantized caches on CUDA (tested below) and the two numerics tests are skipped
+with that reason until the kernels are fixed: they are owed, not passing."""
 
 import re
 import shutil
@@ -11,6 +16,9 @@ import pytest
 from kvtvm import compiler
 
 STORAGES = ("int8", "float8_e4m3fn")
+CUDA_QUANT_BROKEN = pytest.mark.skip(
+    reason="CUDA quantized kernels failed on an H100 (2026-11-25): misaligned address in "
+    "decode, wrong bytes in append; the ops refuse them on CUDA until fixed (issue 16)")
 
 
 def _gpu() -> bool:
@@ -70,6 +78,32 @@ def _case(torch, rng, storage, layout, page_size, H, D, lengths):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("storage", STORAGES)
+def test_quantized_caches_are_refused_on_cuda(storage, monkeypatch):
+    """Until the CUDA kernels pass, append and decode on CUDA refuse a quantized cache with a
+    typed error naming the storage, and write nothing."""
+    import torch
+
+    from kvtvm import ops
+    from kvtvm.errors import DTypeMismatchError
+
+    rng = np.random.default_rng(2)
+    (kc, vc), table = _case(torch, rng, storage, "nhd", 16, 2, 128, [5, 20])
+    before = kc.view(torch.uint8).clone()
+    q = torch.randn(2, 8, 128, dtype=torch.float16, device="cuda")
+    lens = torch.tensor([5, 20], dtype=torch.int32, device="cuda")
+    with pytest.raises(DTypeMismatchError, match=storage):
+        ops.decode_attention(q, kc, vc, lens, table.cuda())
+    k = torch.randn(2, 2, 128, dtype=torch.float16, device="cuda")
+    with pytest.raises(DTypeMismatchError, match=storage):
+        ops.append_kv(kc, vc, k, k, torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"),
+                      lens, table.cuda())
+    assert torch.equal(kc.view(torch.uint8), before)
+
+
+@CUDA_QUANT_BROKEN
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("layout,page_size,num_splits", [("nhd", 16, 1), ("nhd", 1, 4),
                                                          ("hnd", 256, 2)])
 def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits):
@@ -94,6 +128,7 @@ def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits):
     np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=1e-3, rtol=1e-4)
 
 
+@CUDA_QUANT_BROKEN
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ks,vs", [("int8", "int8"), ("float8_e4m3fn", "float8_e4m3fn")])
