@@ -26,6 +26,8 @@ from ._version import __version__
 
 _LAZY = {
     "ops": "kvtvm.ops",
+    "plan_step": "kvtvm.plan",
+    "StepPlan": "kvtvm.plan",
     "compiler": "kvtvm.compiler",
     "KernelSpec": "kvtvm.compiler",
     "KVCacheManager": "kvtvm.manager",
