@@ -62,8 +62,16 @@ def _copy16_words(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_
     page = T.Cast("int64", lookup[b, T.truncdiv(pos32, ps32)])
     slot = T.Cast("int64", T.truncmod(pos32, ps32))
     src = cache[cache_index(layout, page, slot, h, col)]
-    return T.cuda.func_call("kvtvm_cp_async16", T.address_of(smem[stage, row, col // 4]),
-                            T.address_of(src), source_code=_CP_ASYNC)
+    # access_ptr, not address_of(smem[...]): a point access lets TVM's
+    # CompactBufferAllocation shrink the row to the words the kernel indexes
+    # (D / 4 + 1: values and scale, not the padding), so rows would start
+    # 4-aligned only (misaligned cp.async / int4) and the last 16-byte chunk
+    # would spill into the next row; the pointer keeps the buffer whole
+    words = smem.shape[2]
+    dst = smem.access_ptr("w", offset=(stage * smem.shape[1] + row) * words + col // 4,
+                          extent=4)
+    return T.cuda.func_call("kvtvm_cp_async16", dst, T.address_of(src),
+                            source_code=_CP_ASYNC)
 
 
 def default_knobs(spec) -> dict:
