@@ -24,10 +24,11 @@ __all__ = ["is_quantized_pair", "QuantPair", "check_quant_cache_pair", "check_qu
 
 #: Where kernels reading / writing quantized caches run: (target, op) -> storage types.
 #: CUDA has none yet: its quantizing append and quantized decode build spill-free with nvcc
-#: (kvtvm.kernels.append_quant / decode_quant, schedules/*/cuda_quant.py), but on an H100
-#: (2026-11-25, docs/PERF.md) decode stopped with CUDA_ERROR_MISALIGNED_ADDRESS and append
-#: wrote other bytes than the reference, 16x slower than the plain append. Until they pass
-#: tests/quant/test_quant_cuda.py on a GPU the ops refuse quantized caches on CUDA, typed.
+#: (kvtvm.kernels.append_quant / decode_quant, schedules/*/cuda_quant.py). On an H100
+#: (2026-11-25, docs/PERF.md) decode equals the reference but runs at 0.55-0.75x the float16
+#: cache, and append wrote other bytes than the reference, 16x slower than the plain append.
+#: Until both pass tests/quant/test_quant_cuda.py and beat float16, the ops refuse quantized
+#: caches on CUDA, typed.
 QUANT_TARGETS = {("llvm", "append"): QUANT_DTYPES, ("llvm", "decode"): QUANT_DTYPES,
                  ("llvm", "prefill"): QUANT_DTYPES}
 #: The CUDA entries to put back into QUANT_TARGETS once the kernels pass on a GPU.
