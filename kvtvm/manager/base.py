@@ -110,6 +110,7 @@ class KVCacheManager(abc.ABC):
         self._fingerprint = np.zeros(mb, dtype=np.uint64)  # of the fetched tokens per slot
         self._token: FetchToken | None = None              # of the latest fetch
         self._token_ids = np.zeros(0, dtype=np.int64)      # its sequences
+        self._in_token = np.zeros(mb, dtype=bool)          # ... as a mask over the slots
 
     # ------------------------------------------------------------------------------------
     # Abstract / per-strategy parts
@@ -242,7 +243,7 @@ class KVCacheManager(abc.ABC):
 
     def _kill_token_of(self, ids: np.ndarray, why: str) -> None:
         """Kill the latest fetch's token when ``ids`` share a sequence with its batch."""
-        if self._token is not None and np.isin(ids, self._token_ids).any():
+        if self._token is not None and self._in_token[ids].any():
             self._token.kill(why)
 
     def _check_known(self, seq_id, what: str) -> int:
@@ -392,7 +393,9 @@ class KVCacheManager(abc.ABC):
         max_t = torch.from_numpy(max_lengths)
         if self._token is not None:
             self._token.kill("superseded by a later fetch of the same manager")
+        self._in_token[self._token_ids] = False
         self._token, self._token_ids = FetchToken(self._lock), ids.copy()
+        self._in_token[ids] = True
         out = []
         for dev in range(self.n_devices):
             cl, qo, lt = tables.views(dev, n)

@@ -16,15 +16,15 @@ def fingerprints(tokens: np.ndarray, counts: np.ndarray, use: np.ndarray) -> np.
     (``tokens`` flat, item after item, ``counts[b] >= 1`` each): a sum of mixed (token,
     position) words in wrapping 64-bit arithmetic, vectorized (no Python loop per item)."""
     n = counts.size
-    with np.errstate(over="ignore"):
-        mixed = (tokens.astype(np.uint64) + np.uint64(1)) * _FP_MULT
-        if tokens.size == n:  # one token each (decode): position 0 everywhere
-            return (mixed ^ np.uint64(0xBF58476D1CE4E5B9)) * np.uint64(0x94D049BB133111EB)
-        starts = np.zeros(n, dtype=np.int64)
-        np.cumsum(counts[:-1], out=starts[1:])
-        pos = np.arange(tokens.size, dtype=np.int64) - np.repeat(starts, counts)
-        mixed ^= (pos.astype(np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
-        mixed *= np.uint64(0x94D049BB133111EB)
-        if not np.array_equal(use, counts):
-            mixed[pos >= np.repeat(use, counts)] = 0
-        return np.add.reduceat(mixed, starts)
+    # array arithmetic in uint64 wraps silently (numpy warns on scalar overflow only)
+    mixed = (tokens.astype(np.uint64) + np.uint64(1)) * _FP_MULT
+    if tokens.size == n:  # one token each (decode): position 0 everywhere
+        return (mixed ^ np.uint64(0xBF58476D1CE4E5B9)) * np.uint64(0x94D049BB133111EB)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    pos = np.arange(tokens.size, dtype=np.int64) - np.repeat(starts, counts)
+    mixed ^= (pos.astype(np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
+    mixed *= np.uint64(0x94D049BB133111EB)
+    if not np.array_equal(use, counts):
+        mixed[pos >= np.repeat(use, counts)] = 0
+    return np.add.reduceat(mixed, starts)
