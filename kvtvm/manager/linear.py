@@ -152,16 +152,25 @@ class LinearKVCache:
                                  self.params.n_kv_heads, self.params.head_dim,
                                  self.params.dtype, tuple(str(d) for d in self.devices))
 
+    def _device_index(self, device) -> int:
+        if not isinstance(device, (int, np.integer)) or isinstance(device, bool) \
+                or not 0 <= device < self.n_devices:
+            raise InvalidArgumentError(describe("device", f"an int in [0, {self.n_devices})",
+                                                repr(device)))
+        return int(device)
+
     def get_kv_cache_buffer(self, device: int = 0):
         """The whole cache tensor of device ``device`` (not a copy)."""
-        return self._cache[device]
+        return self._cache[self._device_index(device)]
 
     def get_kv_cache_for_decoder_layer(self, layer: int, device: int = 0):
         """Layer ``layer``'s cache, ``[max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``
         (a view; ``[:, 0]`` is K and ``[:, 1]`` is V, each the ``hnd`` layout append_kv takes)."""
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) \
+                or not 0 <= layer < self.num_layers:
             raise InvalidArgumentError(describe("layer", f"an int in [0, {self.num_layers})",
                                                 repr(layer)))
+        device = self._device_index(device)
         if self.params.quantized:
             raise InvalidArgumentError(describe(
                 "get_kv_cache_for_decoder_layer", "a full-precision cache (a quantized cache "
@@ -184,6 +193,7 @@ class LinearKVCache:
 
     def kv_cache_lengths_of(self, device: int = 0):
         """int32 ``[active_batch_size]`` lengths on device ``device``."""
+        device = self._device_index(device)
         with self._lock:
             return self._dev[device][:self._active]
 

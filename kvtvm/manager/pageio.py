@@ -39,6 +39,7 @@ from ..errors import (CorruptTransferError, FormatMismatchError, InvalidArgument
                       KVCacheCapacityError, SequenceStateError, TransferError, describe)
 from .hashing import CHECKSUM_NAME, DEFAULT_HASH_BITS, HASH_SEED, chain_hash, checksum, \
     fingerprint
+from .args import check_hashes, check_int, check_seconds
 from .hashing import block_hashes as _block_hashes
 from .pageformat import FORMAT_VERSION, LAYOUT, STORAGE, PageExport, PageHeader
 
@@ -113,6 +114,7 @@ class PageIOMixin:
         evicted and written again. True the first time, False if it already ended (a
         duplicate completion), so each lease ends exactly once. An import lease that ends
         before :meth:`finish_import` drops its fresh pages (nothing was registered)."""
+        check_int("lease_id", lease_id)
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
@@ -123,7 +125,7 @@ class PageIOMixin:
     def expire_leases(self, now: float | None = None) -> list[int]:
         """End every lease whose deadline (``time.monotonic()`` seconds) has passed; returns
         their ids (a dead peer's transfers)."""
-        now = time.monotonic() if now is None else now
+        now = time.monotonic() if now is None else check_seconds("now", now, False, True)
         with self._lock:
             late = [lid for lid, ls in self._leases.items()
                     if ls.deadline is not None and ls.deadline <= now]
@@ -199,6 +201,7 @@ class PageIOMixin:
         """How many leading pages of ``block_hashes`` this cache holds (device pool, then the
         lower tiers): what a peer asks before sending. A hash answers only "probably": the
         import checks tokens, so a collision costs a resend, never wrong KV."""
+        block_hashes = check_hashes("block_hashes", block_hashes)
         with self._lock:
             index = self._hash_index()
             parent, n = self._prefix.root, 0
@@ -270,10 +273,9 @@ class PageIOMixin:
                                                 repr(heads)))
         if heads is None:
             return 0, H
-        try:
-            h0, h1 = (int(x) for x in heads)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(describe("heads", "(h0, h1)", repr(heads))) from None
+        if not isinstance(heads, (tuple, list)) or len(heads) != 2:
+            raise InvalidArgumentError(describe("heads", "(h0, h1)", repr(heads)))
+        h0, h1 = (check_int("heads", x) for x in heads)
         if not 0 <= h0 < h1 <= H:
             raise InvalidArgumentError(describe("heads", f"0 <= h0 < h1 <= {H}", (h0, h1)))
         return h0, h1
@@ -318,6 +320,9 @@ class PageIOMixin:
                     "export_pages: params.enable_prefix_caching", "True (the tokens of the "
                     "pages are recorded only then)", False))
             heads = self._check_heads(heads)
+            timeout = check_seconds("timeout", timeout)
+            if block_hashes is not None:
+                block_hashes = check_hashes("block_hashes", block_hashes)
             P = self.page_size
             if seq_id is not None:
                 sid = self._check_settled(seq_id, "export_pages")
@@ -339,7 +344,8 @@ class PageIOMixin:
                     chunks.append(hit[2])
                 tokens = np.frombuffer(b"".join(chunks), dtype=np.int64)
             n = len(all_pages)
-            if not isinstance(first_page, (int, np.integer)) or not 0 <= first_page <= n:
+            if not isinstance(first_page, (int, np.integer)) or isinstance(first_page, bool) \
+                    or not 0 <= first_page <= n:
                 raise InvalidArgumentError(describe("first_page", f"an int in [0, {n}]",
                                                     repr(first_page)))
             pages = all_pages[first_page:]
@@ -409,6 +415,7 @@ class PageIOMixin:
                 raise InvalidArgumentError(describe("header", "a PageHeader",
                                                     type(header).__name__))
             self._check_header(header)
+            timeout = check_seconds("timeout", timeout)
             if not self.prefix_caching:
                 raise InvalidArgumentError(describe(
                     "import: params.enable_prefix_caching", "True", False))
@@ -455,6 +462,7 @@ class PageIOMixin:
         (receive into a buffer then). After receiving into them, call
         ``finish_import(lease_id, None)``: it verifies the checksums and copies nothing; on a
         bad checksum the pages are only ever freed, never registered or handed out."""
+        check_int("import_runs: lease_id", lease_id)
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.kind != "import":
@@ -488,6 +496,7 @@ class PageIOMixin:
         """
         import torch
 
+        check_int("finish_import: lease_id", lease_id)
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.kind != "import":
@@ -575,6 +584,9 @@ class PageIOMixin:
             if not isinstance(data, torch.Tensor) or tuple(data.shape) != want:
                 raise CorruptTransferError(describe(
                     "import data", want, tuple(getattr(data, "shape", ())) or type(data)))
+            if data.dtype != self._blocks[0].dtype:
+                raise CorruptTransferError(describe("import data dtype", self._blocks[0].dtype,
+                                                    data.dtype))
             lid, first_row = self.begin_import(header, seq_id)
             return self.finish_import(lid, data[first_row:])
 

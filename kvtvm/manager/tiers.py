@@ -346,6 +346,9 @@ class TierMixin:
         for name, v in (("host_pages", host_pages), ("disk_bytes", disk_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidArgumentError(describe(name, "an int >= 0", repr(v)))
+        if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
+            raise InvalidArgumentError(describe("disk_dir", "a path (str or os.PathLike)",
+                                                type(disk_dir).__name__))
         p = self.params
         self._check_quant_layout("attach_tiers")
         shape = (2, self.num_layers, self.page_size, p.n_kv_heads, p.head_dim) \
