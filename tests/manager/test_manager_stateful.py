@@ -79,6 +79,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
+        _kv_memo.clear()  # a pure function of the prefix: bounded memory over a long soak
         self.mgr = self.make()
         for b in self.mgr.blocks:
             b.copy_(torch.randn(b.shape))
