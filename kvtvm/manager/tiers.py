@@ -347,7 +347,6 @@ class TierMixin:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidArgumentError(describe(name, "an int >= 0", repr(v)))
         p = self.params
-        self._check_quant_layout("attach_tiers")
         shape = (2, self.num_layers, self.page_size, p.n_kv_heads, p.head_dim) \
             if not p.quantized else (p.bytes_per_page(self.num_layers),)
         pin = any(getattr(d, "type", str(d)).startswith("cuda") for d in self.devices)
@@ -359,10 +358,7 @@ class TierMixin:
 
     def _page_bytes(self, page: int):
         """``[2, L, P, n_kv_heads, D]`` of one page, all devices' heads, on the host."""
-        import torch
-
-        parts = [b[page].cpu() for b in self._blocks]
-        return torch.cat(parts, dim=3) if len(parts) > 1 else parts[0]
+        return self._gather([page], (0, self.params.n_kv_heads))[0].cpu()
 
     def _demote(self, page: int) -> None:
         """Copy cached ``page`` (about to be evicted) to the tiers."""
@@ -413,12 +409,9 @@ class TierMixin:
             pages = self._take(n)
         finally:
             self._unlease_pages(pins)
-        hpd = self.params.n_kv_heads // self.n_devices
         parent = kids[-1] if kids else prefix.root
         for page, (chunk, data, h, fp) in zip(pages, found):
-            for d, blocks in enumerate(self._blocks):
-                part = data if self.params.quantized else data[:, :, :, d * hpd:(d + 1) * hpd]
-                blocks[page].copy_(part.to(blocks.device))
+            self._scatter([page], data[None])
             parent = prefix.insert(parent, chunk, page)
             self._chain_memo[parent] = (h, fp)
             if page in prefix.page_key:
