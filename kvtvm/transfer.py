@@ -310,6 +310,19 @@ class DistributedTransport(PageTransport):
         later = hdr.checksums is None
         raw = hdr.to_bytes()
         lengths = np.asarray([v.shape[0] for _, v in runs], dtype=np.int64)
+        # the acknowledgement's receive is posted first: the peer's answer needs no
+        # "ready to receive" notice from this side when it comes
+        what = f"acknowledgement from rank {peer}"
+        ack_work = self.dist.irecv(self._in, peer, group=self.group)
+
+        def take_ack() -> bytes:
+            self._wait(ack_work, what)
+            kind, _, payload = self._read_msg(peer, what)
+            if kind != ACK:
+                raise CorruptTransferError(f"transport: expected {what} (kind {ACK}), got "
+                                           f"kind {kind}")
+            return payload
+
         works = self._send_msg(peer, PAGES, tag, _LEN.pack(len(raw)) + raw
                                + lengths.tobytes(), "page header", wait=False)
         works += [self.dist.isend(v.to(self.device), peer, group=self.group) for _, v in runs]
@@ -324,21 +337,20 @@ class DistributedTransport(PageTransport):
         for work in works:
             self._wait(work, "page data")
         if failed is not None:
-            self._expect(peer, ACK, "acknowledgement")
+            take_ack()
             self.manager.end_lease(export.lease_id)
             raise failed
         transfer = Transfer(export, self.manager)
-        what = f"acknowledgement from rank {peer}"
         state = {}  # "future": the ack awaited on a helper thread (poll never blocks);
         #             "payload": the ack, received in the caller's thread by wait()
 
         def step():
             if "payload" not in state:
                 if "future" not in state:
-                    state["future"] = self._waiter().submit(self._expect, peer, ACK, what)
+                    state["future"] = self._waiter().submit(take_ack)
                 if not state["future"].done():
                     return False
-                state["payload"] = state["future"].result()[1]
+                state["payload"] = state["future"].result()
             st, n = np.frombuffer(state["payload"], np.int64).tolist()
             if st != OK:
                 err = TransferError(f"transport: the peer did not import the pages "
@@ -352,7 +364,7 @@ class DistributedTransport(PageTransport):
             if "future" in state:
                 futures_wait([state["future"]], timeout=timeout)
             elif "payload" not in state:  # nobody polled: no thread hop
-                state["payload"] = self._expect(peer, ACK, what)[1]
+                state["payload"] = take_ack()
 
         transfer._step, transfer._block = step, block
         return transfer
@@ -414,7 +426,8 @@ class DistributedTransport(PageTransport):
             self._ints_msg(peer, ACK, [_import_status(err), held], "acknowledgement")
             return Received("pages", tag, header=header, error=err)
         try:
-            targets = self._targets(mgr.import_runs(lid), lengths, first_row)
+            targets, fixups = self._targets(mgr.import_runs(lid), lengths, first_row,
+                                            header.page_shape, dtype)
             if targets is None:  # not in place: everything into a buffer, one copy after
                 data = self._staging((header.n_carried, *header.page_shape), dtype)
                 targets, r = [], 0
@@ -450,6 +463,9 @@ class DistributedTransport(PageTransport):
                 if bad is not None:
                     raise CorruptTransferError(f"transport: page {header.first_page + bad} "
                                                f"fails its {header.checksum} checksum")
+            for buf, rows in fixups:  # runs that straddled two runs of fresh pages
+                for i, row in enumerate(rows):
+                    row.copy_(buf[i])
             written = mgr.finish_import(lid, None if data is None else data[first_row:],
                                         verified=inline, checksums=header.checksums)
         except BaseException as err:
@@ -461,24 +477,38 @@ class DistributedTransport(PageTransport):
         self._ints_msg(peer, ACK, [OK, written], "acknowledgement")
         return Received("pages", tag, header=header, seq_id=seq_id, pages_written=written)
 
-    def _targets(self, dest, lengths, first_row):
-        """Views of this cache's fresh pages receiving each of the sender's runs in place, or
-        None when a run does not land in one run of consecutive fresh pages (then a buffer
-        takes them). ``dest`` is :meth:`import_runs`' answer; rows before ``first_row`` (pages
-        the sender thought missing but this cache holds) go to a scratch buffer."""
+    def _targets(self, dest, lengths, first_row, page_shape, dtype):
+        """Where each of the sender's runs is received: ``(targets, fixups)``. A run that lands
+        in one run of this cache's consecutive fresh pages is received there in place (a
+        view); one that straddles two (or holds rows before ``first_row``: pages the sender
+        thought missing but this cache holds) goes to a slice of a buffer, and ``fixups``
+        lists ``(buffer rows, [fresh page view per row])`` to copy once verified (rows before
+        ``first_row`` are dropped). ``(None, [])`` when the pages are not on this transport's
+        device or the cache splits heads (``dest`` None): then all go to a buffer. ``dest``
+        is :meth:`import_runs`' answer."""
         if dest is None or any(v.device != self.device for _, v in dest):
-            return None
-        out, r = [], 0
+            return None, []
+        rows = [v[i] for _, v in dest for i in range(v.shape[0])]  # a view per fresh page
+        out, pending, r = [], [], 0
         for n in lengths:
             rel = r - first_row
-            if rel < 0:
-                return None
-            row, view = next(((row, v) for row, v in reversed(dest) if row <= rel), (0, None))
-            if view is None or rel - row + n > view.shape[0]:
-                return None
-            out.append(view[rel - row:rel - row + n])
+            hit = next(((row, v) for row, v in reversed(dest) if row <= rel), None) \
+                if rel >= 0 else None
+            if hit is not None and rel - hit[0] + n <= hit[1].shape[0]:
+                out.append(hit[1][rel - hit[0]:rel - hit[0] + n])
+            else:
+                pending.append((len(out), n, rel))
+                out.append(None)
             r += n
-        return out
+        fixups, s = [], 0
+        if pending:
+            stage = self._staging((sum(n for _, n, _ in pending), *page_shape), dtype)
+            for k, n, rel in pending:
+                out[k] = stage[s:s + n]
+                skip = max(0, -rel)
+                fixups.append((out[k][skip:], rows[rel + skip:rel + n]))
+                s += n
+        return out, fixups
 
     def _drain(self, peer, lengths, page_shape, dtype, sums: bool) -> None:
         """Receive and drop the runs (and checksums) of a refused import (the sender sends

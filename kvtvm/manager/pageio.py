@@ -425,8 +425,8 @@ class PageIOMixin(PageLayoutMixin):
                 raise KVCacheCapacityError(f"import: needs {n_new} new pages, {available} are "
                                            f"free or evictable (pool of {self.num_pages})")
             self._lease_pages(held)  # pinned before taking: _take must not evict them
-            try:
-                new = self._take(n_new)
+            try:  # ascending: consecutive pages make runs a transport receives in place
+                new = sorted(self._take(n_new))
             except BaseException:
                 self._unlease_pages(held)
                 raise

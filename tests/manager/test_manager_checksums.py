@@ -188,3 +188,42 @@ def test_deferred_checksums_refused_once_the_lease_ended():
         ex.row_checksums(1, ex.data[1:])  # the pages may be reused by now
     assert ex.row_checksums(0, ex.data[:1]) == first  # computed before: kept
     conserved(a)
+
+
+@pytest.mark.parametrize("lengths,first_row,staged", [([3, 3, 2], 0, 3), ([8], 0, 1),
+                                                      ([2, 6], 2, 2), ([1, 1, 6], 0, 1),
+                                                      ([5, 3], 3, 1), ([2, 3, 2], 0, 0)])
+def test_receive_targets_in_place_or_staged_then_copied(lengths, first_row, staged):
+    """The gloo receiver's plan: runs that fit a run of fresh pages land in place, the others
+    in a buffer copied to the right pages afterwards; every row ends where it belongs."""
+    from kvtvm.transfer import DistributedTransport
+
+    tr = object.__new__(DistributedTransport)
+    tr.device, tr._stage = torch.device("cpu"), None
+    cache = torch.zeros(12, 3)
+    fresh = [9, 10, 2, 3, 4, 7, 8, 0][:sum(lengths) - first_row]
+    if staged == 0:
+        fresh = [0, 1, 5, 6, 7, 10, 11][:sum(lengths)]  # this cache's new pages
+    dest, r = [], 0
+    while r < len(fresh):  # import_runs: runs of consecutive pages
+        e = r + 1
+        while e < len(fresh) and fresh[e] == fresh[e - 1] + 1:
+            e += 1
+        dest.append((r, cache[fresh[r]:fresh[r] + e - r]))
+        r = e
+    targets, fixups = tr._targets(dest, lengths, first_row, (3,), torch.float32)
+    sent = torch.randn(sum(lengths), 3)
+    r = 0
+    for n, t in zip(lengths, targets):  # what the irecvs do
+        assert t.shape[0] == n
+        t.copy_(sent[r:r + n])
+        r += n
+    for buf, rows in fixups:
+        for i, row in enumerate(rows):
+            row.copy_(buf[i])
+    for j, page in enumerate(fresh):
+        assert torch.equal(cache[page], sent[first_row + j]), j
+    assert len(fixups) == staged
+    in_place = [t for t in targets if t.untyped_storage().data_ptr()
+                == cache.untyped_storage().data_ptr()]
+    assert len(in_place) == len(lengths) - staged
