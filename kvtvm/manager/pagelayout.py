@@ -79,6 +79,10 @@ class PageLayoutMixin:
         each device taking its heads."""
         import torch
 
+        if len(pages) == 1 and self.n_devices == 1:  # a promotion: one page, no index
+            blocks = self._blocks[0]
+            blocks[pages[0]].copy_(rows[0].to(blocks.device))
+            return
         idx = torch.tensor(pages, dtype=torch.int64)
         if self.params.quantized:
             parts = split_quant_rows(rows, self.params, self.num_layers, self.n_devices)
