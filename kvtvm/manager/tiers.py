@@ -369,9 +369,14 @@ def _writer(q, write_ref) -> None:
 
 def _stop(q, thread) -> None:
     """Flush and stop a disk tier's writer (close(), garbage collection or exit)."""
+    if thread is threading.current_thread():  # collected on the writer itself: it stops
+        try:                                   # at its next item (the tier is gone)
+            q.put_nowait(None)
+        except queue.Full:
+            pass
+        return
     q.put(None)
-    if thread is not threading.current_thread():
-        thread.join()
+    thread.join()
 
 
 class TierStore:
