@@ -207,6 +207,7 @@ class DistributedTransport(PageTransport):
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
+        self._early_ack = backend == "gloo"
         self._pool = None
         self._stage = None
         self._out = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
@@ -310,13 +311,17 @@ class DistributedTransport(PageTransport):
         later = hdr.checksums is None
         raw = hdr.to_bytes()
         lengths = np.asarray([v.shape[0] for _, v in runs], dtype=np.int64)
-        # the acknowledgement's receive is posted first: the peer's answer needs no
-        # "ready to receive" notice from this side when it comes
+        # gloo: the acknowledgement's receive is posted first, so the peer's answer needs no
+        # "ready to receive" notice from this side when it comes. Not on NCCL: its p2p ops to
+        # one peer run in order on one stream, a receive posted first would wait for the
+        # peer's answer before the data it answers leaves (a deadlock)
         what = f"acknowledgement from rank {peer}"
-        ack_work = self.dist.irecv(self._in, peer, group=self.group)
+        ack = [self.dist.irecv(self._in, peer, group=self.group)] if self._early_ack else []
 
         def take_ack() -> bytes:
-            self._wait(ack_work, what)
+            if not ack:
+                ack.append(self.dist.irecv(self._in, peer, group=self.group))
+            self._wait(ack[0], what)
             kind, _, payload = self._read_msg(peer, what)
             if kind != ACK:
                 raise CorruptTransferError(f"transport: expected {what} (kind {ACK}), got "
