@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidArgumentError, describe
+from .args import check_seconds
 from .hashing import CHECKSUM_NAME, chain_hash, checksum, fingerprint
 
 __all__ = ["HostTier", "DiskTier", "TierStore", "TierMixin"]
@@ -492,6 +493,7 @@ class TierMixin:
 
     def flush_tiers(self, timeout: float | None = None) -> bool:
         """Wait until the disk tier's queued writes are on disk; False on timeout."""
+        timeout = check_seconds("timeout", timeout)
         tiers = self._tiers
         return tiers is None or tiers.disk is None or tiers.disk.flush(timeout)
 

@@ -258,6 +258,8 @@ def _paged_cases(mgr, ids, inp):
         cases.append((f"end_lease-{v!r}", "end_lease", (v,), {}, ("lease_id",)))
     for v in ["x", NAN, True, [1.0]]:
         cases.append((f"expire_leases-{v!r}", "expire_leases", (v,), {}, ("now",)))
+    for v in (NAN, -1.0, "1", True):
+        cases.append((f"flush_tiers-{v!r}", "flush_tiers", (v,), {}, ("timeout",)))
     for v in ["x", None, 5, [None], ["a"], [1.5], [True]]:
         cases.append((f"held_prefix_pages-{v!r}", "held_prefix_pages", (v,), {},
                       ("block_hashes",)))
@@ -351,7 +353,7 @@ def test_the_sweep_covers_every_public_method():
     no_args = {"active_leases", "check_invariants", "device_nbytes", "input_specs",
                "input_symbols", "num_kv_inputs", "stats", "storage_name",
                "persist_prefix_cache", "estimated_memory_size", "infer_optimal_batch_size",
-               "contains"}
+               "contains", "close_tiers"}
     for kind, cls in (("paged", PagedKVCacheManager),
                       ("continuous", ContinuousBatchingKVCacheManager),
                       ("linear", LinearKVCache)):
