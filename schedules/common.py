@@ -109,40 +109,10 @@ def pages_bad_macro(threads: int, any_of=None, hoist: bool = True):
     return pages_bad_hoisted if hoist else pages_bad_inline
 
 
-def lane_sums(rows, lanes: int):
-    """The horizontal sums of ``lanes`` vectors of ``lanes`` float32 lanes, as one vector (lane
-    ``i``: the sum of ``rows[i]``'s lanes): a transpose-and-add butterfly of ``lanes - 1``
-    two-vector steps (two shuffles and an add each; LLVM emits them as ``vpermt2ps`` /
-    ``vshufps`` and ``vaddps``) instead of a reduction tree per row. ``rows`` are vector
-    expressions (e.g. ``buf[i, T.Ramp(0, 1, lanes)]``); each intermediate is bound once
-    (``Let``), so the expression stays linear in size."""
-    from kvtvm.kernels._tvm import tir
+def prefetch(buf, index):
+    """CPU: a software prefetch (``prefetcht0``) of the cache line holding ``buf[index]`` (an
+    ``llvm.prefetch`` call: never faults, changes nothing); use as ``T.evaluate(...)``."""
+    from kvtvm.kernels._tvm import T
 
-    assert len(rows) == lanes and lanes & (lanes - 1) == 0, (len(rows), lanes)
-    vtype = f"float32x{lanes}"
-    binds = []
-
-    def bind(value):
-        var = tir.Var(f"bf{len(binds)}", vtype)
-        binds.append((var, value))
-        return var
-
-    # level with half-width h combines vectors A, B: out[l] = A[l] + A[l ^ h] where bit h of l
-    # is clear, else B[l] + B[l ^ h]; owner[l] tracks which row a lane's partial sum belongs to
-    level = [(bind(r), [i] * lanes) for i, r in enumerate(rows)]
-    h = lanes // 2
-    while h >= 1:
-        nxt = []
-        for (a, oa), (b, ob) in zip(level[0::2], level[1::2]):
-            pick = [lanes + l if l & h else l for l in range(lanes)]
-            swap = [lanes + (l ^ h) if l & h else l ^ h for l in range(lanes)]
-            owner = [ob[l] if l & h else oa[l] for l in range(lanes)]
-            assert all(owner[l] == (ob if l & h else oa)[l ^ h] for l in range(lanes))
-            nxt.append((bind(tir.Shuffle([a, b], pick) + tir.Shuffle([a, b], swap)), owner))
-        level, h = nxt, h // 2
-    (total, owner), = level
-    assert sorted(owner) == list(range(lanes))
-    result = tir.Shuffle([total], [owner.index(i) for i in range(lanes)])
-    for var, value in reversed(binds):
-        result = tir.Let(var, value, result)
-    return result
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[index]),
+                              T.int32(0), T.int32(3), T.int32(1))

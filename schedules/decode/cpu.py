@@ -19,8 +19,9 @@ from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, sign
                                   split_range)
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.quant_access import load_value, row_scale
+from kvtvm.quant import quant_row_bytes
 
-from ..common import lane_sums, replace_function
+from ..common import prefetch, replace_function
 
 
 def exp2_poly(x):
@@ -98,24 +99,16 @@ def schedule(mod, spec, knobs):
     Q = spec.quantized
     gloop = T.unroll if Q else T.serial
 
-    # quantized, and the tile a multiple of the lanes: the K dot products of a KV head are
-    # computed token by token into L-lane partials, then L tokens at a time reduced together
-    # (schedules.common.lane_sums: L - 1 shuffle-and-add steps for L tokens instead of log2 L
-    # narrowing steps per token and query head), scaled by the rows' scales as a vector
-    BF = Q and TILE % L == 0
+    # both sides 8-bit: software prefetch of the rows a task reads next (the K rows of the next
+    # tile, the V rows of this one; every 64 bytes of a row and its last byte). The kernel was
+    # bound by the latency of each row's first load (perf: the hot instructions), not by its
+    # arithmetic: 23.7 -> 14.7 ms CPU per int8 call at 16 x 4K (docs/PERF.md)
+    RB = quant_row_bytes(D) if spec.k_storage and spec.v_storage else 0
+    PF = RB > 0 and bool(knobs.get("prefetch", True))
+    NPF = -(-RB // 64) + 1
 
-    def scale_buffer(shape):
-        return alloc_buffer(shape, "float32") if Q else T.meta_var(None)
-
-    def butterfly_buffer(shape, dtype):
-        return alloc_buffer(shape, dtype) if BF else T.meta_var(None)
-
-    def tile_scores(kp, ok, rsv, g, c):
-        """Scores of tokens ``c * L ..`` of query head ``g`` (a vector): NEG where masked."""
-        sums = lane_sums([kp[g, c * L + i, T.Ramp(0, 1, L)] for i in range(L)], L)
-        lanes = T.Ramp(c * L, 1, L)
-        return T.Select(ok[lanes] > T.Broadcast(T.float32(0), L), sums * rsv[lanes],
-                        T.Broadcast(T.float32(NEG), L))
+    def scale_buffer():
+        return alloc_buffer((1,), "float32") if Q else T.meta_var(None)
 
     def scaled(value, rs):
         return value * rs[0] if Q else value
@@ -151,12 +144,7 @@ def schedule(mod, spec, knobs):
                 mt = alloc_buffer((1,), "float32")
                 red = alloc_buffer((W,), "float32")
                 scl = alloc_buffer((1,), "float32")
-                rs = scale_buffer((1,))  # a quantized cache's row scale (None: full precision)
-                kp = butterfly_buffer((G, TILE, L), "float32")  # per-token partial dot products
-                rsv = butterfly_buffer((TILE,), "float32")  # their K row scales
-                ok = butterfly_buffer((TILE,), "float32")  # 1: token attended, 0: masked
-                pg = butterfly_buffer((TILE,), "int64")
-                sl = butterfly_buffer((TILE,), "int64")
+                rs = scale_buffer()  # the row scale of a quantized cache (None: full precision)
                 b: T.int64 = task // (NHB * splits)
                 h0: T.int64 = T.floormod(task // splits, NHB) * HB
                 s: T.int64 = T.floormod(task, splits)
@@ -173,78 +161,54 @@ def schedule(mod, spec, knobs):
                     m[r] = T.float32(NEG)
                     den[r] = T.float32(0)
                 for it in range(T.floordiv(T.max(hi - lo, T.int64(0)) + TILE - 1, TILE)):
-                    if BF:  # per KV head: L tokens' dot products summed by one butterfly
-                        for t in range(TILE):
-                            ok[t] = T.float32(0)
-                            if lo + it * TILE + t < hi:
-                                pg[t] = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
-                                sl[t] = T.floormod(lo + it * TILE + t, page_size)
-                                if pg[t] >= 0 and pg[t] < num_pages:
-                                    ok[t] = T.float32(1)
-                                else:
-                                    err[ERR_PAGE] = 1
-                        for hh in range(HB):
-                            for t in range(TILE):
-                                if ok[t] > T.float32(0):
-                                    rsv[t] = row_scale(k_cache, cache_index(layout, pg[t], sl[t], h0 + hh, 0), D, spec.k_storage)
-                                    for g in T.unroll(G):
+                    for t in range(TILE):
+                        if PF:  # the K rows of the next tile's token t, into the caches
+                            if lo + (it + 1) * TILE + t < hi:
+                                pn: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + (it + 1) * TILE + t, page_size)])
+                                if pn >= 0 and pn < num_pages:
+                                    for hh in range(HB):
+                                        for o in T.unroll(NPF):
+                                            T.evaluate(prefetch(k_cache, cache_index(layout, pn, T.floormod(lo + (it + 1) * TILE + t, page_size), h0 + hh, T.min(o * 64, RB - 1))))
+                        if lo + it * TILE + t < hi:
+                            page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
+                            slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
+                            if page >= 0 and page < num_pages:
+                                if PF:  # this token's V rows, read after the tile's softmax
+                                    for hh in range(HB):
+                                        for o in T.unroll(NPF):
+                                            T.evaluate(prefetch(v_cache, cache_index(layout, page, slot, h0 + hh, T.min(o * 64, RB - 1))))
+                                for hh in range(HB):
+                                    if Q:
+                                        rs[0] = row_scale(k_cache, cache_index(layout, page, slot, h0 + hh, 0), D, spec.k_storage)
+                                    for g in gloop(G):
                                         for l in T.vectorized(L):
                                             part[g, l] = T.float32(0)
                                     for dv in range(DV):
                                         for l in T.vectorized(L):
-                                            row[l] = load_value(k_cache, cache_index(layout, pg[t], sl[t], h0 + hh, dv * L + l), spec.k_storage)
-                                        for g in T.unroll(G):
-                                            for l in T.vectorized(L):
-                                                part[g, l] = part[g, l] + qf[hh * G + g, dv * L + l] * row[l]
-                                    for g in T.unroll(G):
-                                        for l in T.vectorized(L):
-                                            kp[g, t, l] = part[g, l]
-                                else:  # masked: its lane of the butterfly becomes NEG
-                                    rsv[t] = T.float32(0)
-                                    for g in T.unroll(G):
-                                        for l in T.vectorized(L):
-                                            kp[g, t, l] = T.float32(0)
-                            for g in range(G):
-                                for c in range(TILE // L):
-                                    sc[hh * G + g, T.Ramp(c * L, 1, L)] = tile_scores(kp, ok, rsv, g, c)
-                    else:
-                        for t in range(TILE):
-                            if lo + it * TILE + t < hi:
-                                page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
-                                slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
-                                if page >= 0 and page < num_pages:
-                                    for hh in range(HB):
-                                        if Q:
-                                            rs[0] = row_scale(k_cache, cache_index(layout, page, slot, h0 + hh, 0), D, spec.k_storage)
+                                            row[l] = load_value(k_cache, cache_index(layout, page, slot, h0 + hh, dv * L + l), spec.k_storage)
                                         for g in gloop(G):
                                             for l in T.vectorized(L):
-                                                part[g, l] = T.float32(0)
-                                        for dv in range(DV):
-                                            for l in T.vectorized(L):
-                                                row[l] = load_value(k_cache, cache_index(layout, page, slot, h0 + hh, dv * L + l), spec.k_storage)
-                                            for g in gloop(G):
-                                                for l in T.vectorized(L):
-                                                    part[g, l] = part[g, l] + qf[hh * G + g, dv * L + l] * row[l]
-                                        for g in gloop(G):  # horizontal sums as a vector tree
-                                            if L >= 16:
-                                                for l in T.vectorized(8):
-                                                    part[g, l] = part[g, l] + part[g, l + 8]
-                                            if L >= 8:
-                                                for l in T.vectorized(4):
-                                                    part[g, l] = part[g, l] + part[g, l + 4]
-                                            if L >= 4:
-                                                for l in T.vectorized(2):
-                                                    part[g, l] = part[g, l] + part[g, l + 2]
-                                            if L >= 2:
-                                                part[g, 0] = part[g, 0] + part[g, 1]
-                                            sc[hh * G + g, t] = scaled(part[g, 0], rs)
-                                else:
-                                    err[ERR_PAGE] = 1
-                                    for r in range(HB * G):
-                                        sc[r, t] = T.float32(NEG)
+                                                part[g, l] = part[g, l] + qf[hh * G + g, dv * L + l] * row[l]
+                                    for g in gloop(G):  # horizontal sums as a vector tree
+                                        if L >= 16:
+                                            for l in T.vectorized(8):
+                                                part[g, l] = part[g, l] + part[g, l + 8]
+                                        if L >= 8:
+                                            for l in T.vectorized(4):
+                                                part[g, l] = part[g, l] + part[g, l + 4]
+                                        if L >= 4:
+                                            for l in T.vectorized(2):
+                                                part[g, l] = part[g, l] + part[g, l + 2]
+                                        if L >= 2:
+                                            part[g, 0] = part[g, 0] + part[g, 1]
+                                        sc[hh * G + g, t] = scaled(part[g, 0], rs)
                             else:
+                                err[ERR_PAGE] = 1
                                 for r in range(HB * G):
                                     sc[r, t] = T.float32(NEG)
+                        else:
+                            for r in range(HB * G):
+                                sc[r, t] = T.float32(NEG)
                     for r in range(HB * G):
                         row_max(red, sc, r)  # (and row_sum below): vector trees
                         mt[0] = T.max(m[r], red[0])
