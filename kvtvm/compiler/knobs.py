@@ -16,10 +16,16 @@ _PKG = Path(__file__).resolve().parent.parent  # kvtvm/
 _REPO = _PKG.parent
 
 
+#: (family, target) pairs whose quantized specs have a schedule module of their own,
+#: ``schedules/<family>/<cpu|cuda>_quant.py``; the CPU decode and prefill schedules serve every
+#: storage type.
+QUANT_SCHEDULES = (("append", "llvm"), ("append", "cuda"), ("decode", "cuda"))
+
+
 def schedule_module_name(spec: KernelSpec) -> str:
     """``<family>.<cpu|cuda>``: the module of ``schedules/`` that schedules ``spec``
-    (``<family>.<cpu|cuda>_quant`` for a quantized spec)."""
-    quant = "_quant" if spec.quantized else ""
+    (``<family>.<cpu|cuda>_quant`` for a quantized spec of :data:`QUANT_SCHEDULES`)."""
+    quant = "_quant" if spec.quantized and (spec.op, spec.target) in QUANT_SCHEDULES else ""
     return f"{spec.op}.{'cpu' if spec.target == 'llvm' else 'cuda'}{quant}"
 
 

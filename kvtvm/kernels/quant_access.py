@@ -23,39 +23,20 @@ denormal mode and of any native float8 support:
 
 from __future__ import annotations
 
-from ..quant import QMAX, SCALE_BYTES, quant_row_bytes
+from ..quant import QMAX, SCALE_BYTES
 from ._tvm import T
-from .accessor import cache_shape, i64, match_tensor
+from .accessor import cache_index, cache_row_elems, match_cache_pair
 
 __all__ = ["match_quant_cache_pair", "cache_row_elems", "load_value", "row_scale", "dequant",
            "encode", "scale_byte", "QMAX"]
 
 
-def cache_row_elems(storage: str, head_dim: int) -> int:
-    """Last extent of a cache buffer: the quantized row's bytes, or ``head_dim``."""
-    return quant_row_bytes(head_dim) if storage else head_dim
-
-
-def _match(handle, layout, num_pages, page_size, heads, head_dim, storage, dtype):
-    shape = cache_shape(layout, num_pages, page_size, heads, cache_row_elems(storage, head_dim))
-    strides = [T.int64(), T.int64(), T.int64(), i64(1)]
-    if storage:  # bytes: assume byte alignment only (as match_tensor does for its types)
-        return T.match_buffer(handle, shape, "int8", align=1, strides=strides,
-                              elem_offset=T.int64())
-    return match_tensor(handle, shape, dtype, strides=strides, elem_offset=T.int64())
-
-
 def match_quant_cache_pair(var_k_cache, var_v_cache, layout: str, n_kv_heads: int,
                            head_dim: int, dtype: str, k_storage: str, v_storage: str):
-    """Bind a K and a V cache stored as ``k_storage`` / ``v_storage`` (``""``: ``dtype``).
-    Returns ``(num_pages, page_size, k_cache, v_cache)`` like
-    :func:`kvtvm.kernels.accessor.match_cache_pair`."""
-    num_pages, page_size = T.int64(), T.int64()
-    k_cache = _match(var_k_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
-                     k_storage, dtype)
-    v_cache = _match(var_v_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
-                     v_storage, dtype)
-    return num_pages, page_size, k_cache, v_cache
+    """:func:`kvtvm.kernels.accessor.match_cache_pair` with the storage types required (the
+    name the quantizing append binds its caches with)."""
+    return match_cache_pair(var_k_cache, var_v_cache, layout, n_kv_heads, head_dim, dtype,
+                            k_storage, v_storage)
 
 
 def _u8(byte):
@@ -130,8 +111,6 @@ def scale_byte(scale, i: int):
 def dequant(cache, layout: str, page, slot, head, dim, head_dim: int, storage: str):
     """The dequantized float32 value at (page, slot, head, dim): :func:`load_value` times
     :func:`row_scale` (just the converted value for a full-precision buffer)."""
-    from .accessor import cache_index
-
     value = load_value(cache, cache_index(layout, page, slot, head, dim), storage)
     if not storage:
         return value
