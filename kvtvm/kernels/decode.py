@@ -140,6 +140,11 @@ def knob_space(spec) -> dict:
     if spec.target == "llvm":
         return {"tile_tokens": [8, 16, 32, 64], "vector_bytes": [16, 32, 64],
                 "head_block": [h for h in (1, 2, 4, 8, 16, 32) if spec.n_kv_heads % h == 0]}
+    if spec.quantized:  # schedules/decode/cuda_quant.py
+        from .quant_access import quant_vec_choices
+
+        return {"threads": [64, 128, 256], "tile_tokens": [16, 32, 64], "stages": [2, 3],
+                "merge_threads": [256], "vec": quant_vec_choices(spec)}
     return {"threads": [64, 128, 256], "tile_tokens": [8, 16, 32, 64], "stages": [1, 2, 3],
             "merge_threads": [128, 256, 512], "vec": vec_choices(spec)}
 

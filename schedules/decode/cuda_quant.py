@@ -1,4 +1,4 @@
-"""CUDA schedule of decode attention over a QUANTIZED cache (``kvtvm.kernels.decode_quant``;
+"""CUDA schedule of decode attention over a QUANTIZED cache (``kvtvm.kernels.decode``;
 sm_90a and sm_80 alike), hand-written TIR: the kernel of ``schedules/decode/cuda.py`` with the
 8-bit rows staged as they are stored (values, scale, padding: ``quant_row_bytes(head_dim)``
 bytes, 16-byte ``cp.async`` chunks, as int32 words) and, once per tile, converted by the whole
@@ -16,15 +16,12 @@ from __future__ import annotations
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func)
 from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, signature,
-                                  split_range, vec_choices)
+from kvtvm.kernels.decode import LN2, LOG2E, NEG, length_ok, match_params, signature, split_range
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
-
-from kvtvm.kernels.decode_quant import match_params  # noqa: E402,F811
 from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale
 from kvtvm.quant import quant_row_bytes
 
-from ..common import DTYPE_BYTES, pages_bad_macro, replace_function
+from ..common import pages_bad_macro, replace_function
 #: Static shared memory kept for the K/V stages (of the 48 KiB a kernel may declare statically).
 SMEM_KV_BYTES = 40 * 1024
 
