@@ -12,7 +12,8 @@ step "GPU tests" python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/compiler/test_decode_cuda_build.py tests/compiler/test_prefill_cuda_build.py \
      tests/kernels tests/ops/test_copy_kernel.py tests/ops/test_bounds_cuda.py \
      tests/manager/test_manager_cuda.py \
-     tests/manager/test_manager_linear_cuda.py tests/quant/test_quant_cuda.py
+     tests/manager/test_manager_linear_cuda.py tests/quant/test_quant_cuda.py \
+     tests/manager/test_checksums_cuda.py
 for b in append copy decode prefill; do
   extra=()  # quantized caches side by side (their kernels: tools/gpu-kit.sh)
   case $b in decode) extra=(--cache-dtype float16 int8 float8_e4m3fn) ;; esac
@@ -23,7 +24,7 @@ step "bench host" python3 -m kvtvm bench host --device cuda --head-dim 32  # ser
 step "serve --device cuda" python3 examples/serve.py --model toy --device cuda --dtype float32 \
      --kernels build/kernels
 # the toy in bfloat16 over all three caches with the token check against transformers (SmolLM2
-# itself cannot travel: its GGUF is 93 MB, over the device tool's 64 MiB transfer limit)
+# itself travels in three calls: tools/gpu-smollm2.sh)
 step "serve toy --device cuda bf16" python3 examples/serve.py --model toy --cache all \
      --device cuda --dtype bfloat16 --kernels build/kernels
 for m in build/kernels/relax_llama_*.so; do
