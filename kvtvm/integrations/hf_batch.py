@@ -338,8 +338,8 @@ def cb_config(max_prompt_len: int, max_new_tokens: int, num_requests: int,
 
     per_seq = -(-(max_prompt_len + max_new_tokens) // page_size) + 1
     tokens = max_batch_tokens or min(8192, num_requests * max_prompt_len)
-    # a block table wide enough for the longest request: its decode steps take the block-table
-    # path (kvtvm's append + decode in place, with "kvtvm_flash"), not the gather
+    # the block table's width is left to generate_batch's workload hints (the longest request):
+    # setting it here would make transformers warn on its sdpa path, which has no block table
     return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_requests * per_seq,
-                                    max_batch_tokens=tokens, max_requests_per_batch=num_requests,
-                                    max_blocks_per_request=per_seq + per_seq % 2)
+                                    max_batch_tokens=tokens,
+                                    max_requests_per_batch=num_requests)
