@@ -32,7 +32,8 @@ def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_head
     always loads it with ``n_kv_heads=1`` and layout ``nhd``; it is built that way.
     ``features`` (names of :data:`ATTENTION_FEATURES`) apply to decode and prefill.
     ``cache_dtypes``: ``"none"`` (full precision) and/or 8-bit storage types (K and V both
-    stored so) for append, decode and prefill.
+    stored so) for append, decode and prefill; ``"K/V"`` names the two sides apart (e.g.
+    ``int8/none``: a K-only cache, ``int8/float8_e4m3fn``).
     """
     specs = []
     for op, dtype, d, h, layout in itertools.product(ops, dtypes, head_dims, kv_heads, layouts):
@@ -44,11 +45,12 @@ def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_head
             # (CUDA has no quantized prefill kernel yet: kvtvm.ops.quant.QUANT_TARGETS)
             quant = op in QUANT_FAMILIES and not (target == "cuda" and op == "prefill")
             for cd in cache_dtypes if quant else ["none"]:
-                storage = "" if cd == "none" else cd
+                ks, _, vs = cd.partition("/")
+                ks, vs = ("" if s == "none" else s for s in (ks, vs or ks))
                 specs.append(compiler.KernelSpec(
                     op=op, dtype=dtype, head_dim=d, n_kv_heads=h, group_size=g, layout=layout,
                     target=target, arch=arch, features=ATTENTION_FEATURES[feats],
-                    k_storage=storage, v_storage=storage))
+                    k_storage=ks, v_storage=vs))
     return list(dict.fromkeys(specs))
 
 
@@ -69,7 +71,8 @@ def cmd_build(args) -> int:
         print(f"--features: unknown {unknown}; known: {sorted(ATTENTION_FEATURES)}",
               file=sys.stderr)
         return 2
-    unknown = sorted(set(args.cache_dtypes) - {"none", *QUANT_DTYPES})
+    unknown = sorted({side for cd in args.cache_dtypes for side in cd.split("/")}
+                     - {"none", *QUANT_DTYPES})
     if unknown:
         print(f"--cache-dtypes: unknown {unknown}; known: none, {', '.join(QUANT_DTYPES)}",
               file=sys.stderr)
@@ -208,7 +211,8 @@ def main(argv=None) -> int:
     b.add_argument("--cache-dtypes", type=_csv(str), default=["none"],
                    help="cache storage types to build append/decode/prefill for, "
                    f"comma-separated: none (full precision), {', '.join(QUANT_DTYPES)} "
-                   "(K and V both 8-bit; default: none)")
+                   "(K and V both 8-bit), or K/V pairs such as int8/none (K-only) "
+                   "(default: none)")
     b.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none anyway when not on a terminal)")
     b.add_argument("-v", "--verbose", action="store_true",

@@ -131,86 +131,11 @@ the numpy reference over the reference-dequantized cache.""", src)
     return text
 
 
-def decode_cuda_schedule() -> str:
-    src = "schedules/decode/cuda.py"
-    text = (ROOT / src).read_text()
-    text = _docstring(text, """CUDA schedule of decode attention over a QUANTIZED cache (``kvtvm.kernels.decode_quant``;
-sm_90a and sm_80 alike): the kernel of ``schedules/decode/cuda.py`` staging whole 8-bit rows
-(values, scale, padding: ``quant_row_bytes(head_dim)`` bytes, 16-byte ``cp.async`` chunks) in
-shared memory as 32-bit words; a thread loads its 16-byte slices as ``int4`` vectors and
-converts the bytes to float32 in registers (int8: a convert; e4m3: through float16, no native
-float8 needed, so sm_80 runs it too); the row scales are folded into scalars (``score =
-scale_k * q.k_q``; ``acc += (p * scale_v) * v_q``). K and V must both be 8-bit (a K-only cache
-runs on the CPU).""", src)
-    text = _sub(r"esize = DTYPE_BYTES\[dtype\]", "esize = 1  # 8-bit rows", text, count=1)
-    text = _sub(r"\bvec_choices\(spec\)", "quant_vec_choices(spec)", text, min_count=3)
-    text = _sub(r"2 \* stages \* tile \* D \* esize", "2 * stages * tile * quant_row_bytes(D)",
-                text, count=1)
-    text = _sub(r"chunks_per_row=D // chunk", "chunks_per_row=quant_row_bytes(D) // chunk", text,
-                count=1)
-    # shared memory and the thread's slice as int32 words (16-byte vector loads)
-    text = _sub(r"([kv])_smem = alloc_buffer\(\(S, TILE, D\), dtype,",
-                r'\1_smem = alloc_buffer((S, TILE, quant_row_bytes(D) // 4), "int32",', text,
-                count=2, min_count=2)
-    text = _sub(r'kv_reg = alloc_buffer\(\(VEC,\), dtype,', 'kv_reg = alloc_buffer((VEC // 4,), "int32",',
-                text, count=1)
-    text = _sub(r"\n(\s*)for v in T\.vectorized\(CH\):\n(\s*)kv_reg\[c \* CH \+ v\] = ([kv])_smem\["
-                r"([^\n]*?)\(c \* BDX \+ tx\) \* CH \+ v\]",
-                lambda m: (f"\n{m.group(1)}for v in T.vectorized(CH // 4):\n{m.group(2)}kv_reg["
-                           f"c * (CH // 4) + v] = {m.group(3)}_smem[{m.group(4)}(c * BDX + tx) * "
-                           "(CH // 4) + v]"), text, count=2, min_count=2)
-    text = _sub(r"_copy16\(", "_copy16_words(", text, min_count=4)
-    text = _sub(r"\ndef _copy16_words\(", "\ndef _copy16(", text, count=1)
-    text = _sub(r'q_reg\[v\] \* T\.Cast\("float32", kv_reg\[v\]\)',
-                "q_reg[v] * word_value(kv_reg[v // 4], v % 4, spec.k_storage)", text, count=1)
-    text = _sub(r"(s_reg\[j\] = T\.if_then_else\(lo \+ it \* TILE \+ tz \* RPZ \+ j < hi, )st\[3\],",
-                r"\1st[3] * word_row_scale(k_smem, (T.floormod(it, S), tz * RPZ + j), D, "
-                "spec.k_storage),", text, count=1)
-    text = _sub(r"\n(\s*)for v in T\.unroll\(VEC\):\n(\s*)o_reg\[v\] = o_reg\[v\] \+ s_reg\[j\] \* "
-                r'T\.Cast\("float32", kv_reg\[v\]\)',
-                lambda m: (f"\n{m.group(1)}st[3] = s_reg[j] * word_row_scale(v_smem, (T.floormod("
-                           f"it, S), tz * RPZ + j), D, spec.v_storage)\n{m.group(1)}for v in "
-                           f"T.unroll(VEC):\n{m.group(2)}o_reg[v] = o_reg[v] + st[3] * "
-                           "word_value(kv_reg[v // 4], v % 4, spec.v_storage)"), text, count=1)
-    text = _sub(r"\ndef schedule\(mod, spec, knobs\):\n",
-                "\ndef schedule(mod, spec, knobs):\n"
-                "    assert spec.k_storage and spec.v_storage, \"CUDA: K and V both 8-bit\"\n",
-                text, count=1)
-    text = _sub(r"\ndef default_knobs\(spec\)",
-                "\ndef _copy16_words(smem, stage, row, col, cache, layout, lookup, b, pos, h, "
-                "page_size):\n"
-                "    \"\"\"``_copy16`` into shared memory held as int32 words (``col`` counts "
-                "bytes).\"\"\"\n"
-                "    pos32, ps32 = T.Cast(\"int32\", pos), T.Cast(\"int32\", page_size)\n"
-                "    page = T.Cast(\"int64\", lookup[b, T.truncdiv(pos32, ps32)])\n"
-                "    slot = T.Cast(\"int64\", T.truncmod(pos32, ps32))\n"
-                "    src = cache[cache_index(layout, page, slot, h, col)]\n"
-                "    # access_ptr, not address_of(smem[...]): a point access lets TVM's\n"
-                "    # CompactBufferAllocation shrink the row to the words the kernel indexes\n"
-                "    # (D / 4 + 1: values and scale, not the padding), so rows would start\n"
-                "    # 4-aligned only (misaligned cp.async / int4) and the last 16-byte chunk\n"
-                "    # would spill into the next row; the pointer keeps the buffer whole\n"
-                "    words = smem.shape[2]\n"
-                "    dst = smem.access_ptr(\"w\", offset=(stage * smem.shape[1] + row) * words + col // 4,\n"
-                "                          extent=4)\n"
-                "    return T.cuda.func_call(\"kvtvm_cp_async16\", dst, T.address_of(src),\n"
-                "                            source_code=_CP_ASYNC)\n\n"
-                "\ndef default_knobs(spec)", text, count=1)
-    text = _sub(r"\nfrom \.\.common import",
-                "\nfrom kvtvm.kernels.decode_quant import match_params  # noqa: E402,F811\n"
-                "from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale, "
-                "word_value\n"
-                "from kvtvm.quant import quant_row_bytes\n\n"
-                "from ..common import", text, count=1)
-    return text
-
-
 OUTPUTS = {
     "kvtvm/kernels/decode_quant.py": lambda: kernel_module("decode"),
     "kvtvm/kernels/prefill_quant.py": lambda: kernel_module("prefill"),
     "schedules/decode/cpu_quant.py": decode_schedule,
     "schedules/prefill/cpu_quant.py": prefill_schedule,
-    "schedules/decode/cuda_quant.py": decode_cuda_schedule,
 }
 
 

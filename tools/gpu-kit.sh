@@ -32,6 +32,12 @@ build --ops append,decode,prefill --dtypes float16 --head-dims 128 --kv-heads 8 
 # quantizing append and the quantized decode, int8 and float8_e4m3fn, both layouts
 build --ops append,decode --dtypes float16 --head-dims 128 --kv-heads 4,8 --group-sizes 4 \
       --layouts nhd,hnd --cache-dtypes int8,float8_e4m3fn
+# the quantizing append's other formats: mixed K/V storage, K-only, bfloat16 and float32 rows
+build --ops append --dtypes float16 --head-dims 128 --kv-heads 4 --layouts nhd --cache-dtypes int8/none
+build --ops append --dtypes bfloat16 --head-dims 64 --kv-heads 4 --layouts hnd \
+      --cache-dtypes int8/float8_e4m3fn
+build --ops append --dtypes float32 --head-dims 128 --kv-heads 4 --layouts nhd \
+      --cache-dtypes float8_e4m3fn/int8
 # TVM 0.27's built-in decode and prefill kernels, the benchmarks' peer (no compiler there)
 "$PY" -m kvtvm.bench.tvm_peer --arch "$ARCH" --out "$OUT" | tail -1
 # examples/serve.py --model toy --device cuda, float32 and bfloat16 (the toy Llama: 8 query

@@ -144,17 +144,53 @@ def quant_vec_choices(spec) -> list[int]:
     return [v for v in (16, 32, 64) if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
 
 
-def word_value(word, i, storage: str):
+#: float32 bits of 2**23: an int8 code ``x`` as ``2**23 + (x + 128)`` (``_MAGIC_BITS | (x ^ 0x80)``)
+#: minus ``2**23 + 128`` is exactly ``float(x)``: a byte permute and an add instead of a conversion
+#: (the GPU's conversion unit runs at an eighth of its float rate).
+_MAGIC_BITS = 0x4B000000
+_MAGIC = 8388736.0
+_E4M3_PAIR = r"""
+__device__ __forceinline__ float kvtvm_e4m3_value(int word, int i) {
+  // byte i of word (float8_e4m3fn bits) as float32: hardware conversion of its byte pair to
+  // float16x2 on sm_89 and later (exact: every e4m3 value is a normal float16)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short pair = (unsigned short)(((unsigned)word >> (16 * (i >> 1))) & 0xFFFFu);
+  unsigned h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+  unsigned short h = (unsigned short)((i & 1) ? (h2 >> 16) : (h2 & 0xFFFFu));
+  return __half2float(__ushort_as_half(h));
+#else
+  int b = (int)(signed char)((unsigned)word >> (8 * i));
+  short bits = (short)(((b << 8) & 0x8000) | ((b << 7) & 0x3F80));
+  return __half2float(__short_as_half(bits)) * 256.0f;
+#endif
+}
+"""
+
+
+def word_value(word, i, storage: str, fast: bool = False):
     """:func:`load_value` of byte ``i`` (little-endian) of an int32 ``word`` of an 8-bit row
-    staged as 32-bit words (CUDA shared memory)."""
+    staged as 32-bit words (CUDA shared memory). ``fast``: int8 through the float32 magic
+    number (no conversion instruction), e4m3 through the hardware pair conversion where the
+    GPU has one -- the value itself, not over :data:`FP8_LOAD_SCALE` (pair it with
+    ``word_row_scale(..., fast=True)``)."""
+    if fast and storage == "int8":
+        code = T.bitwise_and(T.shift_right(T.bitwise_xor(word, T.int32(-0x7F7F7F80)), 8 * i),
+                             0xFF)
+        return T.reinterpret("float32", T.bitwise_or(code, _MAGIC_BITS)) - T.float32(_MAGIC)
+    if fast:
+        return T.cuda.func_call("kvtvm_e4m3_value", word, T.int32(i), source_code=_E4M3_PAIR,
+                                return_type="float32")
     byte = T.Cast("int8", T.shift_right(word, 8 * i))
     if storage == "float8_e4m3fn":
         return e4m3_to_half_scaled(byte)
     return T.Cast("float32", byte)
 
 
-def word_row_scale(words, lead, head_dim: int, storage: str):
+def word_row_scale(words, lead, head_dim: int, storage: str, fast: bool = False):
     """:func:`row_scale` of a row staged as int32 words (``words[(*lead, head_dim // 4)]`` holds
-    the scale)."""
+    the scale); ``fast`` matches ``word_value(..., fast=True)`` (no float8 load scale)."""
     scale = T.reinterpret("float32", words[(*lead, head_dim // 4)])
-    return scale * T.float32(FP8_LOAD_SCALE) if storage == "float8_e4m3fn" else scale
+    if storage == "float8_e4m3fn" and not fast:
+        return scale * T.float32(FP8_LOAD_SCALE)
+    return scale

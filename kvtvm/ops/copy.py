@@ -131,6 +131,10 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
         while head_dim % lanes:
             lanes //= 2
         check_vector_aligned({name: view}, lanes * buf.element_size())
+        if outer > CUDA_MAX_OUTER:  # the kernel's grid.y
+            raise InvalidArgumentError(describe(
+                f"{name}.shape[:{axis}]", f"at most {CUDA_MAX_OUTER} rows in all on CUDA",
+                list(buf.shape[:axis])))
     fn = kernel_for(buf.device, op="copy", dtype=str(buf.dtype).replace("torch.", ""),
                     head_dim=head_dim, n_kv_heads=1, layout="nhd")
     if not on_host:
@@ -143,6 +147,10 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
     return LaunchSequence(
         Launch(fn, buf.device, dict(blocks=view, src=indices(rs), dst=indices(rd)))
         for rs, rd in independent_rounds(host_array(src).tolist(), host_array(dst).tolist()))
+
+
+#: Largest product of the axes before the copied one on CUDA (schedules/copy/cuda.py: grid y).
+CUDA_MAX_OUTER = 65535
 
 
 def independent_rounds(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:

@@ -33,8 +33,9 @@ QUANT_TARGETS = {("llvm", "append"): QUANT_DTYPES, ("llvm", "decode"): QUANT_DTY
                  ("llvm", "prefill"): QUANT_DTYPES}
 #: The CUDA entries to put back into QUANT_TARGETS once the kernels pass on a GPU.
 CUDA_QUANT_TARGETS = {("cuda", "append"): QUANT_DTYPES, ("cuda", "decode"): QUANT_DTYPES}
-#: Targets whose quantized kernels need both K and V 8-bit.
-BOTH_8BIT = ("cuda",)
+#: (target, op) whose quantized kernels need both K and V 8-bit (the CUDA append writes either
+#: side in either format).
+BOTH_8BIT = (("cuda", "decode"), ("cuda", "prefill"))
 
 def _is_8bit(t) -> bool:
     return t.element_size() == 1
@@ -126,7 +127,7 @@ def check_quant_target(device, pair: QuantPair, op: str) -> None:
                 f"one of {[pair.geometry.dtype, *supported]}"
                 + ("" if supported else f" (no quantized {op} kernel for {target} yet; "
                    "the CPU has them)"), storage))
-    if target in BOTH_8BIT and not (pair.k_storage and pair.v_storage):
+    if (target, op) in BOTH_8BIT and not (pair.k_storage and pair.v_storage):
         name = "v_cache" if pair.k_storage else "k_cache"
         raise DTypeMismatchError(describe(
             f"{name} storage for {op} on {device}",

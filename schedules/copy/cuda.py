@@ -1,12 +1,18 @@
-"""CUDA schedule of copy (transformations of the definition; sm_90a and sm_80 alike): one
-thread per (outer, inner, head_dim / lanes) vector; each thread runs the launch's copies in a
-serial loop, lanes vectorized."""
+"""CUDA schedule of copy (sm_90a and sm_80 alike) -- a HAND-WRITTEN TIR kernel with the
+definition's signature (tests compare it with ``kvtvm.kernels.copy.define``): one thread per
+16-byte vector of the launch (blocks over (outer) x (copy, chunk of the row's vectors)), so a
+warp moves contiguous bytes and the launch's copies run in parallel (they are independent by
+the op's contract; outer < 65536, the grid's y limit, which the op checks). Each thread checks its copy's ``src``/``dst`` once; a copy outside the
+rows is skipped and its first thread sets the flag -- no second kernel, no serial loop."""
 
 from __future__ import annotations
 
-from kvtvm.kernels._tvm import get_block
+from kvtvm.kernels._tvm import ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, block, prim_func
+from kvtvm.kernels.accessor import _ITEMSIZE, match_err, match_tensor
+from kvtvm.kernels.copy import in_rows
+from kvtvm.kernels.errflag import ERR_PAGE
 
-from ..common import new_schedule, vector_lanes
+from ..common import replace_function, vector_lanes
 
 
 def default_knobs(spec) -> dict:
@@ -14,17 +20,45 @@ def default_knobs(spec) -> dict:
 
 
 def schedule(mod, spec, knobs):
-    sch = new_schedule(mod, spec)
-    block = get_block(sch, "copy")
-    o, r, i, d = sch.get_loops(block)
-    d_out, d_vec = sch.split(d, [None, vector_lanes(spec, knobs["vector_bytes"])])
-    sch.reorder(d_out, i)
-    bx, tx = sch.split(sch.fuse(o, r, d_out), [None, knobs["threads"]])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    sch.vectorize(d_vec)
-    (c,) = sch.get_loops(get_block(sch, "check"))
-    cb, ct = sch.split(c, [None, 128])
-    sch.bind(cb, "blockIdx.x")
-    sch.bind(ct, "threadIdx.x")
-    return sch.mod
+    D, dtype = spec.head_dim, spec.dtype
+    L = vector_lanes(spec, knobs["vector_bytes"])
+    DV = D // L
+    NT = int(knobs["threads"])
+    align = _ITEMSIZE[dtype]
+
+    # fmt: off
+    @prim_func
+    def copy(var_buf: T.handle, var_src: T.handle, var_dst: T.handle, var_err: T.handle):
+        T.func_attr({ATTR_NOALIAS: True, ATTR_IS_SCHEDULED: True})
+        outer, rows, inner, n = T.int64(), T.int64(), T.int64(), T.int64()
+        buf = match_tensor(var_buf, (outer, rows, inner, T.int64(D)), dtype)
+        src = match_tensor(var_src, (n,), "int32")
+        dst = match_tensor(var_dst, (n,), "int32")
+        err = match_err(var_err)
+        out = T.decl_buffer((outer, rows, inner, T.int64(D)), dtype, data=buf.data,
+                            align=align)
+        # blockIdx.y: the outer index; blockIdx.x: (copy, chunk of its row's vectors); 32-bit
+        # index arithmetic (64-bit division is emulated on the GPU)
+        for by in T.thread_binding(T.Cast("int32", outer), thread="blockIdx.y"):
+            for bx in T.thread_binding(T.Cast("int32", n) * T.Cast("int32", (inner * DV + NT - 1) // NT),
+                                       thread="blockIdx.x"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    with block("copy"):
+                        T.reads()
+                        T.writes()
+                        chunks: T.int32 = T.Cast("int32", (inner * DV + NT - 1) // NT)
+                        i: T.int32 = T.truncdiv(bx, chunks)
+                        w: T.int32 = T.truncmod(bx, chunks) * NT + tx
+                        if w < T.Cast("int32", inner) * DV:
+                            if in_rows(src[i], dst[i], rows):
+                                for l in T.vectorized(L):
+                                    out[T.Cast("int64", by), T.Cast("int64", dst[i]),
+                                        T.Cast("int64", T.truncdiv(w, DV)),
+                                        T.Cast("int64", T.truncmod(w, DV) * L + l)] = \
+                                        buf[T.Cast("int64", by), T.Cast("int64", src[i]),
+                                            T.Cast("int64", T.truncdiv(w, DV)),
+                                            T.Cast("int64", T.truncmod(w, DV) * L + l)]
+                            elif w == 0 and by == 0:
+                                err[ERR_PAGE] = 1
+    # fmt: on
+    return replace_function(mod, copy, "copy")

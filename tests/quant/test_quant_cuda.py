@@ -17,9 +17,6 @@ import pytest
 from kvtvm import compiler
 
 STORAGES = ("int8", "float8_e4m3fn")
-CUDA_QUANT_BROKEN = pytest.mark.skip(
-    reason="the CUDA quantizing append wrote other bytes than the reference on an H100 "
-    "(2026-11-25); the ops refuse quantized caches on CUDA until fixed (issue 16)")
 
 
 def _gpu() -> bool:
@@ -132,25 +129,43 @@ def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits, 
     np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=1e-3, rtol=1e-4)
 
 
-@CUDA_QUANT_BROKEN
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("ks,vs", [("int8", "int8"), ("float8_e4m3fn", "float8_e4m3fn")])
-def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs):
+@pytest.mark.parametrize("ks,vs,dtype,layout,H,D", [
+    ("int8", "int8", "float16", "nhd", 4, 128),
+    ("float8_e4m3fn", "float8_e4m3fn", "float16", "nhd", 4, 128),
+    ("int8", "float8_e4m3fn", "bfloat16", "hnd", 4, 64),
+    ("float8_e4m3fn", "int8", "float32", "nhd", 4, 128),
+    ("int8", "", "float16", "nhd", 4, 128),
+])
+def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs, dtype, layout, H, D,
+                                                           monkeypatch):
     """Normal rows, zero rows, outliers, NaN/inf rows (no float32 subnormals: CUDA flushes
-    them to zero under nvcc's fast math)."""
+    them to zero under nvcc's fast math), rows of a bad page skipped and flagged; a
+    full-precision side (K-only cache) is copied. The bytes equal the reference's, page
+    padding and the untouched pages included."""
     import torch
 
     from kvtvm import ops
+    from kvtvm.errors import KernelIndexError
     from kvtvm.kernels.reference import reference_append
+    from kvtvm.ops import quant
     from kvtvm.quant import quant_row_bytes
 
+    monkeypatch.setitem(quant.QUANT_TARGETS, ("cuda", "append"), quant.QUANT_DTYPES)
     rng = np.random.default_rng(1)
-    H, D, ps, pages = 4, 128, 16, 12
-    shape = (pages, ps, H, quant_row_bytes(D))
-    kc = torch.from_numpy(rng.integers(-128, 128, shape, dtype=np.int8)).cuda()
-    vc = torch.from_numpy(rng.integers(-128, 128, shape, dtype=np.int8)).cuda()
-    kc, vc = kc.view(getattr(torch, ks)), vc.view(getattr(torch, vs))
+    ps, pages = 16, 12
+
+    def cache(storage):
+        width = quant_row_bytes(D) if storage else D
+        shape = (pages, ps, H, width) if layout == "nhd" else (pages, H, ps, width)
+        if storage:
+            t = torch.from_numpy(rng.integers(-128, 128, shape, dtype=np.int8)).cuda()
+            return t.view(getattr(torch, storage))
+        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(
+            getattr(torch, dtype)).cuda()
+
+    kc, vc = cache(ks), cache(vs)
     n = 40
     x = (rng.standard_normal((2, n, H, D)) * rng.uniform(1e-3, 50, (2, n, H, 1))).astype(
         np.float32)
@@ -158,7 +173,8 @@ def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs):
     x[0, 1, 1, 3] *= 100
     x[1, 2, 0, 5] = np.nan
     x[0, 3, 2, 1] = -np.inf
-    k, v = (torch.from_numpy(t).half().cuda() for t in x)
+    x[1, 4, 3, :] = -x[1, 4, 3, :]
+    k, v = (torch.from_numpy(t).to(getattr(torch, dtype)).cuda() for t in x)
     indptr = torch.tensor([0, 25, 40], dtype=torch.int32)
     lengths = torch.tensor([3, 30], dtype=torch.int32)
     table = torch.from_numpy(rng.permutation(pages)[:8].reshape(2, 4).astype(np.int32))
@@ -166,12 +182,31 @@ def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs):
     def host(t):
         import ml_dtypes
 
+        if t.element_size() != 1:
+            return t.float().cpu().numpy()
         raw = t.view(torch.uint8).cpu().numpy()
         return raw.view(np.int8 if t.dtype == torch.int8 else ml_dtypes.float8_e4m3fn)
 
+    def raw(t):
+        return t.view(torch.uint8).cpu().numpy() if t.element_size() == 1 else host(t)
+
     want_k, want_v = reference_append(host(kc), host(vc), k.float().cpu().numpy(),
                                       v.float().cpu().numpy(), indptr.numpy(), lengths.numpy(),
-                                      table.numpy())
-    ops.append_kv(kc, vc, k, v, indptr.cuda(), lengths.cuda(), table.cuda())
-    np.testing.assert_array_equal(kc.view(torch.uint8).cpu().numpy(), want_k.view(np.uint8))
-    np.testing.assert_array_equal(vc.view(torch.uint8).cpu().numpy(), want_v.view(np.uint8))
+                                      table.numpy(), layout=layout)
+    ops.append_kv(kc, vc, k, v, indptr.cuda(), lengths.cuda(), table.cuda(), layout=layout)
+    for got, want in ((kc, want_k), (vc, want_v)):
+        if got.element_size() == 1:
+            np.testing.assert_array_equal(raw(got), want.view(np.uint8))
+        else:  # the full-precision side: a copy of the rows in the cache's dtype
+            np.testing.assert_array_equal(raw(got), want.astype(np.float32))
+    # a row on a page outside the pool: skipped, nothing else written, flagged (unchecked mode)
+    before = (raw(kc).copy(), raw(vc).copy())
+    bad = table.clone()
+    bad[1, 3] = pages + 5
+    ops.append_kv(kc, vc, k, v, indptr.cuda(), torch.tensor([3, 40], dtype=torch.int32).cuda(),
+                  bad.cuda(), layout=layout, check_indices=False)
+    with pytest.raises(KernelIndexError):
+        ops.check()
+    got_k = raw(kc)
+    untouched = np.setdiff1d(np.arange(pages), bad.numpy()[:, :3])
+    np.testing.assert_array_equal(got_k[untouched], before[0][untouched])
