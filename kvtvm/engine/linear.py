@@ -19,12 +19,13 @@ order: outputs differ in the last bits (about 1e-6 relative), as between any two
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["LinearBackend", "LINEAR_BACKENDS"]
+__all__ = ["LinearBackend", "LINEAR_BACKENDS", "backend_for"]
 
 _log = logging.getLogger("kvtvm.engine")
 
@@ -111,3 +112,16 @@ class LinearBackend:
     def packed_bytes(self) -> int:
         """Bytes of the packed weight copies held now."""
         return sum(e[0].numel() * e[0].element_size() for e in self._packed.values())
+
+
+_SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def backend_for(model, dtype, device, backend: str = "auto") -> LinearBackend:
+    """The :class:`LinearBackend` of ``model`` for ``backend``, shared by every runner of the
+    same model (one packed copy of its weights, not one per engine)."""
+    per_model = _SHARED.setdefault(model, {})
+    key = (backend, dtype, str(device))
+    if key not in per_model:
+        per_model[key] = LinearBackend(dtype, device, backend)
+    return per_model[key]

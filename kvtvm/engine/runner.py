@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..plan import plan_step
-from .linear import LinearBackend
+from .linear import backend_for
 
 __all__ = ["ModelRunner", "UnsupportedModelError", "check_supported", "rotate_half",
            "SUPPORTED_MODEL_TYPES"]
@@ -99,7 +99,7 @@ class ModelRunner:
         self.dtype = next(hf_model.parameters()).dtype
         self.device = next(hf_model.parameters()).device
         self.use_decode_kernel = True
-        self.linear = LinearBackend(self.dtype, self.device, linear)
+        self.linear = backend_for(hf_model, self.dtype, self.device, linear)
         self._plain_mlp = all(
             all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
             for layer in self.model.layers)

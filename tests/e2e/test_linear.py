@@ -69,6 +69,7 @@ def test_runner_logits_match_transformers_with_either_backend():
     want = model(ids).logits[0].float()
     for backend in ("auto", "torch"):
         runner = ModelRunner(model, linear=backend)
+        assert ModelRunner(model, linear=backend).linear is runner.linear   # one packed copy
         got = _run(runner, ids[0].tolist(), last_only=False)
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), backend
         last = _run(runner, ids[0].tolist(), last_only=True)
