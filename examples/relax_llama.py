@@ -165,14 +165,16 @@ def build_relax_model(cfg: Config):
             q = rotate(op.reshape(self.q_proj(x), [n, HQ, D]), cos, sin)
             k = rotate(op.reshape(self.k_proj(x), [n, H, D]), cos, sin)
             v = op.reshape(self.v_proj(x), [n, H, D])
+            flag = dict(error_flag=kv["error_flag"])  # what check_errors() reports
             k_cache, v_cache = kr.nn_append_kv(k_cache, v_cache, k, v, kv["qo_indptr"],
-                                               kv["cache_lengths"], kv["lookup_table"], **kern)
+                                               kv["cache_lengths"], kv["lookup_table"],
+                                               **kern, **flag)
             if decode:  # one token per sequence: row b is sequence b
                 o = kr.nn_decode_attention(q, k_cache, v_cache, kv["cache_lengths"],
-                                           kv["lookup_table"], **kern)
+                                           kv["lookup_table"], **kern, **flag)
             else:
                 o = kr.nn_attention(q, k_cache, v_cache, kv["qo_indptr"],
-                                    kv["cache_lengths"], kv["lookup_table"], **kern)
+                                    kv["cache_lengths"], kv["lookup_table"], **kern, **flag)
             return self.o_proj(op.reshape(o, [n, HQ * D]))
 
     class MLP(nn.Module):
@@ -221,15 +223,15 @@ def build_relax_model(cfg: Config):
             return self.lm_head(self.model.norm(x))
 
         def prefill(self, input_ids, positions, logit_rows, kv_caches, qo_indptr,
-                    cache_lengths, lookup_table):
+                    cache_lengths, lookup_table, error_flag):
             kv = dict(qo_indptr=qo_indptr, cache_lengths=cache_lengths,
-                      lookup_table=lookup_table)
+                      lookup_table=lookup_table, error_flag=error_flag)
             return self._run(input_ids, positions, logit_rows, kv_caches, kv, decode=False)
 
         def decode(self, input_ids, positions, kv_caches, qo_indptr, cache_lengths,
-                   lookup_table):
+                   lookup_table, error_flag):
             kv = dict(qo_indptr=qo_indptr, cache_lengths=cache_lengths,
-                      lookup_table=lookup_table)
+                      lookup_table=lookup_table, error_flag=error_flag)
             return self._run(input_ids, positions, None, kv_caches, kv, decode=True)
 
     return LlamaForCausalLM()
@@ -348,7 +350,7 @@ def serve(cfg: Config, vm, weights, manager, requests, log=print):
         ids_t = torch.tensor(ids, dtype=torch.int32, device=cfg.device)
         pos_t = torch.tensor(pos, dtype=torch.int32, device=cfg.device)
         kv_args = kr.kv_call_args(inp)
-        caches, tables = kv_args[:-3], kv_args[-3:]
+        caches, tables = kv_args[:-4], kv_args[-4:]  # + the error flag
         if len(ids) == len(order):  # every sequence adds one token: the decode kernel
             logits = vm["decode"](ids_t, pos_t, caches, *tables, *weights)
             stats["decode_calls"] += 1
@@ -358,6 +360,7 @@ def serve(cfg: Config, vm, weights, manager, requests, log=print):
             logits = vm["prefill"](ids_t, pos_t, rows, caches, *tables, *weights)
             stats["prefill_calls"] += 1
             kind = "prefill"
+        kr.check_errors(cfg.device)  # KernelIndexError if a kernel skipped a bad entry
         manager.step(batch)
         nxt = torch.from_dlpack(logits).argmax(-1).tolist()
         if kind == "prefill" and log:

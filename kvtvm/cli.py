@@ -165,11 +165,16 @@ def cmd_generate(args) -> int:
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     engine = Engine(model, "paged", max_batch_size=1,
                     max_seq_len=max(len(ids), 1) + args.max_new_tokens, device=args.device,
-                    torch_threads=args.torch_threads, kernel_threads=args.kernel_threads)
+                    torch_threads=args.torch_threads, kernel_threads=args.kernel_threads,
+                    host_tier_pages=args.host_tier_pages, disk_tier_dir=args.disk_tier_dir)
     req = Request(0, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   seed=args.seed)
     engine.log = lambda s: print(s, file=sys.stderr)
     engine.serve([req])
+    if args.disk_tier_dir is not None or args.host_tier_pages:
+        written = engine.close()
+        print(f"prefix cache: {req.prefix_hit_tokens} prompt tokens from the cache and its "
+              f"tiers, {written} pages written to the disk tier", file=sys.stderr)
     if req.status != "done":
         print(f"error: {req.error}", file=sys.stderr)
         return 2
@@ -239,6 +244,11 @@ def main(argv=None) -> int:
                    help="kvtvm kernel threads (default KVTVM_NUM_THREADS or the cores)")
     g.add_argument("--check", action="store_true",
                    help="greedy: compare the tokens with transformers' generate (exit 1 if not)")
+    g.add_argument("--host-tier-pages", type=int, default=0,
+                   help="pages of the prefix cache's host tier (default 0: none)")
+    g.add_argument("--disk-tier-dir", default=None,
+                   help="prefix cache disk tier directory: a later run with the same "
+                   "directory reads the prompt's cached pages from it")
     g.set_defaults(func=cmd_generate)
     i = sub.add_parser("info", help="what is built, for which targets, where the cache lives")
     i.set_defaults(func=cmd_info)

@@ -17,10 +17,16 @@ Wire protocol of :class:`DistributedTransport` (control messages are one fixed
 :data:`MSG_BYTES` buffer each: ``[kind, length, tag]`` and a payload), one round trip:
 
     lookup:  A->B LOOKUP(hashes)                 B->A ANSWER(count)
-    pages:   A->B PAGES(JSON header, run lengths) + one message per run of consecutive cache
-             pages (views: no copy); B receives each run straight into a run of its fresh
-             pages when it fits (else into a buffer, one copy)
+    pages:   A->B PAGES(JSON header without the checksums, run lengths)
+             A->B one message per run of consecutive cache pages (views: no copy; runs cut
+                  at CHUNK_BYTES); B receives each run straight into a run of its fresh pages
+                  when it fits (else into a buffer, one copy)
+             A->B SUMS(one checksum per page): A computes them while the runs are on the wire,
+                  B its own as each run lands; B compares, then registers
                                                  B->A ACK(status, pages written or held)
+
+(An export whose checksums were already computed -- ``export.header`` was read -- carries them
+in PAGES and sends no SUMS.)
 
 ``status`` 0 is success, 1 "resend from an earlier page" (the peer lacks the prefix the
 sender thought it held -- e.g. a hash collision in the lookup), 2 a refused import
@@ -44,7 +50,7 @@ import numpy as np
 
 from .errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
                      KVCacheCapacityError, TransferError, TransferTimeoutError, describe)
-from .manager.hashing import checksum
+from .manager.checksums import DEVICE, page_checksums
 from .manager.pageio import PageExport, PageHeader
 
 __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
@@ -53,16 +59,16 @@ __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
 log = logging.getLogger(__name__)
 
 # message kinds, and the status of an import plan / acknowledgement
-LOOKUP, ANSWER, PAGES, ACK, INTS, CLOSE = range(1, 7)
+LOOKUP, ANSWER, PAGES, ACK, INTS, CLOSE, SUMS = range(1, 8)
 OK, RESEND, REFUSED = 0, 1, 2
 #: Bytes of the fixed buffer every control message travels in.
 MSG_BYTES = 8192
 _FRAME = struct.Struct("<qqq")  # kind, payload length, tag
 _MASK = (1 << 64) - 1
 _LEN = struct.Struct("<q")
-#: Most pages one data message carries: the receiver checks a message's pages while the next
-#: ones arrive.
-CHUNK_PAGES = 16
+#: Bytes one data message carries at most (whole pages, at least one): the receiver checks a
+#: message's pages while the next ones arrive, so only the last one's check is not hidden.
+CHUNK_BYTES = 2 << 20
 
 
 @dataclass
@@ -163,7 +169,8 @@ def send_sequence(transport: PageTransport, peer: int, seq_id: int, tag: int = 0
     mgr = transport._need()
     have = transport.lookup(peer, mgr.block_hashes_of(seq_id))
     for first in (have, 0):
-        export = mgr.export_pages(seq_id, first_page=first, timeout=timeout)
+        export = mgr.export_pages(seq_id, first_page=first, timeout=timeout,
+                                  defer_checksums=True)
         transfer = transport.send(peer, export, tag)
         try:
             return transfer.wait(timeout)
@@ -200,6 +207,7 @@ class DistributedTransport(PageTransport):
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
+        self._early_ack = backend == "gloo"
         self._pool = None
         self._stage = None
         self._out = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
@@ -235,27 +243,38 @@ class DistributedTransport(PageTransport):
         return self._stage[:nbytes].view(dtype).view(shape)
 
     def _send_msg(self, peer: int, kind: int, tag: int = 0, payload: bytes = b"",
-                  what: str = "message") -> None:
+                  what: str = "message", wait: bool = True) -> list:
         """One control message: ``[kind, len, tag]`` and the payload's first bytes in one
-        fixed-size buffer, the rest (if any) in a second message."""
+        fixed-size buffer, the rest (if any) in a second message. ``wait=False``: returns the
+        send works instead of waiting for them (the message gets a buffer of its own)."""
         import torch
 
         head = _FRAME.pack(kind, len(payload), tag) + payload[:MSG_BYTES - _FRAME.size]
-        buf = self._out
-        buf[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        self._wait(self.dist.isend(buf, peer, group=self.group), what)
+        buf = self._out if wait else torch.zeros(MSG_BYTES, dtype=torch.uint8,
+                                                 device=self.device)
+        buf[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.device)
+        works = [self.dist.isend(buf, peer, group=self.group)]
         rest = payload[MSG_BYTES - _FRAME.size:]
         if rest:
             t = torch.frombuffer(bytearray(rest), dtype=torch.uint8).to(self.device)
-            self._wait(self.dist.isend(t, peer, group=self.group), what)
+            works.append(self.dist.isend(t, peer, group=self.group))
+        if wait:
+            for work in works:
+                self._wait(work, what)
+            return []
+        return works
 
     def _recv_msg(self, peer: int, what: str, timeout: float | None = None):
         """``(kind, tag, payload bytes)`` of the next control message."""
-        import torch
-
         buf = self._in
         self._wait(self.dist.irecv(buf, peer, group=self.group), what, timeout)
-        raw = buf.cpu().numpy().tobytes()
+        return self._read_msg(peer, what, timeout)
+
+    def _read_msg(self, peer: int, what: str, timeout: float | None = None):
+        """Parse the control message received into ``self._in`` (and its continuation)."""
+        import torch
+
+        raw = self._in.cpu().numpy().tobytes()
         kind, n, tag = _FRAME.unpack_from(raw)
         if n < 0 or n > 1 << 31:
             raise CorruptTransferError(f"transport: bad message length {n}")
@@ -283,29 +302,60 @@ class DistributedTransport(PageTransport):
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
         self._need()
         # one round trip: the header and the run lengths, the runs (views of the cache pages,
-        # zero copy), then the peer's acknowledgement
-        runs = export.page_runs(0) if export.header.n_carried else []
-        runs = [(r + i, v[i:i + CHUNK_PAGES]) for r, v in runs
-                for i in range(0, v.shape[0], CHUNK_PAGES)]
-        raw = export.header.to_bytes()
+        # zero copy), their checksums (computed while the runs are on the wire), then the
+        # peer's acknowledgement
+        hdr = export.wire_header
+        per = max(1, CHUNK_BYTES // max(1, hdr.page_bytes))
+        runs = export.page_runs(0) if hdr.n_carried else []
+        runs = [(r + i, v[i:i + per]) for r, v in runs for i in range(0, v.shape[0], per)]
+        later = hdr.checksums is None
+        raw = hdr.to_bytes()
         lengths = np.asarray([v.shape[0] for _, v in runs], dtype=np.int64)
-        self._send_msg(peer, PAGES, tag, _LEN.pack(len(raw)) + raw + lengths.tobytes(),
-                       "page header")
-        works = [self.dist.isend(v.to(self.device), peer, group=self.group) for _, v in runs]
+        # gloo: the acknowledgement's receive is posted first, so the peer's answer needs no
+        # "ready to receive" notice from this side when it comes. Not on NCCL: its p2p ops to
+        # one peer run in order on one stream, a receive posted first would wait for the
+        # peer's answer before the data it answers leaves (a deadlock)
+        what = f"acknowledgement from rank {peer}"
+        ack = [self.dist.irecv(self._in, peer, group=self.group)] if self._early_ack else []
+
+        def take_ack() -> bytes:
+            if not ack:
+                ack.append(self.dist.irecv(self._in, peer, group=self.group))
+            self._wait(ack[0], what)
+            kind, _, payload = self._read_msg(peer, what)
+            if kind != ACK:
+                raise CorruptTransferError(f"transport: expected {what} (kind {ACK}), got "
+                                           f"kind {kind}")
+            return payload
+
+        works = self._send_msg(peer, PAGES, tag, _LEN.pack(len(raw)) + raw
+                               + lengths.tobytes(), "page header", wait=False)
+        works += [self.dist.isend(v.to(self.device), peer, group=self.group) for _, v in runs]
+        failed = None
+        if later:
+            try:
+                sums = [c for row, v in runs for c in export.row_checksums(row, v)]
+            except TransferError as err:  # the lease ended: the peer refuses a short list
+                failed, sums = err, []
+            works += self._send_msg(peer, SUMS, tag, np.asarray(sums, np.uint64).tobytes(),
+                                    "checksums", wait=False)
         for work in works:
             self._wait(work, "page data")
+        if failed is not None:
+            take_ack()
+            self.manager.end_lease(export.lease_id)
+            raise failed
         transfer = Transfer(export, self.manager)
-        what = f"acknowledgement from rank {peer}"
         state = {}  # "future": the ack awaited on a helper thread (poll never blocks);
         #             "payload": the ack, received in the caller's thread by wait()
 
         def step():
             if "payload" not in state:
                 if "future" not in state:
-                    state["future"] = self._waiter().submit(self._expect, peer, ACK, what)
+                    state["future"] = self._waiter().submit(take_ack)
                 if not state["future"].done():
                     return False
-                state["payload"] = state["future"].result()[1]
+                state["payload"] = state["future"].result()
             st, n = np.frombuffer(state["payload"], np.int64).tolist()
             if st != OK:
                 err = TransferError(f"transport: the peer did not import the pages "
@@ -319,7 +369,7 @@ class DistributedTransport(PageTransport):
             if "future" in state:
                 futures_wait([state["future"]], timeout=timeout)
             elif "payload" not in state:  # nobody polled: no thread hop
-                state["payload"] = self._expect(peer, ACK, what)[1]
+                state["payload"] = take_ack()
 
         transfer._step, transfer._block = step, block
         return transfer
@@ -361,7 +411,7 @@ class DistributedTransport(PageTransport):
         header, seq_id, lid = None, None, None
         try:
             (hlen,) = _LEN.unpack_from(payload)
-            header = PageHeader.from_bytes(payload[_LEN.size:_LEN.size + hlen])
+            header = PageHeader.from_bytes(payload[_LEN.size:_LEN.size + hlen], deferred=True)
             lengths = np.frombuffer(payload[_LEN.size + hlen:], np.int64).tolist()
             if sum(lengths) != header.n_carried or min(lengths, default=1) < 1:
                 raise CorruptTransferError(f"transport: runs {lengths} announced for "
@@ -369,18 +419,20 @@ class DistributedTransport(PageTransport):
         except (struct.error, ValueError) as err:
             raise CorruptTransferError(f"transport: unreadable page message ({err})") from None
         dtype = getattr(torch, header.tensor_dtype)
+        later = header.checksums is None  # a SUMS message follows the data
         try:
             seq_id = seq_for(header, tag) if seq_for is not None else None
             lid, first_row = mgr.begin_import(header, seq_id, timeout=self.timeout)
         except (TransferError, KVCacheCapacityError, InvalidArgumentError) as err:
-            # refused: take the data off the wire all the same, then say why
-            self._drain(peer, lengths, header.page_shape, dtype)
+            # refused: take the data (and checksums) off the wire all the same, then say why
+            self._drain(peer, lengths, header.page_shape, dtype, later)
             held = mgr.held_prefix_pages(header.block_hashes) if type(err) is TransferError \
                 else 0
             self._ints_msg(peer, ACK, [_import_status(err), held], "acknowledgement")
             return Received("pages", tag, header=header, error=err)
         try:
-            targets = self._targets(mgr.import_runs(lid), lengths, first_row)
+            targets, fixups = self._targets(mgr.import_runs(lid), lengths, first_row,
+                                            header.page_shape, dtype)
             if targets is None:  # not in place: everything into a buffer, one copy after
                 data = self._staging((header.n_carried, *header.page_shape), dtype)
                 targets, r = [], 0
@@ -390,20 +442,37 @@ class DistributedTransport(PageTransport):
             else:
                 data = None
             works = [self.dist.irecv(t, peer, group=self.group) for t in targets]
-            # verify each run while the next ones arrive (the checksums leave the critical path)
-            bad, r = None, 0
+            sums_work = self.dist.irecv(self._in, peer, group=self.group) if later else None
+            # verify each run while the next ones arrive (the checksums leave the critical
+            # path) -- unless the device checksum would run on a host buffer bound for a
+            # CUDA cache: then finish_import checks the pages on the device
+            inline = not (header.checksum == DEVICE and data is not None
+                          and data.device.type == "cpu"
+                          and mgr.blocks[0].device.type == "cuda")
+            got, r = [], 0
             for work, target in zip(works, targets):
                 self._wait(work, "page data")
-                for i in range(target.shape[0]):
-                    if r + i >= first_row and bad is None and \
-                            checksum(target[i]) != header.checksums[r + i]:
-                        bad = r + i
+                if inline:
+                    got += page_checksums(target, header.checksum)
                 r += target.shape[0]
-            if bad is not None:
-                raise CorruptTransferError(f"transport: page {header.first_page + bad} fails "
-                                           f"its {header.checksum} checksum")
+            if later:
+                self._wait(sums_work, "checksums")
+                kind, _, raw = self._read_msg(peer, "checksums")
+                if kind != SUMS:
+                    raise CorruptTransferError(f"transport: expected checksums (kind {SUMS}), "
+                                               f"got kind {kind}")
+                header = header.with_checksums(np.frombuffer(raw, np.uint64).tolist())
+            if inline:
+                bad = next((i for i in range(first_row, len(got))
+                            if got[i] != header.checksums[i]), None)
+                if bad is not None:
+                    raise CorruptTransferError(f"transport: page {header.first_page + bad} "
+                                               f"fails its {header.checksum} checksum")
+            for buf, rows in fixups:  # runs that straddled two runs of fresh pages
+                for i, row in enumerate(rows):
+                    row.copy_(buf[i])
             written = mgr.finish_import(lid, None if data is None else data[first_row:],
-                                        verified=True)
+                                        verified=inline, checksums=header.checksums)
         except BaseException as err:
             mgr.end_lease(lid)  # no-op if finish_import ended it
             if isinstance(err, TransferTimeoutError):
@@ -413,31 +482,48 @@ class DistributedTransport(PageTransport):
         self._ints_msg(peer, ACK, [OK, written], "acknowledgement")
         return Received("pages", tag, header=header, seq_id=seq_id, pages_written=written)
 
-    def _targets(self, dest, lengths, first_row):
-        """Views of this cache's fresh pages receiving each of the sender's runs in place, or
-        None when a run does not land in one run of consecutive fresh pages (then a buffer
-        takes them). ``dest`` is :meth:`import_runs`' answer; rows before ``first_row`` (pages
-        the sender thought missing but this cache holds) go to a scratch buffer."""
+    def _targets(self, dest, lengths, first_row, page_shape, dtype):
+        """Where each of the sender's runs is received: ``(targets, fixups)``. A run that lands
+        in one run of this cache's consecutive fresh pages is received there in place (a
+        view); one that straddles two (or holds rows before ``first_row``: pages the sender
+        thought missing but this cache holds) goes to a slice of a buffer, and ``fixups``
+        lists ``(buffer rows, [fresh page view per row])`` to copy once verified (rows before
+        ``first_row`` are dropped). ``(None, [])`` when the pages are not on this transport's
+        device or the cache splits heads (``dest`` None): then all go to a buffer. ``dest``
+        is :meth:`import_runs`' answer."""
         if dest is None or any(v.device != self.device for _, v in dest):
-            return None
-        out, r = [], 0
+            return None, []
+        rows = [v[i] for _, v in dest for i in range(v.shape[0])]  # a view per fresh page
+        out, pending, r = [], [], 0
         for n in lengths:
             rel = r - first_row
-            if rel < 0:
-                return None
-            row, view = next(((row, v) for row, v in reversed(dest) if row <= rel), (0, None))
-            if view is None or rel - row + n > view.shape[0]:
-                return None
-            out.append(view[rel - row:rel - row + n])
+            hit = next(((row, v) for row, v in reversed(dest) if row <= rel), None) \
+                if rel >= 0 else None
+            if hit is not None and rel - hit[0] + n <= hit[1].shape[0]:
+                out.append(hit[1][rel - hit[0]:rel - hit[0] + n])
+            else:
+                pending.append((len(out), n, rel))
+                out.append(None)
             r += n
-        return out
+        fixups, s = [], 0
+        if pending:
+            stage = self._staging((sum(n for _, n, _ in pending), *page_shape), dtype)
+            for k, n, rel in pending:
+                out[k] = stage[s:s + n]
+                skip = max(0, -rel)
+                fixups.append((out[k][skip:], rows[rel + skip:rel + n]))
+                s += n
+        return out, fixups
 
-    def _drain(self, peer, lengths, page_shape, dtype) -> None:
-        """Receive and drop the runs of a refused import (the sender sends them regardless)."""
+    def _drain(self, peer, lengths, page_shape, dtype, sums: bool) -> None:
+        """Receive and drop the runs (and checksums) of a refused import (the sender sends
+        them regardless)."""
         if lengths:
             buf = self._staging((max(lengths), *page_shape), dtype)
             for n in lengths:
                 self._wait(self.dist.irecv(buf[:n], peer, group=self.group), "page data")
+        if sums:
+            self._recv_msg(peer, "checksums")
 
 
 _CODES = {OK: "ok", RESEND: "missing prefix, resend", REFUSED: "refused"}

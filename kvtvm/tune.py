@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import compiler, runtime
 from .bench.common import device_name, median_seconds
+from .compiler.trust import check_trusted, check_trusted_tree
 from .kernels.errflag import ERR_SLOTS
 
 log = logging.getLogger(__name__)
@@ -154,9 +155,16 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
     snapshot = [t.clone() for t in outputs]
     trials, reference = [], None
     timing = "graph" if device.startswith("cuda") else "eager"
+    if prebuilt is not None:  # modules built elsewhere are loaded: the kernel trust rules
+        check_trusted_tree(prebuilt, "prebuilt candidates directory")
     with tempfile.TemporaryDirectory(prefix="kvtvm-tune-") as tmp:
         cands = (prebuilt_candidates(spec, prebuilt) if prebuilt is not None
                  else [(knobs, None) for knobs in candidates(spec, max_trials)])
+        for _, path in cands:
+            if isinstance(path, Path):
+                check_trusted(path.parent, "prebuilt candidates directory")
+                if path.exists():
+                    check_trusted(path, "prebuilt candidate")
         bar = _bar(cands, f"tune {spec.uri}")
         for knobs, path in bar:
             bar.set_postfix_str(str(knobs), refresh=False)

@@ -107,3 +107,12 @@ def pages_bad_macro(threads: int, any_of=None, hoist: bool = True):
             bad[0] = any_of(bad[0])
 
     return pages_bad_hoisted if hoist else pages_bad_inline
+
+
+def prefetch(buf, index):
+    """CPU: a software prefetch (``prefetcht0``) of the cache line holding ``buf[index]`` (an
+    ``llvm.prefetch`` call: never faults, changes nothing); use as ``T.evaluate(...)``."""
+    from kvtvm.kernels._tvm import T
+
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[index]),
+                              T.int32(0), T.int32(3), T.int32(1))

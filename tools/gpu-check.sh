@@ -15,8 +15,7 @@ step "GPU tests" python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/manager/test_manager_linear_cuda.py tests/quant/test_quant_cuda.py
 for b in append copy decode prefill; do
   extra=()  # quantized caches side by side (their kernels: tools/gpu-kit.sh)
-  # (quantized caches: the ops refuse them on CUDA until tests/quant/test_quant_cuda.py's
-  # numerics pass; then add: case $b in append|decode) extra=(--cache-dtype int8 float8_e4m3fn) ;; esac)
+  case $b in decode) extra=(--cache-dtype float16 int8 float8_e4m3fn) ;; esac
   step "bench $b" python3 -m kvtvm bench "$b" --device cuda ${extra[@]+"${extra[@]}"} \
        --json "$OUT/bench-$b.json"
 done

@@ -23,7 +23,8 @@ from .. import runtime
 from ..errors import CompilerUnavailableError, CorruptKernelError, KernelVersionError
 from . import build as _build
 from .manifest import is_fresh, manifest_path, read_manifest, version_mismatch
-from .trust import check_digest, check_trusted, corrupt, secure_cache_dir
+from .trust import (check_digest, check_trusted, check_trusted_tree, corrupt,
+                    secure_cache_dir)
 from .spec import KernelSpec, tvm_version
 
 _extra_dirs: list[Path] = []
@@ -86,7 +87,7 @@ def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[
         path = d / spec.file_name()
         if not path.exists():
             continue
-        check_trusted(d, "kernel directory")  # raises: never load another user's code
+        check_trusted_tree(d, "kernel directory")  # raises: never load another user's code
         check_trusted(path)
         if manifest_path(path).exists():
             check_trusted(manifest_path(path), "kernel manifest")

@@ -10,15 +10,22 @@ from pathlib import Path
 
 from ..errors import CorruptKernelError
 from .spec import KernelSpec
+from .trust import check_trusted, check_trusted_parents
 
 _PKG = Path(__file__).resolve().parent.parent  # kvtvm/
 _REPO = _PKG.parent
 
 
+#: (family, target) pairs whose quantized specs have a schedule module of their own,
+#: ``schedules/<family>/<cpu|cuda>_quant.py``; the CPU decode and prefill schedules serve every
+#: storage type.
+QUANT_SCHEDULES = (("append", "llvm"), ("append", "cuda"), ("decode", "cuda"))
+
+
 def schedule_module_name(spec: KernelSpec) -> str:
     """``<family>.<cpu|cuda>``: the module of ``schedules/`` that schedules ``spec``
-    (``<family>.<cpu|cuda>_quant`` for a quantized spec)."""
-    quant = "_quant" if spec.quantized else ""
+    (``<family>.<cpu|cuda>_quant`` for a quantized spec of :data:`QUANT_SCHEDULES`)."""
+    quant = "_quant" if spec.quantized and (spec.op, spec.target) in QUANT_SCHEDULES else ""
     return f"{spec.op}.{'cpu' if spec.target == 'llvm' else 'cuda'}{quant}"
 
 
@@ -52,10 +59,17 @@ def tuning_log_path(spec: KernelSpec, root: Path | None = None) -> Path:
 
 
 def tuned_knobs(spec: KernelSpec) -> dict:
-    """Knob values recorded for ``spec`` in ``tuning_logs/`` (empty when none)."""
+    """Knob values recorded for ``spec`` in ``tuning_logs/`` (empty when none).
+
+    The log, its directory and every directory above up to the user's home must be this
+    user's or root's and not writable by group/others (:mod:`.trust`), else
+    :class:`~kvtvm.errors.UntrustedKernelError` names the path and the reason."""
     path = tuning_log_path(spec)
     if not path.exists():
         return {}
+    check_trusted(path, "tuning log")
+    check_trusted(path.parent, "tuning log directory")
+    check_trusted_parents(path.parent, "tuning log directory")
     try:
         data = json.loads(path.read_text())
         knobs = data.get("knobs", {}) if isinstance(data, dict) else None

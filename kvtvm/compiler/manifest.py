@@ -20,7 +20,7 @@ from pathlib import Path
 from .._version import __version__
 from .knobs import schedules_dir, tuned_knobs
 from .trust import check_digest, set_file_mode, sha256_of
-from .spec import KernelSpec, target_key, tvm_version
+from .spec import QUANT_FAMILIES, KernelSpec, target_key, tvm_version
 
 #: Bumped when the manifest's fields change meaning.
 MANIFEST_FORMAT = 1
@@ -42,8 +42,9 @@ def source_files(spec: KernelSpec) -> list[Path]:
     """The sources a build of ``spec`` depends on (besides TVM and the tuning log)."""
     kernels, sched = kernels_dir(), schedules_dir()
     prefix = "cpu" if spec.target == "llvm" else "cuda"
-    quant = ([kernels / f"{spec.op}_quant.py", kernels / "quant_access.py"]
-             if spec.quantized else [])
+    quant = [kernels / "quant_access.py"] if spec.op in QUANT_FAMILIES else []
+    if spec.family_module.endswith("_quant"):
+        quant.append(kernels / f"{spec.op}_quant.py")
     return ([kernels / f"{spec.op}.py", kernels / "accessor.py", kernels / "_tvm.py",
              kernels / "variants.py", sched / "common.py"] + quant
             + sorted((sched / spec.op).glob(f"{prefix}*.py")))

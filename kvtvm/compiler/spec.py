@@ -29,6 +29,10 @@ LAYOUTS = ("nhd", "hnd")
 CUDA_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 #: Families whose kernels read or write quantized caches (``k_storage`` / ``v_storage``).
 QUANT_FAMILIES = ("append", "decode", "prefill")
+#: Families whose quantized specs are defined by a module of their own,
+#: ``kvtvm.kernels.<op>_quant`` (the quantizing append); decode and prefill are defined once for
+#: every storage type (their loads dequantize, :mod:`kvtvm.kernels.quant_access`).
+QUANT_MODULES = ("append",)
 #: How a storage type is spelled in a quantized spec's uri ("" = full precision).
 _STORAGE_TAGS = {"": "full", "int8": "i8", "float8_e4m3fn": "e4m3"}
 
@@ -65,8 +69,10 @@ class KernelSpec:
         How the K (V) cache stores its rows: ``""`` (full precision, ``dtype``), ``"int8"`` or
         ``"float8_e4m3fn"`` (quantized rows with an inline float32 scale, :mod:`kvtvm.quant`).
         The ops read them off the cache views (:func:`kvtvm.storage.view_storage`); a spec
-        with either quantized is built from ``kvtvm.kernels.<op>_quant`` and
-        ``schedules/<op>/<cpu|cuda>_quant.py`` and has its own file name.
+        with either quantized has its own file name and is built from the family's module
+        (append: ``kvtvm.kernels.append_quant``) and schedule (``schedules/<op>/cpu.py``;
+        append and CUDA decode: ``<cpu|cuda>_quant.py``, see
+        :func:`kvtvm.compiler.knobs.schedule_module_name`).
 
     Raises
     ------
@@ -142,9 +148,11 @@ class KernelSpec:
 
     @property
     def family_module(self) -> str:
-        """The module defining this spec's kernel: ``kvtvm.kernels.<op>`` or, for a quantized
-        spec, ``kvtvm.kernels.<op>_quant``."""
-        return f"kvtvm.kernels.{self.op}{'_quant' if self.quantized else ''}"
+        """The module defining this spec's kernel: ``kvtvm.kernels.<op>`` (every storage type)
+        or, for a quantized spec of a family in :data:`QUANT_MODULES`,
+        ``kvtvm.kernels.<op>_quant``."""
+        quant = self.quantized and self.op in QUANT_MODULES
+        return f"kvtvm.kernels.{self.op}{'_quant' if quant else ''}"
 
     @property
     def target_tag(self) -> str:

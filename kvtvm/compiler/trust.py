@@ -7,8 +7,14 @@ or others can write. The user cache is created ``0700``; built files are made ``
 directories kvtvm creates ``0700`` (cache) whatever the umask. Each module's manifest records
 its sha256, checked before ``dlopen``: a truncated or corrupt module is rebuilt when the
 compiler is present and is a :class:`~kvtvm.errors.CorruptKernelError` naming the file when it
-is not (never a SIGBUS). Only the directory holding a module and the module (and manifest)
-themselves are checked, not every parent.
+is not (never a SIGBUS).
+
+Tuning logs (their knobs shape the code that is built) get the same owner and permission
+checks. As ssh does, every directory above a kernel directory or a tuning log is checked too,
+up to the user's home directory (or the filesystem root when the path is not under home): one
+that another user owns or that group/others can write could swap the whole subtree. A
+root-owned directory with the sticky bit (``/tmp``) passes: others may add entries there but
+cannot rename or remove ours.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from pathlib import Path
 
 from ..errors import CorruptKernelError, UntrustedKernelError
 
-__all__ = ["FILE_MODE", "CACHE_DIR_MODE", "check_trusted", "secure_cache_dir", "sha256_of",
-           "set_file_mode", "check_digest"]
+__all__ = ["FILE_MODE", "CACHE_DIR_MODE", "check_trusted", "check_trusted_parents",
+           "check_trusted_tree", "secure_cache_dir", "sha256_of", "set_file_mode",
+           "check_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +43,68 @@ def _trusted_owner(uid: int) -> bool:
     return uid == os.geteuid() or uid == 0
 
 
+def _stat(path: Path) -> os.stat_result:
+    """``os.stat`` of ``path`` (symlinks followed); one place for the tests to fake owners."""
+    return os.stat(path)
+
+
+def _refusal(st: os.stat_result, parent: bool) -> str | None:
+    """Why a file or directory with stat ``st`` cannot be trusted (None when it can)."""
+    if not _trusted_owner(st.st_uid):
+        return (f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root; "
+                "kvtvm loads no code another user could have written")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if parent and st.st_uid == 0 and st.st_mode & stat.S_ISVTX:
+            return None  # /tmp: others may add entries, not rename or remove ours
+        return (f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+    return None
+
+
 def check_trusted(path: str | os.PathLike, what: str = "kernel file") -> None:
     """Raise :class:`UntrustedKernelError` when ``path`` (a file or directory; symlinks
     followed) is owned by another user than this one or root, or group/others can write it."""
     path = Path(path)
     try:
-        st = path.stat()
+        st = _stat(path)
     except OSError as err:
         raise UntrustedKernelError(f"{what} {path}: cannot be checked ({err})") from None
-    if not _trusted_owner(st.st_uid):
-        raise UntrustedKernelError(
-            f"{what} {path}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) "
-            "or root; kvtvm loads no code another user could have written")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UntrustedKernelError(
-            f"{what} {path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
-            f"run `chmod go-w {path}`")
+    why = _refusal(st, parent=False)
+    if why is not None:
+        fix = f"; run `chmod go-w {path}`" if "writable" in why else ""
+        raise UntrustedKernelError(f"{what} {path}: {why}{fix}")
+
+
+def check_trusted_parents(path: str | os.PathLike, what: str = "kernel directory") -> None:
+    """Raise :class:`UntrustedKernelError` naming the directory when one above ``path``
+    (resolved), up to the user's home directory or the filesystem root, is owned by another
+    user than this one or root, or group/others can write it (a root-owned sticky directory
+    such as ``/tmp`` passes)."""
+    path = Path(path)
+    try:
+        p = path.resolve().parent
+        home = Path.home().resolve()
+    except (OSError, RuntimeError) as err:
+        raise UntrustedKernelError(f"{what} {path}: cannot be checked ({err})") from None
+    while True:
+        try:
+            st = _stat(p)
+        except OSError as err:
+            raise UntrustedKernelError(
+                f"{what} {path}: its parent directory {p} cannot be checked ({err})") from None
+        why = _refusal(st, parent=True)
+        if why is not None:
+            raise UntrustedKernelError(
+                f"{what} {path}: its parent directory {p} is {why}; another user could "
+                "replace what lies below it")
+        if p == home or p.parent == p:
+            return
+        p = p.parent
+
+
+def check_trusted_tree(path: str | os.PathLike, what: str = "kernel directory") -> None:
+    """:func:`check_trusted` of ``path``, then :func:`check_trusted_parents`."""
+    check_trusted(path, what)
+    check_trusted_parents(path, what)
 
 
 def secure_cache_dir(path: Path) -> Path:
@@ -77,6 +130,7 @@ def secure_cache_dir(path: Path) -> Path:
                         stat.S_IMODE(st.st_mode))
             os.chmod(d, CACHE_DIR_MODE)
         check_trusted(d, "kernel cache directory")
+    check_trusted_parents(path.parent, "kernel cache directory")
     return path
 
 

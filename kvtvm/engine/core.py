@@ -153,6 +153,15 @@ class Engine:
         prompts in one step.
     torch_threads, kernel_threads : int or None
         Thread counts set at the first step (:func:`kvtvm.engine.threads.configure_threads`).
+    host_tier_pages : int
+        Pages of the prefix cache's host tier (paged, prefix caching; 0: none): evicted
+        cached pages are demoted there and promoted back on a hit.
+    disk_tier_dir : str or Path, optional
+        Directory of the prefix cache's disk tier (written by a background thread; see
+        :class:`kvtvm.manager.tiers.DiskTier`). :meth:`close` writes every cached page there,
+        so a later engine on the same directory (a restart, another process) is served warm.
+    disk_tier_bytes : int
+        Size bound of the disk tier.
     """
 
     def __init__(self, model, cache: str = "paged", max_batch_size: int = 4,
@@ -160,7 +169,8 @@ class Engine:
                  prefix_caching: bool = True, device: str = "cpu", *, eos_token_ids=None,
                  max_step_tokens: int | None = 512,
                  torch_threads: int | None = DEFAULT_TORCH_THREADS,
-                 kernel_threads: int | None = None):
+                 kernel_threads: int | None = None, host_tier_pages: int = 0,
+                 disk_tier_dir=None, disk_tier_bytes: int = 1 << 30):
         if cache not in CACHE_CHOICES:
             raise InvalidArgumentError(f"cache must be one of {CACHE_CHOICES}, got {cache!r}")
         if max_step_tokens is not None and (not isinstance(max_step_tokens, int)
@@ -186,6 +196,12 @@ class Engine:
                                     enable_prefix_caching=prefix_caching and cache == "paged")
         self.kv = make_cache(cache, self.params, max_batch_size, max_seq_len,
                              self.model.num_layers, device, num_pages)
+        if host_tier_pages or disk_tier_dir is not None:
+            if not self.params.enable_prefix_caching:
+                raise InvalidArgumentError("host_tier_pages / disk_tier_dir need the paged "
+                                           "cache with prefix caching")
+            self.kv.mgr.attach_tiers(host_pages=host_tier_pages, disk_dir=disk_tier_dir,
+                                     disk_bytes=disk_tier_bytes)
         self.pending: list[Request] = []    # submitted, not yet arrived
         self.queue: list[Request] = []      # arrived, waiting for room
         self.running: list[Request] = []    # in the cache, in batch order
@@ -195,6 +211,16 @@ class Engine:
         self.log: Callable[[str], None] = _log.info
 
     # -- requests -------------------------------------------------------------------------
+
+    def close(self, persist: bool = True) -> int:
+        """Finish with the prefix cache's tiers: with a disk tier, write every cached page
+        there (``persist``) and stop its writer. Returns the pages written."""
+        mgr = getattr(self.kv, "mgr", None)
+        if getattr(mgr, "_tiers", None) is None:
+            return 0
+        n = mgr.persist_prefix_cache() if persist else 0
+        mgr.close_tiers()
+        return n
 
     def submit(self, req: Request) -> None:
         """Queue ``req``; it arrives at engine step ``req.arrival``."""

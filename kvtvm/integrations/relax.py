@@ -13,11 +13,12 @@ function parameters and calls kvtvm's PrimFuncs on them with ``call_tir`` (atten
         ...
         k_cache, v_cache = kr.emit_append_kv(bb, kv.k_caches[i], kv.v_caches[i], k, v,
                                              kv.qo_indptr, kv.cache_lengths, kv.lookup_table,
-                                             layout=kv.layout)
+                                             layout=kv.layout, error_flag=kv.error_flag)
         out = kr.emit_attention(bb, q, k_cache, v_cache, kv.qo_indptr, kv.cache_lengths,
-                                kv.lookup_table, layout=kv.layout)
+                                kv.lookup_table, layout=kv.layout, error_flag=kv.error_flag)
     ...
     vm["step"](x, *kr.kv_call_args(manager.fetch(batch)[0]))   # torch tensors, no copy
+    kr.check_errors()   # KernelIndexError for out-of-range entries the kernels skipped
 
 The per-layer K/V caches are zero-copy strided views of the manager's one cache tensor
 (:meth:`kvtvm.inputs.RaggedKVCacheInputs.collection`); the Relax VM passes them through as
@@ -50,13 +51,14 @@ import math
 from ..compiler import KernelSpec, lower
 from ..errors import InvalidArgumentError, describe
 from .relax_inputs import refuse_quantized
-from .relax_inputs import (KV_INPUT_NAMES, KVInputVars, input_symbols_for, kv_call_args,
-                           kv_input_types, kv_input_vars, kv_input_vars_for, struct_info_of)
+from .relax_inputs import (KV_INPUT_NAMES, KVInputVars, check_errors, error_flag,
+                           input_symbols_for, kv_call_args, kv_input_types, kv_input_vars,
+                           kv_input_vars_for, struct_info_of)
 
 __all__ = [
     # input types, vars and arguments (defined in .relax_inputs)
     "KVInputVars", "struct_info_of", "input_symbols_for", "kv_input_types", "kv_input_vars",
-    "kv_input_vars_for", "kv_call_args", "KV_INPUT_NAMES",
+    "kv_input_vars_for", "kv_call_args", "KV_INPUT_NAMES", "error_flag", "check_errors",
     # kernels in a Relax module
     "add_kernel", "kernel_func", "llvm_target", "emit_append_kv", "emit_attention",
     "emit_decode_attention",
@@ -69,10 +71,11 @@ _OPAQUE = 8
 
 
 def _ERR_TY():  # noqa: N802
-    """Type of a kernel's error flag (its last parameter, :mod:`kvtvm.kernels.errflag`): in a
-    graph it is a scratch output nobody reads -- the kernels still skip every out-of-range
-    index, so a graph never touches memory outside its tensors; validate indices on the host
-    (``check_indices``-style) when the graph's caller needs the error reported."""
+    """Type of a kernel's error flag (its last parameter, :mod:`kvtvm.kernels.errflag`). Given
+    ``error_flag=`` (the graph parameter :attr:`KVInputVars.error_flag`), every kernel writes
+    into that one tensor in place and :func:`check_errors` reports it after the call; without
+    it the flag is a scratch output nobody reads (the kernels still skip every out-of-range
+    index, so a graph never touches memory outside its tensors)."""
     from tvm import relax
 
     from ..kernels.errflag import ERR_SLOTS
@@ -137,15 +140,60 @@ def add_kernel(bb, spec: KernelSpec, **scalars):
     nhd_causal1_sm_scale0p125_window0``); an identical function already in the module is
     reused, so each specialization is added once however many layers call it.
     """
+    return _add_kernel(bb, spec, None, scalars)
+
+
+def _flag_after(func, n_inputs: int):
+    """``func`` with its error flag (the last parameter) moved to right after its first
+    ``n_inputs`` parameters: ``call_tir_inplace`` passes in-place arguments before the fresh
+    outputs, and the flag is an in-place argument when the graph reports it."""
+    from ..kernels._tvm import tir
+
+    p = list(func.params)
+    return tir.PrimFunc(p[:n_inputs] + [p[-1]] + p[n_inputs:-1], func.body, func.ret_type,
+                        func.attrs)
+
+
+def _add_kernel(bb, spec: KernelSpec, flag_after: int | None, scalars: dict):
     func = kernel_func(spec, **scalars)
     name = f"kvtvm_{spec.uri}"
     for key in sorted(scalars):
         value = scalars[key]
         text = f"{value:g}" if isinstance(value, float) else str(value)
         name += f"_{key}{text}".replace(".", "p").replace("-", "m").replace("+", "")
+    if flag_after is not None and flag_after != len(func.params) - 1:
+        func, name = _flag_after(func, flag_after), name + "_errarg"
     # the kernel's global symbol must be unique in the module (two specializations of one
     # kernel would otherwise both export ``kvtvm_prefill``)
     return bb.add_func(func.with_attr("global_symbol", name), name)
+
+
+def _call(bb, spec, scalars, args, inplace, out_ty, error_flag, name_hint):
+    """Emit the kernel call: ``args`` the inputs, ``inplace[i]`` the input index output ``i``
+    writes (-1: a fresh output), ``out_ty`` the outputs but the flag. With ``error_flag`` the
+    flag is one more in-place input (reported by :func:`check_errors`), else a scratch output."""
+    from tvm import relax
+
+    args = [a._expr if hasattr(a, "_expr") else a for a in args]
+    if error_flag is None:
+        gv = _add_kernel(bb, spec, None, scalars)
+        if all(i >= 0 for i in inplace):
+            call = relax.op.call_tir_inplace(gv, args, inplace_indices=inplace + [-1],
+                                             out_ty=out_ty + [_ERR_TY()])
+        else:
+            call = relax.call_tir(gv, args, out_ty + [_ERR_TY()])
+    else:
+        flag = error_flag._expr if hasattr(error_flag, "_expr") else error_flag
+        shape, dtype = _ty(flag)
+        if dtype != "int32" or [_static(d, "error_flag shape") for d in shape] != \
+                [_ERR_TY().shape.values[0].value]:
+            raise InvalidArgumentError(describe("error_flag", "an int32 [4] tensor "
+                                                "(KVInputVars.error_flag)", f"{shape} {dtype}"))
+        gv = _add_kernel(bb, spec, len(args), scalars)
+        call = relax.op.call_tir_inplace(gv, args + [flag],
+                                         inplace_indices=inplace + [len(args)],
+                                         out_ty=out_ty + [_ERR_TY()])
+    return bb.emit(call, name_hint=name_hint)
 
 
 def _ty(expr):
@@ -179,7 +227,7 @@ def _check_cache(k_cache, v_cache, layout):
 
 def emit_append_kv(bb, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
                    layout: str = "nhd", target: str = "llvm", arch: str | None = None,
-                   knobs=()):
+                   knobs=(), error_flag=None):
     """Emit kvtvm's append kernel: write new K/V rows into one layer's cache, in place.
 
     Parameters
@@ -196,6 +244,11 @@ def emit_append_kv(bb, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_
     layout : {"nhd", "hnd"}
     target, arch, knobs
         Kernel target (``"llvm"`` / ``"cuda"``), CUDA arch and schedule knobs.
+    error_flag : relax.Expr, optional
+        int32 ``[4]``: the graph parameter :attr:`KVInputVars.error_flag`. The kernel records
+        the out-of-range entries it skips there, and :func:`check_errors` raises
+        :class:`~kvtvm.errors.KernelIndexError` for them after the call. Without it they
+        are skipped silently (a scratch flag).
 
     Returns
     -------
@@ -209,12 +262,10 @@ def emit_append_kv(bb, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_
     heads, dim, dtype = _check_cache(k_cache, v_cache, layout)
     spec = KernelSpec("append", dtype, dim, heads, layout=layout, target=target, arch=arch,
                       knobs=knobs)
-    gv = add_kernel(bb, spec)
     args = [k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table]
     args = [a._expr if hasattr(a, "_expr") else a for a in args]
-    out = bb.emit(relax.op.call_tir_inplace(gv, args, inplace_indices=[0, 1, -1],
-                                            out_ty=[args[0].ty, args[1].ty, _ERR_TY()]),
-                  name_hint="kv_appended")
+    out = _call(bb, spec, {}, args, [0, 1], [args[0].ty, args[1].ty], error_flag,
+                "kv_appended")
     return (bb.emit(relax.TupleGetItem(out, 0), name_hint="k_cache"),
             bb.emit(relax.TupleGetItem(out, 1), name_hint="v_cache"))
 
@@ -240,7 +291,7 @@ def _attention_spec(op, rows, q, k_cache, v_cache, layout, sm_scale, sliding_win
 def emit_attention(bb, q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, *,
                    layout: str = "nhd", causal: bool = True, sm_scale: float | None = None,
                    sliding_window: int | None = None, return_lse: bool = False,
-                   target: str = "llvm", arch: str | None = None, knobs=()):
+                   target: str = "llvm", arch: str | None = None, knobs=(), error_flag=None):
     """Emit kvtvm's ragged prefill attention (which also serves decode: one new token each).
 
     Sequence ``b``'s query rows ``qo_indptr[b]:qo_indptr[b+1]`` attend over its
@@ -261,6 +312,8 @@ def emit_attention(bb, q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tab
         Window in tokens (bound into the kernel).
     return_lse : bool
         Also return the float32 ``[num_tokens, n_q_heads]`` log-sum-exp.
+    error_flag : relax.Expr, optional
+        As for :func:`emit_append_kv`.
 
     Returns
     -------
@@ -272,14 +325,12 @@ def emit_attention(bb, q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tab
     spec, qshape, scale = _attention_spec("prefill", "num_tokens", q, k_cache, v_cache, layout,
                                           sm_scale, sliding_window, target, arch, knobs)
     hq, dim, dtype = spec.n_kv_heads * spec.group_size, spec.head_dim, spec.dtype
-    gv = add_kernel(bb, spec, causal=int(bool(causal)), sm_scale=scale,
-                    window=int(sliding_window or 0))
+    scalars = dict(causal=int(bool(causal)), sm_scale=scale, window=int(sliding_window or 0))
     args = [q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table]
-    args = [a._expr if hasattr(a, "_expr") else a for a in args]
     ntok = qshape[0]
-    out = bb.emit(relax.call_tir(gv, args, [relax.TensorType([ntok, hq, dim], dtype),
-                                            relax.TensorType([ntok, hq], "float32"), _ERR_TY()]),
-                  name_hint="attn")
+    out = _call(bb, spec, scalars, args, [-1, -1], [relax.TensorType([ntok, hq, dim], dtype),
+                                                    relax.TensorType([ntok, hq], "float32")],
+                error_flag, "attn")
     o = bb.emit(relax.TupleGetItem(out, 0), name_hint="attn_out")
     if return_lse:
         return o, bb.emit(relax.TupleGetItem(out, 1), name_hint="attn_lse")
@@ -290,7 +341,7 @@ def emit_decode_attention(bb, q, k_cache, v_cache, cache_lengths, lookup_table, 
                           layout: str = "nhd", sm_scale: float | None = None,
                           sliding_window: int | None = None, num_splits: int = 1,
                           return_lse: bool = False, target: str = "llvm",
-                          arch: str | None = None, knobs=()):
+                          arch: str | None = None, knobs=(), error_flag=None):
     """Emit kvtvm's decode attention: one query token per sequence (split-KV kernel).
 
     Sequence ``b`` attends over positions ``[0, cache_lengths[b] + 1)`` (its current token
@@ -305,7 +356,7 @@ def emit_decode_attention(bb, q, k_cache, v_cache, cache_lengths, lookup_table, 
     num_splits : int
         KV splits per sequence (workspace ``[num_splits, batch, n_q_heads, head_dim]``
         float32 is allocated by the graph; 1 needs no merge).
-    sm_scale, sliding_window, return_lse
+    sm_scale, sliding_window, return_lse, error_flag
         As for :func:`emit_attention`.
 
     Returns
@@ -320,15 +371,13 @@ def emit_decode_attention(bb, q, k_cache, v_cache, cache_lengths, lookup_table, 
     hq, dim, dtype = spec.n_kv_heads * spec.group_size, spec.head_dim, spec.dtype
     if not isinstance(num_splits, int) or num_splits < 1:
         raise InvalidArgumentError(describe("num_splits", "a positive int", repr(num_splits)))
-    gv = add_kernel(bb, spec, sm_scale=scale, window=int(sliding_window or 0))
+    scalars = dict(sm_scale=scale, window=int(sliding_window or 0))
     args = [q, k_cache, v_cache, cache_lengths, lookup_table]
-    args = [a._expr if hasattr(a, "_expr") else a for a in args]
     batch = qshape[0]
-    out = bb.emit(relax.call_tir(gv, args, [
+    out = _call(bb, spec, scalars, args, [-1] * 4, [
         relax.TensorType([batch, hq, dim], dtype), relax.TensorType([batch, hq], "float32"),
         relax.TensorType([num_splits, batch, hq, dim], "float32"),
-        relax.TensorType([num_splits, batch, hq], "float32"), _ERR_TY()]),
-        name_hint="decode_attn")
+        relax.TensorType([num_splits, batch, hq], "float32")], error_flag, "decode_attn")
     o = bb.emit(relax.TupleGetItem(out, 0), name_hint="attn_out")
     if return_lse:
         return o, bb.emit(relax.TupleGetItem(out, 1), name_hint="attn_lse")
@@ -343,10 +392,12 @@ def emit_decode_attention(bb, q, k_cache, v_cache, cache_lengths, lookup_table, 
 def nn_kv_spec(kv: KVInputVars) -> dict:
     """``tvm.relax.frontend.nn`` spec entries of the KV inputs: ``{"kv_caches":
     [spec.Tensor, ...] (k0, v0, k1, ...), "qo_indptr": ..., "cache_lengths": ...,
-    "lookup_table": ...}``, with the same shapes (and symbolic vars) as ``kv``.
+    "lookup_table": ..., "error_flag": ...}``, with the same shapes (and symbolic vars) as
+    ``kv``.
 
-    A method taking these arguments receives ``kv_caches`` as a list of ``nn.Tensor``; at run
-    time pass the list ``kv_call_args(inputs)[:-3]`` and the three tables.
+    A method taking these arguments receives ``kv_caches`` as a list of ``nn.Tensor`` (pass
+    ``error_flag=`` its ``error_flag`` to the ``nn_*`` calls); at run time pass the list
+    ``kv_call_args(inputs)[:-4]`` and the last four tensors, then call :func:`check_errors`.
     """
     from tvm.relax.frontend.nn import spec
 
@@ -358,7 +409,8 @@ def nn_kv_spec(kv: KVInputVars) -> dict:
     for k, v in zip(kv.k_caches, kv.v_caches):
         caches += [tensor(k), tensor(v)]
     return {"kv_caches": caches, "qo_indptr": tensor(kv.qo_indptr),
-            "cache_lengths": tensor(kv.cache_lengths), "lookup_table": tensor(kv.lookup_table)}
+            "cache_lengths": tensor(kv.cache_lengths), "lookup_table": tensor(kv.lookup_table),
+            "error_flag": tensor(kv.error_flag)}
 
 
 def _static_or_var(d):

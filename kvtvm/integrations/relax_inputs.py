@@ -5,10 +5,19 @@ that carry them (part of :mod:`kvtvm.integrations.relax`, which re-exports every
 (:meth:`kvtvm.manager.KVCacheManager.input_specs`); it is what ``manager.input_symbols()``
 calls. :func:`kv_input_vars_for` derives the per-layer cache views the kernels take and the
 tables, as Relax vars; :func:`kv_call_args` gives the matching runtime tensors of a fetch.
+
+The last KV input is the graph's error flag (int32 ``[4]``, :mod:`kvtvm.kernels.errflag`):
+kernels emitted with ``error_flag=kv.error_flag`` record there the out-of-range entries they
+skip (writing nothing outside their tensors); :func:`kv_call_args` passes kvtvm's flag of the
+inputs' device (:func:`error_flag`) and :func:`check_errors`, called after the graph, raises
+:class:`~kvtvm.errors.KernelIndexError` for what it recorded and zeroes it. One flag per device
+is shared by every graph call on it (a GPU flag is read only by :func:`check_errors`, which
+synchronizes): with graphs running in several threads, a check may report another's error.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +25,11 @@ from ..errors import InvalidArgumentError, describe
 from ..inputs import RaggedKVCacheInputSymbols
 
 __all__ = ["KVInputVars", "struct_info_of", "input_symbols_for", "kv_input_types",
-           "kv_input_vars", "kv_input_vars_for", "kv_call_args", "KV_INPUT_NAMES"]
+           "kv_input_vars", "kv_input_vars_for", "kv_call_args", "KV_INPUT_NAMES",
+           "error_flag", "check_errors"]
 
 #: Order of the non-cache KV inputs after the per-layer caches (see :meth:`KVInputVars.params`).
-KV_INPUT_NAMES = ("qo_indptr", "cache_lengths", "lookup_table")
+KV_INPUT_NAMES = ("qo_indptr", "cache_lengths", "lookup_table", "error_flag")
 
 
 def _i64(value):
@@ -104,7 +114,8 @@ def kv_input_types(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str =
     dict
         ``"k_cache_<l>"``, ``"v_cache_<l>"`` for each layer (cache shape above), then
         ``"qo_indptr"`` int32 ``[batch + 1]``, ``"cache_lengths"`` int32 ``[batch]``,
-        ``"lookup_table"`` int32 ``[batch, width]``: the order of :meth:`KVInputVars.params`.
+        ``"lookup_table"`` int32 ``[batch, width]``, ``"error_flag"`` int32 ``[4]``: the order
+        of :meth:`KVInputVars.params`.
     """
     from tvm import relax
 
@@ -124,7 +135,14 @@ def kv_input_types(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str =
     types["qo_indptr"] = relax.TensorType([batch + 1], "int32")
     types["cache_lengths"] = relax.TensorType([batch], "int32")
     types["lookup_table"] = relax.TensorType([batch, width], "int32")
+    types["error_flag"] = relax.TensorType([_err_slots()], "int32")
     return types
+
+
+def _err_slots() -> int:
+    from ..kernels.errflag import ERR_SLOTS
+
+    return ERR_SLOTS
 
 
 @dataclass
@@ -144,6 +162,9 @@ class KVInputVars:
         int32 ``[batch, width]``.
     layout : str
         Token layout of the cache views.
+    error_flag : relax.Var
+        int32 ``[4]``: pass it as ``error_flag=`` to the ``emit_*`` calls so that
+        :func:`check_errors` reports what their kernels skipped.
     """
 
     k_caches: list
@@ -152,6 +173,7 @@ class KVInputVars:
     cache_lengths: Any
     lookup_table: Any
     layout: str = "nhd"
+    error_flag: Any = None
     types: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -165,11 +187,12 @@ class KVInputVars:
 
     def params(self) -> list:
         """The vars in parameter order: ``k_cache_0, v_cache_0, k_cache_1, ...,
-        qo_indptr, cache_lengths, lookup_table`` (the order of :func:`kv_call_args`)."""
+        qo_indptr, cache_lengths, lookup_table, error_flag`` (the order of
+        :func:`kv_call_args`)."""
         out = []
         for k, v in zip(self.k_caches, self.v_caches):
             out += [k, v]
-        return out + [self.qo_indptr, self.cache_lengths, self.lookup_table]
+        return out + [self.qo_indptr, self.cache_lengths, self.lookup_table, self.error_flag]
 
 
 def kv_input_vars(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str = "float32", *,
@@ -181,7 +204,8 @@ def kv_input_vars(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str = 
     v = {name: relax.Var(name, ty) for name, ty in types.items()}
     return KVInputVars([v[f"k_cache_{i}"] for i in range(num_layers)],
                        [v[f"v_cache_{i}"] for i in range(num_layers)],
-                       v["qo_indptr"], v["cache_lengths"], v["lookup_table"], layout, types)
+                       v["qo_indptr"], v["cache_lengths"], v["lookup_table"], layout=layout,
+                       error_flag=v["error_flag"], types=types)
 
 
 def _static_dims(ty) -> list:
@@ -249,9 +273,74 @@ def kv_input_vars_for(manager, device: int = 0) -> KVInputVars:
 def kv_call_args(inputs) -> list:
     """The runtime tensors matching :meth:`KVInputVars.params`, from one device's fetched
     :class:`kvtvm.inputs.RaggedKVCacheInputs`: per layer the zero-copy K and V views, then
-    ``qo_indptr``, ``cache_lengths``, ``lookup_table``."""
+    ``qo_indptr``, ``cache_lengths``, ``lookup_table`` and kvtvm's error flag of the device
+    (:func:`error_flag`).
+
+    Raises
+    ------
+    StaleInputsError
+        ``inputs`` were superseded (a later fetch, their step, a release).
+    """
+    inputs.check_live()
     coll = inputs.collection()
     out = []
     for layer in range(inputs.num_layers):
         out += [coll.get_key_cache(layer).blocks, coll.get_value_cache(layer).blocks]
-    return out + [inputs.qo_indptr, inputs.cache_lengths, inputs.lookup_table]
+    return out + [inputs.qo_indptr, inputs.cache_lengths, inputs.lookup_table,
+                  error_flag(inputs.cache_lengths.device)]
+
+
+_FLAGS: dict = {}  # torch.device -> int32 [ERR_SLOTS] tensor
+_FLAGS_LOCK = threading.Lock()
+
+
+def _device(device):
+    import torch
+
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def error_flag(device="cpu"):
+    """kvtvm's error flag of Relax graphs on ``device``: an int32 ``[4]`` torch tensor, zero
+    until a kernel emitted with ``error_flag=`` skips an out-of-range entry (what
+    :func:`kv_call_args` passes as the ``error_flag`` parameter)."""
+    import torch
+
+    device = _device(device)
+    flag = _FLAGS.get(device)
+    if flag is None:
+        with _FLAGS_LOCK:
+            flag = _FLAGS.setdefault(device, torch.zeros(_err_slots(), dtype=torch.int32,
+                                                         device=device))
+    return flag
+
+
+def check_errors(device=None) -> None:
+    """Report what the kernels of Relax graphs skipped since the last check.
+
+    Parameters
+    ----------
+    device : torch.device or str, optional
+        The device whose flag to read (synchronizes with a GPU); every device whose flag
+        :func:`error_flag` handed out when None.
+
+    Raises
+    ------
+    KernelIndexError
+        A kernel skipped an out-of-range entry (``lookup_table``, ``cache_lengths`` or
+        ``qo_indptr`` named); the flag is zeroed, nothing outside the tensors was touched.
+    """
+    from ..ops.errflag import _ZERO, raise_flag
+
+    devices = list(_FLAGS) if device is None else [_device(device)]
+    for dev in devices:
+        flag = _FLAGS.get(dev)
+        if flag is None:
+            continue
+        values = flag.cpu().numpy().copy()  # a CPU flag's numpy() is a view
+        if values.tobytes() != _ZERO:
+            flag.zero_()
+            raise_flag(values, f"a kvtvm kernel in a Relax graph on {dev}")

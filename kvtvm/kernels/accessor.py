@@ -10,10 +10,17 @@ A sequence ``b`` of the batch owns pages ``lookup_table[b, :]``; its token ``t``
 
 Strides (but the innermost, which is 1) and element offset are symbolic (int64), so a strided view of one layer of the
 manager's cache tensor is passed with no copy. ``page_size`` is a runtime value.
+
+A side of the cache may be stored quantized (:mod:`kvtvm.quant`: ``KernelSpec.k_storage`` /
+``v_storage``); :func:`match_cache_pair` binds it as the rows' bytes and the kernels read it
+through :mod:`kvtvm.kernels.quant_access` (``dequant``, ``load_value``, ``row_scale``), which
+for a full-precision side are plain converting loads -- one kernel per family serves every
+storage type.
 """
 
 from __future__ import annotations
 
+from ..quant import quant_row_bytes
 from ._tvm import T
 from .errflag import ERR_SLOTS
 
@@ -59,16 +66,39 @@ def match_cache(handle, layout: str, num_pages, page_size, n_kv_heads: int, head
                         dtype, strides=[i64(s) for s in strides], elem_offset=elem_offset)
 
 
+def cache_row_elems(storage: str, head_dim: int) -> int:
+    """Last extent of a cache buffer stored as ``storage``: the quantized row's bytes
+    (:func:`kvtvm.quant.quant_row_bytes`: values, float32 scale, padding), or ``head_dim`` for a
+    full-precision buffer (``storage == ""``)."""
+    return quant_row_bytes(head_dim) if storage else head_dim
+
+
+def match_storage_cache(handle, layout: str, num_pages, page_size, n_kv_heads: int,
+                        head_dim: int, dtype: str, storage: str = ""):
+    """``T.match_buffer`` of a strided per-layer cache stored as ``storage``: ``""`` binds a
+    ``dtype`` buffer; ``"int8"`` / ``"float8_e4m3fn"`` bind the rows' bytes as an ``int8``
+    buffer (byte alignment only; the ops hand an ``int8`` view of the same bytes whatever the
+    8-bit type, :mod:`kvtvm.kernels.quant_access` decodes them)."""
+    shape = cache_shape(layout, num_pages, page_size, n_kv_heads,
+                        cache_row_elems(storage, head_dim))
+    strides = [T.int64(), T.int64(), T.int64(), i64(1)]
+    if storage:
+        return T.match_buffer(handle, shape, "int8", align=1, strides=strides,
+                              elem_offset=T.int64())
+    return match_tensor(handle, shape, dtype, strides=strides, elem_offset=T.int64())
+
+
 def match_cache_pair(var_k_cache, var_v_cache, layout: str, n_kv_heads: int, head_dim: int,
-                     dtype: str):
+                     dtype: str, k_storage: str = "", v_storage: str = ""):
     """Bind the per-layer K and V caches of a kernel signature (call inside a TVMScript
-    function). They share ``num_pages`` and ``page_size``; each has its own strides and
-    offset. Returns ``(num_pages, page_size, k_cache, v_cache)``."""
+    function), each stored as its own ``k_storage`` / ``v_storage`` (``""``: ``dtype``, see
+    :func:`match_storage_cache`). They share ``num_pages`` and ``page_size``; each has its own
+    strides and offset. Returns ``(num_pages, page_size, k_cache, v_cache)``."""
     num_pages, page_size = T.int64(), T.int64()
-    k_cache = match_cache(var_k_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
-                          dtype, [T.int64(), T.int64(), T.int64(), 1], T.int64())
-    v_cache = match_cache(var_v_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
-                          dtype, [T.int64(), T.int64(), T.int64(), 1], T.int64())
+    k_cache = match_storage_cache(var_k_cache, layout, num_pages, page_size, n_kv_heads,
+                                  head_dim, dtype, k_storage)
+    v_cache = match_storage_cache(var_v_cache, layout, num_pages, page_size, n_kv_heads,
+                                  head_dim, dtype, v_storage)
     return num_pages, page_size, k_cache, v_cache
 
 

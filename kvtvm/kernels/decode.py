@@ -1,7 +1,12 @@
 """Decode attention: one query token per sequence over its paged KV, split over the KV length.
 
 Compile-time: dtype, n_kv_heads, group_size (query heads per KV head, GQA), head_dim, token
-layout (nhd/hnd), feature ``"sliding_window"``.
+layout (nhd/hnd), feature ``"sliding_window"``, and how K and V are stored (``spec.k_storage``
+/ ``v_storage``: ``""`` full precision, or 8-bit rows with an inline float32 scale,
+:mod:`kvtvm.quant`): one definition and one CPU schedule serve every storage type (CUDA decode:
+its own ``schedules/decode/cuda_quant.py`` for 8-bit K and V), the K/V loads dequantizing to
+float32 (:mod:`kvtvm.kernels.quant_access`; a plain converting load for a full-precision side),
+accumulation in float32.
 Runtime: batch, pages, page_size, max pages per sequence, cache strides and offset, number of
 KV splits (the first extent of the workspace), ``sm_scale``, window size.
 
@@ -46,8 +51,9 @@ from __future__ import annotations
 import math
 
 from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
-from .accessor import _ITEMSIZE, cache_index, match_cache_pair, match_err, match_tensor
+from .accessor import _ITEMSIZE, match_cache_pair, match_err, match_tensor
 from .errflag import ERR_PAGE, ERR_POSITION
+from .quant_access import dequant
 from .reference import reference_decode  # noqa: F401  (the numpy reference, beside its kernel)
 from .variants import VARIANTS as _ALL_VARIANTS
 
@@ -108,8 +114,8 @@ def match_params(spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_l
     H, _, Hq, D, dtype, layout, _ = signature(spec)
     batch, max_pages, splits = T.int64(), T.int64(), T.int64()
     q = match_tensor(var_q, (batch, Hq, D), dtype)
-    num_pages, page_size, k_cache, v_cache = match_cache_pair(var_k_cache, var_v_cache,
-                                                              layout, H, D, dtype)
+    num_pages, page_size, k_cache, v_cache = match_cache_pair(
+        var_k_cache, var_v_cache, layout, H, D, dtype, spec.k_storage, spec.v_storage)
     cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
     lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
     out = match_tensor(var_out, (batch, Hq, D), dtype)
@@ -134,6 +140,11 @@ def knob_space(spec) -> dict:
     if spec.target == "llvm":
         return {"tile_tokens": [8, 16, 32, 64], "vector_bytes": [16, 32, 64],
                 "head_block": [h for h in (1, 2, 4, 8, 16, 32) if spec.n_kv_heads % h == 0]}
+    if spec.quantized:  # schedules/decode/cuda_quant.py
+        from .quant_access import quant_vec_choices
+
+        return {"threads": [64, 128, 256], "tile_tokens": [16, 32, 64], "stages": [2, 3],
+                "merge_threads": [256], "vec": quant_vec_choices(spec)}
     return {"threads": [64, 128, 256], "tile_tokens": [8, 16, 32, 64], "stages": [1, 2, 3],
             "merge_threads": [128, 256, 512], "vec": vec_choices(spec)}
 
@@ -177,15 +188,15 @@ def define(spec):
                         if page >= 0 and page < num_pages:
                             score[0] = T.float32(0)
                             for d in range(D):
-                                score[0] = score[0] + T.Cast("float32", q[b, h * G + g, d]) * T.Cast(
-                                    "float32", k_cache[cache_index(layout, page, slot, h, d)])
+                                score[0] = score[0] + T.Cast("float32", q[b, h * G + g, d]) * dequant(
+                                    k_cache, layout, page, slot, h, d, D, spec.k_storage)
                             score[0] = score[0] * sm_scale * T.float32(LOG2E)
                             m_new[0] = T.max(m[0], score[0])
                             den[0] = den[0] * T.exp2(m[0] - m_new[0]) + T.exp2(score[0] - m_new[0])
                             for d in range(D):
                                 acc[d] = acc[d] * T.exp2(m[0] - m_new[0]) + T.exp2(
-                                    score[0] - m_new[0]) * T.Cast(
-                                        "float32", v_cache[cache_index(layout, page, slot, h, d)])
+                                    score[0] - m_new[0]) * dequant(
+                                        v_cache, layout, page, slot, h, d, D, spec.v_storage)
                             m[0] = m_new[0]
                         else:
                             err[ERR_PAGE] = 1

@@ -1,7 +1,12 @@
 """Prefill: ragged multi-token causal attention over the cached prefix plus the new tokens.
 
 Compile-time: dtype, n_kv_heads, group_size (query heads per KV head), head_dim, token layout
-(nhd/hnd), feature ``"sliding_window"``.
+(nhd/hnd), feature ``"sliding_window"``, and how K and V are stored (``spec.k_storage`` /
+``v_storage``: ``""`` full precision, or 8-bit rows with an inline float32 scale,
+:mod:`kvtvm.quant`): one definition and one CPU schedule serve every storage type (CUDA decode:
+its own ``schedules/decode/cuda_quant.py`` for 8-bit K and V), the K/V loads dequantizing to
+float32 (:mod:`kvtvm.kernels.quant_access`; a plain converting load for a full-precision side),
+accumulation in float32.
 Runtime: batch, tokens, pages, page_size, max pages per sequence, cache strides and offset,
 ``causal``, ``sm_scale``, ``window``.
 
@@ -46,8 +51,9 @@ from __future__ import annotations
 import math
 
 from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
-from .accessor import cache_index, find_sequence, match_cache_pair, match_err, match_tensor
+from .accessor import find_sequence, match_cache_pair, match_err, match_tensor
 from .errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
+from .quant_access import dequant
 from .reference import reference_prefill  # noqa: F401  (the numpy reference, beside its kernel)
 from .variants import VARIANTS as _ALL_VARIANTS
 
@@ -72,8 +78,8 @@ def match_params(spec, var_q, var_k_cache, var_v_cache, var_qo_indptr, var_cache
     HQ = H * spec.group_size
     ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
     q = match_tensor(var_q, (ntok, HQ, D), dtype)
-    num_pages, page_size, k_cache, v_cache = match_cache_pair(var_k_cache, var_v_cache,
-                                                              spec.layout, H, D, dtype)
+    num_pages, page_size, k_cache, v_cache = match_cache_pair(
+        var_k_cache, var_v_cache, spec.layout, H, D, dtype, spec.k_storage, spec.v_storage)
     qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
     cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
     lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
@@ -184,15 +190,15 @@ def define(spec):
                     if page >= 0 and page < num_pages:
                         st[2] = T.float32(0)
                         for d in range(D):
-                            st[2] = st[2] + qs[d] * T.Cast(
-                                "float32", k_cache[cache_index(layout, page, slot, vh // G, d)])
+                            st[2] = st[2] + qs[d] * dequant(
+                                k_cache, layout, page, slot, vh // G, d, D, spec.k_storage)
                         st[3] = T.exp2(st[0] - T.max(st[0], st[2]))
                         st[0] = T.max(st[0], st[2])
                         st[2] = T.exp2(st[2] - st[0])
                         st[1] = st[1] * st[3] + st[2]
                         for d in range(D):
-                            acc[d] = acc[d] * st[3] + st[2] * T.Cast(
-                                "float32", v_cache[cache_index(layout, page, slot, vh // G, d)])
+                            acc[d] = acc[d] * st[3] + st[2] * dequant(
+                                v_cache, layout, page, slot, vh // G, d, D, spec.v_storage)
                     else:
                         err[ERR_PAGE] = 1
                 for d in range(D):

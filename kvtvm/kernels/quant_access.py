@@ -23,39 +23,20 @@ denormal mode and of any native float8 support:
 
 from __future__ import annotations
 
-from ..quant import QMAX, SCALE_BYTES, quant_row_bytes
+from ..quant import QMAX, SCALE_BYTES
 from ._tvm import T
-from .accessor import cache_shape, i64, match_tensor
+from .accessor import cache_index, cache_row_elems, match_cache_pair
 
 __all__ = ["match_quant_cache_pair", "cache_row_elems", "load_value", "row_scale", "dequant",
            "encode", "scale_byte", "QMAX"]
 
 
-def cache_row_elems(storage: str, head_dim: int) -> int:
-    """Last extent of a cache buffer: the quantized row's bytes, or ``head_dim``."""
-    return quant_row_bytes(head_dim) if storage else head_dim
-
-
-def _match(handle, layout, num_pages, page_size, heads, head_dim, storage, dtype):
-    shape = cache_shape(layout, num_pages, page_size, heads, cache_row_elems(storage, head_dim))
-    strides = [T.int64(), T.int64(), T.int64(), i64(1)]
-    if storage:  # bytes: assume byte alignment only (as match_tensor does for its types)
-        return T.match_buffer(handle, shape, "int8", align=1, strides=strides,
-                              elem_offset=T.int64())
-    return match_tensor(handle, shape, dtype, strides=strides, elem_offset=T.int64())
-
-
 def match_quant_cache_pair(var_k_cache, var_v_cache, layout: str, n_kv_heads: int,
                            head_dim: int, dtype: str, k_storage: str, v_storage: str):
-    """Bind a K and a V cache stored as ``k_storage`` / ``v_storage`` (``""``: ``dtype``).
-    Returns ``(num_pages, page_size, k_cache, v_cache)`` like
-    :func:`kvtvm.kernels.accessor.match_cache_pair`."""
-    num_pages, page_size = T.int64(), T.int64()
-    k_cache = _match(var_k_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
-                     k_storage, dtype)
-    v_cache = _match(var_v_cache, layout, num_pages, page_size, n_kv_heads, head_dim,
-                     v_storage, dtype)
-    return num_pages, page_size, k_cache, v_cache
+    """:func:`kvtvm.kernels.accessor.match_cache_pair` with the storage types required (the
+    name the quantizing append binds its caches with)."""
+    return match_cache_pair(var_k_cache, var_v_cache, layout, n_kv_heads, head_dim, dtype,
+                            k_storage, v_storage)
 
 
 def _u8(byte):
@@ -130,8 +111,6 @@ def scale_byte(scale, i: int):
 def dequant(cache, layout: str, page, slot, head, dim, head_dim: int, storage: str):
     """The dequantized float32 value at (page, slot, head, dim): :func:`load_value` times
     :func:`row_scale` (just the converted value for a full-precision buffer)."""
-    from .accessor import cache_index
-
     value = load_value(cache, cache_index(layout, page, slot, head, dim), storage)
     if not storage:
         return value
@@ -139,57 +118,15 @@ def dequant(cache, layout: str, page, slot, head, dim, head_dim: int, storage: s
 
 
 def quant_vec_choices(spec) -> list[int]:
-    """CUDA decode knob ``vec`` for 8-bit rows: head_dim elements per thread, 1, 2 or 4
-    16-byte vectors (16 values each), at most 32 threads per row."""
-    return [v for v in (16, 32, 64) if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
-
-
-#: float32 bits of 2**23: an int8 code ``x`` as ``2**23 + (x + 128)`` (``_MAGIC_BITS | (x ^ 0x80)``)
-#: minus ``2**23 + 128`` is exactly ``float(x)``: a byte permute and an add instead of a conversion
-#: (the GPU's conversion unit runs at an eighth of its float rate).
-_MAGIC_BITS = 0x4B000000
-_MAGIC = 8388736.0
-_E4M3_PAIR = r"""
-__device__ __forceinline__ float kvtvm_e4m3_value(int word, int i) {
-  // byte i of word (float8_e4m3fn bits) as float32: hardware conversion of its byte pair to
-  // float16x2 on sm_89 and later (exact: every e4m3 value is a normal float16)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  unsigned short pair = (unsigned short)(((unsigned)word >> (16 * (i >> 1))) & 0xFFFFu);
-  unsigned h2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-  unsigned short h = (unsigned short)((i & 1) ? (h2 >> 16) : (h2 & 0xFFFFu));
-  return __half2float(__ushort_as_half(h));
-#else
-  int b = (int)(signed char)((unsigned)word >> (8 * i));
-  short bits = (short)(((b << 8) & 0x8000) | ((b << 7) & 0x3F80));
-  return __half2float(__short_as_half(bits)) * 256.0f;
-#endif
-}
-"""
-
-
-def word_value(word, i, storage: str, fast: bool = False):
-    """:func:`load_value` of byte ``i`` (little-endian) of an int32 ``word`` of an 8-bit row
-    staged as 32-bit words (CUDA shared memory). ``fast``: int8 through the float32 magic
-    number (no conversion instruction), e4m3 through the hardware pair conversion where the
-    GPU has one -- the value itself, not over :data:`FP8_LOAD_SCALE` (pair it with
-    ``word_row_scale(..., fast=True)``)."""
-    if fast and storage == "int8":
-        code = T.bitwise_and(T.shift_right(T.bitwise_xor(word, T.int32(-0x7F7F7F80)), 8 * i),
-                             0xFF)
-        return T.reinterpret("float32", T.bitwise_or(code, _MAGIC_BITS)) - T.float32(_MAGIC)
-    if fast:
-        return T.cuda.func_call("kvtvm_e4m3_value", word, T.int32(i), source_code=_E4M3_PAIR,
-                                return_type="float32")
-    byte = T.Cast("int8", T.shift_right(word, 8 * i))
-    if storage == "float8_e4m3fn":
-        return e4m3_to_half_scaled(byte)
-    return T.Cast("float32", byte)
+    """CUDA decode knob ``vec`` for 8-bit caches: head_dim values per thread, whole int32
+    words of the staged rows (4, 8, 16 or 32), at most 32 threads per row."""
+    return [v for v in (4, 8, 16, 32) if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
 
 
 def word_row_scale(words, lead, head_dim: int, storage: str, fast: bool = False):
     """:func:`row_scale` of a row staged as int32 words (``words[(*lead, head_dim // 4)]`` holds
-    the scale); ``fast`` matches ``word_value(..., fast=True)`` (no float8 load scale)."""
+    the scale); ``fast``: for values converted exactly (the CUDA kernels' float16 tiles), not
+    over :data:`FP8_LOAD_SCALE`."""
     scale = T.reinterpret("float32", words[(*lead, head_dim // 4)])
     if storage == "float8_e4m3fn" and not fast:
         return scale * T.float32(FP8_LOAD_SCALE)

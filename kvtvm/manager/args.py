@@ -1,4 +1,5 @@
-"""Argument checks every manager shares: positive ints, the device list, a batch's tokens."""
+"""Argument checks every manager shares: positive ints, the device list, a batch's tokens, the
+row offsets of a previous step."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import numpy as np
 
 from ..errors import DeviceUnavailableError, InvalidArgumentError, describe
 
-__all__ = ["check_positive_int", "parse_devices", "ItemTokens"]
+__all__ = ["check_positive_int", "parse_devices", "ItemTokens", "row_offsets", "check_int",
+           "check_hashes", "check_seconds"]
 
 
 def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
@@ -18,6 +20,36 @@ def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
         raise InvalidArgumentError(describe(
             name, "a non-negative int" if allow_zero else "a positive int", repr(value)))
     return int(value)
+
+
+def check_int(name: str, value) -> int:
+    """``value`` as an int (not a bool), or :class:`InvalidArgumentError` naming ``name``."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(describe(name, "an int", repr(value)))
+    return int(value)
+
+
+def check_hashes(name: str, values) -> list:
+    """A sequence of block hashes (ints, not bools) as a list of ints."""
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu" and values.ndim == 1:
+        return [int(v) for v in values]
+    if not isinstance(values, (list, tuple)):
+        raise InvalidArgumentError(describe(name, "a list of int hashes",
+                                            type(values).__name__))
+    return [check_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
+def check_seconds(name: str, value, allow_none: bool = True, allow_inf: bool = False):
+    """A non-negative number of seconds, finite unless ``allow_inf`` (or None when
+    ``allow_none``); NaN and bools are refused."""
+    if value is None and allow_none:
+        return None
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and \
+        not isinstance(value, (bool, np.bool_))
+    if not ok or np.isnan(value) or value < 0 or (np.isinf(value) and not allow_inf):
+        raise InvalidArgumentError(describe(
+            name, "seconds >= 0" + ("" if allow_inf else ", finite"), repr(value)))
+    return float(value)
 
 
 def parse_devices(devices) -> tuple:
@@ -73,3 +105,28 @@ class ItemTokens:
     def tokens_of(self, b: int) -> np.ndarray:
         """int64 ``[counts[b]]``: the tokens of item ``b``."""
         return self._ints(self.seqs[b], int(self.counts[b]))
+
+
+def row_offsets(prev_model_inputs, inp):
+    """(tensor, host numpy or None) row offsets of the previous step."""
+    import torch
+
+    if prev_model_inputs is None:
+        return inp.qo_indptr, inp.qo_indptr_host
+    obj = prev_model_inputs
+    for name in ("qo_indptr", "input_row_offsets"):
+        if hasattr(obj, name):
+            host = getattr(obj, "qo_indptr_host", None) if name == "qo_indptr" else None
+            obj = getattr(obj, name)
+            break
+    else:
+        host = None
+    if isinstance(obj, np.ndarray):
+        obj = torch.from_numpy(obj)
+    if not isinstance(obj, torch.Tensor):
+        raise InvalidArgumentError(describe(
+            "prev_model_inputs", "a tensor of row offsets or an object with qo_indptr / "
+            "input_row_offsets", type(prev_model_inputs).__name__))
+    if host is None and obj.device.type == "cpu":
+        host = obj.numpy()
+    return obj, host

@@ -51,6 +51,7 @@ from ..inputs import (FetchToken, KVCacheInputs, RaggedKVCacheInputs, RaggedKVCa
                       TokenBatch, stamp)
 from ..params import KVCacheParams, KVCacheStrategy
 from .args import ItemTokens as _ItemTokens, check_positive_int, parse_devices
+from .args import row_offsets as _row_offsets
 from .fingerprint import fingerprints
 from .symbols import TensorSymbol, build_symbols
 
@@ -191,6 +192,9 @@ class KVCacheManager(abc.ABC):
         """
         if isinstance(seq_ids, (int, np.integer)):
             seq_ids = [seq_ids]
+        if not isinstance(seq_ids, (list, tuple, np.ndarray)):
+            raise InvalidArgumentError(describe("seq_ids", "a list of ints",
+                                                type(seq_ids).__name__))
         ids = []
         for s in seq_ids:
             if not isinstance(s, (int, np.integer)) or isinstance(s, bool) \
@@ -357,8 +361,10 @@ class KVCacheManager(abc.ABC):
                 raise SequenceTooLongError(describe(
                     f"fetch: length of seq_id {int(ids[b])} after this fetch "
                     f"({int(self._lengths[ids[b]])} cached + {int(counts[b])} new + "
-                    f"{num_steps - 1} more steps)", f"at most max_seq_len={self.max_seq_len}",
-                    int(total[b])))
+                    f"{num_steps - 1} more steps of num_steps={num_steps})",
+                    f"at most max_seq_len={self.max_seq_len}", int(total[b])))
+            # read the tokens (they may be refused) before anything changes
+            fingerprint = fingerprints(tokens.tokens, counts, counts)
             self._tables.wait_host_free()
             start, hits = self._fetch_plan_apply(tokens, ids, counts, num_steps, lengths,
                                                  total)
@@ -372,7 +378,7 @@ class KVCacheManager(abc.ABC):
             np.cumsum(new, out=qo[1:n + 1])
             self._pending[ids] = counts
             self._pending_steps[ids] = num_steps
-            self._fingerprint[ids] = fingerprints(tokens.tokens, counts, counts)
+            self._fingerprint[ids] = fingerprint
             tables.upload(n)
             end0 = end - (num_steps - 1)  # max of lengths + counts
             max_lengths = np.empty((num_steps, 2), dtype=np.int32)
@@ -477,18 +483,25 @@ class KVCacheManager(abc.ABC):
         import torch
 
         single = isinstance(kv_cache_inputs, KVCacheInputs)
+        if not single and not isinstance(kv_cache_inputs, (list, tuple)):
+            raise InvalidArgumentError(describe("kv_cache_inputs", "RaggedKVCacheInputs or a "
+                                                "list of them", type(kv_cache_inputs).__name__))
         items = [kv_cache_inputs] if single else list(kv_cache_inputs)
         out = []
         for inp in items:
             if not isinstance(inp, RaggedKVCacheInputs):
                 raise InvalidArgumentError(describe("kv_cache_inputs", "RaggedKVCacheInputs",
                                                     type(inp).__name__))
+            inp.check_live()  # StaleInputsError: a later fetch, their step, a release
             if inp.max_lengths.shape[0] < 2:
                 raise SequenceStateError(
                     "increment_cache_lengths: no steps left in max_lengths (fetch with "
                     "num_steps > 1 reserves room for more steps)")
             qo_prev, qo_prev_host = _row_offsets(prev_model_inputs, inp)
             b = inp.cache_lengths.shape[0]
+            if qo_prev.dtype not in (torch.int32, torch.int64):
+                raise InvalidArgumentError(describe("prev_model_inputs row offsets dtype",
+                                                    "int32 or int64", qo_prev.dtype))
             if tuple(qo_prev.shape) != (b + 1,):
                 raise InvalidArgumentError(describe("prev_model_inputs row offsets",
                                                     f"shape ({b + 1},)", tuple(qo_prev.shape)))
@@ -561,27 +574,3 @@ class KVCacheManager(abc.ABC):
         b = self._blocks[0]
         return b.numel() * b.element_size() + self._tables.device_nbytes()
 
-
-def _row_offsets(prev_model_inputs, inp):
-    """(tensor, host numpy or None) row offsets of the previous step."""
-    import torch
-
-    if prev_model_inputs is None:
-        return inp.qo_indptr, inp.qo_indptr_host
-    obj = prev_model_inputs
-    for name in ("qo_indptr", "input_row_offsets"):
-        if hasattr(obj, name):
-            host = getattr(obj, "qo_indptr_host", None) if name == "qo_indptr" else None
-            obj = getattr(obj, name)
-            break
-    else:
-        host = None
-    if isinstance(obj, np.ndarray):
-        obj = torch.from_numpy(obj)
-    if not isinstance(obj, torch.Tensor):
-        raise InvalidArgumentError(describe(
-            "prev_model_inputs", "a tensor of row offsets or an object with qo_indptr / "
-            "input_row_offsets", type(prev_model_inputs).__name__))
-    if host is None and obj.device.type == "cpu":
-        host = obj.numpy()
-    return obj, host

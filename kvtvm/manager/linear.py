@@ -15,6 +15,12 @@ Choices written down here:
   sequences to the front in their batch order with the copy kernel, then shrinks the batch.
 - The length tensor handed out by ``kv_cache_lengths`` is a view of a preallocated device
   buffer updated in place (one host-to-device copy per change).
+- ``step_inputs`` carries a :class:`~kvtvm.inputs.FetchToken` (stamped on its table tensors)
+  with the managers' semantics: the inputs die at the next ``step_inputs`` (which overwrites
+  the shared ``qo_indptr``) and at any change of the lengths or the batch
+  (``commit_sequence_length``, ``reset_for_new_sequences``, ``set_active_batch_size``,
+  ``evict``); an op or plan given the inputs of a dead token raises
+  :class:`~kvtvm.errors.StaleInputsError` and writes nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError, KVCacheError, SequenceTooLongError, describe
-from ..inputs import RaggedKVCacheInputs
+from ..inputs import FetchToken, RaggedKVCacheInputs, stamp
 from ..params import KVCacheParams, KVCacheStrategy
 from .args import check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
@@ -103,6 +109,7 @@ class LinearKVCache:
                      torch.zeros(3 * mb + 1, dtype=torch.int32, device=d)
                      for d in self.devices]
         self._event = None
+        self._token: FetchToken | None = None  # of the latest step_inputs
         self._upload()
 
     # ------------------------------------------------------------------------------------
@@ -145,16 +152,25 @@ class LinearKVCache:
                                  self.params.n_kv_heads, self.params.head_dim,
                                  self.params.dtype, tuple(str(d) for d in self.devices))
 
+    def _device_index(self, device) -> int:
+        if not isinstance(device, (int, np.integer)) or isinstance(device, bool) \
+                or not 0 <= device < self.n_devices:
+            raise InvalidArgumentError(describe("device", f"an int in [0, {self.n_devices})",
+                                                repr(device)))
+        return int(device)
+
     def get_kv_cache_buffer(self, device: int = 0):
         """The whole cache tensor of device ``device`` (not a copy)."""
-        return self._cache[device]
+        return self._cache[self._device_index(device)]
 
     def get_kv_cache_for_decoder_layer(self, layer: int, device: int = 0):
         """Layer ``layer``'s cache, ``[max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``
         (a view; ``[:, 0]`` is K and ``[:, 1]`` is V, each the ``hnd`` layout append_kv takes)."""
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) \
+                or not 0 <= layer < self.num_layers:
             raise InvalidArgumentError(describe("layer", f"an int in [0, {self.num_layers})",
                                                 repr(layer)))
+        device = self._device_index(device)
         if self.params.quantized:
             raise InvalidArgumentError(describe(
                 "get_kv_cache_for_decoder_layer", "a full-precision cache (a quantized cache "
@@ -177,6 +193,7 @@ class LinearKVCache:
 
     def kv_cache_lengths_of(self, device: int = 0):
         """int32 ``[active_batch_size]`` lengths on device ``device``."""
+        device = self._device_index(device)
         with self._lock:
             return self._dev[device][:self._active]
 
@@ -322,38 +339,47 @@ class LinearKVCache:
         -------
         list of RaggedKVCacheInputs
             ``lookup_table`` is ``[batch, 1]`` holding each sequence's slot;
-            ``cache_lengths`` the current lengths. Valid until the next change of lengths.
+            ``cache_lengths`` the current lengths. Valid until the next ``step_inputs`` or
+            change of lengths or batch; afterwards the ops refuse them
+            (:class:`~kvtvm.errors.StaleInputsError`, see ``token``).
         """
         import torch
 
         with self._lock:
             b = self._active
-            if isinstance(new_tokens, (int, np.integer)):
+            if isinstance(new_tokens, (int, np.integer)) and not isinstance(new_tokens, bool):
                 new = np.full(b, int(new_tokens), dtype=np.int64)
             else:
                 new = self._host_ints("new_tokens", new_tokens)
             if new.size != b:
                 raise InvalidArgumentError(describe("new_tokens", f"[{b}] values", new.size))
+            if new.size and new.min() < 0:
+                raise InvalidArgumentError(describe("new_tokens", ">= 0",
+                                                    int(new[np.argmax(new < 0)])))
             self._check_range("length after new_tokens", self._lengths[:b] + new)
             mb = self.max_batch_size
             self._wait_host()
             qo = self._host_np[mb:2 * mb + 1]
             qo[0] = 0
             np.cumsum(new, out=qo[1:b + 1])
-            self._upload()
+            self._upload("superseded by a later step_inputs of the same cache")
             end = self._lengths[:b] + new
             max_lengths = torch.tensor([[int(new.max(initial=0)), int(end.max(initial=0))]],
                                        dtype=torch.int32)
+            token = self._token = FetchToken(self._lock)
             out = []
             for i, buf in enumerate(self._dev):
+                cl, qo_t = buf[:b], buf[mb:mb + b + 1]
+                lt = buf[2 * mb + 1:2 * mb + 1 + b].view(b, 1)
+                stamp(token, cl, qo_t, lt)
                 out.append(RaggedKVCacheInputs(
-                    blocks=self._cache[i], cache_lengths=buf[:b],
-                    lookup_table=buf[2 * mb + 1:2 * mb + 1 + b].view(b, 1),
-                    max_lengths=max_lengths, qo_indptr=buf[mb:mb + b + 1],
+                    blocks=self._cache[i], cache_lengths=cl, lookup_table=lt,
+                    max_lengths=max_lengths, qo_indptr=qo_t,
                     seq_ids=tuple(range(b)), num_cached_tokens=(0,) * b,
                     cache_lengths_host=self._host_np[:b].copy(),
                     qo_indptr_host=qo[:b + 1].copy(), params=self.device_params,
-                    num_layers=self.num_layers, max_seq_len=self.max_seq_len, device_index=i))
+                    num_layers=self.num_layers, max_seq_len=self.max_seq_len, device_index=i,
+                    token=token))
             return out
 
     # ------------------------------------------------------------------------------------
@@ -384,10 +410,14 @@ class LinearKVCache:
             self._event.synchronize()
             self._event = None
 
-    def _upload(self) -> None:
-        """Lengths to the host staging buffer, then one copy per non-CPU device."""
+    def _upload(self, why: str = "the lengths or the batch changed") -> None:
+        """Lengths to the host staging buffer, then one copy per non-CPU device. The inputs
+        of the latest ``step_inputs`` no longer describe the buffer: their token dies."""
         import torch
 
+        if self._token is not None:
+            self._token.kill(why)
+            self._token = None
         mb = self.max_batch_size
         self._wait_host()
         self._host_np[:mb] = self._lengths

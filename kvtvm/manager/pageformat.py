@@ -6,9 +6,9 @@ side that fills and checks them is :mod:`.pageio`."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
-from ..errors import CorruptTransferError
+from ..errors import CorruptTransferError, TransferError
 
 __all__ = ["FORMAT_VERSION", "LAYOUT", "STORAGE", "PageHeader", "PageExport"]
 
@@ -39,7 +39,10 @@ class PageHeader:
     block_hashes : tuple of int
         Chained hashes of the full pages, from page 0 (:mod:`.hashing`), ``hash_bits`` wide.
     checksum, checksums : str, tuple of int
-        Checksum algorithm and one checksum per carried page.
+        Checksum algorithm (:mod:`.checksums`: ``xxh3_64`` on the host, ``poly16-m31x2``
+        computed where the pages live) and one checksum per carried page; ``None`` in a
+        header sent ahead of its data (a transport sends the checksums after the pages,
+        computed while they are on the wire).
     page_bytes : int
         Bytes of one carried page.
     """
@@ -87,21 +90,32 @@ class PageHeader:
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict deep-copies
         return json.dumps(d, separators=(",", ":")).encode()
 
+    def with_checksums(self, checksums) -> "PageHeader":
+        """This header with ``checksums`` filled in (one int per carried page)."""
+        sums = tuple(int(c) for c in checksums)
+        if len(sums) != self.n_carried:
+            raise CorruptTransferError(f"page header: {len(sums)} checksums for "
+                                       f"{self.n_carried} pages")
+        return replace(self, checksums=sums)
+
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "PageHeader":
-        """Parse and sanity-check a header; anything malformed is a CorruptTransferError."""
+    def from_bytes(cls, raw: bytes, deferred: bool = False) -> "PageHeader":
+        """Parse and sanity-check a header; anything malformed is a CorruptTransferError.
+        ``deferred``: the checksums may be ``None`` (they follow the data)."""
         try:
             d = json.loads(bytes(raw).decode())
             hdr = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+            later = deferred and hdr.checksums is None
+            sums = () if later else hdr.checksums
             ints = [hdr.version, hdr.page_size, hdr.n_kv_heads, hdr.head_dim, hdr.num_layers,
                     hdr.first_page, hdr.hash_bits, hdr.page_bytes, *hdr.head_range, *hdr.tokens,
-                    *hdr.block_hashes, *hdr.checksums]
+                    *hdr.block_hashes, *sums]
             ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
                   and all(isinstance(v, str) for v in (hdr.dtype, hdr.storage, hdr.layout,
                                                        hdr.checksum))
                   and len(hdr.head_range) == 2 and hdr.page_size > 0
                   and 0 <= hdr.first_page <= hdr.n_pages
-                  and len(hdr.checksums) == hdr.n_carried
+                  and (later or len(sums) == hdr.n_carried)
                   and len(hdr.block_hashes) == len(hdr.tokens) // hdr.page_size)
         except (ValueError, TypeError, UnicodeDecodeError) as err:
             raise CorruptTransferError(f"page header: unreadable ({err})") from None
@@ -119,17 +133,54 @@ class PageExport:
     ``page_runs(...)`` instead: views of the cache only (zero copy), valid while the lease
     holds. ``pages`` are the cache pages carried (``None`` when the cache splits the heads
     over several devices or only some heads are carried: then only ``data`` exists).
+
+    The checksums are computed when first needed: ``header`` computes them all;
+    ``wire_header`` is the header without them (until computed) and :meth:`row_checksums`
+    computes those of a run of rows (a transport sends the run, then checksums it while it is on the wire).
     """
 
-    def __init__(self, header: PageHeader, lease_id: int, pages, blocks, gather):
-        self.header, self.lease_id, self.pages = header, lease_id, pages
+    def __init__(self, header: PageHeader, lease_id: int, pages, blocks, gather, sums=None,
+                 alive=None):
+        self.lease_id, self.pages, self._alive = lease_id, pages, alive
         self._blocks, self._gather, self._data = blocks, gather, None
+        self._wire = replace(header, checksums=None) if sums is not None else header
+        self._full = None if sums is not None else header
+        self._sums, self._known = sums, {}
+
+    @property
+    def header(self) -> PageHeader:
+        if self._full is None:
+            for row, run in self.page_runs(0):
+                self.row_checksums(row, run)
+            self._full = self._wire.with_checksums(
+                self._known[r] for r in range(self._wire.n_carried))
+        return self._full
+
+    @property
+    def wire_header(self) -> PageHeader:
+        """The header as far as it is known: without the checksums until they are computed."""
+        return self._full if self._full is not None else self._wire
 
     @property
     def data(self):
         if self._data is None:
             self._data = self._gather()
         return self._data
+
+    def row_checksums(self, row: int, run) -> list[int]:
+        """Checksums of rows ``[row, row + len(run))``; ``run`` is their data (a view from
+        :meth:`page_runs`)."""
+        n = run.shape[0]
+        if self._full is not None:
+            return list(self._full.checksums[row:row + n])
+        if any(row + i not in self._known for i in range(n)):
+            sums = self._sums(run)
+            if self._alive is not None and not self._alive():
+                raise TransferError(f"export: lease {self.lease_id} ended before the "
+                                    "checksums were computed (its pages may be reused)")
+            for i, s in enumerate(sums):
+                self._known[row + i] = s
+        return [self._known[row + i] for i in range(n)]
 
     def page_runs(self, first_row: int, cuts=()):
         """Views ``[(row, tensor [n, *page_shape])]`` covering rows ``[first_row,

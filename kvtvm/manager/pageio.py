@@ -37,9 +37,11 @@ import numpy as np
 
 from ..errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
                       KVCacheCapacityError, SequenceStateError, TransferError, describe)
-from .hashing import CHECKSUM_NAME, DEFAULT_HASH_BITS, HASH_SEED, chain_hash, checksum, \
-    fingerprint
+from .args import check_hashes, check_int, check_seconds
+from .checksums import DEVICE, KNOWN, algorithm_for, page_checksums
+from .hashing import DEFAULT_HASH_BITS, HASH_SEED, chain_hash, fingerprint
 from .hashing import block_hashes as _block_hashes
+from .pagelayout import PageLayoutMixin
 from .pageformat import FORMAT_VERSION, LAYOUT, STORAGE, PageExport, PageHeader
 
 __all__ = ["FORMAT_VERSION", "PageHeader", "PageExport", "PageIOMixin"]
@@ -57,11 +59,25 @@ class _Lease:
     held_kids: list = field(default_factory=list)
 
 
-class PageIOMixin:
+class PageIOMixin(PageLayoutMixin):
     """Export, import and leases for :class:`~kvtvm.manager.PagedKVCacheManager`."""
 
     #: Width of the chained block hashes this cache names its pages by (a test narrows it).
     hash_bits: int = DEFAULT_HASH_BITS
+
+    @property
+    def checksum_algorithm(self) -> str:
+        """The page checksum this cache writes into its headers (:mod:`.checksums`):
+        ``poly16-m31x2``, computed on the device, for a CUDA cache, else ``xxh3_64``.
+        Assignable (to either name), e.g. to run the device algorithm on a CPU cache."""
+        alg = getattr(self, "_checksum_alg", None)
+        return alg if alg is not None else algorithm_for(self._blocks[0].device)
+
+    @checksum_algorithm.setter
+    def checksum_algorithm(self, name: str) -> None:
+        if name not in KNOWN:
+            raise InvalidArgumentError(describe("checksum_algorithm", f"one of {KNOWN}", name))
+        self._checksum_alg = name
 
     def storage_name(self) -> str:
         """The ``storage`` field of this cache's page headers."""
@@ -113,6 +129,7 @@ class PageIOMixin:
         evicted and written again. True the first time, False if it already ended (a
         duplicate completion), so each lease ends exactly once. An import lease that ends
         before :meth:`finish_import` drops its fresh pages (nothing was registered)."""
+        check_int("lease_id", lease_id)
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
@@ -123,7 +140,7 @@ class PageIOMixin:
     def expire_leases(self, now: float | None = None) -> list[int]:
         """End every lease whose deadline (``time.monotonic()`` seconds) has passed; returns
         their ids (a dead peer's transfers)."""
-        now = time.monotonic() if now is None else now
+        now = time.monotonic() if now is None else check_seconds("now", now, False, True)
         with self._lock:
             late = [lid for lid, ls in self._leases.items()
                     if ls.deadline is not None and ls.deadline <= now]
@@ -199,6 +216,7 @@ class PageIOMixin:
         """How many leading pages of ``block_hashes`` this cache holds (device pool, then the
         lower tiers): what a peer asks before sending. A hash answers only "probably": the
         import checks tokens, so a collision costs a resend, never wrong KV."""
+        block_hashes = check_hashes("block_hashes", block_hashes)
         with self._lock:
             index = self._hash_index()
             parent, n = self._prefix.root, 0
@@ -224,7 +242,8 @@ class PageIOMixin:
             return _block_hashes(toks, self.page_size, self.hash_bits, self._root_chain()[0])
 
     # -- export -------------------------------------------------------------------------------
-    def _header(self, tokens, first_page, heads, page_views) -> PageHeader:
+    def _header(self, tokens, first_page, heads) -> PageHeader:
+        """The header of an export, its checksums left to :class:`PageExport`."""
         P = self.page_size
         toks = np.asarray(tokens, dtype=np.int64)
         hashes, h = [], self._root_chain()[0]
@@ -237,49 +256,12 @@ class PageIOMixin:
             page_size=P, n_kv_heads=self.params.n_kv_heads, head_range=tuple(heads),
             head_dim=self.params.head_dim, num_layers=self.num_layers,
             tokens=tuple(int(t) for t in toks), first_page=int(first_page),
-            block_hashes=tuple(hashes), hash_bits=self.hash_bits, checksum=CHECKSUM_NAME,
-            checksums=tuple(checksum(v) for v in page_views))
-
-    def _gather(self, pages: list, heads: tuple):
-        """``[n, 2, L, P, h1-h0, D]`` of the given pages: a view when they are consecutive,
-        on one device, with every head; else one gather."""
-        h0, h1 = heads
-        if self.n_devices == 1 and (h0, h1) == (0, self.params.n_kv_heads) and pages and \
-                pages == list(range(pages[0], pages[0] + len(pages))):
-            return self._blocks[0][pages[0]:pages[0] + len(pages)]
-        import torch
-
-        idx = torch.tensor(pages, dtype=torch.int64)
-        parts = [b.index_select(0, idx.to(b.device)).cpu() for b in self._blocks]
-        if self.params.quantized:  # byte rows, one device (see _check_heads)
-            return parts[0]
-        full = torch.cat(parts, dim=4) if len(parts) > 1 else parts[0]
-        return full[:, :, :, :, h0:h1].contiguous()
-
-    def _check_quant_layout(self, what: str) -> None:
-        if self.params.quantized and self.n_devices != 1:
-            raise InvalidArgumentError(describe(
-                what, "a quantized cache on one device (resharding the byte rows of a "
-                "quantized cache by head is not supported yet)", f"{self.n_devices} devices"))
-
-    def _check_heads(self, heads) -> tuple:
-        H = self.params.n_kv_heads
-        self._check_quant_layout("export_pages")
-        if heads is not None and self.params.quantized and tuple(heads) != (0, H):
-            raise InvalidArgumentError(describe("heads", f"(0, {H}) for a quantized cache",
-                                                repr(heads)))
-        if heads is None:
-            return 0, H
-        try:
-            h0, h1 = (int(x) for x in heads)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(describe("heads", "(h0, h1)", repr(heads))) from None
-        if not 0 <= h0 < h1 <= H:
-            raise InvalidArgumentError(describe("heads", f"0 <= h0 < h1 <= {H}", (h0, h1)))
-        return h0, h1
+            block_hashes=tuple(hashes), hash_bits=self.hash_bits,
+            checksum=self.checksum_algorithm, checksums=None)
 
     def export_pages(self, seq_id: int | None = None, *, block_hashes=None, first_page: int = 0,
-                     heads=None, timeout: float | None = None) -> PageExport:
+                     heads=None, timeout: float | None = None,
+                     defer_checksums: bool = False) -> PageExport:
         """Lease and describe the pages of a sequence or of cached block hashes.
 
         Parameters
@@ -295,6 +277,11 @@ class PageIOMixin:
             Head range to carry (default: all).
         timeout : float, optional
             Seconds after which :meth:`expire_leases` ends the lease.
+        defer_checksums : bool
+            Leave the page checksums to the sender (``export.row_checksums`` while the pages
+            are on the wire, or the first read of ``export.header``); computing them once the
+            lease has ended raises :class:`TransferError` (the pages may have been reused).
+            Default: computed now.
 
         Returns
         -------
@@ -318,6 +305,9 @@ class PageIOMixin:
                     "export_pages: params.enable_prefix_caching", "True (the tokens of the "
                     "pages are recorded only then)", False))
             heads = self._check_heads(heads)
+            timeout = check_seconds("timeout", timeout)
+            if block_hashes is not None:
+                block_hashes = check_hashes("block_hashes", block_hashes)
             P = self.page_size
             if seq_id is not None:
                 sid = self._check_settled(seq_id, "export_pages")
@@ -339,39 +329,45 @@ class PageIOMixin:
                     chunks.append(hit[2])
                 tokens = np.frombuffer(b"".join(chunks), dtype=np.int64)
             n = len(all_pages)
-            if not isinstance(first_page, (int, np.integer)) or not 0 <= first_page <= n:
+            if not isinstance(first_page, (int, np.integer)) or isinstance(first_page, bool) \
+                    or not 0 <= first_page <= n:
                 raise InvalidArgumentError(describe("first_page", f"an int in [0, {n}]",
                                                     repr(first_page)))
             pages = all_pages[first_page:]
             direct = self.n_devices == 1 and heads == (0, self.params.n_kv_heads)
             blocks = self._blocks[0]
             if direct:  # views of the cache pages: nothing is copied
-                views = [blocks[p] for p in pages]
                 gather = lambda: self._gather(pages, heads)  # noqa: E731
             else:
                 data = self._gather(pages, heads)
-                views = [data[i] for i in range(data.shape[0])]
                 gather = lambda: data  # noqa: E731
-            header = self._header(tokens, first_page, heads, views)
+            header = self._header(tokens, first_page, heads)
+            alg = header.checksum
             deadline = None if timeout is None else time.monotonic() + float(timeout)
             lid = self._new_lease(_Lease("export", pages, deadline))
             if sid is not None:
                 self._tail_check[sid] = True  # a write into a leased page copies it first
-            return PageExport(header, lid, pages if direct else None, blocks, gather)
+            ex = PageExport(header, lid, pages if direct else None, blocks, gather,
+                            sums=lambda run: page_checksums(run, alg),
+                            alive=lambda: lid in self._leases)
+            if not defer_checksums:
+                ex.header  # noqa: B018 - computed now, under the lease
+            return ex
 
     # -- import -------------------------------------------------------------------------------
     def _check_header(self, hdr: PageHeader) -> None:
         p = self.params
         want = {"version": FORMAT_VERSION, "dtype": p.dtype, "storage": self.storage_name(),
                 "layout": LAYOUT, "page_size": self.page_size, "n_kv_heads": p.n_kv_heads,
-                "head_dim": p.head_dim, "num_layers": self.num_layers,
-                "checksum": CHECKSUM_NAME}
+                "head_dim": p.head_dim, "num_layers": self.num_layers}
         for name, value in want.items():
             got = getattr(hdr, name)
             if got != value:
                 raise FormatMismatchError(f"page header field {name}: this cache has "
                                           f"{value!r}, the peer sent {got!r}")
-        self._check_quant_layout("import")
+        if hdr.checksum not in KNOWN:
+            raise FormatMismatchError(f"page header field checksum: this cache verifies one of "
+                                      f"{KNOWN!r}, the peer sent {hdr.checksum!r}")
         if hdr.page_bytes != p.bytes_per_page(self.num_layers):
             raise FormatMismatchError(
                 f"page header field page_bytes: this cache has "
@@ -409,6 +405,7 @@ class PageIOMixin:
                 raise InvalidArgumentError(describe("header", "a PageHeader",
                                                     type(header).__name__))
             self._check_header(header)
+            timeout = check_seconds("timeout", timeout)
             if not self.prefix_caching:
                 raise InvalidArgumentError(describe(
                     "import: params.enable_prefix_caching", "True", False))
@@ -436,8 +433,8 @@ class PageIOMixin:
                 raise KVCacheCapacityError(f"import: needs {n_new} new pages, {available} are "
                                            f"free or evictable (pool of {self.num_pages})")
             self._lease_pages(held)  # pinned before taking: _take must not evict them
-            try:
-                new = self._take(n_new)
+            try:  # ascending: consecutive pages make runs a transport receives in place
+                new = sorted(self._take(n_new))
             except BaseException:
                 self._unlease_pages(held)
                 raise
@@ -455,6 +452,7 @@ class PageIOMixin:
         (receive into a buffer then). After receiving into them, call
         ``finish_import(lease_id, None)``: it verifies the checksums and copies nothing; on a
         bad checksum the pages are only ever freed, never registered or handed out."""
+        check_int("import_runs: lease_id", lease_id)
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.kind != "import":
@@ -471,13 +469,16 @@ class PageIOMixin:
                 r = e
             return out
 
-    def finish_import(self, lease_id: int, data, verified: bool = False) -> int:
+    def finish_import(self, lease_id: int, data, verified: bool = False,
+                      checksums=None) -> int:
         """Verify ``data`` (rows ``[first_row, n_carried)`` of the header's pages: shape
         ``[n_carried - first_row, *header.page_shape]``, ``first_row`` from
         :meth:`begin_import`; None when it was received in place, see :meth:`import_runs`)
         and write and register the pages of an import lease; the lease ends either way.
         Returns the pages written. ``verified=True``: the caller (a transport, as the pages
-        arrived) already compared every page with its checksum in the header.
+        arrived) already compared every page with its checksum in the header. ``checksums``:
+        those of every carried page, when :meth:`begin_import` got a header without them (a
+        transport sends them after the data).
 
         Raises
         ------
@@ -488,13 +489,18 @@ class PageIOMixin:
         """
         import torch
 
+        check_int("finish_import: lease_id", lease_id)
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.kind != "import":
                 raise SequenceStateError(f"finish_import: lease {lease_id} is not an open "
                                          "import lease (ended, aborted or expired)")
-            hdr = lease.header
             try:
+                if checksums is not None and lease.header.checksums is None:
+                    lease.header = lease.header.with_checksums(checksums)
+                hdr = lease.header
+                if hdr.checksums is None and not verified:
+                    raise CorruptTransferError("finish_import: the header carries no checksums")
                 r0 = lease.first_row
                 want = (hdr.n_carried - r0, *hdr.page_shape)
                 in_place = data is None and self.n_devices == 1  # see import_runs
@@ -509,8 +515,12 @@ class PageIOMixin:
                     raise CorruptTransferError(describe("import data",
                                                         f"{want} {hdr.tensor_dtype}",
                                                         got))
-                for i in range(0 if verified else want[0]):
-                    if checksum(rows[i]) != hdr.checksums[r0 + i]:
+                dev = self._blocks[0].device
+                if not in_place and hdr.checksum == DEVICE and dev.type == "cuda":
+                    data = rows = data.to(dev)  # checked where the pages go, on the device
+                sums = [] if verified else page_checksums(rows, hdr.checksum)
+                for i, s in enumerate(sums):
+                    if s != hdr.checksums[r0 + i]:
                         raise CorruptTransferError(
                             f"import data: page {hdr.first_page + r0 + i} fails its "
                             f"{hdr.checksum} checksum (sent {hdr.checksums[r0 + i]:#x})")
@@ -528,16 +538,8 @@ class PageIOMixin:
         k = lease.held
         new_pages = lease.pages[k:]
         start = hdr.n_pages - len(new_pages)
-        rows = data
-        if new_pages and rows is not None:  # else: received in place
-            idx = torch.tensor(new_pages, dtype=torch.int64)
-            hpd = self.params.n_kv_heads // self.n_devices
-            for d, blocks in enumerate(self._blocks):
-                part = rows if self.params.quantized else rows[:, :, :, :, d * hpd:(d + 1) * hpd]
-                part = part.to(blocks.device)
-                if part.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr():
-                    part = part.clone()  # an export of this very cache (a view of it)
-                blocks.index_copy_(0, idx.to(blocks.device), part)
+        if new_pages and data is not None:  # else: received in place
+            self._scatter(new_pages, data)
         toks = np.asarray(hdr.tokens, dtype=np.int64)
         kids = list(lease.held_kids)
         parent = kids[-1] if kids else self._prefix.root
@@ -575,6 +577,9 @@ class PageIOMixin:
             if not isinstance(data, torch.Tensor) or tuple(data.shape) != want:
                 raise CorruptTransferError(describe(
                     "import data", want, tuple(getattr(data, "shape", ())) or type(data)))
+            if data.dtype != self._blocks[0].dtype:
+                raise CorruptTransferError(describe("import data dtype", self._blocks[0].dtype,
+                                                    data.dtype))
             lid, first_row = self.begin_import(header, seq_id)
             return self.finish_import(lid, data[first_row:])
 

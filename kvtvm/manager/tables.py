@@ -40,6 +40,7 @@ class StepTables:
         self.lookup = self.host_np[2 * mb + 1:].reshape(mb, width)
         self.device_bufs = []
         self._events = []
+        self._views = {}  # (device, batch) -> views of the buffer, handed out detached
         for d in devices:
             if d.type == "cpu":
                 self.device_bufs.append(self.host)
@@ -69,11 +70,17 @@ class StepTables:
 
     def views(self, dev: int, batch: int):
         """(cache_lengths [batch], qo_indptr [batch+1], lookup_table [batch, width]) of a device:
-        fresh view objects of the fixed buffer (same addresses every step), so that each fetch
-        can stamp its own :class:`~kvtvm.inputs.FetchToken` on them."""
-        buf, mb = self.device_bufs[dev], self.max_batch_size
-        return (buf[:batch], buf[mb:mb + batch + 1],
+        fresh tensor objects over the fixed buffer (same addresses every step), so that each
+        fetch can stamp its own :class:`~kvtvm.inputs.FetchToken` on them. The views are made
+        once per batch size; each call hands out ``detach()``-ed aliases of them (a third of
+        the cost of slicing anew)."""
+        v = self._views.get((dev, batch))
+        if v is None:
+            buf, mb = self.device_bufs[dev], self.max_batch_size
+            v = self._views[(dev, batch)] = (
+                buf[:batch], buf[mb:mb + batch + 1],
                 buf[2 * mb + 1:2 * mb + 1 + batch * self.width].view(batch, self.width))
+        return v[0].detach(), v[1].detach(), v[2].detach()
 
     def device_nbytes(self) -> int:
         """Bytes of one device buffer."""

@@ -26,14 +26,18 @@ import logging
 import os
 import stat
 import struct
+import queue
 import tempfile
+import threading
 import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import InvalidArgumentError, describe
+from .args import check_seconds
 from .hashing import CHECKSUM_NAME, chain_hash, checksum, fingerprint
 
 __all__ = ["HostTier", "DiskTier", "TierStore", "TierMixin"]
@@ -143,60 +147,119 @@ def check_private_dir(path) -> Path:
 class DiskTier:
     """Pages in a directory, at most ``capacity_bytes`` of entries, LRU by mtime.
 
+    Writes happen on one background thread (a demotion under the manager's lock only copies
+    the page into a bounded queue): until its file is in place a queued entry is served from
+    the queue (complete, content-checked like a file), so a read sees the complete entry or a
+    miss, never a partial file. :meth:`flush` waits for the queue; :meth:`close` (also run at
+    interpreter exit) flushes and stops the thread. A full queue drops the demotion (counted
+    as ``dropped``: the disk tier is a cache).
+
     Parameters
     ----------
     directory : str or Path
         Created 0700 if missing; see :func:`check_private_dir`.
     capacity_bytes : int
         Bound on the entries' total size; the oldest are removed past it.
+    max_pending : int
+        Pages queued for writing at most.
     """
 
-    def __init__(self, directory, capacity_bytes: int):
+    def __init__(self, directory, capacity_bytes: int, max_pending: int = 256):
         from filelock import FileLock
 
         self.dir = check_private_dir(directory)
         self.capacity = int(capacity_bytes)
         self._lock = FileLock(str(self.dir / ".lock"), mode=0o600)
         self.counters = _counters(self.capacity, "bytes")
+        self.counters.update(dropped=0, write_errors=0)
         for tmp in self.dir.glob(".tmp-*"):  # a writer killed mid-write; never visible
             try:
                 if tmp.stat().st_mtime < time.time() - 60:
                     tmp.unlink()
             except OSError:
                 pass
+        self._pending: dict[int, tuple] = {}  # hash -> (fp, token bytes, meta, raw)
+        self._guard = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(max_pending)))
+        self._thread = threading.Thread(target=_writer,
+                                        args=(self._queue, weakref.WeakMethod(self._write)),
+                                        name="kvtvm-disk-tier", daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._queue, self._thread)
 
     def _path(self, h: int) -> Path:
         return self.dir / f"{h:016x}.kvp"
 
     def __contains__(self, h: int) -> bool:
-        return self._path(h).exists()
+        return h in self._pending or self._path(h).exists()
 
-    def put(self, h: int, fp: int, token_bytes: bytes, data) -> None:
-        """Write the page under ``h`` (temp file, then rename), then trim to capacity."""
+    def put(self, h: int, fp: int, token_bytes: bytes, data, block: bool = False) -> bool:
+        """Queue the page under ``h`` for writing (a copy of its bytes; the file is written to
+        a temp name then renamed, then the tier is trimmed to capacity, on the writer).
+        ``block``: wait for room in the queue instead of dropping. True if queued."""
         import torch
 
-        raw = data.contiguous().view(-1).view(torch.uint8).numpy()
-        meta = json.dumps({"tokens": np.frombuffer(token_bytes, np.int64).tolist(), "fp": fp,
-                           "dtype": str(data.dtype).removeprefix("torch."),
-                           "shape": list(data.shape), "checksum": CHECKSUM_NAME,
-                           "sum": checksum(raw), "nbytes": raw.nbytes}).encode()
-        with self._lock:
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.dir)  # mode 0600
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(_MAGIC + _LEN.pack(len(meta)) + meta)
-                    f.write(memoryview(raw))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self._path(h))
-            except BaseException:
+        if self._finalizer.alive is False:
+            raise InvalidArgumentError(describe("disk tier", "open", "closed"))
+        raw = data.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().copy()
+        meta = {"tokens": np.frombuffer(token_bytes, np.int64).tolist(), "fp": fp,
+                "dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
+                "checksum": CHECKSUM_NAME, "nbytes": raw.nbytes}
+        with self._guard:
+            if h in self._pending:
+                return False
+            self._pending[h] = (fp, token_bytes, meta, raw)
+        try:
+            self._queue.put(h, block=block)
+        except queue.Full:
+            with self._guard:
+                self._pending.pop(h, None)
+            self.counters["dropped"] += 1
+            return False
+        return True
+
+    def _write(self, h: int) -> None:
+        """On the writer thread: the file of queued entry ``h``, then it leaves the queue."""
+        with self._guard:
+            fp, token_bytes, meta, raw = self._pending[h]
+        try:
+            blob = json.dumps(dict(meta, sum=checksum(raw))).encode()
+            with self._lock:
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.dir)  # mode 0600
                 try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
-            self.counters["demotions"] += 1
-            self._trim()
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(_MAGIC + _LEN.pack(len(blob)) + blob)
+                        f.write(memoryview(raw))
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, self._path(h))
+                except BaseException:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                    raise
+                self.counters["demotions"] += 1
+                self._trim()
+        except OSError as err:
+            log.warning("disk tier: writing entry %016x failed: %s", h, err)
+            self.counters["write_errors"] += 1
+        finally:
+            with self._guard:
+                self._pending.pop(h, None)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued entry is written (or failed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pending:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def close(self) -> None:
+        """Flush and stop the writer thread (later puts are refused)."""
+        self._finalizer()
 
     def _entries(self):
         out = []
@@ -236,6 +299,17 @@ class DiskTier:
         its tokens and fingerprint match; else None (logged when the entry is bad)."""
         import torch
 
+        with self._guard:
+            queued = self._pending.get(h)
+        if queued is not None:  # not on disk yet: the complete entry from the queue
+            efp, toks, meta, raw = queued
+            if toks != token_bytes or efp != fp:
+                self.counters["misses"] += 1
+                self.counters["rejected"] += 1
+                return None
+            self.counters["hits"] += 1
+            return torch.from_numpy(raw.copy()).view(getattr(torch, meta["dtype"])).view(
+                *meta["shape"])
         path = self._path(h)
         try:
             blob = path.read_bytes()
@@ -271,9 +345,39 @@ class DiskTier:
 
     def stats(self) -> dict:
         c = dict(self.counters)
+        c["pending"] = len(self._pending)
         entries = self._entries()
         c["entries"], c["bytes"] = len(entries), sum(e[2] for e in entries)
         return c
+
+
+def _writer(q, write_ref) -> None:
+    """The disk tier's writer thread: entries in queue order until a None (or the tier is
+    gone)."""
+    while True:
+        h = q.get()
+        try:
+            write = write_ref()
+            if h is None or write is None:
+                return
+            write(h)
+            del write
+        except BaseException as err:  # noqa: BLE001 - the thread must keep serving
+            log.error("disk tier: writer: %s", err)
+        finally:
+            q.task_done()
+
+
+def _stop(q, thread) -> None:
+    """Flush and stop a disk tier's writer (close(), garbage collection or exit)."""
+    if thread is threading.current_thread():  # collected on the writer itself: it stops
+        try:                                   # at its next item (the tier is gone)
+            q.put_nowait(None)
+        except queue.Full:
+            pass
+        return
+    q.put(None)
+    thread.join()
 
 
 class TierStore:
@@ -346,8 +450,10 @@ class TierMixin:
         for name, v in (("host_pages", host_pages), ("disk_bytes", disk_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidArgumentError(describe(name, "an int >= 0", repr(v)))
+        if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
+            raise InvalidArgumentError(describe("disk_dir", "a path (str or os.PathLike)",
+                                                type(disk_dir).__name__))
         p = self.params
-        self._check_quant_layout("attach_tiers")
         shape = (2, self.num_layers, self.page_size, p.n_kv_heads, p.head_dim) \
             if not p.quantized else (p.bytes_per_page(self.num_layers),)
         pin = any(getattr(d, "type", str(d)).startswith("cuda") for d in self.devices)
@@ -359,10 +465,7 @@ class TierMixin:
 
     def _page_bytes(self, page: int):
         """``[2, L, P, n_kv_heads, D]`` of one page, all devices' heads, on the host."""
-        import torch
-
-        parts = [b[page].cpu() for b in self._blocks]
-        return torch.cat(parts, dim=3) if len(parts) > 1 else parts[0]
+        return self._gather([page], (0, self.params.n_kv_heads))[0].cpu()
 
     def _demote(self, page: int) -> None:
         """Copy cached ``page`` (about to be evicted) to the tiers."""
@@ -383,9 +486,22 @@ class TierMixin:
             for key, (kid, page) in sorted(self._prefix.table.items(), key=lambda kv: kv[1][0]):
                 chain = self._chain_of(kid)
                 if chain is not None and chain[0] not in disk:
-                    disk.put(chain[0], chain[1], key[1], self._page_bytes(page))
-                    n += 1
-            return n
+                    n += disk.put(chain[0], chain[1], key[1], self._page_bytes(page),
+                                  block=True)
+        disk.flush()  # on disk when this returns (the lock is not held while waiting)
+        return n
+
+    def flush_tiers(self, timeout: float | None = None) -> bool:
+        """Wait until the disk tier's queued writes are on disk; False on timeout."""
+        timeout = check_seconds("timeout", timeout)
+        tiers = self._tiers
+        return tiers is None or tiers.disk is None or tiers.disk.flush(timeout)
+
+    def close_tiers(self) -> None:
+        """Flush the disk tier and stop its writer thread (also done at interpreter exit)."""
+        tiers = self._tiers
+        if tiers is not None and tiers.disk is not None:
+            tiers.disk.close()
 
     def _promote(self, chunks: list, keep=()) -> int:
         """Bring back from the tiers the pages of ``chunks`` (token bytes of full pages, from
@@ -413,12 +529,9 @@ class TierMixin:
             pages = self._take(n)
         finally:
             self._unlease_pages(pins)
-        hpd = self.params.n_kv_heads // self.n_devices
         parent = kids[-1] if kids else prefix.root
         for page, (chunk, data, h, fp) in zip(pages, found):
-            for d, blocks in enumerate(self._blocks):
-                part = data if self.params.quantized else data[:, :, :, d * hpd:(d + 1) * hpd]
-                blocks[page].copy_(part.to(blocks.device))
+            self._scatter([page], data[None])
             parent = prefix.insert(parent, chunk, page)
             self._chain_memo[parent] = (h, fp)
             if page in prefix.page_key:

@@ -22,17 +22,13 @@ from .checks import CacheGeometry, check_rank
 __all__ = ["is_quantized_pair", "QuantPair", "check_quant_cache_pair", "check_quant_target",
            "QUANT_TARGETS"]
 
-#: Where kernels reading / writing quantized caches run: (target, op) -> storage types.
-#: CUDA has none yet: its quantizing append and quantized decode build spill-free with nvcc
-#: (kvtvm.kernels.append_quant / decode_quant, schedules/*/cuda_quant.py). On an H100
-#: (2026-11-25, docs/PERF.md) decode equals the reference but runs at 0.55-0.75x the float16
-#: cache, and append wrote other bytes than the reference, 16x slower than the plain append.
-#: Until both pass tests/quant/test_quant_cuda.py and beat float16, the ops refuse quantized
-#: caches on CUDA, typed.
+#: Where kernels reading / writing quantized caches run: (target, op) -> storage types. CUDA
+#: has the quantizing append and decode (schedules/{append,decode}/cuda_quant.py; checked on an
+#: H100 against the references, docs/PERF.md); prefill over a quantized cache runs on the CPU
+#: only for now (the CUDA prefill is refused, typed).
 QUANT_TARGETS = {("llvm", "append"): QUANT_DTYPES, ("llvm", "decode"): QUANT_DTYPES,
-                 ("llvm", "prefill"): QUANT_DTYPES}
-#: The CUDA entries to put back into QUANT_TARGETS once the kernels pass on a GPU.
-CUDA_QUANT_TARGETS = {("cuda", "append"): QUANT_DTYPES, ("cuda", "decode"): QUANT_DTYPES}
+                 ("llvm", "prefill"): QUANT_DTYPES, ("cuda", "append"): QUANT_DTYPES,
+                 ("cuda", "decode"): QUANT_DTYPES}
 #: (target, op) whose quantized kernels need both K and V 8-bit (the CUDA append writes either
 #: side in either format).
 BOTH_8BIT = (("cuda", "decode"), ("cuda", "prefill"))

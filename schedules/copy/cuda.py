@@ -7,12 +7,18 @@ rows is skipped and its first thread sets the flag -- no second kernel, no seria
 
 from __future__ import annotations
 
-from kvtvm.kernels._tvm import ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, block, prim_func
+from kvtvm.kernels._tvm import ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, block, prim_func, tir
 from kvtvm.kernels.accessor import _ITEMSIZE, match_err, match_tensor
-from kvtvm.kernels.copy import in_rows
 from kvtvm.kernels.errflag import ERR_PAGE
 
 from ..common import replace_function, vector_lanes
+
+
+def _in_rows(s, d, rows):
+    """``kvtvm.kernels.copy.in_rows`` as two unsigned compares (a negative index wraps past
+    every row count)."""
+    return tir.all(T.Cast("uint64", T.Cast("int64", s)) < T.Cast("uint64", rows),
+                   T.Cast("uint64", T.Cast("int64", d)) < T.Cast("uint64", rows))
 
 
 def default_knobs(spec) -> dict:
@@ -50,7 +56,7 @@ def schedule(mod, spec, knobs):
                         i: T.int32 = T.truncdiv(bx, chunks)
                         w: T.int32 = T.truncmod(bx, chunks) * NT + tx
                         if w < T.Cast("int32", inner) * DV:
-                            if in_rows(src[i], dst[i], rows):
+                            if _in_rows(src[i], dst[i], rows):
                                 for l in T.vectorized(L):
                                     out[T.Cast("int64", by), T.Cast("int64", dst[i]),
                                         T.Cast("int64", T.truncdiv(w, DV)),

@@ -18,8 +18,10 @@ from kvtvm.kernels.accessor import cache_index
 from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, signature,
                                   split_range)
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
+from kvtvm.kernels.quant_access import load_value, row_scale
+from kvtvm.quant import quant_row_bytes
 
-from ..common import replace_function
+from ..common import prefetch, replace_function
 
 
 def exp2_poly(x):
@@ -89,6 +91,31 @@ def schedule(mod, spec, knobs):
 
         return fold
 
+    # a quantized cache (either side 8-bit): the loads convert 8-bit values
+    # (kvtvm.kernels.quant_access.load_value) and the row scales fold into scalars -- score =
+    # scale_k * (q . k_q), acc += (p * scale_v) * v_q -- with the query heads of a KV head
+    # unrolled so their partial sums stay in registers (measured ~10% less CPU time per int8
+    # decode on the 2-core AMD box); full precision: plain converting loads, no scales
+    Q = spec.quantized
+    gloop = T.unroll if Q else T.serial
+
+    # both sides 8-bit: software prefetch of the rows a task reads next (the K rows of the next
+    # tile, the V rows of this one; every 64 bytes of a row and its last byte). The kernel was
+    # bound by the latency of each row's first load (perf: the hot instructions), not by its
+    # arithmetic: 23.7 -> 14.7 ms CPU per int8 call at 16 x 4K (docs/PERF.md)
+    RB = quant_row_bytes(D) if spec.k_storage and spec.v_storage else 0
+    PF = RB > 0 and bool(knobs.get("prefetch", True))
+    NPF = -(-RB // 64) + 1
+
+    def scale_buffer():
+        return alloc_buffer((1,), "float32") if Q else T.meta_var(None)
+
+    def scaled(value, rs):
+        return value * rs[0] if Q else value
+
+    def weight(part, sc, r, g, t):
+        return part[g, 0] if Q else sc[r, t]
+
     row_max = tile_tree(T.max)
     row_sum = tile_tree(lambda a, b: a + b)
 
@@ -117,6 +144,7 @@ def schedule(mod, spec, knobs):
                 mt = alloc_buffer((1,), "float32")
                 red = alloc_buffer((W,), "float32")
                 scl = alloc_buffer((1,), "float32")
+                rs = scale_buffer()  # the row scale of a quantized cache (None: full precision)
                 b: T.int64 = task // (NHB * splits)
                 h0: T.int64 = T.floormod(task // splits, NHB) * HB
                 s: T.int64 = T.floormod(task, splits)
@@ -134,21 +162,34 @@ def schedule(mod, spec, knobs):
                     den[r] = T.float32(0)
                 for it in range(T.floordiv(T.max(hi - lo, T.int64(0)) + TILE - 1, TILE)):
                     for t in range(TILE):
+                        if PF:  # the K rows of the next tile's token t, into the caches
+                            if lo + (it + 1) * TILE + t < hi:
+                                pn: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + (it + 1) * TILE + t, page_size)])
+                                if pn >= 0 and pn < num_pages:
+                                    for hh in range(HB):
+                                        for o in T.unroll(NPF):
+                                            T.evaluate(prefetch(k_cache, cache_index(layout, pn, T.floormod(lo + (it + 1) * TILE + t, page_size), h0 + hh, T.min(o * 64, RB - 1))))
                         if lo + it * TILE + t < hi:
                             page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
                             slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
                             if page >= 0 and page < num_pages:
+                                if PF:  # this token's V rows, read after the tile's softmax
+                                    for hh in range(HB):
+                                        for o in T.unroll(NPF):
+                                            T.evaluate(prefetch(v_cache, cache_index(layout, page, slot, h0 + hh, T.min(o * 64, RB - 1))))
                                 for hh in range(HB):
-                                    for g in range(G):
+                                    if Q:
+                                        rs[0] = row_scale(k_cache, cache_index(layout, page, slot, h0 + hh, 0), D, spec.k_storage)
+                                    for g in gloop(G):
                                         for l in T.vectorized(L):
                                             part[g, l] = T.float32(0)
                                     for dv in range(DV):
                                         for l in T.vectorized(L):
-                                            row[l] = T.Cast("float32", k_cache[cache_index(layout, page, slot, h0 + hh, dv * L + l)])
-                                        for g in range(G):
+                                            row[l] = load_value(k_cache, cache_index(layout, page, slot, h0 + hh, dv * L + l), spec.k_storage)
+                                        for g in gloop(G):
                                             for l in T.vectorized(L):
                                                 part[g, l] = part[g, l] + qf[hh * G + g, dv * L + l] * row[l]
-                                    for g in range(G):  # horizontal sums as a vector tree
+                                    for g in gloop(G):  # horizontal sums as a vector tree
                                         if L >= 16:
                                             for l in T.vectorized(8):
                                                 part[g, l] = part[g, l] + part[g, l + 8]
@@ -160,7 +201,7 @@ def schedule(mod, spec, knobs):
                                                 part[g, l] = part[g, l] + part[g, l + 2]
                                         if L >= 2:
                                             part[g, 0] = part[g, 0] + part[g, 1]
-                                        sc[hh * G + g, t] = part[g, 0]
+                                        sc[hh * G + g, t] = scaled(part[g, 0], rs)
                             else:
                                 err[ERR_PAGE] = 1
                                 for r in range(HB * G):
@@ -188,12 +229,16 @@ def schedule(mod, spec, knobs):
                             slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
                             if page >= 0 and page < num_pages:
                                 for hh in range(HB):
+                                    if Q:  # p * scale_v once per (token, query head)
+                                        rs[0] = row_scale(v_cache, cache_index(layout, page, slot, h0 + hh, 0), D, spec.v_storage)
+                                        for g in gloop(G):
+                                            part[g, 0] = sc[hh * G + g, t] * rs[0]
                                     for dv in range(DV):
                                         for l in T.vectorized(L):
-                                            row[l] = T.Cast("float32", v_cache[cache_index(layout, page, slot, h0 + hh, dv * L + l)])
-                                        for g in range(G):
+                                            row[l] = load_value(v_cache, cache_index(layout, page, slot, h0 + hh, dv * L + l), spec.v_storage)
+                                        for g in gloop(G):
                                             for l in T.vectorized(L):
-                                                acc[hh * G + g, dv * L + l] = acc[hh * G + g, dv * L + l] + sc[hh * G + g, t] * row[l]
+                                                acc[hh * G + g, dv * L + l] = acc[hh * G + g, dv * L + l] + weight(part, sc, hh * G + g, g, t) * row[l]
                 for r in range(HB * G):
                     if splits == T.int64(1):
                         for dv in range(DV):

@@ -1,11 +1,14 @@
-"""CUDA schedule of decode attention over a QUANTIZED cache (``kvtvm.kernels.decode_quant``;
-sm_90a and sm_80 alike): the kernel of ``schedules/decode/cuda.py`` staging whole 8-bit rows
-(values, scale, padding: ``quant_row_bytes(head_dim)`` bytes, 16-byte ``cp.async`` chunks) in
-shared memory as 32-bit words; a thread loads its 16-byte slices as ``int4`` vectors and
-converts the bytes to float32 in registers (int8: a convert; e4m3: through float16, no native
-float8 needed, so sm_80 runs it too); the row scales are folded into scalars (``score =
-scale_k * q.k_q``; ``acc += (p * scale_v) * v_q``). K and V must both be 8-bit (a K-only cache
-runs on the CPU).
+"""CUDA schedule of decode attention over a QUANTIZED cache (``kvtvm.kernels.decode``;
+sm_90a and sm_80 alike), hand-written TIR: the kernel of ``schedules/decode/cuda.py`` with the
+8-bit rows staged as they are stored (values, scale, padding: ``quant_row_bytes(head_dim)``
+bytes, 16-byte ``cp.async`` chunks, as int32 words) and, once per tile, converted by the whole
+block into float16 tiles in shared memory -- exactly: every int8 and e4m3 value is a float16
+(int8 through the float16 magic number 1024 + 128, e4m3 through the hardware pair conversion
+on sm_89+ or bit placement elsewhere). The score and output loops are then the float16
+kernel's (a value converted once per block, not once per query head of the group: the
+conversion unit runs at an eighth of the float rate), with the row scales folded into scalars
+(``score = scale_k * q.k``; ``acc += (p * scale_v) * v``). K and V must both be 8-bit (a
+K-only cache runs on the CPU).
 """
 
 from __future__ import annotations
@@ -13,15 +16,12 @@ from __future__ import annotations
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func)
 from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, signature,
-                                  split_range, vec_choices)
+from kvtvm.kernels.decode import LN2, LOG2E, NEG, length_ok, match_params, signature, split_range
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
-
-from kvtvm.kernels.decode_quant import match_params  # noqa: E402,F811
-from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale, word_value
+from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale
 from kvtvm.quant import quant_row_bytes
 
-from ..common import DTYPE_BYTES, pages_bad_macro, replace_function
+from ..common import pages_bad_macro, replace_function
 #: Static shared memory kept for the K/V stages (of the 48 KiB a kernel may declare statically).
 SMEM_KV_BYTES = 40 * 1024
 
@@ -73,38 +73,109 @@ def _copy16_words(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_
                             source_code=_CP_ASYNC)
 
 
+#: 4 stored 8-bit codes (an int32 word) -> 4 float16 values at ``dst`` (8-byte aligned), exact.
+_TO_HALF = {
+    "int8": r"""
+__device__ __forceinline__ void kvtvm_i8x4_to_half4(void* dst, int w) {
+  // 0x6400 | (code + 128) is the float16 1024 + code + 128: a byte permute and a subtraction
+  unsigned u = (unsigned)w ^ 0x80808080u;
+  unsigned lo = __byte_perm(u, 0x64646464u, 0x4140), hi = __byte_perm(u, 0x64646464u, 0x4342);
+  __half2 bias = __float2half2_rn(1152.0f);
+  __half2 a = __hsub2(*reinterpret_cast<__half2*>(&lo), bias);
+  __half2 b = __hsub2(*reinterpret_cast<__half2*>(&hi), bias);
+  *reinterpret_cast<uint2*>(dst) = make_uint2(*reinterpret_cast<unsigned*>(&a),
+                                              *reinterpret_cast<unsigned*>(&b));
+}
+""",
+    "float8_e4m3fn": r"""
+__device__ __forceinline__ void kvtvm_e4m3x4_to_half4(void* dst, int w) {
+  unsigned u = (unsigned)w, lo, hi;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"((unsigned short)(u & 0xFFFFu)));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"((unsigned short)(u >> 16)));
+#else
+  // the e4m3 bits placed in float16 bits are the value / 256 (exponent bias 15, not 7);
+  // times 256 is exact (float16 arithmetic keeps subnormals)
+  unsigned p0 = __byte_perm(u, 0u, 0x1404), p1 = __byte_perm(u, 0u, 0x3424);
+  unsigned h0 = (p0 & 0x80008000u) | ((p0 >> 1) & 0x3F803F80u);
+  unsigned h1 = (p1 & 0x80008000u) | ((p1 >> 1) & 0x3F803F80u);
+  __half2 s = __float2half2_rn(256.0f);
+  __half2 a = __hmul2(*reinterpret_cast<__half2*>(&h0), s);
+  __half2 b = __hmul2(*reinterpret_cast<__half2*>(&h1), s);
+  lo = *reinterpret_cast<unsigned*>(&a);
+  hi = *reinterpret_cast<unsigned*>(&b);
+#endif
+  *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+}
+""",
+}
+#: 4 stored 8-bit codes -> 4 float32 values at ``dst`` (16-byte aligned), exact.
+_TO_FLOAT = {
+    "int8": r"""
+__device__ __forceinline__ void kvtvm_i8x4_to_float4(void* dst, int w) {
+  // 0x4B0000 | (code + 128) is the float32 2**23 + code + 128: a byte permute and a subtraction
+  unsigned u = (unsigned)w ^ 0x80808080u;
+  float4 f;
+  f.x = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540)) - 8388736.0f;
+  f.y = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7541)) - 8388736.0f;
+  f.z = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - 8388736.0f;
+  f.w = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - 8388736.0f;
+  *reinterpret_cast<float4*>(dst) = f;
+}
+""",
+    "float8_e4m3fn": _TO_HALF["float8_e4m3fn"] + r"""
+__device__ __forceinline__ void kvtvm_e4m3x4_to_float4(void* dst, int w) {
+  uint2 h;
+  kvtvm_e4m3x4_to_half4(&h, w);
+  float2 a = __half22float2(*reinterpret_cast<__half2*>(&h.x));
+  float2 b = __half22float2(*reinterpret_cast<__half2*>(&h.y));
+  *reinterpret_cast<float4*>(dst) = make_float4(a.x, a.y, b.x, b.y);
+}
+""",
+}
+_CONVERT = {("int8", "float16"): "kvtvm_i8x4_to_half4",
+            ("float8_e4m3fn", "float16"): "kvtvm_e4m3x4_to_half4",
+            ("int8", "float32"): "kvtvm_i8x4_to_float4",
+            ("float8_e4m3fn", "float32"): "kvtvm_e4m3x4_to_float4"}
+
+
+def _convert4(storage, tile_dtype, dst, word):
+    """Convert the 4 codes of ``word`` into 4 ``tile_dtype`` values at pointer ``dst``."""
+    source = (_TO_HALF if tile_dtype == "float16" else _TO_FLOAT)[storage]
+    return T.cuda.func_call(_CONVERT[storage, tile_dtype], dst, word, source_code=source)
+
+
 def default_knobs(spec) -> dict:
-    # 128 threads and 32-row tiles, double buffered: ~32 KiB of K/V in flight per CTA (fp16,
-    # D=128), several CTAs per SM.
-    # ``vec``: head_dim elements per thread, two 16-byte vectors where a head allows it (on an
-    # H100, fp16 d128 GQA 4: 2.6-2.7 TB/s against 2.3-2.5 with one vector, which needs one more
-    # shuffle step per score; tools/gpu_decode_probe.py), unless that shrinks the CTA (the
-    # row groups are capped at 8) or whole warps would need more than 8 row groups (tiny heads
-    # with odd groups, e.g. d16 GQA 3: spills)
-    knobs = {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 256,
-             "convert": "fast"}
+    # ``vec`` values of head_dim per thread for every query head of the group (registers:
+    # 2 * group * vec floats), and enough row groups that a thread keeps at most 16 scores
+    # (group x rows per tile); double-buffered 32-row tiles (16 for groups over 4). On an H100
+    # (fp16 d128 GQA 4, 2026-11-25, docs/PERF.md) 64 or 128 threads, 32- or 64-row tiles, 2 or
+    # 3 stages were within 3% of each other; vec 4 (32 threads per row) was 20% slower.
+    vec = default_vec(spec)
+    tile = 32 if spec.group_size <= 4 else 16
+    threads = min(256, max(128, spec.head_dim // vec * tile * spec.group_size // 16))
+    return {"threads": threads, "tile_tokens": tile, "stages": 2, "merge_threads": 256,
+            "vec": vec}
+
+
+def default_vec(spec) -> int:
+    """The largest slice that keeps ``group * vec <= 32`` (q and the output of every head of
+    the group in registers), at least one int32 word."""
     choices = quant_vec_choices(spec)
-    one = dict(knobs, vec=choices[0])
-    if len(choices) == 1:
-        return one
-    two = dict(knobs, vec=choices[1])
-    g1, g2 = geometry(spec, one), geometry(spec, two)
-    return two if g2["bdz"] <= 8 and g2["threads"] >= g1["threads"] else one
+    fits = [v for v in choices if spec.group_size * v <= 32]
+    return max(fits) if fits else choices[0]
 
 
 def geometry(spec, knobs) -> dict:
     """Thread and tile shape of the attend kernel for ``spec`` and ``knobs``."""
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
-    esize = 1  # 8-bit rows
-    vec = int(knobs.get("vec") or quant_vec_choices(spec)[0])  # elements per thread along head_dim
+    vec = int(knobs.get("vec") or default_vec(spec))  # elements per thread along head_dim
     if vec not in quant_vec_choices(spec):
         raise ValueError(f"decode knob vec={vec} for head_dim {D} {dtype}: choose from "
                          f"{quant_vec_choices(spec)}")
     bdx = D // vec                           # <= 32: one warp segment reduces a score
-    # row groups; more than 8 leaves 1-2 rows per group per tile (no ILP) and made ptxas
-    # spill on sm_80 (head_dim 64, group 1)
-    bdz = min(8, max(1, int(knobs["threads"]) // (bdx * G)))
-    while (bdx * G * bdz) % 32:              # whole warps: the shuffles use a full lane mask
+    bdz = max(1, int(knobs["threads"]) // bdx)
+    while (bdx * bdz) % 32:                  # whole warps: the shuffles use a full lane mask
         bdz += 1
     stages = max(1, int(knobs["stages"]))
     tile = int(knobs["tile_tokens"])
@@ -112,24 +183,22 @@ def geometry(spec, knobs) -> dict:
         tile //= 2
     tile = max(tile, bdz)
     tile -= tile % bdz                       # rows per tz are equal
-    chunk = 16 // esize                      # elements per 16-byte copy
-    return dict(esize=esize, vec=vec, bdx=bdx, bdy=G, bdz=bdz, threads=bdx * G * bdz,
-                stages=stages, tile=tile, rows_per_z=tile // bdz, chunk=chunk,
-                chunks_per_row=quant_row_bytes(D) // chunk, sub=vec // chunk if vec >= chunk else 1)
+    chunk = 16                               # bytes (8-bit values) per 16-byte copy
+    return dict(vec=vec, bdx=bdx, bdz=bdz, threads=bdx * bdz, stages=stages, tile=tile,
+                rows_per_z=tile // bdz, chunk=chunk, chunks_per_row=quant_row_bytes(D) // chunk)
 
 
 def schedule(mod, spec, knobs):
     assert spec.k_storage and spec.v_storage, "CUDA: K and V both 8-bit"
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     g = geometry(spec, knobs)
-    VEC, BDX, BDY, BDZ, NT = g["vec"], g["bdx"], g["bdy"], g["bdz"], g["threads"]
+    VEC, BDX, BDZ, NT = g["vec"], g["bdx"], g["bdz"], g["threads"]
     S, TILE, RPZ, CH, CPR = g["stages"], g["tile"], g["rows_per_z"], g["chunk"], g["chunks_per_row"]
-    SUB = VEC // CH                          # 16-byte pieces per thread vector
     COPIES = -(-TILE * CPR // NT)            # 16-byte chunks per thread per tile (K and V each)
+    WV = min(4, VEC // 4)                    # words per shared-memory load of a slice
     MX = D // 4                              # merge: threads along head_dim (float4 each) ...
     MZ = max(1, min(1024 // MX, int(knobs["merge_threads"]) // MX))  # ... x split groups
     WAIT = _wait_source(S - 1)
-    FAST = knobs.get("convert", "cvt") == "fast"  # 8-bit -> float32 without the conversion unit
     pages_bad = pages_bad_macro(NT)
 
     # fmt: off
@@ -145,138 +214,146 @@ def schedule(mod, spec, knobs):
             var_lse, var_o_part, var_lse_part, var_err)
         for bx in T.thread_binding(T.Cast("int32", batch * H * splits), thread="blockIdx.x"):
             for tz in T.thread_binding(BDZ, thread="threadIdx.z"):
-                for ty in T.thread_binding(BDY, thread="threadIdx.y"):
-                    for tx in T.thread_binding(BDX, thread="threadIdx.x"):
-                        with block("attend"):
-                            T.reads()
-                            T.writes()
-                            k_smem = alloc_buffer((S, TILE, quant_row_bytes(D) // 4), "int32", scope="shared")
-                            v_smem = alloc_buffer((S, TILE, quant_row_bytes(D) // 4), "int32", scope="shared")
-                            o_red = alloc_buffer((BDZ, BDY, D), "float32", scope="shared")
-                            md_red = alloc_buffer((BDZ, BDY, 2), "float32", scope="shared")
-                            q_reg = alloc_buffer((VEC,), "float32", scope="local")
-                            o_reg = alloc_buffer((VEC,), "float32", scope="local")
-                            kv_reg = alloc_buffer((VEC // 4,), "int32", scope="local")
-                            s_reg = alloc_buffer((RPZ,), "float32", scope="local")
-                            st = alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, dot
-                            bad = alloc_buffer((1,), "int32", scope="local")
-                            ns: T.int32 = T.Cast("int32", splits)
-                            b: T.int32 = T.truncdiv(bx, H * ns)
-                            h: T.int32 = T.truncmod(T.truncdiv(bx, ns), H)
-                            s: T.int32 = T.truncmod(bx, ns)
-                            tid: T.int32 = (tz * BDY + ty) * BDX + tx
-                            lo64, hi64 = split_range(cache_lengths[b], window, s, splits, sliding,
-                                                     max_pages * page_size)
-                            if tid == 0 and not length_ok(cache_lengths[b], max_pages * page_size):
-                                err[ERR_POSITION] = 1
-                            lo: T.int32 = T.Cast("int32", lo64)  # positions fit in int32
-                            hi: T.int32 = T.Cast("int32", hi64)
-                            # every page of the split is checked before any is staged: a page
-                            # outside the pool empties the split and sets the flag
-                            pages_bad(bad, lookup, b, T.truncdiv(lo, T.Cast("int32", page_size)),
-                                      T.if_then_else(hi > lo, T.truncdiv(hi - 1, T.Cast("int32", page_size)), -1),
-                                      num_pages, tid)
-                            if tid == 0 and bad[0] != 0:
-                                err[ERR_PAGE] = 1
-                            ntiles: T.int32 = T.truncdiv(T.max(hi - lo, 0) + TILE - 1, TILE) * (1 - bad[0])
-                            for c in T.unroll(SUB):
-                                for v in T.unroll(CH):
-                                    q_reg[c * CH + v] = T.Cast("float32", q[b, h * G + ty, (c * BDX + tx) * CH + v]) * sm_scale * T.float32(LOG2E)
+                for tx in T.thread_binding(BDX, thread="threadIdx.x"):
+                    with block("attend"):
+                        T.reads()
+                        T.writes()
+                        k_smem = alloc_buffer((S, TILE, quant_row_bytes(D) // 4), "int32", scope="shared")
+                        v_smem = alloc_buffer((S, TILE, quant_row_bytes(D) // 4), "int32", scope="shared")
+                        o_red = alloc_buffer((BDZ, G, D), "float32", scope="shared")
+                        md_red = alloc_buffer((BDZ, G, 2), "float32", scope="shared")
+                        q_reg = alloc_buffer((G * VEC,), "float32", scope="local")
+                        o_reg = alloc_buffer((G * VEC,), "float32", scope="local")
+                        kv = alloc_buffer((VEC,), "float32", scope="local")
+                        words = alloc_buffer((VEC // 4,), "int32", scope="local")
+                        s_reg = alloc_buffer((G * RPZ,), "float32", scope="local")
+                        st = alloc_buffer((G * 4,), "float32", scope="local")  # per head: m, d, m_new, dot
+                        bad = alloc_buffer((1,), "int32", scope="local")
+                        ns: T.int32 = T.Cast("int32", splits)
+                        b: T.int32 = T.truncdiv(bx, H * ns)
+                        h: T.int32 = T.truncmod(T.truncdiv(bx, ns), H)
+                        s: T.int32 = T.truncmod(bx, ns)
+                        tid: T.int32 = tz * BDX + tx
+                        lo64, hi64 = split_range(cache_lengths[b], window, s, splits, sliding,
+                                                 max_pages * page_size)
+                        if tid == 0 and not length_ok(cache_lengths[b], max_pages * page_size):
+                            err[ERR_POSITION] = 1
+                        lo: T.int32 = T.Cast("int32", lo64)  # positions fit in int32
+                        hi: T.int32 = T.Cast("int32", hi64)
+                        # every page of the split is checked before any is staged: a page
+                        # outside the pool empties the split and sets the flag
+                        pages_bad(bad, lookup, b, T.truncdiv(lo, T.Cast("int32", page_size)),
+                                  T.if_then_else(hi > lo, T.truncdiv(hi - 1, T.Cast("int32", page_size)), -1),
+                                  num_pages, tid)
+                        if tid == 0 and bad[0] != 0:
+                            err[ERR_PAGE] = 1
+                        ntiles: T.int32 = T.truncdiv(T.max(hi - lo, 0) + TILE - 1, TILE) * (1 - bad[0])
+                        for g in T.unroll(G):
                             for v in T.unroll(VEC):
-                                o_reg[v] = T.float32(0)
-                            st[0] = T.float32(NEG)
-                            st[1] = T.float32(0)
-                            # prologue: tiles 0 .. S-2 in flight
-                            for pre in T.unroll(S - 1):
-                                if pre < ntiles:
-                                    for c in T.unroll(COPIES):
-                                        if c * NT + tid < TILE * CPR:
-                                            if lo + pre * TILE + (c * NT + tid) // CPR < hi:
-                                                T.evaluate(_copy16_words(k_smem, pre, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, lo + pre * TILE + (c * NT + tid) // CPR, h, page_size))
-                                                T.evaluate(_copy16_words(v_smem, pre, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, lo + pre * TILE + (c * NT + tid) // CPR, h, page_size))
-                                T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
-                            for it in T.serial(ntiles):
-                                # issue tile it + S - 1 into the stage freed at the end of it - 1
-                                if it + (S - 1) < ntiles:
-                                    for c in T.unroll(COPIES):
-                                        if c * NT + tid < TILE * CPR:
-                                            if lo + (it + S - 1) * TILE + (c * NT + tid) // CPR < hi:
-                                                T.evaluate(_copy16_words(k_smem, T.floormod(it + S - 1, S), (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, lo + (it + S - 1) * TILE + (c * NT + tid) // CPR, h, page_size))
-                                                T.evaluate(_copy16_words(v_smem, T.floormod(it + S - 1, S), (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, lo + (it + S - 1) * TILE + (c * NT + tid) // CPR, h, page_size))
-                                T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
-                                T.evaluate(T.cuda.func_call(f"kvtvm_cp_async_wait_{S - 1}", source_code=WAIT))
-                                T.tvm_storage_sync("shared")
-                                # scores of this thread's rows: dot over tx's slice, butterfly over tx
-                                st[2] = st[0]
-                                for j in T.unroll(RPZ):
-                                    for c in T.unroll(SUB):
-                                        for v in T.vectorized(CH // 4):
-                                            kv_reg[c * (CH // 4) + v] = k_smem[T.floormod(it, S), tz * RPZ + j, (c * BDX + tx) * (CH // 4) + v]
-                                    st[3] = T.float32(0)
+                                q_reg[g * VEC + v] = T.Cast("float32", q[b, h * G + g, tx * VEC + v]) * sm_scale * T.float32(LOG2E)
+                                o_reg[g * VEC + v] = T.float32(0)
+                            st[g * 4] = T.float32(NEG)
+                            st[g * 4 + 1] = T.float32(0)
+                        # prologue: tiles 0 .. S-2 in flight
+                        for pre in T.unroll(S - 1):
+                            if pre < ntiles:
+                                for c in T.unroll(COPIES):
+                                    if c * NT + tid < TILE * CPR:
+                                        if lo + pre * TILE + (c * NT + tid) // CPR < hi:
+                                            T.evaluate(_copy16_words(k_smem, pre, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, lo + pre * TILE + (c * NT + tid) // CPR, h, page_size))
+                                            T.evaluate(_copy16_words(v_smem, pre, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, lo + pre * TILE + (c * NT + tid) // CPR, h, page_size))
+                            T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
+                        for it in T.serial(ntiles):
+                            # issue tile it + S - 1 into the stage freed at the end of it - 1
+                            if it + (S - 1) < ntiles:
+                                for c in T.unroll(COPIES):
+                                    if c * NT + tid < TILE * CPR:
+                                        if lo + (it + S - 1) * TILE + (c * NT + tid) // CPR < hi:
+                                            T.evaluate(_copy16_words(k_smem, T.floormod(it + S - 1, S), (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, lo + (it + S - 1) * TILE + (c * NT + tid) // CPR, h, page_size))
+                                            T.evaluate(_copy16_words(v_smem, T.floormod(it + S - 1, S), (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, lo + (it + S - 1) * TILE + (c * NT + tid) // CPR, h, page_size))
+                            T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
+                            T.evaluate(T.cuda.func_call(f"kvtvm_cp_async_wait_{S - 1}", source_code=WAIT))
+                            T.tvm_storage_sync("shared")
+                            # scores: the thread's slice of each row converted once, dotted with
+                            # every query head of the group, each dot reduced over tx
+                            for g in T.unroll(G):
+                                st[g * 4 + 2] = st[g * 4]
+                            for j in T.unroll(RPZ):
+                                for c in T.unroll(VEC // 4 // WV):  # 16-byte (or narrower) loads
+                                    for w in T.vectorized(WV):
+                                        words[c * WV + w] = k_smem[T.floormod(it, S), tz * RPZ + j, tx * (VEC // 4) + c * WV + w]
+                                for w in T.unroll(VEC // 4):
+                                    T.evaluate(_convert4(spec.k_storage, "float32", kv.access_ptr("w", offset=w * 4, extent=4), words[w]))
+                                for g in T.unroll(G):
+                                    st[g * 4 + 3] = T.float32(0)
                                     for v in T.unroll(VEC):
-                                        st[3] = st[3] + q_reg[v] * word_value(kv_reg[v // 4], v % 4, spec.k_storage, FAST)
+                                        st[g * 4 + 3] = st[g * 4 + 3] + q_reg[g * VEC + v] * kv[v]
                                     for x in T.unroll(BDX.bit_length() - 1):
-                                        st[3] = st[3] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[3], BDX >> (x + 1), BDX, 32)
-                                    s_reg[j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, st[3] * word_row_scale(k_smem, (T.floormod(it, S), tz * RPZ + j), D, spec.k_storage, FAST), T.float32(NEG))
-                                    st[2] = T.max(st[2], s_reg[j])
-                                # online softmax (log2 units): rescale once per tile
-                                st[1] = st[1] * T.exp2(st[0] - st[2])
+                                        st[g * 4 + 3] = st[g * 4 + 3] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[g * 4 + 3], BDX >> (x + 1), BDX, 32)
+                                    s_reg[g * RPZ + j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, st[g * 4 + 3] * word_row_scale(k_smem, (T.floormod(it, S), tz * RPZ + j), D, spec.k_storage, fast=True), T.float32(NEG))
+                                    st[g * 4 + 2] = T.max(st[g * 4 + 2], s_reg[g * RPZ + j])
+                            # online softmax (log2 units): rescale once per tile
+                            for g in T.unroll(G):
+                                st[g * 4 + 1] = st[g * 4 + 1] * T.exp2(st[g * 4] - st[g * 4 + 2])
                                 for v in T.unroll(VEC):
-                                    o_reg[v] = o_reg[v] * T.exp2(st[0] - st[2])
-                                st[0] = st[2]
+                                    o_reg[g * VEC + v] = o_reg[g * VEC + v] * T.exp2(st[g * 4] - st[g * 4 + 2])
+                                st[g * 4] = st[g * 4 + 2]
                                 for j in T.unroll(RPZ):
-                                    s_reg[j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, T.exp2(s_reg[j] - st[0]), T.float32(0))
-                                    st[1] = st[1] + s_reg[j]
-                                    # rows past the split were not copied: stale shared memory
-                                    # may hold NaN bit patterns, and 0 * NaN is NaN
-                                    if lo + it * TILE + tz * RPZ + j < hi:
-                                        for c in T.unroll(SUB):
-                                            for v in T.vectorized(CH // 4):
-                                                kv_reg[c * (CH // 4) + v] = v_smem[T.floormod(it, S), tz * RPZ + j, (c * BDX + tx) * (CH // 4) + v]
-                                        st[3] = s_reg[j] * word_row_scale(v_smem, (T.floormod(it, S), tz * RPZ + j), D, spec.v_storage, FAST)
+                                    s_reg[g * RPZ + j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, T.exp2(s_reg[g * RPZ + j] - st[g * 4]), T.float32(0))
+                                    st[g * 4 + 1] = st[g * 4 + 1] + s_reg[g * RPZ + j]
+                            for j in T.unroll(RPZ):
+                                # rows past the split were not copied: stale shared memory may
+                                # hold NaN bit patterns, and 0 * NaN is NaN
+                                if lo + it * TILE + tz * RPZ + j < hi:
+                                    for c in T.unroll(VEC // 4 // WV):  # 16-byte (or narrower) loads
+                                        for w in T.vectorized(WV):
+                                            words[c * WV + w] = v_smem[T.floormod(it, S), tz * RPZ + j, tx * (VEC // 4) + c * WV + w]
+                                    for w in T.unroll(VEC // 4):
+                                        T.evaluate(_convert4(spec.v_storage, "float32", kv.access_ptr("w", offset=w * 4, extent=4), words[w]))
+                                    for g in T.unroll(G):
+                                        st[g * 4 + 3] = s_reg[g * RPZ + j] * word_row_scale(v_smem, (T.floormod(it, S), tz * RPZ + j), D, spec.v_storage, fast=True)
                                         for v in T.unroll(VEC):
-                                            o_reg[v] = o_reg[v] + st[3] * word_value(kv_reg[v // 4], v % 4, spec.v_storage, FAST)
-                                T.tvm_storage_sync("shared")
-                            # merge the BDZ row groups through shared memory
+                                            o_reg[g * VEC + v] = o_reg[g * VEC + v] + st[g * 4 + 3] * kv[v]
+                            T.tvm_storage_sync("shared")
+                        # merge the BDZ row groups through shared memory
+                        for g in T.unroll(G):
                             for c in T.unroll(VEC // 4):
                                 for v in T.vectorized(4):
-                                    o_red[tz, ty, tx * VEC + c * 4 + v] = o_reg[c * 4 + v]
-                            md_red[tz, ty, 0] = st[0]
-                            md_red[tz, ty, 1] = st[1]
-                            T.tvm_storage_sync("shared")
-                            if tz == 0:
+                                    o_red[tz, g, tx * VEC + c * 4 + v] = o_reg[g * VEC + c * 4 + v]
+                            md_red[tz, g, 0] = st[g * 4]
+                            md_red[tz, g, 1] = st[g * 4 + 1]
+                        T.tvm_storage_sync("shared")
+                        if tz == 0:
+                            for g in T.unroll(G):
                                 st[2] = T.float32(NEG)
                                 for z in T.unroll(BDZ):
-                                    st[2] = T.max(st[2], md_red[z, ty, 0])
+                                    st[2] = T.max(st[2], md_red[z, g, 0])
                                 st[1] = T.float32(0)
                                 for v in T.unroll(VEC):
-                                    o_reg[v] = T.float32(0)
+                                    kv[v] = T.float32(0)
                                 for z in T.unroll(BDZ):
-                                    st[3] = T.exp2(md_red[z, ty, 0] - st[2])
-                                    st[1] = st[1] + md_red[z, ty, 1] * st[3]
+                                    st[3] = T.exp2(md_red[z, g, 0] - st[2])
+                                    st[1] = st[1] + md_red[z, g, 1] * st[3]
                                     for v in T.unroll(VEC):
-                                        o_reg[v] = o_reg[v] + o_red[z, ty, tx * VEC + v] * st[3]
+                                        kv[v] = kv[v] + o_red[z, g, tx * VEC + v] * st[3]
                                 if splits == T.int64(1):
-                                    for c in T.unroll(SUB):
-                                        for u in T.unroll(CH // 4):
-                                            for v in T.vectorized(4):
-                                                out[b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = T.Cast(dtype, o_reg[c * CH + u * 4 + v] / st[1])
+                                    for c in T.unroll(VEC // 4):
+                                        for v in T.vectorized(4):
+                                            out[b, h * G + g, tx * VEC + c * 4 + v] = T.Cast(dtype, kv[c * 4 + v] / st[1])
                                     if tx == 0:
-                                        lse[b, h * G + ty] = (st[2] + T.log2(st[1])) * T.float32(LN2)
+                                        lse[b, h * G + g] = (st[2] + T.log2(st[1])) * T.float32(LN2)
                                 elif st[1] > T.float32(0):
-                                    for c in T.unroll(SUB):
-                                        for u in T.unroll(CH // 4):
-                                            for v in T.vectorized(4):
-                                                o_part[s, b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = o_reg[c * CH + u * 4 + v] / st[1]
+                                    for c in T.unroll(VEC // 4):
+                                        for v in T.vectorized(4):
+                                            o_part[s, b, h * G + g, tx * VEC + c * 4 + v] = kv[c * 4 + v] / st[1]
                                     if tx == 0:
-                                        lse_part[s, b, h * G + ty] = st[2] + T.log2(st[1])
+                                        lse_part[s, b, h * G + g] = st[2] + T.log2(st[1])
                                 else:
-                                    for c in T.unroll(SUB):
-                                        for u in T.unroll(CH // 4):
-                                            for v in T.vectorized(4):
-                                                o_part[s, b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = T.float32(0)
+                                    for c in T.unroll(VEC // 4):
+                                        for v in T.vectorized(4):
+                                            o_part[s, b, h * G + g, tx * VEC + c * 4 + v] = T.float32(0)
                                     if tx == 0:
-                                        lse_part[s, b, h * G + ty] = T.float32(NEG)
+                                        lse_part[s, b, h * G + g] = T.float32(NEG)
         if splits > T.int64(1):
             # one CTA per (sequence, query head); tz strides over the splits (online LSE merge
             # in registers), then the MZ partial states meet in shared memory

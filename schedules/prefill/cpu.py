@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, get_block, prim_func, tir
-from kvtvm.kernels.accessor import cache_index, find_sequence
+from kvtvm.kernels.accessor import find_sequence
 from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, sequence_ok
+from kvtvm.kernels.quant_access import dequant
 
 from ..common import new_schedule, replace_function, under_locate
 
@@ -167,11 +168,11 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                     slot: T.int64 = T.truncmod(j0 + jj, page_size)
                                     if page >= 0 and page < num_pages:
                                         for d in T.vectorized(D):
-                                            Ks[jj, d] = T.Cast("float32", k_cache[cache_index(
-                                                layout, page, slot, h, d)])
+                                            Ks[jj, d] = dequant(k_cache, layout, page, slot, h,
+                                                                d, D, spec.k_storage)
                                         for d in T.vectorized(D):
-                                            Vs[jj, d] = T.Cast("float32", v_cache[cache_index(
-                                                layout, page, slot, h, d)])
+                                            Vs[jj, d] = dequant(v_cache, layout, page, slot, h,
+                                                                d, D, spec.v_storage)
                                     else:  # skipped: a zero key and value
                                         err[ERR_PAGE] = 1
                                         for d in T.vectorized(D):

@@ -124,3 +124,100 @@ def test_a_corrupt_tuning_log_is_named(tmp_path, cache, monkeypatch):
     log_path.write_text('{"knobs": [1, 2]}')
     with pytest.raises(CorruptKernelError, match="not an object"):
         compiler.resolve_knobs(SPEC)
+
+
+# -- tuning logs and parent directories (as ssh: every directory up to home) -----------------
+
+def _tuning_log(root):
+    path = compiler.tuning_log_path(SPEC, root)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"knobs": {}}')
+    os.chmod(path, 0o644)
+    return path
+
+
+def _fake_owner(monkeypatch, target, uid):
+    """Make ``trust._stat`` report ``target`` as owned by ``uid`` (no chown needed)."""
+    from kvtvm.compiler import trust
+
+    real = trust._stat
+
+    def fake(path):
+        st = real(path)
+        if os.path.realpath(path) == os.path.realpath(target):
+            fields = list(st)
+            fields[stat.ST_UID] = uid
+            return os.stat_result(fields)
+        return st
+    monkeypatch.setattr(trust, "_stat", fake)
+
+
+@pytest.mark.parametrize("weak", ["log", "log_dir", "parent", "grandparent"])
+@pytest.mark.parametrize("how", ["group_writable", "other_writable", "other_owner"])
+def test_tuning_logs_and_every_parent_are_checked(tmp_path, cache, monkeypatch, weak, how):
+    root = tmp_path / "a" / "b" / "logs"
+    path = _tuning_log(root)
+    target = {"log": path, "log_dir": path.parent, "parent": root,
+              "grandparent": tmp_path / "a"}[weak]
+    if how == "other_owner":
+        _fake_owner(monkeypatch, target, 12345)
+        reason = "owned by uid 12345"
+    else:
+        os.chmod(target, _mode(target) | (0o020 if how == "group_writable" else 0o002))
+        reason = "writable by group or others"
+    monkeypatch.setenv("KVTVM_TUNING_LOGS", str(root))
+    with pytest.raises(UntrustedKernelError, match=reason) as info:
+        compiler.resolve_knobs(SPEC)
+    assert str(target) in str(info.value)
+    if weak in ("parent", "grandparent"):
+        assert "parent directory" in str(info.value)
+    if how != "other_owner":  # fixed, it loads again
+        os.chmod(target, _mode(target) & ~0o022)
+        compiler.resolve_knobs(SPEC)
+
+
+def test_a_trusted_tuning_log_is_read(tmp_path, cache, monkeypatch):
+    root = tmp_path / "logs"
+    path = _tuning_log(root)
+    path.write_text('{"knobs": {"vector_bytes": 8}}')
+    monkeypatch.setenv("KVTVM_TUNING_LOGS", str(root))
+    assert compiler.tuned_knobs(SPEC) == {"vector_bytes": 8}
+
+
+def test_the_parent_walk_stops_at_home_and_passes_root_owned_sticky_dirs(tmp_path, cache,
+                                                                        monkeypatch):
+    shared = tmp_path / "shared"
+    root = shared / "home" / "logs"
+    _tuning_log(root)
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv("KVTVM_TUNING_LOGS", str(root))
+    with pytest.raises(UntrustedKernelError, match=str(shared)):
+        compiler.resolve_knobs(SPEC)
+    monkeypatch.setenv("HOME", str(shared / "home"))   # above home: not walked
+    compiler.resolve_knobs(SPEC)
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
+    os.chmod(shared, 0o1777)                              # sticky, but ours: still refused
+    if os.geteuid() != 0:
+        with pytest.raises(UntrustedKernelError, match=str(shared)):
+            compiler.resolve_knobs(SPEC)
+    _fake_owner(monkeypatch, shared, 0)                   # sticky and root's, like /tmp
+    compiler.resolve_knobs(SPEC)
+
+
+def test_a_kernel_directory_under_a_writable_parent_is_refused(tmp_path, cache, monkeypatch):
+    kernels = tmp_path / "open" / "kernels"
+    compiler.build_spec(SPEC, kernels)
+    os.chmod(tmp_path / "open", 0o777)
+    monkeypatch.setenv("KVTVM_KERNEL_PATH", str(kernels))
+    with pytest.raises(UntrustedKernelError, match="parent directory") as info:
+        compiler.get_kernel(SPEC)
+    assert str(tmp_path / "open") in str(info.value)
+
+
+def test_a_cache_under_a_parent_of_another_user_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(tmp_path / "theirs" / "cache"))
+    monkeypatch.delenv("KVTVM_KERNEL_PATH", raising=False)
+    (tmp_path / "theirs").mkdir(mode=0o755)
+    _fake_owner(monkeypatch, tmp_path / "theirs", 12345)
+    with pytest.raises(UntrustedKernelError, match="owned by uid 12345"):
+        compiler.get_kernel(SPEC)

@@ -100,3 +100,18 @@ def test_generate_bad_prompts_say_why():
     assert proc.returncode == 2 and "token ids" in proc.stderr
     proc = run("generate", "--model", "toy", "--prompt", "")
     assert proc.returncode == 2 and "empty prompt" in proc.stderr
+
+
+def test_generate_second_process_warm_from_the_disk_tier(tmp_path):
+    """Two `generate` processes on one disk tier directory: the second reads the prompt's full
+    pages from disk (the first wrote them at exit), both equal transformers' generate."""
+    prompt = " ".join(str(5 + i) for i in range(40))  # 2 full pages of 16 + 8 tokens
+    args = ("generate", "--model", "toy", "--prompt", prompt, "--max-new-tokens", "4",
+            "--check", "--disk-tier-dir", str(tmp_path / "kv"))
+    first, second = run(*args, timeout=600), run(*args, timeout=600)
+    for proc in (first, second):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "4 tokens equal transformers' generate" in proc.stderr
+    assert "0 prompt tokens from the cache" in first.stderr
+    assert "32 prompt tokens from the cache" in second.stderr
+    assert first.stdout == second.stdout

@@ -146,3 +146,29 @@ def test_smollm2_chat_matches_transformers():
     assert e.stats.prefix_hit_tokens > 0
     assert "Paris" in tok.decode(reqs[0].output)
     assert any(r.finish_reason == "stop" and r.output[-1] == tok.eos_token_id for r in reqs)
+
+
+def test_second_engine_served_warm_from_the_disk_tier(toy, tmp_path):
+    """An engine with a disk tier persists its prefix cache at close; a new engine on the
+    same directory (a restart) reads the shared system prompt from disk, and both generate
+    what transformers does."""
+    rng = np.random.default_rng(7)
+    system = _rand(rng, 48)  # 3 full pages
+    first = [Request(0, system + _rand(rng, 5), 4)]
+    a = _engine(toy, host_tier_pages=4, disk_tier_dir=tmp_path / "kv")
+    a.serve(first)
+    assert a.close() >= 3
+    assert len(list((tmp_path / "kv").glob("*.kvp"))) >= 3
+    second = [Request(1, system + _rand(rng, 7), 4)]
+    b = _engine(toy, disk_tier_dir=tmp_path / "kv")
+    b.serve(second)
+    assert second[0].prefix_hit_tokens == 48 and b.stats.prefix_hit_tokens == 48
+    assert b.kv.mgr.stats().tiers["disk"]["hits"] >= 3
+    assert check_against_reference(toy, first + second) == []
+    b.close(persist=False)
+    cold = [Request(2, system + [5], 2)]
+    c = _engine(toy)  # no tiers: cold
+    c.serve(cold)
+    assert cold[0].prefix_hit_tokens == 0
+    with pytest.raises(InvalidArgumentError, match="prefix caching"):
+        _engine(toy, cache="linear", disk_tier_dir=tmp_path / "kv")

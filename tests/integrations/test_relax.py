@@ -71,14 +71,17 @@ def _random_batch(rng, layout, num_pages, page_size, cached, new):
                 lookup_table=torch.from_numpy(table))
 
 
-def _step_module(layout, *, decode=False, cuda=False, **attn_kwargs):
-    """Relax ``main(q, k, v, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table)``:
-    append, then attention on the appended caches; returns (out, lse). ``cuda``: the CUDA
-    (sm_90a) kernels instead of the llvm ones."""
+def _step_module(layout, *, decode=False, cuda=False, flag=True, **attn_kwargs):
+    """Relax ``main(q, k, v, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table,
+    error_flag)``: append, then attention on the appended caches; returns (out, lse).
+    ``cuda``: the CUDA (sm_90a) kernels instead of the llvm ones; ``flag``: the kernels
+    record skipped entries in ``error_flag`` (else in a scratch flag)."""
     if cuda:
         attn_kwargs.update(target="cuda", arch="sm_90a")
     target = {k: attn_kwargs[k] for k in ("target", "arch") if k in attn_kwargs}
     kv = kr.kv_input_vars(1, H, D, "float32", layout=layout)
+    if flag:
+        attn_kwargs["error_flag"] = target["error_flag"] = kv.error_flag
     n = tir.Var("num_tokens", "int64")
     q = relax.Var("q", relax.TensorType([n, HQ, D], "float32"))
     k = relax.Var("k", relax.TensorType([n, H, D], "float32"))
@@ -123,7 +126,8 @@ def test_cuda_step_module_builds_for_sm90a(decode):
 
 def _run_step(vm, x):
     out, lse = vm["main"](x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], x["qo_indptr"],
-                          x["cache_lengths"], x["lookup_table"])
+                          x["cache_lengths"], x["lookup_table"], kr.error_flag())
+    kr.check_errors()
     return torch.as_tensor(out).numpy(), torch.as_tensor(lse).numpy()
 
 
@@ -197,7 +201,7 @@ def _manager(kind):
 def test_kv_input_vars_agree_with_manager(kind):
     mgr = _manager(kind)
     kv = kr.kv_input_vars_for(mgr)
-    assert kv.num_layers == LAYERS and len(kv.params()) == 2 * LAYERS + 3
+    assert kv.num_layers == LAYERS and len(kv.params()) == 2 * LAYERS + 4
     if hasattr(mgr, "input_symbols"):
         sym = mgr.input_symbols()[0]
         assert [int(d) for d in kv.lookup_table.ty.shape.values[1:]] == \
@@ -281,7 +285,7 @@ def test_each_specialization_added_once():
     rng = np.random.default_rng(11)
     x = _random_batch(rng, "nhd", 12, 4, [3, 0, 6], [2, 5, 1])
     outs = vm["main"](x["q"], x["k_cache"], x["v_cache"], x["qo_indptr"], x["cache_lengths"],
-                      x["lookup_table"])
+                      x["lookup_table"], kr.error_flag())
     for out, causal in zip(outs, modes):
         ref, _ = reference_prefill(x["q"].numpy(), x["k_cache"].numpy(), x["v_cache"].numpy(),
                                    x["qo_indptr"].numpy(), x["cache_lengths"].numpy(),
@@ -437,3 +441,85 @@ def test_example_exports_for_cuda(tmp_path):
     assert any(k.startswith("kvtvm_prefill") for k in kernels)
     assert any(k.startswith("kvtvm_decode") for k in kernels)
     assert all(v["spill_stores"] == 0 for v in report.values())
+
+
+# -- the graph's error flag: what the kernels skip is reported by check_errors ---------------
+
+def _bad_batch(layout, what, decode):
+    rng = np.random.default_rng(21)
+    page_size = 4 if layout == "nhd" else 40
+    cached, new = ([2, 5, 3], [1, 1, 1]) if decode else ([2, 5, 3], [3, 1, 2])
+    x = _random_batch(rng, layout, 12 if layout == "nhd" else 6, page_size, cached, new)
+    num_pages = x["k_cache"].shape[0]
+    if what == "page":         # a page past the pool for the rows of sequence 1
+        x["lookup_table"][1, :] = num_pages + 7
+        arg = "lookup_table"
+    else:                      # a negative length
+        x["cache_lengths"][2] = -3
+        arg = "cache_lengths"
+    return x, arg
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("what", ["page", "length"])
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_kernels_in_a_graph_report_skipped_entries(layout, what, decode):
+    from kvtvm.errors import KernelIndexError
+
+    kr.check_errors()  # nothing pending from an earlier test
+    x, arg = _bad_batch(layout, what, decode)
+    before = x["cache"].clone()
+    vm = _compile(_step_module(layout, decode=decode))
+    _ = vm["main"](x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], x["qo_indptr"],
+                   x["cache_lengths"], x["lookup_table"], kr.error_flag())
+    assert int(kr.error_flag().sum()) > 0
+    with pytest.raises(KernelIndexError, match=arg):
+        kr.check_errors()
+    assert not kr.error_flag().any()      # zeroed: a second check is quiet
+    kr.check_errors("cpu")
+    # the skipped sequence wrote nothing: only the pages (slots) of the others changed
+    skipped = 1 if what == "page" else 2
+    pages = {int(p) for s in range(3) if s != skipped for p in x["lookup_table"][s]}
+    changed = (x["k_cache"] != before_k(before, layout)).flatten(1).any(1)
+    assert set(torch.nonzero(changed).flatten().tolist()) <= pages
+
+
+def before_k(cache, layout):
+    """The layer-1 K view ``_random_batch`` hands out, of a copy of its cache tensor."""
+    return cache[:, 0, 1] if layout == "nhd" else cache[1, :, 0]
+
+
+def test_without_the_flag_argument_the_graph_skips_silently_and_a_clean_graph_is_quiet():
+    kr.check_errors()
+    x, _ = _bad_batch("nhd", "page", False)
+    vm = _compile(_step_module("nhd", flag=False))
+    vm["main"](x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], x["qo_indptr"],
+               x["cache_lengths"], x["lookup_table"], kr.error_flag())
+    kr.check_errors()                      # scratch flag: nothing reported
+    rng = np.random.default_rng(5)
+    good = _random_batch(rng, "nhd", 12, 4, [2, 5, 3], [3, 1, 2])
+    _run_step(_compile(_step_module("nhd")), good)   # runs check_errors: quiet
+
+
+def test_error_flag_argument_is_checked():
+    kv = kr.kv_input_vars(1, H, D, "float32")
+    bad = relax.Var("flag", relax.TensorType([3], "int32"))
+    n = tir.Var("n", "int64")
+    k = relax.Var("k", relax.TensorType([n, H, D], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [k, bad, *kv.params()], pure=False):
+        with pytest.raises(InvalidArgumentError, match="error_flag"):
+            kr.emit_append_kv(bb, kv.k_caches[0], kv.v_caches[0], k, k, kv.qo_indptr,
+                              kv.cache_lengths, kv.lookup_table, error_flag=bad)
+        bb.emit_func_output(k)
+
+
+def test_kv_call_args_refuses_stale_inputs():
+    from kvtvm.errors import StaleInputsError
+
+    mgr = _manager("paged")
+    a, b = mgr.claim(2)
+    (inp,) = mgr.fetch([BatchItem(a, [1, 2])])
+    mgr.fetch([BatchItem(b, [3])])
+    with pytest.raises(StaleInputsError):
+        kr.kv_call_args(inp)

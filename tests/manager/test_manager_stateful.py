@@ -6,7 +6,19 @@ After every rule: no page leaked or owned twice, refcounts equal owners
 back through each sequence's pages equal what the shadow says was written. The K/V of a
 token are a function of the whole token prefix up to it (as in a real model), so a prefix
 cache hit must serve exactly the values the sequence would have computed.
+
+Among the rules: inputs of a superseded fetch (a later fetch, their step, a release) given to
+the append op raise ``StaleInputsError`` and leave the cache bytes as they were, and a ``step``
+whose tokens differ from the fetched ones raises and changes nothing.
+
+Size: ``make test`` runs a few thousand operations (seconds). ``KVTVM_SOAK_OPS=N`` runs about N
+operations (rules) in all instead -- 60% on the paged manager with prefix caching, 20% each on
+two devices and on the continuous manager, 100 per example -- e.g. the nightly soak
+``KVTVM_SOAK_OPS=1000000 make soak`` (hours on the 2-core CPU; see docs/testing.md).
 """
+
+import math
+import os
 
 import numpy as np
 import torch
@@ -15,7 +27,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvtvm import KVCacheParams, ops
-from kvtvm.errors import KVCacheCapacityError, SequenceTooLongError, UnknownSequenceError
+from kvtvm.errors import (KVCacheCapacityError, SequenceStateError, SequenceTooLongError,
+                          StaleInputsError, UnknownSequenceError)
 from kvtvm.inputs import BatchItem, TokenBatch
 from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 
@@ -25,6 +38,18 @@ FAMILIES = [list(range(100, 113)), list(range(200, 209)), [7] * 12]
 
 SETTINGS = settings(max_examples=40, stateful_step_count=30, deadline=None,
                     suppress_health_check=list(HealthCheck))
+#: Operations of the nightly soak (0: the ``make test`` sizes above).
+SOAK_OPS = int(os.environ.get("KVTVM_SOAK_OPS", "0") or 0)
+SOAK_STEPS = 100
+
+
+def sized(share: float, small: settings) -> settings:
+    """``small`` in ``make test``; under ``KVTVM_SOAK_OPS``, ``share`` of the soak's
+    operations in examples of ``SOAK_STEPS`` rules."""
+    if not SOAK_OPS:
+        return small
+    return settings(small, max_examples=max(1, math.ceil(share * SOAK_OPS / SOAK_STEPS)),
+                    stateful_step_count=SOAK_STEPS, database=None)
 
 _kv_memo = {}
 
@@ -54,6 +79,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
+        _kv_memo.clear()  # a pure function of the prefix: bounded memory over a long soak
         self.mgr = self.make()
         for b in self.mgr.blocks:
             b.copy_(torch.randn(b.shape))
@@ -196,6 +222,83 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         raise AssertionError("double release did not raise")
+
+    @rule(data=st.data(), supersede=st.sampled_from(["fetch", "step", "release"]))
+    def stale_inputs_are_refused(self, data, supersede):
+        """Inputs outlive their fetch only as refusals: the append op given them raises
+        StaleInputsError and writes nothing."""
+        live = self.live()
+        if not live:
+            return
+        s = data.draw(st.sampled_from(live))
+        toks = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=2))
+        prev = list(self.shadow[s])
+        try:
+            old = self.mgr.fetch([BatchItem(s, toks)])
+        except (KVCacheCapacityError, SequenceTooLongError):
+            return
+        if supersede == "fetch":
+            others = [o for o in live if o != s]
+            if not others:
+                supersede = "release"
+            else:
+                o = data.draw(st.sampled_from(others))
+                try:
+                    nxt = self.mgr.fetch([BatchItem(o, [1])])
+                except (KVCacheCapacityError, SequenceTooLongError):
+                    supersede = "release"
+                else:
+                    self.write(nxt, [(o, [1])], [list(self.shadow[o])])
+                    self.mgr.step([BatchItem(o, [1])])
+                    self.shadow[o] = self.shadow[o] + [1]
+                    self.mgr.release(s)   # its fetch can no longer be written: drop it
+                    del self.shadow[s]
+        if supersede == "step":
+            self.write(old, [(s, toks)], [prev])
+            self.mgr.step([BatchItem(s, toks)])
+            self.shadow[s] = prev + toks
+        elif supersede == "release":
+            self.mgr.release(s)
+            self.shadow.pop(s, None)
+        saved = [b.clone() for b in self.mgr.blocks]
+        try:
+            self.write(old, [(s, toks)], [prev])
+        except StaleInputsError:
+            pass
+        else:
+            raise AssertionError(f"inputs superseded by {supersede} were accepted")
+        assert all(torch.equal(b, w) for b, w in zip(self.mgr.blocks, saved))
+        assert not old[0].token.live
+
+    @rule(data=st.data())
+    def step_with_other_tokens_is_refused(self, data):
+        """step refuses tokens other than fetched (so the prefix cache never learns K/V it
+        does not hold) and changes nothing; the right tokens still commit."""
+        live = self.live()
+        if not live:
+            return
+        s = data.draw(st.sampled_from(live))
+        toks = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=3))
+        prev = list(self.shadow[s])
+        try:
+            per_dev = self.mgr.fetch([BatchItem(s, toks)])
+        except (KVCacheCapacityError, SequenceTooLongError):
+            return
+        self.write(per_dev, [(s, toks)], [prev])
+        i = data.draw(st.integers(0, len(toks) - 1))
+        wrong = list(toks)
+        wrong[i] += data.draw(st.integers(1, 5))
+        form = data.draw(st.sampled_from(["items", "arrays"]))
+        before = self.snapshot()
+        try:
+            self.mgr.step(as_batch([(s, wrong)], form))
+        except SequenceStateError:
+            assert self.snapshot() == before, "a refused step changed the manager"
+        else:
+            raise AssertionError("step with other tokens than fetched was accepted")
+        per_dev[0].check_live()  # the refused step did not end the fetch
+        self.mgr.step(as_batch([(s, toks)], form))
+        self.shadow[s] = prev + toks
 
     # -- invariants ---------------------------------------------------------------------------
     @invariant()
@@ -358,8 +461,8 @@ class ContinuousMachine(ManagerMachine):
 
 
 TestPagedPrefixCaching = PagedMachine.TestCase
-TestPagedPrefixCaching.settings = SETTINGS
+TestPagedPrefixCaching.settings = sized(0.6, SETTINGS)
 TestPagedTwoDevices = PagedNoPrefixTwoDevices.TestCase
-TestPagedTwoDevices.settings = settings(SETTINGS, max_examples=12)
+TestPagedTwoDevices.settings = sized(0.2, settings(SETTINGS, max_examples=12))
 TestContinuous = ContinuousMachine.TestCase
-TestContinuous.settings = settings(SETTINGS, max_examples=12)
+TestContinuous.settings = sized(0.2, settings(SETTINGS, max_examples=12))

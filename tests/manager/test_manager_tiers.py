@@ -16,6 +16,7 @@ import torch
 from kvtvm import KVCacheParams
 from kvtvm.errors import InvalidArgumentError
 from kvtvm.manager import BatchItem, PagedKVCacheManager
+from kvtvm.manager.hashing import chain_hash, fingerprint
 from kvtvm.manager.tiers import DiskTier
 
 H, D, L, P = 2, 4, 2, 4
@@ -155,12 +156,15 @@ def test_refused_directories(tmp_path, monkeypatch):
 
 WRITER = """
 import sys, torch
+from kvtvm.manager.hashing import chain_hash, fingerprint
 from kvtvm.manager.tiers import DiskTier
 tier = DiskTier(sys.argv[1], 1 << 40)
 i = 0
 while True:
     data = torch.full((2, 8, 64, 8, 64), float(i))  # 2 MiB per entry
-    tier.put(i, i, torch.tensor([i], dtype=torch.int64).numpy().tobytes(), data)
+    tier.put(i, i, torch.tensor([i], dtype=torch.int64).numpy().tobytes(), data, block=True)
+    if i < 3:  # three entries surely complete; later ones still queued or being written
+        tier.flush()  # by the background writer when the kill lands
     print(i, flush=True)
     i += 1
 """
@@ -200,3 +204,59 @@ def test_quantized_cache_demotes_and_promotes_its_byte_rows(tmp_path):
     hit, got = serve(mgr, SYS + [2])
     assert hit == 12 and torch.equal(got, want)
     assert mgr.stats().tiers["host"]["hits"] >= 3
+
+
+def test_disk_writes_happen_off_the_lock_and_reads_see_whole_entries(tmp_path, monkeypatch):
+    gate = __import__("threading").Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd):  # the writer thread stalls inside the write until the test lets go
+        gate.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    mgr = make(pages=4)
+    mgr.attach_tiers(disk_dir=tmp_path, disk_bytes=1 << 20)
+    _, want = serve(mgr, SYS + [1])  # 3 full pages cached
+    t0 = time.perf_counter()
+    serve(mgr, list(range(900, 913)))  # evicts them: demoted to disk while the writer stalls
+    assert time.perf_counter() - t0 < 5  # the demotion did not wait for the disk
+    disk = mgr.stats().tiers["disk"]
+    assert disk["pending"] == 3 and disk["demotions"] == 0
+    other = DiskTier(tmp_path, 1 << 20)  # another process's view: a miss, never a part
+    toks = np.asarray(SYS[:P], np.int64).tobytes()
+    root_h, root_fp = mgr._root_chain()
+    h0, fp0 = chain_hash(root_h, toks), fingerprint(root_fp, toks)
+    assert h0 in mgr._tiers.disk and not list(tmp_path.glob("*.kvp"))
+    assert other.get(h0, fp0, toks) is None
+    hit, got = serve(mgr, SYS + [2])  # served whole from the write queue
+    assert hit == 12 and torch.equal(got, want)
+    gate.set()
+    assert mgr.flush_tiers(timeout=30)
+    assert mgr.stats().tiers["disk"]["pending"] == 0
+    assert len(list(tmp_path.glob("*.kvp"))) >= 3
+    assert torch.equal(other.get(h0, fp0, toks), want[0])  # now on disk, whole
+    fresh = make(pages=4)  # a restart reads the written files
+    fresh.attach_tiers(disk_dir=tmp_path, disk_bytes=1 << 20)
+    hit, got = serve(fresh, SYS + [3])
+    assert hit == 12 and torch.equal(got, want)
+    mgr.close_tiers()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        mgr._tiers.disk.put(1, 1, b"x" * 8, torch.zeros(2))
+    other.close(), fresh.close_tiers()
+
+
+def test_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
+    gate = __import__("threading").Event()
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (gate.wait(10), real_fsync(fd)))
+    tier = DiskTier(tmp_path, 1 << 30, max_pending=2)
+    queued = [tier.put(i, i, np.array([i], np.int64).tobytes(), torch.full((4,), float(i)))
+              for i in range(6)]
+    assert queued[:2] == [True, True] and not all(queued)
+    assert tier.stats()["dropped"] == queued.count(False)
+    gate.set()
+    tier.close()
+    for i, q in enumerate(queued):
+        got = tier.get(i, i, np.array([i], np.int64).tobytes())
+        assert (got is not None and torch.equal(got, torch.full((4,), float(i)))) == q

@@ -227,3 +227,51 @@ def test_threads_that_do_not_serialise_are_refused_never_corrupted():
         for i, k in enumerate(shadow[seq]):
             if k is not None:
                 assert torch.equal(rows[i:i + 1], k), (seq, i)
+
+
+def _linear():
+    params = KVCacheParams("float32", H, D, "linear")
+    cache = LinearKVCache(params, 3, 16, L)
+    cache.reset_for_new_sequences([2, 0, 5])
+    return cache
+
+
+def _append_linear(inp, rows):
+    k = torch.randn(rows, H, D)
+    ops.append_kv(inp.k_cache(0), inp.v_cache(0), k, k, inp.qo_indptr, inp.cache_lengths,
+                  inp.lookup_table, layout="hnd")
+
+
+@pytest.mark.parametrize("supersede", ["step_inputs", "commit", "reset", "set_active", "evict"])
+def test_linear_step_inputs_die_like_a_fetch_and_write_nothing(supersede):
+    cache = _linear()
+    (inp,) = cache.step_inputs(1)
+    _append_linear(inp, 3)                      # live: accepted
+    if supersede == "step_inputs":
+        cache.step_inputs([2, 0, 1])
+    elif supersede == "commit":
+        cache.commit_sequence_length(1)
+    elif supersede == "reset":
+        cache.reset_for_new_sequences([1, 1, 1])
+    elif supersede == "set_active":
+        cache.set_active_batch_size(2)
+    else:
+        cache.evict([0, 2])
+    before = cache.get_kv_cache_buffer().clone()
+    with pytest.raises(StaleInputsError, match="superseded|changed"):
+        _append_linear(inp, 3)
+    with pytest.raises(StaleInputsError):
+        plan.plan_step(inp).append_kv(0, torch.randn(3, H, D), torch.randn(3, H, D))
+    with pytest.raises(StaleInputsError):
+        inp.check_live()
+    assert torch.equal(cache.get_kv_cache_buffer(), before)
+
+
+def test_linear_step_inputs_refuse_bool_and_negative_counts_and_change_nothing():
+    cache = _linear()
+    (live,) = cache.step_inputs(1)
+    for bad in (True, [1, -1, 1], [True, False, True], [1.0, 1.0, 1.0]):
+        with pytest.raises(InvalidArgumentError, match="new_tokens"):
+            cache.step_inputs(bad)
+    live.check_live()                            # a refused call kills nothing
+    np.testing.assert_array_equal(cache.host_lengths, [2, 0, 5])

@@ -1,12 +1,8 @@
 """Quantized-cache CUDA kernels: the quantizing append and the quantized decode compile with
 nvcc for sm_90a and sm_80 (both SASS in the fatbin) without register spills; on a GPU, append
-writes the reference bytes and decode equals attention over the reference-dequantized cache.
-
-On an H100 (2026-11-25) the decode kernel, after its shared-memory rows were fixed, equals the
-reference (its test enables it for itself) but runs at 0.55-0.75x the float16 cache; the
-quantizing append wrote other bytes than the reference. So the ops refuse quantized caches on
-CUDA (tested below) and the append numerics test is skipped with that reason: owed, not
-passing."""
+writes the reference bytes (mixed storage, K-only, every row dtype) and decode equals attention
+over the reference-dequantized cache. Prefill over a quantized cache has no CUDA kernel yet:
+the op refuses it, typed, and writes nothing."""
 
 import re
 import shutil
@@ -76,9 +72,9 @@ def _case(torch, rng, storage, layout, page_size, H, D, lengths):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("storage", STORAGES)
-def test_quantized_caches_are_refused_on_cuda(storage, monkeypatch):
-    """Until the CUDA kernels pass, append and decode on CUDA refuse a quantized cache with a
-    typed error naming the storage, and write nothing."""
+def test_quantized_prefill_and_k_only_decode_are_refused_on_cuda(storage):
+    """No CUDA prefill over a quantized cache, no CUDA decode over a K-only one: a typed error
+    naming the storage, nothing written."""
     import torch
 
     from kvtvm import ops
@@ -89,12 +85,12 @@ def test_quantized_caches_are_refused_on_cuda(storage, monkeypatch):
     before = kc.view(torch.uint8).clone()
     q = torch.randn(2, 8, 128, dtype=torch.float16, device="cuda")
     lens = torch.tensor([5, 20], dtype=torch.int32, device="cuda")
+    indptr = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
     with pytest.raises(DTypeMismatchError, match=storage):
-        ops.decode_attention(q, kc, vc, lens, table.cuda())
-    k = torch.randn(2, 2, 128, dtype=torch.float16, device="cuda")
-    with pytest.raises(DTypeMismatchError, match=storage):
-        ops.append_kv(kc, vc, k, k, torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"),
-                      lens, table.cuda())
+        ops.prefill_attention(q, kc, vc, indptr, lens, table.cuda())
+    plain = torch.zeros(vc.shape[:3] + (128,), dtype=torch.float16, device="cuda")
+    with pytest.raises(DTypeMismatchError, match="v_cache storage for decode"):
+        ops.decode_attention(q, kc, plain, lens, table.cuda())
     assert torch.equal(kc.view(torch.uint8), before)
 
 
@@ -103,14 +99,10 @@ def test_quantized_caches_are_refused_on_cuda(storage, monkeypatch):
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("layout,page_size,num_splits", [("nhd", 16, 1), ("nhd", 1, 4),
                                                          ("hnd", 256, 2)])
-def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits, monkeypatch):
-    """The kernel itself (the ops refuse it on CUDA for now: slower than float16)."""
+def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits):
     import torch
 
     from kvtvm import ops
-    from kvtvm.ops import quant
-
-    monkeypatch.setitem(quant.QUANT_TARGETS, ("cuda", "decode"), quant.QUANT_DTYPES)
     from kvtvm.kernels.reference import reference_decode
 
     rng = np.random.default_rng(0)
@@ -138,8 +130,7 @@ def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits, 
     ("float8_e4m3fn", "int8", "float32", "nhd", 4, 128),
     ("int8", "", "float16", "nhd", 4, 128),
 ])
-def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs, dtype, layout, H, D,
-                                                           monkeypatch):
+def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs, dtype, layout, H, D):
     """Normal rows, zero rows, outliers, NaN/inf rows (no float32 subnormals: CUDA flushes
     them to zero under nvcc's fast math), rows of a bad page skipped and flagged; a
     full-precision side (K-only cache) is copied. The bytes equal the reference's, page
@@ -149,10 +140,8 @@ def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs, dtype, layout
     from kvtvm import ops
     from kvtvm.errors import KernelIndexError
     from kvtvm.kernels.reference import reference_append
-    from kvtvm.ops import quant
     from kvtvm.quant import quant_row_bytes
 
-    monkeypatch.setitem(quant.QUANT_TARGETS, ("cuda", "append"), quant.QUANT_DTYPES)
     rng = np.random.default_rng(1)
     ps, pages = 16, 12
 
