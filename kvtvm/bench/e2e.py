@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -102,6 +103,7 @@ def _engine(model, prompts, new, step_tokens):
     return dict(tokens=e.stats.generated_tokens, seconds=e.stats.seconds,
                 ttft=float(np.mean([r.ttft for r in reqs])),
                 tpot=float(np.mean([r.tpot for r in reqs])), kernel_share=share,
+                outputs=[list(r.output) for r in reqs],
                 decode_step_ms=1e3 * acc["step_s"] / max(acc["steps"], 1))
 
 
@@ -123,11 +125,12 @@ def _hf_batch(model, prompts, new, attn):
     finally:
         sec = time.perf_counter() - t0
         model.set_attn_implementation("sdpa")
-    outs = list(out.values())
+    outs = [out[f"req_{i}"] for i in range(len(prompts))]
     ttft = [o.timestamps[0] - o.created_time for o in outs]
     tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs]
     return dict(tokens=sum(len(o.generated_tokens) for o in outs), seconds=sec,
-                ttft=float(np.mean(ttft)), tpot=float(np.mean(tpot)))
+                ttft=float(np.mean(ttft)), tpot=float(np.mean(tpot)),
+                outputs=[list(o.generated_tokens) for o in outs])
 
 
 class _Clock:
@@ -148,7 +151,7 @@ def _hf_generate(model, prompts, new, kvtvm: bool):
         from ..integrations.hf import KVTVMCache, use_kvtvm
 
         use_kvtvm(model)
-    n, ttft, tpot, t0 = 0, [], [], time.perf_counter()
+    n, ttft, tpot, outputs, t0 = 0, [], [], [], time.perf_counter()
     try:
         for p in prompts:
             ids = torch.tensor([p])
@@ -158,12 +161,13 @@ def _hf_generate(model, prompts, new, kvtvm: bool):
                                  max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
                                  logits_processor=LogitsProcessorList([clock]), **kw)
             n += out.shape[1] - ids.shape[1]
+            outputs.append(out[0, ids.shape[1]:].tolist())
             ttft.append(clock.times[0] - t0)
             tpot.append((clock.times[-1] - clock.times[0]) / max(len(clock.times) - 1, 1))
     finally:
         model.set_attn_implementation("sdpa")
     return dict(tokens=n, seconds=time.perf_counter() - t0, ttft=float(np.mean(ttft)),
-                tpot=float(np.mean(tpot)))
+                tpot=float(np.mean(tpot)), outputs=outputs)
 
 
 def run_way(way, model, prompts, new, args):
@@ -174,6 +178,7 @@ def run_way(way, model, prompts, new, args):
         configure_threads(1)        # kvtvm's policy (kvtvm.engine.threads)
     else:
         torch.set_num_threads(args.hf_threads)
+    cpu0 = _cpu_seconds()
     if way == "engine":
         res = _engine(model, prompts, new, args.step_tokens)
     elif way.startswith("hf-batch"):
@@ -182,7 +187,15 @@ def run_way(way, model, prompts, new, args):
     else:
         res = _hf_generate(model, prompts, new, way.endswith("kvtvm"))
     res["torch_threads"] = torch.get_num_threads()
+    res["cpu_s"] = _cpu_seconds() - cpu0
     return res
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds this process has used (all threads): on a shared machine, wall time also
+    counts the time other processes held the cores."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def _row(length, way, runs):
@@ -191,7 +204,8 @@ def _row(length, way, runs):
     row = dict(prompt_len=length, way=way, tokens=mid["tokens"], seconds=sec,
                seconds_all=[round(r["seconds"], 3) for r in runs],
                tokens_per_s=mid["tokens"] / sec, ttft_ms=1e3 * mid["ttft"],
-               tpot_ms=1e3 * mid["tpot"], torch_threads=mid["torch_threads"])
+               tpot_ms=1e3 * mid["tpot"], torch_threads=mid["torch_threads"],
+               cpu_s=mid["cpu_s"], outputs=mid["outputs"])
     if "kernel_share" in mid:
         row["kernel_share"] = mid["kernel_share"]
         row["decode_step_ms"] = mid["decode_step_ms"]
@@ -207,8 +221,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"subset of {','.join(WAYS)}")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs per way (median)")
-    parser.add_argument("--step-tokens", type=int, default=2048,
-                        help="the engine's max_step_tokens (chunked prefill budget)")
+    parser.add_argument("--step-tokens", type=int, default=512,
+                        help="the engine's max_step_tokens (chunked prefill budget; default "
+                        "the engine's own)")
     parser.add_argument("--hf-threads", type=int, default=None,
                         help="torch threads of the transformers paths (default: torch's)")
     parser.add_argument("--kvtvm-threads-one", action=argparse.BooleanOptionalAction,
@@ -243,25 +258,44 @@ def main(argv=None) -> int:
                      f"{r['decode_step_ms']:.1f} ms decode step" if r.get("kernel_share") else "")
             print(f"prompt {length:>5} {way:<22} {r['tokens']:>5} tok {r['seconds']:7.2f} s "
                   f"{r['tokens_per_s']:7.1f} tok/s  TTFT {r['ttft_ms']:7.0f} ms  TPOT "
-                  f"{r['tpot_ms']:6.1f} ms  (torch threads {r['torch_threads']}; runs "
+                  f"{r['tpot_ms']:6.1f} ms  cpu {r['cpu_s']:6.1f} s  (torch threads {r['torch_threads']}; runs "
                   f"{r['seconds_all']}){extra}", flush=True)
     print(f"load average {os.getloadavg()[0]:.1f} at end")
+    same = True
+    for length in sorted({r["prompt_len"] for r in rows}):
+        same &= _check_tokens([r for r in rows if r["prompt_len"] == length], length)
     for length in sorted({r["prompt_len"] for r in rows}):
         mine = {r["way"]: r["tokens_per_s"] for r in rows if r["prompt_len"] == length}
+        cpu = {r["way"]: r["cpu_s"] for r in rows if r["prompt_len"] == length}
         hf = {k: v for k, v in mine.items() if k.startswith("hf-") and "kvtvm" not in k}
         if hf and "engine" in mine:
             best = max(hf, key=hf.get)
             print(f"prompt {length}: engine / best transformers path ({best}) = "
-                  f"{mine['engine'] / hf[best]:.2f}x")
+                  f"{mine['engine'] / hf[best]:.2f}x (CPU seconds: "
+                  f"{cpu[best] / cpu['engine']:.2f}x)")
         if "hf-batch-kvtvm" in mine and "hf-batch-sdpa" in mine:
             print(f"prompt {length}: generate_batch on kvtvm / on sdpa = "
-                  f"{mine['hf-batch-kvtvm'] / mine['hf-batch-sdpa']:.2f}x")
+                  f"{mine['hf-batch-kvtvm'] / mine['hf-batch-sdpa']:.2f}x (CPU seconds: "
+                  f"{cpu['hf-batch-sdpa'] / cpu['hf-batch-kvtvm']:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "e2e", "args": vars(args), "rows": rows}, f, indent=1)
     if args.plot:
         _plot(rows, ways, args.plot)
-    return 0
+    return 0 if same else 1
+
+
+def _check_tokens(rows, length) -> bool:
+    """Print whether every way generated the tokens of the reference way (transformers'
+    one-at-a-time ``generate`` with sdpa when it ran, else the first way); False on a
+    difference."""
+    ref = next((r for r in rows if r["way"] == "hf-generate-sdpa"), rows[0])
+    diff = [r["way"] for r in rows if r["outputs"] != ref["outputs"]]
+    if diff:
+        print(f"prompt {length}: TOKENS DIFFER from {ref['way']}: {', '.join(diff)}")
+    else:
+        print(f"prompt {length}: every way's tokens equal {ref['way']}'s")
+    return not diff
 
 
 def _plot(rows, ways, path):

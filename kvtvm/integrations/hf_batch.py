@@ -45,6 +45,7 @@ try:
     from transformers import modeling_flash_attention_utils as _mfa
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.generation.continuous_batching import initialization as _cb_init
     from transformers.modeling_utils import AttentionInterface
 except ImportError as err:  # pragma: no cover - depends on the installation
     raise ImportError(f"kvtvm.integrations.hf_batch needs transformers>=5.23 ({err}); "
@@ -61,6 +62,9 @@ _LAZY_NAMES = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn",
                "_flash_with_kvcache_fn", "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn",
                "_process_with_kvcache_kwargs_fn", "_lazy_define_process_function",
                "lazy_import_flash_attention", "_pad_input", "_unpad_input")
+#: ... and of ``transformers.generation.continuous_batching.initialization`` (the decode fast path).
+_INIT_NAMES = ("ensure_decode_fast_path_is_available", "ATTN_TYPE_TO_ALLOCATOR",
+               "group_layers_by_attn_type")
 
 
 class _Calls:
@@ -81,6 +85,7 @@ def check_transformers() -> None:
     """Raise ImportError naming what is missing if this transformers lacks what the adapter
     relies on (the lazy flash import's cache, the continuous-batching name check)."""
     missing = [n for n in _LAZY_NAMES if not hasattr(_mfa, n)]
+    missing += [n for n in _INIT_NAMES if not hasattr(_cb_init, n)]
     from transformers.utils.generic import is_flash_attention_requested
 
     if missing or not is_flash_attention_requested(requested_attention_implementation=KVTVM_FLASH):
@@ -282,6 +287,27 @@ def kvtvm_flash_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 AttentionInterface.register(KVTVM_FLASH, kvtvm_flash_attention)
+
+
+def _ensure_decode_fast_path(config, cb_config, user_requested):
+    """transformers' check of its block-table decode path, kvtvm-aware: it turns the path off
+    unless flash-attn runs on CUDA or XPU, but kvtvm's :func:`flash_attn_with_kvcache` runs on
+    every device kvtvm has kernels for. With ``"kvtvm_flash"`` the path stays on (when every
+    layer's cache allocator supports block tables): decode steps append and attend in place on
+    transformers' pages instead of reading every request's whole cache back (``index_select``)
+    into a ragged copy each step."""
+    if getattr(config, "_attn_implementation", None) != KVTVM_FLASH:
+        return _ensure_decode_fast_path.original(config, cb_config, user_requested)
+    allocators = _cb_init.ATTN_TYPE_TO_ALLOCATOR
+    if not all(allocators[t].supports_block_table
+               for t in _cb_init.group_layers_by_attn_type(config)):
+        cb_config.max_blocks_per_request = 0
+    return None
+
+
+if not hasattr(_cb_init.ensure_decode_fast_path_is_available, "original"):
+    _ensure_decode_fast_path.original = _cb_init.ensure_decode_fast_path_is_available
+    _cb_init.ensure_decode_fast_path_is_available = _ensure_decode_fast_path
 AttentionMaskInterface.register(KVTVM_FLASH, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
 
 
@@ -312,6 +338,8 @@ def cb_config(max_prompt_len: int, max_new_tokens: int, num_requests: int,
 
     per_seq = -(-(max_prompt_len + max_new_tokens) // page_size) + 1
     tokens = max_batch_tokens or min(8192, num_requests * max_prompt_len)
+    # the block table's width is left to generate_batch's workload hints (the longest request):
+    # setting it here would make transformers warn on its sdpa path, which has no block table
     return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_requests * per_seq,
                                     max_batch_tokens=tokens,
                                     max_requests_per_batch=num_requests)

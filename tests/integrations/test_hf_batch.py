@@ -150,7 +150,11 @@ def test_toy_generate_batch_on_kvtvm_equals_sdpa():
     # a small token budget: prompts are split into chunks mixed with decodes
     small = hfb.cb_config(40, 10, 4, max_batch_tokens=24)
     got = _batch(toy, prompts, 10, "kvtvm", small)
-    assert hfb.KERNEL_CALLS.varlen >= 2 * 10          # every layer of every step on kvtvm
+    calls = hfb.KERNEL_CALLS
+    assert calls.varlen + calls.kvcache >= 2 * 10     # every layer of every step on kvtvm
+    # pure decode steps take transformers' block-table path (kvtvm's append + decode on its
+    # pages, no read-back copy), prompt chunks the varlen path
+    assert calls.kvcache >= 2 and calls.varlen >= 2
     assert got == want
     assert _batch(toy, prompts, 10, "paged|eager") == want
 
@@ -166,6 +170,8 @@ def test_smollm2_generate_batch_on_kvtvm_equals_sdpa():
                for c in ("What is the capital of France?", "Name a primary color.")]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
     want = _batch(model, prompts, 6, "sdpa")
+    hfb.KERNEL_CALLS.reset()
     got = _batch(model, prompts, 6, "kvtvm")
     assert got == want
+    assert hfb.KERNEL_CALLS.kvcache >= 30              # decode steps on the block-table path
     assert "Paris" in tok.decode(got[0])
