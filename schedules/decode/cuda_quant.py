@@ -201,6 +201,32 @@ def schedule(mod, spec, knobs):
     WAIT = _wait_source(S - 1)
     pages_bad = pages_bad_macro(NT)
 
+    @T.macro
+    def issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid, stage,
+                   first):
+        """``cp.async`` of the K and V rows of the tile starting at position ``first`` into
+        ``stage`` (rows at or past ``hi`` are not copied)."""
+        for c in T.unroll(COPIES):
+            if c * NT + tid < TILE * CPR:
+                if first + (c * NT + tid) // CPR < hi:
+                    T.evaluate(_copy16_words(k_smem, stage, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, first + (c * NT + tid) // CPR, h, page_size))
+                    T.evaluate(_copy16_words(v_smem, stage, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, first + (c * NT + tid) // CPR, h, page_size))
+
+    def slice_loader(storage: str):
+        """A macro converting thread ``tx``'s slice of a staged row into ``kv`` (float32)."""
+
+        @T.macro
+        def load(smem, words, kv, stage, row, tx):
+            for c in T.unroll(VEC // 4 // WV):  # 16-byte (or narrower) loads
+                for w in T.vectorized(WV):
+                    words[c * WV + w] = smem[stage, row, tx * (VEC // 4) + c * WV + w]
+            for w in T.unroll(VEC // 4):
+                T.evaluate(_convert4(storage, "float32", kv.access_ptr("w", offset=w * 4, extent=4), words[w]))
+
+        return load
+
+    load_k, load_v = slice_loader(spec.k_storage), slice_loader(spec.v_storage)
+
     # fmt: off
     @prim_func
     def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
@@ -257,20 +283,12 @@ def schedule(mod, spec, knobs):
                         # prologue: tiles 0 .. S-2 in flight
                         for pre in T.unroll(S - 1):
                             if pre < ntiles:
-                                for c in T.unroll(COPIES):
-                                    if c * NT + tid < TILE * CPR:
-                                        if lo + pre * TILE + (c * NT + tid) // CPR < hi:
-                                            T.evaluate(_copy16_words(k_smem, pre, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, lo + pre * TILE + (c * NT + tid) // CPR, h, page_size))
-                                            T.evaluate(_copy16_words(v_smem, pre, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, lo + pre * TILE + (c * NT + tid) // CPR, h, page_size))
+                                issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid, pre, lo + pre * TILE)
                             T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
                         for it in T.serial(ntiles):
                             # issue tile it + S - 1 into the stage freed at the end of it - 1
                             if it + (S - 1) < ntiles:
-                                for c in T.unroll(COPIES):
-                                    if c * NT + tid < TILE * CPR:
-                                        if lo + (it + S - 1) * TILE + (c * NT + tid) // CPR < hi:
-                                            T.evaluate(_copy16_words(k_smem, T.floormod(it + S - 1, S), (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, lo + (it + S - 1) * TILE + (c * NT + tid) // CPR, h, page_size))
-                                            T.evaluate(_copy16_words(v_smem, T.floormod(it + S - 1, S), (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, lo + (it + S - 1) * TILE + (c * NT + tid) // CPR, h, page_size))
+                                issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid, T.floormod(it + S - 1, S), lo + (it + S - 1) * TILE)
                             T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
                             T.evaluate(T.cuda.func_call(f"kvtvm_cp_async_wait_{S - 1}", source_code=WAIT))
                             T.tvm_storage_sync("shared")
@@ -279,11 +297,7 @@ def schedule(mod, spec, knobs):
                             for g in T.unroll(G):
                                 st[g * 4 + 2] = st[g * 4]
                             for j in T.unroll(RPZ):
-                                for c in T.unroll(VEC // 4 // WV):  # 16-byte (or narrower) loads
-                                    for w in T.vectorized(WV):
-                                        words[c * WV + w] = k_smem[T.floormod(it, S), tz * RPZ + j, tx * (VEC // 4) + c * WV + w]
-                                for w in T.unroll(VEC // 4):
-                                    T.evaluate(_convert4(spec.k_storage, "float32", kv.access_ptr("w", offset=w * 4, extent=4), words[w]))
+                                load_k(k_smem, words, kv, T.floormod(it, S), tz * RPZ + j, tx)
                                 for g in T.unroll(G):
                                     st[g * 4 + 3] = T.float32(0)
                                     for v in T.unroll(VEC):
@@ -305,11 +319,7 @@ def schedule(mod, spec, knobs):
                                 # rows past the split were not copied: stale shared memory may
                                 # hold NaN bit patterns, and 0 * NaN is NaN
                                 if lo + it * TILE + tz * RPZ + j < hi:
-                                    for c in T.unroll(VEC // 4 // WV):  # 16-byte (or narrower) loads
-                                        for w in T.vectorized(WV):
-                                            words[c * WV + w] = v_smem[T.floormod(it, S), tz * RPZ + j, tx * (VEC // 4) + c * WV + w]
-                                    for w in T.unroll(VEC // 4):
-                                        T.evaluate(_convert4(spec.v_storage, "float32", kv.access_ptr("w", offset=w * 4, extent=4), words[w]))
+                                    load_v(v_smem, words, kv, T.floormod(it, S), tz * RPZ + j, tx)
                                     for g in T.unroll(G):
                                         st[g * 4 + 3] = s_reg[g * RPZ + j] * word_row_scale(v_smem, (T.floormod(it, S), tz * RPZ + j), D, spec.v_storage, fast=True)
                                         for v in T.unroll(VEC):
