@@ -13,10 +13,10 @@ Per row: ``amax`` of the finite values and whether any is NaN/inf (on the bits),
 written as zeros with a NaN scale.
 
 :func:`build` writes the CPU kernel from two knobs (one task per token in parallel or
-serially; ``lanes`` float32 lanes per vector), :func:`build_cuda` the CUDA one (a thread per
-(token, head) row, IEEE division despite nvcc's fast math); :func:`define` is the serial
-scalar form. On CUDA (flush-to-zero under fast math) a row whose largest magnitude is a
-float32 subnormal (below 2**-126) is stored as zeros; the CPU follows the reference there too.
+serially; ``lanes`` float32 lanes per vector); :func:`define` is the serial scalar form. The
+CUDA kernel is hand-written in ``schedules/append/cuda_quant.py`` (IEEE division despite nvcc's
+fast math; under its flush-to-zero a row whose largest magnitude is a float32 subnormal, below
+2**-126, is stored as zeros; the CPU follows the reference there too).
 """
 
 from __future__ import annotations
@@ -52,17 +52,7 @@ def define(spec):
     return build(spec, parallel=False, lanes=1)
 
 
-def _ieee_div(a, b):
-    return a / b
-
-
-def _cuda_div(a, b):
-    """IEEE division on CUDA (nvcc builds with ``--use_fast_math``: a plain ``/`` would be
-    approximate and the scale bytes would differ from the reference)."""
-    return T.call_pure_extern("float32", "__fdiv_rn", a, b)
-
-
-def _row_writer(storage: str, layout: str, D: int, L: int, div=_ieee_div):
+def _row_writer(storage: str, layout: str, D: int, L: int):
     """A macro writing row ``(n, h)`` of ``x`` into ``cache`` at (page, slot): a copy for a
     full-precision side, quantize + scale + padding for an 8-bit one."""
     R = quant_row_bytes(D)
@@ -99,8 +89,8 @@ def _row_writer(storage: str, layout: str, D: int, L: int, div=_ieee_div):
             # cannot reinterpret a constant)
             sv[1] = T.float32(0)
         else:
-            sv[0] = div(amax[0], T.float32(qmax))
-            sv[1] = T.Select(amax[0] > T.float32(0), div(T.float32(qmax), amax[0]),
+            sv[0] = amax[0] / T.float32(qmax)
+            sv[1] = T.Select(amax[0] > T.float32(0), T.float32(qmax) / amax[0],
                              T.float32(0))
         for dv in range(DV):
             for l in T.vectorized(L):
@@ -184,50 +174,5 @@ def build(spec, parallel: bool, lanes: int):
                 bounds = alloc_buffer((2,), "int32", scope="local")
                 quant_token(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup, err,
                             num_pages, page_size, max_pages, batch, n, 0, H, amax, bad, sv, bounds)
-    # fmt: on
-    return append
-
-
-def build_cuda(spec, threads: int):
-    """The quantizing append PrimFunc for CUDA: one thread per (token, head) row, ``threads``
-    per block (a row's max is a serial loop over head_dim: rows are short)."""
-    H, D, dtype, layout = spec.n_kv_heads, spec.head_dim, spec.dtype, spec.layout
-    ks, vs = spec.k_storage, spec.v_storage
-    L = 1
-    write_k = _row_writer(ks, layout, D, L, _cuda_div)
-    write_v = _row_writer(vs, layout, D, L, _cuda_div)
-    NT = int(threads)
-
-    quant_token = _token_writer(write_k, write_v)
-
-    # fmt: off
-    @prim_func
-    def append(var_k_cache: T.handle, var_v_cache: T.handle, var_k: T.handle, var_v: T.handle,
-               var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
-               var_err: T.handle):
-        T.func_attr({ATTR_NOALIAS: True})
-        num_pages, page_size, k_cache, v_cache = match_quant_cache_pair(
-            var_k_cache, var_v_cache, layout, H, D, dtype, ks, vs)
-        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        k = match_tensor(var_k, (ntok, H, D), dtype)
-        v = match_tensor(var_v, (ntok, H, D), dtype)
-        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
-        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        err = match_err(var_err)
-        for bx in T.thread_binding(T.Cast("int32", (ntok * H + NT - 1) // NT), thread="blockIdx.x"):
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                with block("append"):
-                    T.reads()
-                    T.writes()
-                    amax = alloc_buffer((L,), "float32", scope="local")
-                    bad = alloc_buffer((L,), "int32", scope="local")
-                    sv = alloc_buffer((2,), "float32", scope="local")
-                    bounds = alloc_buffer((2,), "int32", scope="local")
-                    row: T.int64 = T.Cast("int64", bx) * NT + T.Cast("int64", tx)
-                    if row < ntok * H:
-                        quant_token(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup, err,
-                                    num_pages, page_size, max_pages, batch, row // H, row % H,
-                                    row % H + 1, amax, bad, sv, bounds)
     # fmt: on
     return append

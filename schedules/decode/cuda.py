@@ -111,6 +111,73 @@ def geometry(spec, knobs) -> dict:
                 chunks_per_row=D // chunk, sub=vec // chunk if vec >= chunk else 1)
 
 
+
+def merge_macro(spec, knobs):
+    """The split-KV merge of the CUDA decode kernels (float16/bfloat16/float32 and 8-bit caches
+    alike): a macro writing ``out``/``lse`` from the splits' ``o_part``/``lse_part``. One CTA
+    per (sequence, query head); ``MZ`` thread groups stride over the splits (online LSE merge in
+    registers), then meet in shared memory; ``MX`` threads along head_dim, 4 values each."""
+    H, G, Hq, D, dtype, layout, sliding = signature(spec)
+    MX = D // 4
+    MZ = max(1, min(1024 // MX, int(knobs["merge_threads"]) // MX))
+
+    # fmt: off
+    @T.macro
+    def merge_splits(batch, splits, out, lse, o_part, lse_part):
+        # one CTA per (sequence, query head); tz strides over the splits (online LSE merge
+        # in registers), then the MZ partial states meet in shared memory
+        for bx in T.thread_binding(T.Cast("int32", batch * Hq), thread="blockIdx.x"):
+            for tz in T.thread_binding(MZ, thread="threadIdx.z"):
+                for tx in T.thread_binding(MX, thread="threadIdx.x"):
+                    with block("merge"):
+                        T.reads()
+                        T.writes()
+                        acc = alloc_buffer((4,), "float32", scope="local")
+                        part = alloc_buffer((4,), "float32", scope="local")
+                        mm = alloc_buffer((4,), "float32", scope="local")  # max, sum, lse, scale
+                        acc_red = alloc_buffer((MZ, D), "float32", scope="shared")
+                        mm_red = alloc_buffer((MZ, 2), "float32", scope="shared")
+                        b: T.int32 = T.truncdiv(bx, Hq)
+                        hq: T.int32 = T.truncmod(bx, Hq)
+                        ns: T.int32 = T.Cast("int32", splits)
+                        mm[0] = T.float32(NEG)
+                        mm[1] = T.float32(0)
+                        for v in T.vectorized(4):
+                            acc[v] = T.float32(0)
+                        for i in T.serial(T.truncdiv(ns - tz + MZ - 1, MZ)):
+                            mm[2] = lse_part[tz + i * MZ, b, hq]
+                            for v in T.vectorized(4):
+                                part[v] = o_part[tz + i * MZ, b, hq, tx * 4 + v]
+                            mm[3] = T.max(mm[0], mm[2])
+                            mm[1] = mm[1] * T.exp2(mm[0] - mm[3]) + T.exp2(mm[2] - mm[3])
+                            for v in T.unroll(4):
+                                acc[v] = acc[v] * T.exp2(mm[0] - mm[3]) + T.exp2(mm[2] - mm[3]) * part[v]
+                            mm[0] = mm[3]
+                        for v in T.vectorized(4):
+                            acc_red[tz, tx * 4 + v] = acc[v]
+                        if tx == 0:
+                            mm_red[tz, 0] = mm[0]
+                            mm_red[tz, 1] = mm[1]
+                        T.tvm_storage_sync("shared")
+                        if tz == 0:
+                            mm[3] = T.float32(NEG)
+                            for z in T.unroll(MZ):
+                                mm[3] = T.max(mm[3], mm_red[z, 0])
+                            mm[1] = T.float32(0)
+                            for v in T.vectorized(4):
+                                acc[v] = T.float32(0)
+                            for z in T.unroll(MZ):
+                                mm[2] = T.exp2(mm_red[z, 0] - mm[3])
+                                mm[1] = mm[1] + mm_red[z, 1] * mm[2]
+                                for v in T.unroll(4):
+                                    acc[v] = acc[v] + acc_red[z, tx * 4 + v] * mm[2]
+                            for v in T.unroll(4):
+                                out[b, hq, tx * 4 + v] = T.Cast(dtype, acc[v] / mm[1])
+                            if tx == 0:
+                                lse[b, hq] = (mm[3] + T.log2(mm[1])) * T.float32(LN2)
+    # fmt: on
+    return merge_splits
+
 def schedule(mod, spec, knobs):
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     g = geometry(spec, knobs)
@@ -118,8 +185,7 @@ def schedule(mod, spec, knobs):
     S, TILE, RPZ, CH, CPR = g["stages"], g["tile"], g["rows_per_z"], g["chunk"], g["chunks_per_row"]
     SUB = VEC // CH                          # 16-byte pieces per thread vector
     COPIES = -(-TILE * CPR // NT)            # 16-byte chunks per thread per tile (K and V each)
-    MX = D // 4                              # merge: threads along head_dim (float4 each) ...
-    MZ = max(1, min(1024 // MX, int(knobs["merge_threads"]) // MX))  # ... x split groups
+    merge_splits = merge_macro(spec, knobs)
     WAIT = _wait_source(S - 1)
     pages_bad = pages_bad_macro(NT)
 
@@ -268,56 +334,6 @@ def schedule(mod, spec, knobs):
                                     if tx == 0:
                                         lse_part[s, b, h * G + ty] = T.float32(NEG)
         if splits > T.int64(1):
-            # one CTA per (sequence, query head); tz strides over the splits (online LSE merge
-            # in registers), then the MZ partial states meet in shared memory
-            for bx in T.thread_binding(T.Cast("int32", batch * Hq), thread="blockIdx.x"):
-                for tz in T.thread_binding(MZ, thread="threadIdx.z"):
-                    for tx in T.thread_binding(MX, thread="threadIdx.x"):
-                        with block("merge"):
-                            T.reads()
-                            T.writes()
-                            acc = alloc_buffer((4,), "float32", scope="local")
-                            part = alloc_buffer((4,), "float32", scope="local")
-                            mm = alloc_buffer((4,), "float32", scope="local")  # max, sum, lse, scale
-                            acc_red = alloc_buffer((MZ, D), "float32", scope="shared")
-                            mm_red = alloc_buffer((MZ, 2), "float32", scope="shared")
-                            b: T.int32 = T.truncdiv(bx, Hq)
-                            hq: T.int32 = T.truncmod(bx, Hq)
-                            ns: T.int32 = T.Cast("int32", splits)
-                            mm[0] = T.float32(NEG)
-                            mm[1] = T.float32(0)
-                            for v in T.vectorized(4):
-                                acc[v] = T.float32(0)
-                            for i in T.serial(T.truncdiv(ns - tz + MZ - 1, MZ)):
-                                mm[2] = lse_part[tz + i * MZ, b, hq]
-                                for v in T.vectorized(4):
-                                    part[v] = o_part[tz + i * MZ, b, hq, tx * 4 + v]
-                                mm[3] = T.max(mm[0], mm[2])
-                                mm[1] = mm[1] * T.exp2(mm[0] - mm[3]) + T.exp2(mm[2] - mm[3])
-                                for v in T.unroll(4):
-                                    acc[v] = acc[v] * T.exp2(mm[0] - mm[3]) + T.exp2(mm[2] - mm[3]) * part[v]
-                                mm[0] = mm[3]
-                            for v in T.vectorized(4):
-                                acc_red[tz, tx * 4 + v] = acc[v]
-                            if tx == 0:
-                                mm_red[tz, 0] = mm[0]
-                                mm_red[tz, 1] = mm[1]
-                            T.tvm_storage_sync("shared")
-                            if tz == 0:
-                                mm[3] = T.float32(NEG)
-                                for z in T.unroll(MZ):
-                                    mm[3] = T.max(mm[3], mm_red[z, 0])
-                                mm[1] = T.float32(0)
-                                for v in T.vectorized(4):
-                                    acc[v] = T.float32(0)
-                                for z in T.unroll(MZ):
-                                    mm[2] = T.exp2(mm_red[z, 0] - mm[3])
-                                    mm[1] = mm[1] + mm_red[z, 1] * mm[2]
-                                    for v in T.unroll(4):
-                                        acc[v] = acc[v] + acc_red[z, tx * 4 + v] * mm[2]
-                                for v in T.unroll(4):
-                                    out[b, hq, tx * 4 + v] = T.Cast(dtype, acc[v] / mm[1])
-                                if tx == 0:
-                                    lse[b, hq] = (mm[3] + T.log2(mm[1])) * T.float32(LN2)
+            merge_splits(batch, splits, out, lse, o_part, lse_part)
     # fmt: on
     return replace_function(mod, decode, "decode")

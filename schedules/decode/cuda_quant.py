@@ -22,6 +22,7 @@ from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale
 from kvtvm.quant import quant_row_bytes
 
 from ..common import pages_bad_macro, replace_function
+from .cuda import merge_macro
 #: Static shared memory kept for the K/V stages (of the 48 KiB a kernel may declare statically).
 SMEM_KV_BYTES = 40 * 1024
 
@@ -196,8 +197,7 @@ def schedule(mod, spec, knobs):
     S, TILE, RPZ, CH, CPR = g["stages"], g["tile"], g["rows_per_z"], g["chunk"], g["chunks_per_row"]
     COPIES = -(-TILE * CPR // NT)            # 16-byte chunks per thread per tile (K and V each)
     WV = min(4, VEC // 4)                    # words per shared-memory load of a slice
-    MX = D // 4                              # merge: threads along head_dim (float4 each) ...
-    MZ = max(1, min(1024 // MX, int(knobs["merge_threads"]) // MX))  # ... x split groups
+    merge_splits = merge_macro(spec, knobs)
     WAIT = _wait_source(S - 1)
     pages_bad = pages_bad_macro(NT)
 
@@ -365,56 +365,6 @@ def schedule(mod, spec, knobs):
                                     if tx == 0:
                                         lse_part[s, b, h * G + g] = T.float32(NEG)
         if splits > T.int64(1):
-            # one CTA per (sequence, query head); tz strides over the splits (online LSE merge
-            # in registers), then the MZ partial states meet in shared memory
-            for bx in T.thread_binding(T.Cast("int32", batch * Hq), thread="blockIdx.x"):
-                for tz in T.thread_binding(MZ, thread="threadIdx.z"):
-                    for tx in T.thread_binding(MX, thread="threadIdx.x"):
-                        with block("merge"):
-                            T.reads()
-                            T.writes()
-                            acc = alloc_buffer((4,), "float32", scope="local")
-                            part = alloc_buffer((4,), "float32", scope="local")
-                            mm = alloc_buffer((4,), "float32", scope="local")  # max, sum, lse, scale
-                            acc_red = alloc_buffer((MZ, D), "float32", scope="shared")
-                            mm_red = alloc_buffer((MZ, 2), "float32", scope="shared")
-                            b: T.int32 = T.truncdiv(bx, Hq)
-                            hq: T.int32 = T.truncmod(bx, Hq)
-                            ns: T.int32 = T.Cast("int32", splits)
-                            mm[0] = T.float32(NEG)
-                            mm[1] = T.float32(0)
-                            for v in T.vectorized(4):
-                                acc[v] = T.float32(0)
-                            for i in T.serial(T.truncdiv(ns - tz + MZ - 1, MZ)):
-                                mm[2] = lse_part[tz + i * MZ, b, hq]
-                                for v in T.vectorized(4):
-                                    part[v] = o_part[tz + i * MZ, b, hq, tx * 4 + v]
-                                mm[3] = T.max(mm[0], mm[2])
-                                mm[1] = mm[1] * T.exp2(mm[0] - mm[3]) + T.exp2(mm[2] - mm[3])
-                                for v in T.unroll(4):
-                                    acc[v] = acc[v] * T.exp2(mm[0] - mm[3]) + T.exp2(mm[2] - mm[3]) * part[v]
-                                mm[0] = mm[3]
-                            for v in T.vectorized(4):
-                                acc_red[tz, tx * 4 + v] = acc[v]
-                            if tx == 0:
-                                mm_red[tz, 0] = mm[0]
-                                mm_red[tz, 1] = mm[1]
-                            T.tvm_storage_sync("shared")
-                            if tz == 0:
-                                mm[3] = T.float32(NEG)
-                                for z in T.unroll(MZ):
-                                    mm[3] = T.max(mm[3], mm_red[z, 0])
-                                mm[1] = T.float32(0)
-                                for v in T.vectorized(4):
-                                    acc[v] = T.float32(0)
-                                for z in T.unroll(MZ):
-                                    mm[2] = T.exp2(mm_red[z, 0] - mm[3])
-                                    mm[1] = mm[1] + mm_red[z, 1] * mm[2]
-                                    for v in T.unroll(4):
-                                        acc[v] = acc[v] + acc_red[z, tx * 4 + v] * mm[2]
-                                for v in T.unroll(4):
-                                    out[b, hq, tx * 4 + v] = T.Cast(dtype, acc[v] / mm[1])
-                                if tx == 0:
-                                    lse[b, hq] = (mm[3] + T.log2(mm[1])) * T.float32(LN2)
+            merge_splits(batch, splits, out, lse, o_part, lse_part)
     # fmt: on
     return replace_function(mod, decode, "decode")
