@@ -27,7 +27,8 @@ what makes that truthful for an in-place copy. Schedules parallelize over
 
 Blocks: ``copy``.
 
-Knobs: llvm ``rows_per_task``, ``vector_bytes``; cuda ``vector_bytes``, ``threads``
+Knobs: llvm ``rows_per_task``, ``vector_bytes``; cuda ``vector_bytes``, ``threads``,
+``vectors_per_thread``
 (schedules ``schedules/copy/{cpu,cuda}.py``). No variants.
 """
 
@@ -49,7 +50,8 @@ def knob_space(spec) -> dict:
     """The knob values ``kvtvm.tune`` searches for ``spec`` (its target's schedule knobs)."""
     if spec.target == "llvm":
         return {"rows_per_task": [16, 64, 256], "vector_bytes": [16, 32, 64]}
-    return {"vector_bytes": [4, 8, 16], "threads": [128, 256, 512]}
+    return {"vector_bytes": [4, 8, 16], "threads": [128, 256, 512],
+            "vectors_per_thread": [1, 2, 4, 8]}
 
 
 def in_rows(s, d, rows):

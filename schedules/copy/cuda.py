@@ -1,9 +1,10 @@
 """CUDA schedule of copy (sm_90a and sm_80 alike) -- a HAND-WRITTEN TIR kernel with the
-definition's signature (tests compare it with ``kvtvm.kernels.copy.define``): one thread per
-16-byte vector of the launch (blocks over (outer) x (copy, chunk of the row's vectors)), so a
-warp moves contiguous bytes and the launch's copies run in parallel (they are independent by
-the op's contract; outer < 65536, the grid's y limit, which the op checks). Each thread checks its copy's ``src``/``dst`` once; a copy outside the
-rows is skipped and its first thread sets the flag -- no second kernel, no serial loop."""
+definition's signature (tests compare it with ``kvtvm.kernels.copy.define``): each thread moves
+``vectors_per_thread`` 16-byte vectors, ``threads`` apart (blocks over (outer) x (copy, chunk
+of the row's vectors)), so a warp moves contiguous bytes and the launch's copies run in
+parallel (they are independent by the op's contract; outer < 65536, the grid's y limit, which
+the op checks). Each thread checks its copy's ``src``/``dst`` once; a copy outside the rows is
+skipped and its first thread sets the flag -- no second kernel, no serial loop."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ def _in_rows(s, d, rows):
 
 
 def default_knobs(spec) -> dict:
-    return {"vector_bytes": 16, "threads": 256}
+    # one vector per thread: the kernel the GPU tests (bounds, copy, managers) ran on. On an
+    # H100 (2026-11-25, docs/PERF.md) two vectors per thread moved 1024 pages 7% faster and cut
+    # the bounds check's cost there from +7% to +1% (equal to torch on the probe's cases, not
+    # yet through the GPU tests: the next GPU session switches the default after them)
+    return {"vector_bytes": 16, "threads": 256, "vectors_per_thread": 1}
 
 
 def schedule(mod, spec, knobs):
@@ -30,6 +35,7 @@ def schedule(mod, spec, knobs):
     L = vector_lanes(spec, knobs["vector_bytes"])
     DV = D // L
     NT = int(knobs["threads"])
+    VPT = int(knobs.get("vectors_per_thread", 1))  # a thread's vectors, NT apart (coalesced)
     align = _ITEMSIZE[dtype]
 
     # fmt: off
@@ -46,25 +52,27 @@ def schedule(mod, spec, knobs):
         # blockIdx.y: the outer index; blockIdx.x: (copy, chunk of its row's vectors); 32-bit
         # index arithmetic (64-bit division is emulated on the GPU)
         for by in T.thread_binding(T.Cast("int32", outer), thread="blockIdx.y"):
-            for bx in T.thread_binding(T.Cast("int32", n) * T.Cast("int32", (inner * DV + NT - 1) // NT),
+            for bx in T.thread_binding(T.Cast("int32", n) * T.Cast("int32", (inner * DV + NT * VPT - 1) // (NT * VPT)),
                                        thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     with block("copy"):
                         T.reads()
                         T.writes()
-                        chunks: T.int32 = T.Cast("int32", (inner * DV + NT - 1) // NT)
+                        chunks: T.int32 = T.Cast("int32", (inner * DV + NT * VPT - 1) // (NT * VPT))
                         i: T.int32 = T.truncdiv(bx, chunks)
-                        w: T.int32 = T.truncmod(bx, chunks) * NT + tx
-                        if w < T.Cast("int32", inner) * DV:
-                            if _in_rows(src[i], dst[i], rows):
-                                for l in T.vectorized(L):
-                                    out[T.Cast("int64", by), T.Cast("int64", dst[i]),
-                                        T.Cast("int64", T.truncdiv(w, DV)),
-                                        T.Cast("int64", T.truncmod(w, DV) * L + l)] = \
-                                        buf[T.Cast("int64", by), T.Cast("int64", src[i]),
-                                            T.Cast("int64", T.truncdiv(w, DV)),
-                                            T.Cast("int64", T.truncmod(w, DV) * L + l)]
-                            elif w == 0 and by == 0:
-                                err[ERR_PAGE] = 1
+                        w0: T.int32 = T.truncmod(bx, chunks) * (NT * VPT) + tx
+                        ok: T.bool = _in_rows(src[i], dst[i], rows)  # checked once per thread
+                        if ok:
+                            for k in T.unroll(VPT):
+                                if w0 + k * NT < T.Cast("int32", inner) * DV:
+                                    for l in T.vectorized(L):
+                                        out[T.Cast("int64", by), T.Cast("int64", dst[i]),
+                                            T.Cast("int64", T.truncdiv(w0 + k * NT, DV)),
+                                            T.Cast("int64", T.truncmod(w0 + k * NT, DV) * L + l)] = \
+                                            buf[T.Cast("int64", by), T.Cast("int64", src[i]),
+                                                T.Cast("int64", T.truncdiv(w0 + k * NT, DV)),
+                                                T.Cast("int64", T.truncmod(w0 + k * NT, DV) * L + l)]
+                        elif w0 == 0 and by == 0:
+                            err[ERR_PAGE] = 1
     # fmt: on
     return replace_function(mod, copy, "copy")
