@@ -107,6 +107,26 @@ def _row_writer(storage: str, layout: str, D: int, L: int):
     return quant_row
 
 
+def match_params(spec, var_k_cache, var_v_cache, var_k, var_v, var_qo_indptr,
+                 var_cache_lengths, var_lookup, var_err):
+    """Bind the buffers of the append signature over a (partly) quantized K/V pair (call inside
+    a TVMScript function; the CPU kernel and the CUDA schedule share it). Returns ``(num_pages,
+    page_size, ntok, batch, max_pages, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup,
+    err)``."""
+    H, D, dtype = spec.n_kv_heads, spec.head_dim, spec.dtype
+    num_pages, page_size, k_cache, v_cache = match_quant_cache_pair(
+        var_k_cache, var_v_cache, spec.layout, H, D, dtype, spec.k_storage, spec.v_storage)
+    ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
+    k = match_tensor(var_k, (ntok, H, D), dtype)
+    v = match_tensor(var_v, (ntok, H, D), dtype)
+    qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
+    cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
+    lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
+    err = match_err(var_err)
+    return (num_pages, page_size, ntok, batch, max_pages, k_cache, v_cache, k, v, qo_indptr,
+            cache_lengths, lookup, err)
+
+
 def _token_writer(write_k, write_v):
     """A macro writing heads ``[h_lo, h_hi)`` of ragged row ``n``: find its sequence, check
     the row offset, position and page (skip and flag what is out of range), write."""
@@ -155,15 +175,10 @@ def build(spec, parallel: bool, lanes: int):
                var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
                var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True})
-        num_pages, page_size, k_cache, v_cache = match_quant_cache_pair(
-            var_k_cache, var_v_cache, layout, H, D, dtype, ks, vs)
-        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        k = match_tensor(var_k, (ntok, H, D), dtype)
-        v = match_tensor(var_v, (ntok, H, D), dtype)
-        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
-        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        err = match_err(var_err)
+        (num_pages, page_size, ntok, batch, max_pages, k_cache, v_cache, k, v, qo_indptr,
+         cache_lengths, lookup, err) = match_params(
+            spec, var_k_cache, var_v_cache, var_k, var_v, var_qo_indptr, var_cache_lengths,
+            var_lookup, var_err)
         for n in tasks(ntok):
             with block("append"):
                 T.reads()

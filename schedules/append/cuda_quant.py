@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from kvtvm.kernels._tvm import ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index, find_sequence, match_err, match_tensor
-from kvtvm.kernels.append_quant import NAN_BITS, _EXP_MASK
+from kvtvm.kernels.append_quant import NAN_BITS, _EXP_MASK, match_params
 from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.quant_access import encode, match_quant_cache_pair
 from kvtvm.quant import QMAX, quant_row_bytes
@@ -166,15 +166,10 @@ def build(spec, knobs):
                var_qo_indptr: T.handle, var_cache_lengths: T.handle, var_lookup: T.handle,
                var_err: T.handle):
         T.func_attr({ATTR_NOALIAS: True, ATTR_IS_SCHEDULED: True})
-        num_pages, page_size, k_cache, v_cache = match_quant_cache_pair(
-            var_k_cache, var_v_cache, layout, H, D, dtype, ks, vs)
-        ntok, batch, max_pages = T.int64(), T.int64(), T.int64()
-        k = match_tensor(var_k, (ntok, H, D), dtype)
-        v = match_tensor(var_v, (ntok, H, D), dtype)
-        qo_indptr = match_tensor(var_qo_indptr, (batch + 1,), "int32")
-        cache_lengths = match_tensor(var_cache_lengths, (batch,), "int32")
-        lookup = match_tensor(var_lookup, (batch, max_pages), "int32")
-        err = match_err(var_err)
+        (num_pages, page_size, ntok, batch, max_pages, k_cache, v_cache, k, v, qo_indptr,
+         cache_lengths, lookup, err) = match_params(
+            spec, var_k_cache, var_v_cache, var_k, var_v, var_qo_indptr, var_cache_lengths,
+            var_lookup, var_err)
         k_words = T.decl_buffer((1,), "int32", data=k_cache.data)
         v_words = T.decl_buffer((1,), "int32", data=v_cache.data)
         for bx in T.thread_binding(T.Cast("int32", (ntok * H + RB - 1) // RB), thread="blockIdx.x"):

@@ -1,14 +1,15 @@
 """CUDA schedule of decode attention over a QUANTIZED cache (``kvtvm.kernels.decode``;
-sm_90a and sm_80 alike), hand-written TIR: the kernel of ``schedules/decode/cuda.py`` with the
-8-bit rows staged as they are stored (values, scale, padding: ``quant_row_bytes(head_dim)``
-bytes, 16-byte ``cp.async`` chunks, as int32 words) and, once per tile, converted by the whole
-block into float16 tiles in shared memory -- exactly: every int8 and e4m3 value is a float16
-(int8 through the float16 magic number 1024 + 128, e4m3 through the hardware pair conversion
-on sm_89+ or bit placement elsewhere). The score and output loops are then the float16
-kernel's (a value converted once per block, not once per query head of the group: the
-conversion unit runs at an eighth of the float rate), with the row scales folded into scalars
-(``score = scale_k * q.k``; ``acc += (p * scale_v) * v``). K and V must both be 8-bit (a
-K-only cache runs on the CPU).
+sm_90a and sm_80 alike), hand-written TIR. The 8-bit rows are staged in shared memory as they
+are stored (values, scale, padding: ``quant_row_bytes(head_dim)`` bytes, 16-byte ``cp.async``
+chunks, as int32 words; the cp.async helpers and the split-KV merge are the float16 kernel's,
+``schedules/decode/cuda.py``). A thread owns a slice of head_dim for **every query head of the
+GQA group** (q and the output in registers), so each staged value is read and converted once,
+not once per query head: int8 through the float32 magic number (``0x4B0000 | (code + 128)``
+minus ``2**23 + 128``: a byte permute and an add, not the conversion unit, which runs at an
+eighth of the float rate), e4m3 through the hardware pair conversion on sm_89+ (bit placement
+and an exact float16 rescale elsewhere) -- both exact. The row scales are folded into scalars
+(``score = scale_k * q.k``; ``acc += (p * scale_v) * v``). K and V must both be 8-bit (a K-only
+cache decodes on the CPU).
 """
 
 from __future__ import annotations
@@ -22,42 +23,13 @@ from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale
 from kvtvm.quant import quant_row_bytes
 
 from ..common import pages_bad_macro, replace_function
-from .cuda import merge_macro
-#: Static shared memory kept for the K/V stages (of the 48 KiB a kernel may declare statically).
-SMEM_KV_BYTES = 40 * 1024
-
-_CP_ASYNC = r"""
-__device__ __forceinline__ void kvtvm_cp_async16(void* smem, const void* gmem) {
-  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem) : "memory");
-}
-"""
-_COMMIT = r"""
-__device__ __forceinline__ void kvtvm_cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-"""
-
-
-def _wait_source(n: int) -> str:
-    return (f"\n__device__ __forceinline__ void kvtvm_cp_async_wait_{n}() {{\n"
-            f"  asm volatile(\"cp.async.wait_group {n};\\n\" ::: \"memory\");\n}}\n")
-
-
-def _copy16(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_size):
-    """``cp.async`` of the 16-byte chunk ``col`` of token ``pos``'s row into ``smem[stage, row]``
-    (its page was checked by the block's page pre-pass)."""
-    # positions and page sizes fit in int32: 32-bit division (64-bit is emulated on the GPU)
-    pos32, ps32 = T.Cast("int32", pos), T.Cast("int32", page_size)
-    page = T.Cast("int64", lookup[b, T.truncdiv(pos32, ps32)])
-    slot = T.Cast("int64", T.truncmod(pos32, ps32))
-    src = cache[cache_index(layout, page, slot, h, col)]
-    return T.cuda.func_call("kvtvm_cp_async16", T.address_of(smem[stage, row, col]),
-                            T.address_of(src), source_code=_CP_ASYNC)
+from .cuda import _COMMIT, _CP_ASYNC, SMEM_KV_BYTES, _wait_source, merge_macro
 
 
 def _copy16_words(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_size):
-    """``_copy16`` into shared memory held as int32 words (``col`` counts bytes)."""
+    """``cp.async`` of the 16-byte chunk ``col`` (in bytes) of token ``pos``'s row into shared
+    memory held as int32 words (``cuda._copy16`` for 8-bit rows; its page was checked by the
+    block's page pre-pass). Positions and page sizes fit in int32: 32-bit division."""
     pos32, ps32 = T.Cast("int32", pos), T.Cast("int32", page_size)
     page = T.Cast("int64", lookup[b, T.truncdiv(pos32, ps32)])
     slot = T.Cast("int64", T.truncmod(pos32, ps32))
@@ -74,21 +46,8 @@ def _copy16_words(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_
                             source_code=_CP_ASYNC)
 
 
-#: 4 stored 8-bit codes (an int32 word) -> 4 float16 values at ``dst`` (8-byte aligned), exact.
-_TO_HALF = {
-    "int8": r"""
-__device__ __forceinline__ void kvtvm_i8x4_to_half4(void* dst, int w) {
-  // 0x6400 | (code + 128) is the float16 1024 + code + 128: a byte permute and a subtraction
-  unsigned u = (unsigned)w ^ 0x80808080u;
-  unsigned lo = __byte_perm(u, 0x64646464u, 0x4140), hi = __byte_perm(u, 0x64646464u, 0x4342);
-  __half2 bias = __float2half2_rn(1152.0f);
-  __half2 a = __hsub2(*reinterpret_cast<__half2*>(&lo), bias);
-  __half2 b = __hsub2(*reinterpret_cast<__half2*>(&hi), bias);
-  *reinterpret_cast<uint2*>(dst) = make_uint2(*reinterpret_cast<unsigned*>(&a),
-                                              *reinterpret_cast<unsigned*>(&b));
-}
-""",
-    "float8_e4m3fn": r"""
+#: e4m3 codes -> float16 (every e4m3 value is one, exactly): a helper of the float32 conversion.
+_E4M3_TO_HALF4 = r"""
 __device__ __forceinline__ void kvtvm_e4m3x4_to_half4(void* dst, int w) {
   unsigned u = (unsigned)w, lo, hi;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -108,8 +67,7 @@ __device__ __forceinline__ void kvtvm_e4m3x4_to_half4(void* dst, int w) {
 #endif
   *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
 }
-""",
-}
+"""
 #: 4 stored 8-bit codes -> 4 float32 values at ``dst`` (16-byte aligned), exact.
 _TO_FLOAT = {
     "int8": r"""
@@ -124,7 +82,7 @@ __device__ __forceinline__ void kvtvm_i8x4_to_float4(void* dst, int w) {
   *reinterpret_cast<float4*>(dst) = f;
 }
 """,
-    "float8_e4m3fn": _TO_HALF["float8_e4m3fn"] + r"""
+    "float8_e4m3fn": _E4M3_TO_HALF4 + r"""
 __device__ __forceinline__ void kvtvm_e4m3x4_to_float4(void* dst, int w) {
   uint2 h;
   kvtvm_e4m3x4_to_half4(&h, w);
@@ -134,16 +92,12 @@ __device__ __forceinline__ void kvtvm_e4m3x4_to_float4(void* dst, int w) {
 }
 """,
 }
-_CONVERT = {("int8", "float16"): "kvtvm_i8x4_to_half4",
-            ("float8_e4m3fn", "float16"): "kvtvm_e4m3x4_to_half4",
-            ("int8", "float32"): "kvtvm_i8x4_to_float4",
-            ("float8_e4m3fn", "float32"): "kvtvm_e4m3x4_to_float4"}
+_CONVERT = {"int8": "kvtvm_i8x4_to_float4", "float8_e4m3fn": "kvtvm_e4m3x4_to_float4"}
 
 
-def _convert4(storage, tile_dtype, dst, word):
-    """Convert the 4 codes of ``word`` into 4 ``tile_dtype`` values at pointer ``dst``."""
-    source = (_TO_HALF if tile_dtype == "float16" else _TO_FLOAT)[storage]
-    return T.cuda.func_call(_CONVERT[storage, tile_dtype], dst, word, source_code=source)
+def _convert4(storage, dst, word):
+    """Convert the 4 codes of ``word`` into 4 float32 values at pointer ``dst``."""
+    return T.cuda.func_call(_CONVERT[storage], dst, word, source_code=_TO_FLOAT[storage])
 
 
 def default_knobs(spec) -> dict:
@@ -221,7 +175,7 @@ def schedule(mod, spec, knobs):
                 for w in T.vectorized(WV):
                     words[c * WV + w] = smem[stage, row, tx * (VEC // 4) + c * WV + w]
             for w in T.unroll(VEC // 4):
-                T.evaluate(_convert4(storage, "float32", kv.access_ptr("w", offset=w * 4, extent=4), words[w]))
+                T.evaluate(_convert4(storage, kv.access_ptr("w", offset=w * 4, extent=4), words[w]))
 
         return load
 
