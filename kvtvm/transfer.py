@@ -493,7 +493,6 @@ class DistributedTransport(PageTransport):
         is :meth:`import_runs`' answer."""
         if dest is None or any(v.device != self.device for _, v in dest):
             return None, []
-        rows = [v[i] for _, v in dest for i in range(v.shape[0])]  # a view per fresh page
         out, pending, r = [], [], 0
         for n in lengths:
             rel = r - first_row
@@ -507,6 +506,7 @@ class DistributedTransport(PageTransport):
             r += n
         fixups, s = [], 0
         if pending:
+            rows = [v[i] for _, v in dest for i in range(v.shape[0])]  # a view per fresh page
             stage = self._staging((sum(n for _, n, _ in pending), *page_shape), dtype)
             for k, n, rel in pending:
                 out[k] = stage[s:s + n]

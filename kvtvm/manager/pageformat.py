@@ -107,10 +107,11 @@ class PageHeader:
             hdr = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
             later = deferred and hdr.checksums is None
             sums = () if later else hdr.checksums
-            ints = [hdr.version, hdr.page_size, hdr.n_kv_heads, hdr.head_dim, hdr.num_layers,
-                    hdr.first_page, hdr.hash_bits, hdr.page_bytes, *hdr.head_range, *hdr.tokens,
-                    *hdr.block_hashes, *sums]
-            ok = (all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
+            ints = (hdr.version, hdr.page_size, hdr.n_kv_heads, hdr.head_dim, hdr.num_layers,
+                    hdr.first_page, hdr.hash_bits, hdr.page_bytes, *hdr.head_range)
+            # exact type checks in C (a JSON true is a bool, which must not pass as 1)
+            ok = (all(set(map(type, seq)) <= {int}
+                      for seq in (ints, hdr.tokens, hdr.block_hashes, sums))
                   and all(isinstance(v, str) for v in (hdr.dtype, hdr.storage, hdr.layout,
                                                        hdr.checksum))
                   and len(hdr.head_range) == 2 and hdr.page_size > 0

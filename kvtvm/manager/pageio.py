@@ -246,16 +246,13 @@ class PageIOMixin(PageLayoutMixin):
         """The header of an export, its checksums left to :class:`PageExport`."""
         P = self.page_size
         toks = np.asarray(tokens, dtype=np.int64)
-        hashes, h = [], self._root_chain()[0]
-        for i in range(toks.size // P):
-            h = chain_hash(h, toks[i * P:(i + 1) * P].tobytes(), self.hash_bits)
-            hashes.append(h)
+        hashes = _block_hashes(toks, P, self.hash_bits, self._root_chain()[0])
         return PageHeader(
             version=FORMAT_VERSION, dtype=self.params.dtype, storage=self.storage_name(),
             layout=LAYOUT, page_bytes=self.params.bytes_per_page(self.num_layers),
             page_size=P, n_kv_heads=self.params.n_kv_heads, head_range=tuple(heads),
             head_dim=self.params.head_dim, num_layers=self.num_layers,
-            tokens=tuple(int(t) for t in toks), first_page=int(first_page),
+            tokens=tuple(toks.tolist()), first_page=int(first_page),
             block_hashes=tuple(hashes), hash_bits=self.hash_bits,
             checksum=self.checksum_algorithm, checksums=None)
 
