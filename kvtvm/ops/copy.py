@@ -31,7 +31,8 @@ def copy_pages(blocks, src_pages, dst_pages, *, check_indices: bool | None = Non
     ----------
     blocks : Tensor
         Contiguous cache tensor whose axis 0 is the page, e.g. PAGED
-        ``[num_pages, 2, num_layers, page_size, n_kv_heads, head_dim]``. Every layer and both
+        ``[num_pages, 2, num_layers, page_size, n_kv_heads, head_dim]``, or a quantized
+        cache's uint8 ``[num_pages, page_bytes]`` (moved bit for bit). Every layer and both
         K and V of a page move together.
     src_pages, dst_pages : Tensor
         int32 ``[n]`` page indices, on the host (split into rounds of independent copies,
@@ -69,7 +70,8 @@ def copy_slots(cache, src_slots, dst_slots, *, check_indices: bool | None = None
     Parameters
     ----------
     cache : Tensor
-        Contiguous ``[num_layers, max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``.
+        Contiguous ``[num_layers, max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``,
+        or a quantized cache's uint8 ``[1, max_batch_size, slot_bytes]``.
     src_slots, dst_slots : Tensor
         int32 ``[n]`` slot indices, on the host or on the device of ``cache`` (as for
         :func:`copy_pages`).
@@ -87,14 +89,22 @@ def prepare_copy_slots(cache, src_slots, dst_slots, *,
 
 
 def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> LaunchSequence:
+    import torch
+
     buf = as_tensor(name, buf)
     src = as_tensor("src", src)
     dst = as_tensor("dst", dst)
-    check_dtype(name, buf, tuple(DTYPE_SIZES))
+    check_dtype(name, buf, (*DTYPE_SIZES, "uint8"))
     check_contiguous(name, buf)
     if buf.dim() < axis + 2:
         raise InvalidArgumentError(describe(f"{name} rank", f"at least {axis + 2}",
                                             f"shape {list(buf.shape)}"))
+    if buf.dtype == torch.uint8:  # a quantized cache's bytes (kvtvm.params): moved bit for
+        # bit as float32 words, 16 bytes to a row of the copy kernel
+        if int(buf.shape[-1]) % 16:
+            raise InvalidArgumentError(describe(f"{name}.shape[-1]", "a multiple of 16 bytes "
+                                                "(a quantized cache's unit)", buf.shape[-1]))
+        buf = buf.view(torch.float32).unflatten(-1, (-1, 4))
     for n_, t in (("src", src), ("dst", dst)):
         check_dtype(n_, t, "int32")
         check_contiguous(n_, t)
@@ -139,7 +149,6 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
                     head_dim=head_dim, n_kv_heads=1, layout="nhd")
     if not on_host:
         return LaunchSequence([Launch(fn, buf.device, dict(blocks=view, src=src, dst=dst))])
-    import torch
 
     def indices(values):
         return torch.tensor(values, dtype=torch.int32, device=buf.device)

@@ -167,3 +167,35 @@ def test_copy_on_gpu_rejects_unaligned_view():
     blocks = base[1:].view(4, 2, 64)
     with pytest.raises(InvalidArgumentError, match="16-byte aligned"):
         ops.copy_pages(blocks, i32([0]), i32([1]))
+
+
+def test_copy_moves_a_quantized_cache_bit_for_bit():
+    """The uint8 tensor of a quantized cache (as the managers allocate it) is copied as is:
+    pages (PAGED) and batch slots (LINEAR), every byte, NaN-looking words included."""
+    from kvtvm import KVCacheParams
+
+    gen = torch.Generator().manual_seed(5)
+    for strategy, copy, shape_args in (("paged", ops.copy_pages, dict(num_pages=6)),
+                                       ("linear", ops.copy_slots, {})):
+        params = KVCacheParams("float16", 2, 64, strategy, cache_dtype="int8",
+                               page_size=4 if strategy == "paged" else None)
+        shape = params.cache_shape(3, 4, 8, **shape_args)
+        buf = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        want = buf.numpy().copy()
+        src, dst = [0, 2], [3, 1]
+        axis = 0 if strategy == "paged" else 1
+        for s, d in zip(src, dst):
+            idx_d = [slice(None)] * want.ndim
+            idx_s = [slice(None)] * want.ndim
+            idx_d[axis], idx_s[axis] = d, s
+            want[tuple(idx_d)] = want[tuple(idx_s)]
+        copy(buf, torch.tensor(src, dtype=torch.int32), torch.tensor(dst, dtype=torch.int32))
+        assert np.array_equal(buf.numpy(), want), strategy
+
+
+def test_copy_refuses_a_byte_tensor_that_is_not_a_cache():
+    buf = torch.zeros(4, 10, dtype=torch.uint8)
+    with pytest.raises(InvalidArgumentError, match=r"blocks\.shape\[-1\]"):
+        ops.copy_pages(buf, torch.tensor([0], dtype=torch.int32),
+                       torch.tensor([1], dtype=torch.int32))
+    assert not buf.any()
