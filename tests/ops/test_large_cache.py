@@ -95,3 +95,32 @@ def test_ops_on_pages_past_2_31_elements(storage):
     assert torch.equal(blocks[dst], blocks[src])
     for neighbour in (dst - 1, dst + 1):
         assert bool((blocks[neighbour].view(torch.uint8) == 0x5A).all())
+
+
+def test_linear_slot_past_2_31_elements():
+    """The linear layout (``hnd``): the last batch slot of a cache past 2**31 elements, written
+    deep into its sequence axis, then attended."""
+    gen = torch.Generator().manual_seed(32)
+    S = 4096
+    B = 2 ** 31 // (2 * H * S * D) + 3
+    cache = torch.empty((1, B, 2, H, S, D), dtype=torch.float32)
+    assert cache.numel() > 2 ** 31
+    kc, vc = cache[0, :, 0], cache[0, :, 1]
+    table = torch.tensor([[B - 1]], dtype=torch.int32)
+    start, n = S - 50, 40
+    k = torch.randn(n, H, D, generator=gen)
+    v = torch.randn(n, H, D, generator=gen)
+    ops.append_kv(kc, vc, k, v, torch.tensor([0, n], dtype=torch.int32),
+                  torch.tensor([start], dtype=torch.int32), table, layout="hnd")
+    assert torch.equal(kc[B - 1, :, start:start + n].transpose(0, 1), k)
+    assert torch.equal(vc[B - 1, :, start:start + n].transpose(0, 1), v)
+    # attend over the last n positions only: the earlier ones are whatever empty() held, so
+    # give them known values first
+    kc[B - 1, :, :start].normal_(generator=gen)
+    vc[B - 1, :, :start].normal_(generator=gen)
+    q = torch.randn(1, HQ, D, generator=gen)
+    out, _ = ops.decode_attention(q, kc, vc, torch.tensor([start + n - 1], dtype=torch.int32),
+                                  table, layout="hnd")
+    kd = kc[B - 1, :, :start + n].transpose(0, 1).numpy()
+    vd = vc[B - 1, :, :start + n].transpose(0, 1).numpy()
+    np.testing.assert_allclose(out.numpy(), _attend(q.numpy(), kd, vd), atol=2e-5, rtol=1e-4)
