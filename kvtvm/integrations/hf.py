@@ -51,7 +51,7 @@ from ..inputs import BatchItem
 from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from ..params import KVCacheParams
 from ..plan import plan_step
-from .hf_rows import PaddingMask, regather, row_indices, step_rows
+from .hf_rows import PaddingMask, check_room, regather, row_indices, step_rows
 
 try:
     import transformers
@@ -227,7 +227,7 @@ class KVTVMCache(Cache):
         """Append ``layer``'s K/V (from ``update``) and attend: ``(out [B, T, Hq, D], None)``.
 
         ``query``: ``[B, Hq, T, D]``; ``mask``: what the ``"kvtvm"`` mask function returned
-        (a :class:`~kvtvm.integrations.hf_rows.PaddingMask`, or None when no row is padded).
+        (a :class:`~kvtvm.integrations.hf_rows.PaddingMask`, or None without a mask).
         Outputs at pad positions are zero.
         """
         if scaling is not None and not math.isclose(scaling, self.scaling, rel_tol=1e-6):
@@ -295,6 +295,7 @@ class KVTVMCache(Cache):
             self._regather(np.repeat(np.arange(len(self.seq_ids)), int(repeats)).tolist())
 
     def _regather(self, src: list[int]) -> None:
+        check_room(self.mgr, len(self.seq_ids), src)
         self._commit()
         self.seq_ids = regather(self.mgr, self.seq_ids, src)
         self.pads = self.pads[src]
@@ -333,11 +334,9 @@ def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 def _padding_mask(*args, attention_mask=None, **kwargs):
     """Mask function of ``"kvtvm"``: kvtvm's kernels are causal over each row's own sequence,
-    so no mask is built; the 2-D padding mask goes to the attention (None when no position is
-    padded), which checks it and appends only each row's real tokens."""
-    if attention_mask is None or bool(attention_mask.all()):
-        return None
-    return PaddingMask(attention_mask)
+    so no mask is built; the 2-D padding mask (if any) goes to the attention, which checks it
+    against the rows' pads and appends only each row's real tokens."""
+    return None if attention_mask is None else PaddingMask(attention_mask)
 
 
 AttentionInterface.register(ATTN_NAME, kvtvm_attention)

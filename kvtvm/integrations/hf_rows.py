@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError, KVCacheCapacityError, describe
 from ..inputs import BatchItem
 from ..manager import PagedKVCacheManager
 
-__all__ = ["PaddingMask", "step_rows", "row_indices", "regather"]
+__all__ = ["PaddingMask", "step_rows", "row_indices", "check_room", "regather"]
 
 _LEFT_ONLY = "kvtvm supports left padding only (tokenizer(..., padding_side='left'))"
 
@@ -136,31 +136,45 @@ def row_indices(name: str, value, n_rows: int) -> list[int]:
     return [int(i) for i in arr]
 
 
+def _plan(n_rows: int, src: list[int]):
+    """``(keep, copies, dropped)``: old row -> the new row taking its sequence; (new row, old
+    row) pairs that get a copy; old rows no new row takes."""
+    keep: dict[int, int] = {}
+    copies: list[tuple[int, int]] = []
+    for i, s in enumerate(src):
+        if s in keep:
+            copies.append((i, s))
+        else:
+            keep[s] = i
+    return keep, copies, [r for r in range(n_rows) if r not in keep]
+
+
+def check_room(mgr, n_rows: int, src: list[int]) -> None:
+    """Raise :class:`KVCacheCapacityError` (naming ``max_batch_size``) when :func:`regather`
+    of ``n_rows`` held rows into ``src`` needs more sequences than ``mgr`` has slots."""
+    _, copies, dropped = _plan(n_rows, src)
+    if len(copies) - len(dropped) > len(mgr.slots_remaining):
+        raise KVCacheCapacityError(
+            f"KVTVMCache: {len(src)} rows need {len(src)} sequences, more than the manager's "
+            f"max_batch_size={mgr.max_batch_size} ({n_rows} held, "
+            f"{len(mgr.slots_remaining)} free): build the cache with max_batch_size>="
+            f"{len(src)}")
+
+
 def regather(mgr, seq_ids: list[int], src: list[int]) -> list[int]:
     """The sequences of new rows ``i`` holding old row ``src[i]``'s tokens.
 
     ``seq_ids`` are the settled (no fetch in flight) sequences of the old rows; ``src`` is
-    valid (:func:`row_indices`). Old sequences no new row takes are released.
+    valid (:func:`row_indices`). The first new row taking an old sequence keeps it, the others
+    get copies; old sequences no new row takes are released (before the copies claim slots).
 
     Raises
     ------
     KVCacheCapacityError
         The new rows need more sequences than ``mgr.max_batch_size`` (nothing changed).
     """
-    keep: dict[int, int] = {}          # old row -> the new row that takes its sequence
-    copies: list[tuple[int, int]] = []  # (new row, old row) that get a copy
-    for i, s in enumerate(src):
-        if s in keep:
-            copies.append((i, s))
-        else:
-            keep[s] = i
-    dropped = [r for r in range(len(seq_ids)) if r not in keep]
-    if len(copies) - len(dropped) > len(mgr.slots_remaining):
-        raise KVCacheCapacityError(
-            f"KVTVMCache: {len(src)} rows need {len(src)} sequences, more than the manager's "
-            f"max_batch_size={mgr.max_batch_size} (with {len(mgr.slots_remaining)} free "
-            f"besides the {len(seq_ids)} held): build the cache with max_batch_size>="
-            f"{len(src)}")
+    check_room(mgr, len(seq_ids), src)
+    keep, copies, dropped = _plan(len(seq_ids), src)
     for r in dropped:
         mgr.release(seq_ids[r])
     out = [0] * len(src)
