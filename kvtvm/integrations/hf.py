@@ -33,7 +33,11 @@ Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
 
 Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager):
 right padding or holes in ``attention_mask``, pads after the first forward, a prepared 4-D
-mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than ``max_seq_len``.
+mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than ``max_seq_len``,
+``crop`` (assisted / speculative generation), bad re-indexing arguments; re-indexing into
+more rows than the manager's ``max_batch_size`` raises
+:class:`kvtvm.errors.KVCacheCapacityError` naming it.
+
 Built and tested against transformers 5.24 (:data:`TESTED_TRANSFORMERS`); another version is
 checked at import for the names this module uses.
 """
@@ -293,6 +297,12 @@ class KVTVMCache(Cache):
             raise InvalidArgumentError(f"repeats: expected an int >= 1, got {repeats!r}")
         if self.seq_ids:
             self._regather(np.repeat(np.arange(len(self.seq_ids)), int(repeats)).tolist())
+
+    def crop(self, max_length: int) -> None:
+        """Refused: rolling tokens back (assisted / speculative generation) is not supported
+        here (``is_croppable`` is False, so ``generate`` does not ask for it)."""
+        raise InvalidArgumentError(f"KVTVMCache.crop({max_length!r}): rolling tokens back "
+                                   "(assisted / speculative generation) is not supported")
 
     def _regather(self, src: list[int]) -> None:
         check_room(self.mgr, len(self.seq_ids), src)
