@@ -1,24 +1,45 @@
 """transformers on kvtvm: ``model.generate`` appends and attends through kvtvm's kernels.
 
-Two pieces, both registered with transformers' public extension points:
+Three pieces, all registered with transformers' public extension points:
 
-* :class:`KVTVMCache`, a ``transformers.Cache`` whose layers hold no tensors: each forward's
-  first layer claims (once) and fetches the batch's sequences from a kvtvm manager, each layer's
-  ``update`` appends its K/V into kvtvm's cache through one :class:`kvtvm.plan.StepPlan`;
-* the attention function ``"kvtvm"`` (``AttentionInterface``; no mask: kvtvm's kernels are
-  causal over the cache) that runs the plan's attention for the layer.
+* :class:`KVTVMCache`, a ``transformers.Cache`` whose layers hold no tensors: one kvtvm sequence
+  per batch row, held by a kvtvm manager (paged or continuous). Each layer's ``update`` hands
+  its new K/V to the cache; the layer's attention appends them through one
+  :class:`kvtvm.plan.StepPlan` per forward (fetched at layer 0) and attends over the cache;
+* the attention function ``"kvtvm"`` (``AttentionInterface``) that runs the plan's attention;
+* its mask function (``AttentionMaskInterface``), which builds no mask: it hands the attention
+  the 2-D padding mask, from which the cache learns each row's real tokens.
 
     from kvtvm.integrations.hf import KVTVMCache, use_kvtvm
     use_kvtvm(model)                                   # model.config._attn_implementation
-    out = model.generate(ids, past_key_values=KVTVMCache(model, max_seq_len=1024),
+    batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
+    out = model.generate(**batch, cache=KVTVMCache(model, max_seq_len=1024),
                          max_new_tokens=32, do_sample=False)
 
-Supported: Llama-family decoders (:func:`kvtvm.engine.runner.check_supported`), greedy or
-sampled generation over a batch whose rows have no padding (equal prompt lengths), a sliding
-window (from the config), the model's ``scaling``. Not supported, with an error saying so:
-logit softcap, ALiBi, padded batches, beam search (cache reordering). Built and tested against
-transformers 5.24 (:data:`TESTED_TRANSFORMERS`); another version is checked at import for the
-names this module uses.
+Supported: Llama-family decoders (:func:`kvtvm.engine.runner.check_supported`: Llama, Mistral,
+Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
+``num_return_sequences``, beam search, a sliding window (from the config), the model's
+``scaling``, and
+
+* **left-padded batches**: a row's pads are never appended -- its sequence holds only its real
+  tokens (a ragged prefill), so each row decodes at its own length; the attention output at a
+  pad position is zero. transformers derives ``position_ids`` from the mask, so RoPE matches.
+* **beam search** and batch re-indexing (``reorder_cache``, ``batch_select_indices``,
+  ``batch_repeat_interleave``): a row that takes another row's tokens gets a copy of its
+  sequence -- on the paged manager a ``fork`` (pages shared, the partial last page copied on
+  write), on the continuous one a copy of its block -- and sequences no row takes are released.
+* **batch growth**: ``max_batch_size`` is where the manager starts; a first forward with more
+  rows (a larger batch, beams, ``num_return_sequences``) rebuilds the empty manager for them.
+
+Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager):
+right padding or holes in ``attention_mask``, pads after the first forward, a prepared 4-D
+mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than ``max_seq_len``,
+``crop`` (assisted / speculative generation), bad re-indexing arguments; re-indexing into
+more rows than the manager's ``max_batch_size`` raises
+:class:`kvtvm.errors.KVCacheCapacityError` naming it.
+
+Built and tested against transformers 5.24 (:data:`TESTED_TRANSFORMERS`); another version is
+checked at import for the names this module uses.
 """
 
 from __future__ import annotations
@@ -34,6 +55,7 @@ from ..inputs import BatchItem
 from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from ..params import KVCacheParams
 from ..plan import plan_step
+from .hf_rows import PaddingMask, check_room, regather, row_indices, step_rows
 
 try:
     import transformers
@@ -58,7 +80,8 @@ def _check_version() -> None:
     if major != 5:
         raise ImportError(f"kvtvm.integrations.hf supports transformers 5.x (tested "
                           f"{', '.join(TESTED_TRANSFORMERS)}), found {transformers.__version__}")
-    for cls, names in ((Cache, ("get_seq_length", "get_mask_sizes", "update")),
+    for cls, names in ((Cache, ("get_seq_length", "get_mask_sizes", "update", "reorder_cache",
+                                "batch_repeat_interleave", "batch_select_indices")),
                        (CacheLayerMixin, ("get_mask_sizes", "get_seq_length", "update"))):
         missing = [n for n in names if not hasattr(cls, n)]
         if missing:
@@ -70,7 +93,7 @@ _check_version()
 
 
 class _Layer(CacheLayerMixin):
-    """One layer of a :class:`KVTVMCache`: appends through the shared step plan."""
+    """One layer of a :class:`KVTVMCache`: hands its K/V to the cache's step."""
 
     is_compileable = False
 
@@ -83,7 +106,7 @@ class _Layer(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.owner._append(self.index, key_states, value_states)
+        self.owner._hand_kv(self.index, key_states, value_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -99,24 +122,36 @@ class _Layer(CacheLayerMixin):
         self.owner.reset()
 
     def reorder_cache(self, beam_idx) -> None:
-        raise InvalidArgumentError("KVTVMCache does not support beam search (cache reordering)")
+        raise InvalidArgumentError("KVTVMCache layers share their sequences: reorder the whole "
+                                   "cache (KVTVMCache.reorder_cache), not one layer")
 
 
 class KVTVMCache(Cache):
-    """A ``transformers`` cache held by a kvtvm manager.
+    """A ``transformers`` cache held by a kvtvm manager: one sequence per batch row.
 
     Parameters
     ----------
     model : transformers.PreTrainedModel
         The model it serves (its config gives heads, head_dim, layers, dtype, window).
     max_seq_len : int
-        Tokens per sequence (prompt + new tokens).
+        Tokens per sequence (a row's real prompt tokens + new tokens; left pads not counted).
     cache : {"paged", "continuous"}
         Which kvtvm manager holds the cache.
     max_batch_size : int
-        Rows of the batch ``generate`` runs.
+        Rows the manager is built for; a first forward with more rows (``B`` prompts times
+        ``num_beams`` or ``num_return_sequences``) rebuilds it, while it holds nothing, for
+        that many.
     page_size : int
         Tokens per page (paged).
+
+    Attributes
+    ----------
+    length : int
+        Positions of each row so far, left pads included (``get_seq_length``).
+    pads : int64 ndarray ``[rows]``
+        Left pads of each row (its sequence holds ``length - pads[b]`` tokens).
+    seq_ids : list of int
+        The manager's sequence of each row.
     """
 
     def __init__(self, model, max_seq_len: int, cache: str = "paged", max_batch_size: int = 1,
@@ -125,75 +160,165 @@ class KVTVMCache(Cache):
 
         config = model.config.get_text_config()
         check_supported(config)
+        if cache not in ("paged", "continuous"):
+            raise InvalidArgumentError(f"cache: expected 'paged' or 'continuous', got {cache!r}")
         self.config, self.max_seq_len = config, max_seq_len
         self.num_layers = config.num_hidden_layers
         dtype = next(model.parameters()).dtype
-        device = next(model.parameters()).device
+        self._device = next(model.parameters()).device
         self.params = KVCacheParams.from_hf_config(
             config, dtype=dtype, cache_strategy=cache,
             page_size=page_size if cache == "paged" else None)
-        cls = PagedKVCacheManager if cache == "paged" else ContinuousBatchingKVCacheManager
-        self.mgr = cls(self.params, max_batch_size, max_seq_len, self.num_layers,
-                       devices=(device,))
+        self._manager_cls = PagedKVCacheManager if cache == "paged" \
+            else ContinuousBatchingKVCacheManager
+        self.mgr = self._new_manager(max_batch_size)
         self.sliding_window = sliding_window_of(config)
         self.scaling = self.params.head_dim ** -0.5
         self.seq_ids: list[int] = []
+        self.pads = np.zeros(0, dtype=np.int64)
         self.length = 0
         self.plan = None
+        self._rows = None               # flat positions of this forward's real tokens (None: all)
+        self._kv: dict = {}             # layer -> (k, v) handed by update, appended by attention
         self._pending = None            # the batch fetched but not yet committed
         super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
 
-    def _append(self, layer: int, k, v) -> None:
-        B, H, T, D = k.shape
-        if layer == 0:
-            self._commit()
-            if not self.seq_ids:
-                self.seq_ids = list(self.mgr.claim(B))
-            elif len(self.seq_ids) != B:
-                raise InvalidArgumentError(f"KVTVMCache: batch of {B} rows, the cache holds "
-                                           f"{len(self.seq_ids)} sequences (no beam search)")
-            if self.length + T > self.max_seq_len:
-                raise InvalidArgumentError(
-                    f"KVTVMCache: {self.length + T} tokens, more than max_seq_len="
-                    f"{self.max_seq_len}: make the cache larger")
-            self._pending = [BatchItem(s, [0] * T) for s in self.seq_ids]
-            (inputs,) = self.mgr.fetch(self._pending)
-            self.plan = plan_step(inputs, sm_scale=self.scaling,
-                                  sliding_window=self.sliding_window)
-            self._tokens = T
+    def _new_manager(self, max_batch_size: int):
+        return self._manager_cls(self.params, max_batch_size, self.max_seq_len, self.num_layers,
+                                 devices=(self._device,))
+
+    # ------------------------------------------------------------------------------------
+    # One forward: update (every layer) -> attention (every layer; layer 0 fetches)
+    # ------------------------------------------------------------------------------------
+
+    def _hand_kv(self, layer: int, k, v) -> None:
         _active.cache = self
-        self.plan.append_kv(layer, k.transpose(1, 2).reshape(B * T, H, D).contiguous(),
-                            v.transpose(1, 2).reshape(B * T, H, D).contiguous())
-        if layer == self.num_layers - 1:
-            self.length += T
+        self._kv[layer] = (k, v)
+
+    def _begin_step(self, batch: int, new: int, mask) -> None:
+        """Fetch this forward's tokens: validate everything first, then commit the previous
+        forward, claim the rows' sequences (growing the manager if it is empty and small),
+        fetch and plan."""
+        held = len(self.seq_ids)
+        if held and held != batch:
+            raise InvalidArgumentError(
+                f"KVTVMCache: batch of {batch} rows, the cache holds {held} sequences (a cache "
+                "serves one generate; call reset() before another batch)")
+        pads, counts, rows = step_rows(None if mask is None else mask.mask, self.length,
+                                       self.pads if held else None, batch, new)
+        ends = self.length - pads + counts
+        if int(ends.max()) > self.max_seq_len:
+            b = int(np.argmax(ends))
+            raise InvalidArgumentError(
+                f"KVTVMCache: row {b} would hold {int(ends[b])} tokens, more than max_seq_len="
+                f"{self.max_seq_len}: make the cache larger")
+        self._commit()
+        if not held:
+            if batch > self.mgr.max_batch_size:
+                self.mgr = self._new_manager(batch)
+            self.seq_ids = list(self.mgr.claim(batch))
+        self._pending = [BatchItem(s, [0] * int(c)) for s, c in zip(self.seq_ids, counts)]
+        (inputs,) = self.mgr.fetch(self._pending)
+        self.plan = plan_step(inputs, sm_scale=self.scaling, sliding_window=self.sliding_window)
+        self.pads, self._rows = pads, rows
 
     def _commit(self) -> None:
         if self._pending is not None:
             self.mgr.step(self._pending)
             self._pending = None
 
-    def attention(self, layer: int, query, scaling, sliding_window):
-        """``(out [B, T, Hq, D], None)`` of the plan's attention for ``layer``."""
+    def attention(self, layer: int, query, mask, scaling, sliding_window):
+        """Append ``layer``'s K/V (from ``update``) and attend: ``(out [B, T, Hq, D], None)``.
+
+        ``query``: ``[B, Hq, T, D]``; ``mask``: what the ``"kvtvm"`` mask function returned
+        (a :class:`~kvtvm.integrations.hf_rows.PaddingMask`, or None without a mask).
+        Outputs at pad positions are zero.
+        """
         if scaling is not None and not math.isclose(scaling, self.scaling, rel_tol=1e-6):
             raise InvalidArgumentError(f"kvtvm attention: scaling {scaling} differs from the "
                                        f"cache's {self.scaling} (1/sqrt(head_dim))")
         if sliding_window is not None and sliding_window != self.sliding_window:
             raise InvalidArgumentError(f"kvtvm attention: sliding_window {sliding_window} "
                                        f"differs from the config's {self.sliding_window}")
+        if mask is not None and not isinstance(mask, PaddingMask):
+            raise InvalidArgumentError(
+                f"kvtvm attention: attention_mask must be the 2-D padding mask (transformers "
+                f"passes it through the 'kvtvm' mask function), got a prepared "
+                f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}")
         B, Hq, T, D = query.shape
-        q = query.transpose(1, 2).reshape(B * T, Hq, D).contiguous()
-        out, _ = self.plan.attention(layer, q)
+        if layer == 0:
+            self._begin_step(B, T, mask)
+        kv = self._kv.pop(layer, None)
+        if kv is None or self.plan is None:
+            raise InvalidArgumentError(f"kvtvm attention: layer {layer} got no K/V from "
+                                       "KVTVMCache.update this forward")
+        k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in kv)
+        q = query.transpose(1, 2).reshape(B * T, Hq, D)
+        rows = self._rows
+        if rows is not None:
+            k, v, q = k.index_select(0, rows), v.index_select(0, rows), q.index_select(0, rows)
+        self.plan.append_kv(layer, k.contiguous(), v.contiguous())
+        out, _ = self.plan.attention(layer, q.contiguous())
+        if rows is not None:
+            out = out.new_zeros(B * T, Hq, D).index_copy_(0, rows, out)
+        if layer == self.num_layers - 1:
+            self.length += T
         return out.view(B, T, Hq, D), None
+
+    # ------------------------------------------------------------------------------------
+    # Cache API
+    # ------------------------------------------------------------------------------------
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+    def reorder_cache(self, beam_idx) -> None:
+        """Row ``i`` takes row ``beam_idx[i]``'s tokens (beam search), sharing its pages.
+
+        Parameters
+        ----------
+        beam_idx : int Tensor ``[rows]``
+            For each row, the row it continues, in ``[0, rows)``.
+        """
+        src = row_indices("beam_idx", beam_idx, len(self.seq_ids))
+        if len(src) != len(self.seq_ids):
+            raise InvalidArgumentError(f"beam_idx: expected {len(self.seq_ids)} entries (one "
+                                       f"per row), got {len(src)}")
+        self._regather(src)
+
+    def batch_select_indices(self, indices) -> None:
+        """Keep the rows ``indices`` (int ``[n]``, in that order); release the others."""
+        self._regather(row_indices("indices", indices, len(self.seq_ids)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in place (rows ``b, b, ..., b+1, ...``)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) \
+                or repeats < 1:
+            raise InvalidArgumentError(f"repeats: expected an int >= 1, got {repeats!r}")
+        if self.seq_ids:
+            self._regather(np.repeat(np.arange(len(self.seq_ids)), int(repeats)).tolist())
+
+    def crop(self, max_length: int) -> None:
+        """Refused: rolling tokens back (assisted / speculative generation) is not supported
+        here (``is_croppable`` is False, so ``generate`` does not ask for it)."""
+        raise InvalidArgumentError(f"KVTVMCache.crop({max_length!r}): rolling tokens back "
+                                   "(assisted / speculative generation) is not supported")
+
+    def _regather(self, src: list[int]) -> None:
+        check_room(self.mgr, len(self.seq_ids), src)
+        self._commit()
+        self.seq_ids = regather(self.mgr, self.seq_ids, src)
+        self.pads = self.pads[src]
+        self.plan, self._rows = None, None
 
     def reset(self) -> None:
         """Release every sequence (the cache can serve a new ``generate``)."""
         self._commit()
         for s in self.seq_ids:
             self.mgr.release(s)
-        self.seq_ids, self.length, self.plan = [], 0, None
+        self.seq_ids, self.length, self.plan, self._rows = [], 0, None, None
+        self.pads = np.zeros(0, dtype=np.int64)
+        self._kv.clear()
 
     def release(self) -> None:
         """Give the sequences back to the manager (same as :meth:`reset`)."""
@@ -203,7 +328,8 @@ class KVTVMCache(Cache):
 def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     sliding_window=None, softcap=None, **kwargs):
     """The ``"kvtvm"`` attention of ``AttentionInterface``: kvtvm's decode or prefill kernel
-    over the :class:`KVTVMCache` the current forward appended to."""
+    over the :class:`KVTVMCache` the current forward appended to (``query`` ``[B, Hq, T, D]``
+    -> ``([B, T, Hq, D], None)``; ``key``/``value`` come through ``KVTVMCache.update``)."""
     if softcap:
         raise InvalidArgumentError("kvtvm attention: logit softcap is not supported")
     if kwargs.get("alibi_slopes") is not None or kwargs.get("s_aux") is not None:
@@ -213,20 +339,18 @@ def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dro
     cache = getattr(_active, "cache", None)
     if cache is None:
         raise InvalidArgumentError("kvtvm attention needs past_key_values=KVTVMCache(...)")
-    return cache.attention(module.layer_idx, query, scaling, sliding_window)
+    return cache.attention(module.layer_idx, query, attention_mask, scaling, sliding_window)
 
 
-def _no_mask(*args, attention_mask=None, **kwargs):
-    """Mask function of ``"kvtvm"``: kvtvm's kernels are causal over the cache; a padded row
-    cannot be expressed, so it is refused."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise InvalidArgumentError("kvtvm attention: padded batches are not supported (give "
-                                   "rows of equal length, or one request at a time)")
-    return None
+def _padding_mask(*args, attention_mask=None, **kwargs):
+    """Mask function of ``"kvtvm"``: kvtvm's kernels are causal over each row's own sequence,
+    so no mask is built; the 2-D padding mask (if any) goes to the attention, which checks it
+    against the rows' pads and appends only each row's real tokens."""
+    return None if attention_mask is None else PaddingMask(attention_mask)
 
 
 AttentionInterface.register(ATTN_NAME, kvtvm_attention)
-AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+AttentionMaskInterface.register(ATTN_NAME, _padding_mask)
 
 
 def use_kvtvm(model):

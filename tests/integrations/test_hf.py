@@ -1,5 +1,6 @@
 """transformers on kvtvm: ``generate`` through KVTVMCache + the "kvtvm" attention equals sdpa
-token for token (toy Llama and SmolLM2), and what kvtvm lacks fails loudly."""
+token for token (toy Llama and SmolLM2), and what kvtvm lacks fails loudly (padded batches,
+beams and batch expansion: test_hf_rows.py)."""
 
 import pytest
 import torch
@@ -40,13 +41,13 @@ def test_toy_generate_on_kvtvm_equals_sdpa(toy, cache):
     assert torch.equal(want, got)
 
 
-def test_padded_batch_and_overflow_refused(toy):
+def test_right_padded_batch_and_overflow_refused(toy):
     hf.use_kvtvm(toy)
     try:
         ids = torch.randint(3, 1000, (2, 8))
         mask = torch.ones_like(ids)
-        mask[0, 0] = 0
-        with pytest.raises(InvalidArgumentError, match="padded"):
+        mask[0, -1] = 0                                   # right padding (left: test_hf_rows)
+        with pytest.raises(InvalidArgumentError, match="padding_side='left'"):
             toy.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
                          pad_token_id=0, cache=hf.KVTVMCache(toy, 32, max_batch_size=2))
         with pytest.raises(InvalidArgumentError, match="max_seq_len"):
@@ -67,18 +68,54 @@ def test_params_from_hf_config(toy):
         KVCacheParams.from_hf_config(object())
 
 
-@pytest.mark.e2e
-def test_smollm2_generate_on_kvtvm_equals_sdpa():
+@pytest.fixture(scope="module")
+def smollm2():
     pytest.importorskip("gguf")
     from kvtvm.engine import load_model
 
     model, tok = load_model("smollm2")
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")
-    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     model.generation_config.eos_token_id = None            # a fixed number of tokens
+    return model, tok
+
+
+def _chat(tok, question):
+    return tok.apply_chat_template([{"role": "user", "content": question}],
+                                   add_generation_prompt=True, tokenize=False)
+
+
+@pytest.mark.e2e
+def test_smollm2_generate_on_kvtvm_equals_sdpa(smollm2):
+    model, tok = smollm2
+    ids = tok([_chat(tok, "What is the capital of France?")], return_tensors="pt")["input_ids"]
+    model.set_attn_implementation("sdpa")
     want = _generate(model, ids, n=8)
     hf.use_kvtvm(model)
-    got = _generate(model, ids, hf.KVTVMCache(model, 128), n=8)
+    try:
+        got = _generate(model, ids, hf.KVTVMCache(model, 128), n=8)
+    finally:
+        model.set_attn_implementation("sdpa")
     assert torch.equal(want, got)
     assert "Paris" in tok.decode(got[0, ids.shape[1]:])
+
+
+@pytest.mark.e2e
+def test_smollm2_left_padded_batch_on_kvtvm_equals_each_prompt(smollm2):
+    """What a user writes: ``tokenizer(prompts, padding=True, padding_side="left")`` and one
+    batched ``generate``; each row equals its prompt generated alone on sdpa."""
+    model, tok = smollm2
+    texts = ["The capital of France is", "Roses are red, violets are blue, and the sky"]
+    batch = tok(texts, padding=True, padding_side="left", return_tensors="pt")
+    assert batch["attention_mask"].sum(1).tolist()[0] < batch["input_ids"].shape[1]  # padded
+    model.set_attn_implementation("sdpa")
+    want = [model.generate(**tok([t], return_tensors="pt"), do_sample=False, max_new_tokens=6)
+            for t in texts]
+    hf.use_kvtvm(model)
+    try:
+        got = model.generate(**batch, cache=hf.KVTVMCache(model, 64), do_sample=False,
+                             max_new_tokens=6)
+    finally:
+        model.set_attn_implementation("sdpa")
+    T = batch["input_ids"].shape[1]
+    for b in range(len(texts)):
+        assert torch.equal(got[b, T:], want[b][0, -6:]), tok.decode(got[b, T:])
+    assert "Paris" in tok.decode(got[0, T:])
