@@ -50,7 +50,7 @@ import threading
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, describe
 from ..inputs import BatchItem
 from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from ..params import KVCacheParams
@@ -96,6 +96,7 @@ class _Layer(CacheLayerMixin):
     """One layer of a :class:`KVTVMCache`: hands its K/V to the cache's step."""
 
     is_compileable = False
+    is_croppable = True             # KVTVMCache.crop rolls every row back exactly
 
     def __init__(self, owner: "KVTVMCache", index: int):
         super().__init__()
@@ -298,11 +299,41 @@ class KVTVMCache(Cache):
         if self.seq_ids:
             self._regather(np.repeat(np.arange(len(self.seq_ids)), int(repeats)).tolist())
 
-    def crop(self, max_length: int) -> None:
-        """Refused: rolling tokens back (assisted / speculative generation) is not supported
-        here (``is_croppable`` is False, so ``generate`` does not ask for it)."""
-        raise InvalidArgumentError(f"KVTVMCache.crop({max_length!r}): rolling tokens back "
-                                   "(assisted / speculative generation) is not supported")
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll the last ``-tokens_to_remove`` positions of every row back (assisted /
+        speculative generation, prompt lookup decoding), as transformers 5's
+        ``DynamicCache.crop``: ``0`` changes nothing, a positive value is refused.
+
+        Each row's sequence gives back the real tokens among those positions (the managers'
+        ``pop``: pages past the new length are freed on the paged manager; the continuous one
+        shortens the sequence inside its block).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``tokens_to_remove`` is not an int, is positive, or removes more than the
+            ``length`` positions held (nothing changes).
+        """
+        if isinstance(tokens_to_remove, bool) or \
+                not isinstance(tokens_to_remove, (int, np.integer)) or tokens_to_remove > 0:
+            raise InvalidArgumentError(describe(
+                "tokens_to_remove", "an int <= 0 (minus the positions to remove, as "
+                "transformers' DynamicCache.crop)", repr(tokens_to_remove)))
+        n = -int(tokens_to_remove)
+        if n > self.length:
+            raise InvalidArgumentError(describe(
+                "tokens_to_remove", f"at least -{self.length} (the positions held)",
+                int(tokens_to_remove)))
+        if n == 0:
+            return
+        self._commit()
+        new_length = self.length - n
+        pads = np.minimum(self.pads, new_length)
+        drop = (self.length - self.pads) - (new_length - pads)
+        for seq_id, k in zip(self.seq_ids, drop):
+            self.mgr.pop(seq_id, int(k))
+        self.length, self.pads = new_length, pads
+        self.plan, self._rows = None, None
 
     def _regather(self, src: list[int]) -> None:
         check_room(self.mgr, len(self.seq_ids), src)

@@ -258,6 +258,14 @@ class KVCacheManager(abc.ABC):
                 f"{what}: seq_id {seq_id} is not claimed (never claimed, or already released)")
         return int(seq_id)
 
+    def _check_settled(self, seq_id, what: str) -> int:
+        """``seq_id`` as a claimed slot with no fetch in flight (fork, pop, export need one)."""
+        sid = self._check_known(seq_id, what)
+        if self._pending[sid] >= 0:
+            raise SequenceStateError(
+                f"{what}: seq_id {sid} has a fetch in flight; step() it before {what}()")
+        return sid
+
     def cache_length(self, seq_id: int) -> int:
         """Committed tokens of ``seq_id``."""
         with self._lock:

@@ -9,6 +9,7 @@ paged cache with one page of ``max_seq_len`` per sequence, which is what the ker
 
 from __future__ import annotations
 
+from ..errors import InvalidArgumentError, describe
 from ..params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .tables import StepTables, table_elems
@@ -72,6 +73,31 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
         n = len(parse_devices(devices))
         per_seq = params.bytes_per_token(num_layers, n) * max_seq_len + 4 * 3
         return max(1, (available_cache_memory - 4) // per_seq)
+
+    def pop(self, seq_id: int, n: int) -> None:
+        """Roll back the last ``n`` committed tokens of ``seq_id`` (speculative decoding).
+
+        The sequence keeps its block; the next fetch writes from the new length (the rolled
+        back K/V stay in the block until overwritten, never read: attention reads
+        ``cache_lengths`` tokens).
+
+        Raises
+        ------
+        UnknownSequenceError
+            ``seq_id`` is not claimed.
+        SequenceStateError
+            ``seq_id`` has a fetch in flight.
+        InvalidArgumentError
+            ``n`` is negative or more than the sequence's length.
+        """
+        with self._lock:
+            sid = self._check_settled(seq_id, "pop")
+            n = check_positive_int("n", n, allow_zero=True)
+            length = int(self._lengths[sid])
+            if n > length:
+                raise InvalidArgumentError(describe(
+                    f"pop: n for seq_id {sid}", f"at most its cache length {length}", n))
+            self._lengths[sid] = length - n
 
     def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total):
         self._tables.lookup[:ids.size, 0] = ids

@@ -444,14 +444,6 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                 self._keys[new] = list(self._keys[sid])
             return new
 
-    def _check_settled(self, seq_id, what: str) -> int:
-        """``seq_id`` as a claimed slot with no fetch in flight (fork and pop need one)."""
-        sid = self._check_known(seq_id, what)
-        if self._pending[sid] >= 0:
-            raise SequenceStateError(
-                f"{what}: seq_id {sid} has a fetch in flight; step() it before {what}()")
-        return sid
-
     def pop(self, seq_id: int, n: int) -> None:
         """Roll back the last ``n`` committed tokens of ``seq_id`` (speculative decoding).
 

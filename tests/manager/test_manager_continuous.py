@@ -322,3 +322,49 @@ def test_per_step_tables_are_preallocated_buffers():
 def test_paged_manager_rejects_continuous_params():
     with pytest.raises(InvalidArgumentError):
         PagedKVCacheManager(params(), 2, 8, 1)
+
+
+def test_pop_rolls_back_and_rewrites_from_the_new_length():
+    rng = np.random.default_rng(7)
+    mgr = make(mb=2, max_seq_len=12)
+    a, b = mgr.claim(2)
+    kv = torch.tensor(rng.standard_normal((10, H, D)).astype(np.float32))
+
+    def write(seq, rows):
+        n = len(rows)
+        (inp,) = mgr.fetch([BatchItem(seq, [1] * n)])
+        blocks = mgr.blocks[0]
+        ops.append_kv(blocks[:, 0, 0], blocks[:, 1, 0], kv[rows], kv[rows] * 2, inp.qo_indptr,
+                      inp.cache_lengths, inp.lookup_table)
+        mgr.step([BatchItem(seq, [1] * n)])
+
+    write(a, list(range(6)))
+    write(b, [9])
+    mgr.pop(a, 4)
+    assert (mgr.cache_length(a), mgr.cache_length(b)) == (2, 1)
+    write(a, [7, 8])                                  # lands at positions 2, 3
+    assert torch.equal(mgr.blocks[0][a, 0, 0, :4], kv[[0, 1, 7, 8]])
+    assert torch.equal(mgr.blocks[0][a, 1, 0, :4], kv[[0, 1, 7, 8]] * 2)
+    assert torch.equal(mgr.blocks[0][b, 0, 0, :1], kv[[9]])
+    mgr.pop(a, 0)
+    mgr.pop(a, 4)
+    assert mgr.cache_length(a) == 0
+    write(a, [3])
+    assert torch.equal(mgr.blocks[0][a, 0, 0, :1], kv[[3]])
+
+
+def test_pop_errors_change_nothing():
+    mgr = make(mb=2, max_seq_len=12)
+    (a,) = mgr.claim(1)
+    mgr.fetch([BatchItem(a, [1, 2, 3])])
+    with pytest.raises(SequenceStateError, match="in flight"):
+        mgr.pop(a, 1)
+    mgr.step([BatchItem(a, [1, 2, 3])])
+    for bad, err, match in ((4, InvalidArgumentError, "at most its cache length 3"),
+                            (-1, InvalidArgumentError, "non-negative"),
+                            (True, InvalidArgumentError, "non-negative")):
+        with pytest.raises(err, match=match):
+            mgr.pop(a, bad)
+    with pytest.raises(UnknownSequenceError):
+        mgr.pop(1, 1)
+    assert mgr.cache_length(a) == 3

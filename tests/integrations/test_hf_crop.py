@@ -1,0 +1,166 @@
+"""transformers on kvtvm past one plain ``generate``: ``crop`` under assisted generation and
+prompt lookup decoding, and a cache carried into the next turn of a chat -- each equal token
+for token to transformers' own generate, and every bad ``crop`` typed and harmless."""
+
+import pytest
+import torch
+
+from kvtvm.engine import build_toy_model
+from kvtvm.errors import InvalidArgumentError
+
+hf = pytest.importorskip("kvtvm.integrations.hf")
+
+GREEDY = dict(do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return build_toy_model(num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def draft(toy):
+    """The target cut to its first layer (same vocabulary, embeddings and head): a smaller
+    model that agrees with it often but not always, so drafts are partly accepted."""
+    model = build_toy_model(num_layers=1)
+    model.load_state_dict({k: v for k, v in toy.state_dict().items()
+                           if not k.startswith("model.layers.1.")})
+    model.generation_config.num_assistant_tokens = 5
+    model.generation_config.num_assistant_tokens_schedule = "constant"
+    model.generation_config.assistant_confidence_threshold = 0.0
+    return model
+
+
+def _on_kvtvm(model, fn):
+    hf.use_kvtvm(model)
+    try:
+        return fn()
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def _spy_crops(kv):
+    """Record every ``crop`` argument of ``kv``."""
+    calls, crop = [], kv.crop
+    kv.crop = lambda n: (calls.append(n), crop(n))[1]
+    return calls
+
+
+def _random_ids(seed, *shape):
+    return torch.randint(3, 1000, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+def test_assisted_generation_equals_greedy(toy, draft, cache):
+    ids = _random_ids(3, 1, 12)
+    want = toy.generate(ids, max_new_tokens=16, **GREEDY)
+    kv = hf.KVTVMCache(toy, max_seq_len=40, cache=cache, page_size=4)
+    crops = _spy_crops(kv)
+    got = _on_kvtvm(toy, lambda: toy.generate(ids, assistant_model=draft, cache=kv,
+                                              max_new_tokens=16, **GREEDY))
+    assert torch.equal(got, want)
+    assert -5 in crops and any(-5 < c < 0 for c in crops)   # rejected and partly accepted
+    held = got.shape[1] - 1                                 # the last token is never fed
+    assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [held - 1]    # + 1 uncommitted
+
+
+def test_prompt_lookup_decoding_equals_greedy(toy):
+    ids = _random_ids(4, 1, 10)
+    ids = torch.cat([ids, ids[:, :6], ids[:, :6]], dim=1)   # n-grams to look up
+    want = toy.generate(ids, max_new_tokens=16, **GREEDY)
+    kv = hf.KVTVMCache(toy, max_seq_len=48, page_size=4)
+    crops = _spy_crops(kv)
+    got = _on_kvtvm(toy, lambda: toy.generate(ids, prompt_lookup_num_tokens=4, cache=kv,
+                                              max_new_tokens=16, **GREEDY))
+    assert torch.equal(got, want)
+    assert any(c < 0 for c in crops)
+
+
+def _state(kv):
+    m = kv.mgr
+    return (sorted(m.slots_remaining), list(kv.seq_ids), kv.length, kv.pads.tolist(),
+            [m.cache_length(s) for s in kv.seq_ids])
+
+
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+def test_crop_then_refeed_gives_the_same_logits(toy, cache):
+    """Left-padded rows of 4 and 7 tokens: crop the last 3 positions, feed them again: the
+    logits equal sdpa's over the whole chunk; a crop into a row's pads keeps them pads."""
+    ids = _random_ids(5, 2, 7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = toy(ids, attention_mask=mask, position_ids=pos).logits
+        kv = hf.KVTVMCache(toy, 16, cache=cache, max_batch_size=2, page_size=2)
+
+        def run():
+            toy(ids, attention_mask=mask, position_ids=pos, cache=kv)
+            kv.crop(-3)
+            assert _state(kv)[2:] == (4, [3, 0], [1, 4])
+            return toy(ids[:, 4:], attention_mask=mask, position_ids=pos[:, 4:],
+                       cache=kv).logits
+
+        got = _on_kvtvm(toy, run)
+    torch.testing.assert_close(got, want[:, 4:], rtol=1e-4, atol=1e-4)
+    kv.crop(-6)                                   # row 0: its 3 pads and 3 of its 4 tokens
+    assert _state(kv)[2:] == (1, [1, 0], [0, 1])
+    kv.crop(-1)
+    assert _state(kv)[2:] == (0, [0, 0], [0, 0])
+
+
+def test_bad_crop_refused_before_any_change(toy):
+    kv = hf.KVTVMCache(toy, 16, max_batch_size=2)
+    ids = _random_ids(6, 2, 5)
+    _on_kvtvm(toy, lambda: toy(ids, cache=kv))
+    before = _state(kv)
+    for bad, match in ((2, "an int <= 0"), (1.0, "an int <= 0"), (True, "an int <= 0"),
+                       (None, "an int <= 0"), (-6, "at least -5")):
+        with pytest.raises(InvalidArgumentError, match=f"tokens_to_remove.*{match}"):
+            kv.crop(bad)
+        assert _state(kv) == before
+    kv.crop(0)
+    assert _state(kv) == before
+    assert kv.is_croppable
+
+
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+def test_second_turn_reuses_the_cache(toy, cache):
+    """Turn 2 passes turn 1's output + the user's next tokens with the same cache: transformers
+    feeds only what the cache lacks, and the answer equals a fresh generate of the whole chat."""
+    ids, user = _random_ids(7, 1, 9), _random_ids(8, 1, 4)
+    kv = hf.KVTVMCache(toy, max_seq_len=40, cache=cache, page_size=4)
+    turn1 = _on_kvtvm(toy, lambda: toy.generate(ids, cache=kv, max_new_tokens=6, **GREEDY))
+    chat = torch.cat([turn1, user], dim=1)
+    fed = []
+    hook = toy.register_forward_pre_hook(lambda m, a, k: fed.append(k["input_ids"].shape[1]),
+                                         with_kwargs=True)
+    try:
+        turn2 = _on_kvtvm(toy, lambda: toy.generate(chat, cache=kv, max_new_tokens=6, **GREEDY))
+    finally:
+        hook.remove()
+    assert torch.equal(turn2, toy.generate(chat, max_new_tokens=6, **GREEDY))
+    assert fed[0] == 1 + user.shape[1]            # turn 1's last token + the user's
+    assert kv.length == turn2.shape[1] - 1
+
+
+def test_second_turn_of_a_left_padded_batch_and_reset(toy):
+    g = torch.Generator().manual_seed(9)
+    ids, mask = torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long)
+    for b, n in enumerate([4, 8, 6]):
+        ids[b, 8 - n:], mask[b, 8 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
+    kv = hf.KVTVMCache(toy, max_seq_len=32, max_batch_size=3)
+    turn1 = _on_kvtvm(toy, lambda: toy.generate(ids, attention_mask=mask, cache=kv,
+                                                max_new_tokens=5, **GREEDY))
+    chat = torch.cat([turn1, _random_ids(10, 3, 3)], dim=1)
+    chat_mask = torch.cat([mask, torch.ones(3, chat.shape[1] - 8, dtype=torch.long)], dim=1)
+    turn2 = _on_kvtvm(toy, lambda: toy.generate(chat, attention_mask=chat_mask, cache=kv,
+                                                max_new_tokens=5, **GREEDY))
+    want = toy.generate(chat, attention_mask=chat_mask, max_new_tokens=5, **GREEDY)
+    assert torch.equal(turn2, want)
+    # reset: the same cache serves a new batch of another size
+    kv.reset()
+    assert sorted(kv.mgr.slots_remaining) == [0, 1, 2] and kv.length == 0
+    other = _random_ids(11, 2, 6)
+    got = _on_kvtvm(toy, lambda: toy.generate(other, cache=kv, max_new_tokens=5, **GREEDY))
+    assert torch.equal(got, toy.generate(other, max_new_tokens=5, **GREEDY))
