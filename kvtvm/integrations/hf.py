@@ -150,7 +150,10 @@ class KVTVMCache(Cache):
     length : int
         Positions of each row so far, left pads included (``get_seq_length``).
     pads : int64 ndarray ``[rows]``
-        Left pads of each row (its sequence holds ``length - pads[b]`` tokens).
+        Pad positions of each row (its sequence holds ``length - pads[b]`` tokens).
+    token_mask : bool Tensor ``[rows, length]`` or None
+        Which positions of each row are tokens its sequence holds (None: all of them); the
+        cached part of every later ``attention_mask`` must equal it.
     seq_ids : list of int
         The manager's sequence of each row.
     """
@@ -177,6 +180,7 @@ class KVTVMCache(Cache):
         self.scaling = self.params.head_dim ** -0.5
         self.seq_ids: list[int] = []
         self.pads = np.zeros(0, dtype=np.int64)
+        self.token_mask = None
         self.length = 0
         self.plan = None
         self._rows = None               # flat positions of this forward's real tokens (None: all)
@@ -200,28 +204,31 @@ class KVTVMCache(Cache):
         """Fetch this forward's tokens: validate everything first, then commit the previous
         forward, claim the rows' sequences (growing the manager if it is empty and small),
         fetch and plan."""
-        held = len(self.seq_ids)
-        if held and held != batch:
+        n_held = len(self.seq_ids)
+        if n_held and n_held != batch:
             raise InvalidArgumentError(
-                f"KVTVMCache: batch of {batch} rows, the cache holds {held} sequences (a cache "
+                f"KVTVMCache: batch of {batch} rows, the cache holds {n_held} sequences (a cache "
                 "serves one generate; call reset() before another batch)")
-        pads, counts, rows = step_rows(None if mask is None else mask.mask, self.length,
-                                       self.pads if held else None, batch, new)
-        ends = self.length - pads + counts
+        real = self.length - self.pads if n_held else np.zeros(batch, dtype=np.int64)
+        marks, counts, rows = step_rows(None if mask is None else mask.mask, self.length,
+                                        self.token_mask if n_held else None, batch, new,
+                                        self.sliding_window)
+        ends = real + counts
         if int(ends.max()) > self.max_seq_len:
             b = int(np.argmax(ends))
             raise InvalidArgumentError(
                 f"KVTVMCache: row {b} would hold {int(ends[b])} tokens, more than max_seq_len="
                 f"{self.max_seq_len}: make the cache larger")
         self._commit()
-        if not held:
+        if not n_held:
             if batch > self.mgr.max_batch_size:
                 self.mgr = self._new_manager(batch)
             self.seq_ids = list(self.mgr.claim(batch))
         self._pending = [BatchItem(s, [0] * int(c)) for s, c in zip(self.seq_ids, counts)]
         (inputs,) = self.mgr.fetch(self._pending)
         self.plan = plan_step(inputs, sm_scale=self.scaling, sliding_window=self.sliding_window)
-        self.pads, self._rows = pads, rows
+        self.pads = (self.pads if n_held else np.zeros(batch, dtype=np.int64)) + (new - counts)
+        self.token_mask, self._rows = marks, rows
 
     def _commit(self) -> None:
         if self._pending is not None:
@@ -328,11 +335,14 @@ class KVTVMCache(Cache):
             return
         self._commit()
         new_length = self.length - n
-        pads = np.minimum(self.pads, new_length)
-        drop = (self.length - self.pads) - (new_length - pads)
+        if self.token_mask is None:
+            drop = np.full(len(self.seq_ids), n, dtype=np.int64)
+        else:
+            drop = self.token_mask[:, new_length:].sum(dim=1).cpu().numpy().astype(np.int64)
+            self.token_mask = self.token_mask[:, :new_length]
         for seq_id, k in zip(self.seq_ids, drop):
             self.mgr.pop(seq_id, int(k))
-        self.length, self.pads = new_length, pads
+        self.length, self.pads = new_length, self.pads - (n - drop)
         self.plan, self._rows = None, None
 
     def _regather(self, src: list[int]) -> None:
@@ -340,6 +350,8 @@ class KVTVMCache(Cache):
         self._commit()
         self.seq_ids = regather(self.mgr, self.seq_ids, src)
         self.pads = self.pads[src]
+        if self.token_mask is not None:
+            self.token_mask = self.token_mask[torch.tensor(src, device=self.token_mask.device)]
         self.plan, self._rows = None, None
 
     def reset(self) -> None:
@@ -348,7 +360,7 @@ class KVTVMCache(Cache):
         for s in self.seq_ids:
             self.mgr.release(s)
         self.seq_ids, self.length, self.plan, self._rows = [], 0, None, None
-        self.pads = np.zeros(0, dtype=np.int64)
+        self.pads, self.token_mask = np.zeros(0, dtype=np.int64), None
         self._kv.clear()
 
     def release(self) -> None:

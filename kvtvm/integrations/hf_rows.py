@@ -6,9 +6,10 @@ row holding only the row's real tokens. Two pieces map one onto the other for
 
 * :func:`step_rows` reads the 2-D ``attention_mask`` of a forward (``[B, past + T]``, what
   transformers hands the mask function) and says how many of the ``T`` new positions of each
-  row are real tokens, and which flat positions of the ``[B * T]`` step they are. Only left
-  padding is expressible (the pads of a row come before its first token, in its first forward);
-  right padding, holes, or pads after the first forward are refused.
+  row are real tokens, and which flat positions of the ``[B * T]`` step they are. A row's new
+  positions must end with a token; pads before it (left padding, or pads between a chat's
+  turns) are never appended, and the cache remembers where they are; right padding is refused
+  (and, with a sliding window, pads after a row's first token).
 * :func:`regather` turns the sequences held for the rows into those of new rows, ``new row i =
   old row src[i]`` (beam search's ``reorder_cache``, ``batch_select_indices``,
   ``batch_repeat_interleave``): the first row taking an old sequence keeps it, every further
@@ -43,25 +44,34 @@ class PaddingMask:
         self.mask = mask
 
 
-def step_rows(mask: torch.Tensor | None, past: int, pads: np.ndarray | None, batch: int,
-              new: int):
+def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | None,
+              batch: int, new: int, sliding_window: int | None = None):
     """Real tokens of each row in one forward.
+
+    Every forward's new positions of a row end with a token (1); pads (0) may come anywhere
+    before it: left pads, or pads between a chat's turns (holes the cache remembers). The rows'
+    sequences hold only their real tokens; transformers numbers positions by counting tokens
+    (``position_ids`` from the mask), so attention over the real tokens is exact. With a
+    sliding window a pad may not follow a token of its row: transformers' window counts pad
+    positions, kvtvm's counts tokens.
 
     Parameters
     ----------
     mask : bool Tensor ``[batch, past + new]`` or None
-        The forward's 2-D attention mask (None: every position is a real token).
+        The forward's 2-D attention mask (None: every new position is a real token).
     past : int
         Positions (pads included) the rows already hold.
-    pads : int64 ndarray ``[batch]`` or None
-        Left pads of each row held (None: no rows held yet; ``past`` is then 0).
+    token_mask : bool Tensor ``[batch, past]`` or None
+        Which held positions of each row are real tokens (None: all of them, or no rows).
     batch, new : int
         Rows, and new positions per row, of this forward.
+    sliding_window : int or None
+        The model's window (None: none); with one, pads after a row's first token are refused.
 
     Returns
     -------
-    pads : int64 ndarray ``[batch]``
-        Left pads of each row after this forward.
+    token_mask : bool Tensor ``[batch, past + new]`` or None
+        Which positions are real after this forward (None: all of them).
     counts : int64 ndarray ``[batch]``
         Real new tokens of each row (at least 1).
     rows : int64 Tensor ``[sum(counts)]`` or None
@@ -71,46 +81,57 @@ def step_rows(mask: torch.Tensor | None, past: int, pads: np.ndarray | None, bat
     Raises
     ------
     InvalidArgumentError
-        ``attention_mask`` is not a left-padded mask of this batch (right padding, a hole, a
-        row without a token, pads after the first forward, or the wrong shape).
+        ``attention_mask`` is not a mask of this batch whose rows end with a token (right
+        padding, a row without a token, the wrong shape), its cached part is not
+        ``token_mask``, or (with a sliding window) a pad follows a token of its row.
     """
-    held = np.zeros(batch, dtype=np.int64) if pads is None else pads
     full = np.full(batch, new, dtype=np.int64)
     if mask is None:
-        return held, full, None
+        if token_mask is not None:
+            token_mask = torch.cat([token_mask, token_mask.new_ones(batch, new)], dim=1)
+        return token_mask, full, None
     if mask.ndim != 2 or tuple(mask.shape) != (batch, past + new):
         raise InvalidArgumentError(describe(
             "attention_mask", f"a 2-D mask of shape ({batch}, {past + new}) (rows, cached + new "
             "positions)", f"shape {tuple(mask.shape)}"))
     mask = mask.to(torch.bool)
-    fresh = mask[:, past:]
-    if past == 0:
-        step_up = fresh[:, :-1] & ~fresh[:, 1:]        # a real token followed by a pad
-        bad = step_up.any(dim=1) | ~fresh[:, -1]
-        if bool(bad.any()):
-            b = int(torch.nonzero(bad)[0, 0])
+    if past:
+        cached = mask[:, :past]
+        want = None if token_mask is None else token_mask.to(mask.device)
+        if not (bool(cached.all()) if want is None else torch.equal(cached, want)):
+            want = torch.ones_like(cached) if want is None else want
+            b = int(torch.nonzero((cached != want).any(dim=1))[0, 0])
             raise InvalidArgumentError(describe(
-                f"attention_mask row {b}", "pads (0) only before the row's tokens (1), and at "
-                f"least one token; {_LEFT_ONLY}", fresh[b].int().tolist()))
-        counts = fresh.sum(dim=1).cpu().numpy().astype(np.int64)
-        pads = new - counts
-        if not pads.any():
-            return pads, counts, None
-        return pads, counts, torch.nonzero(fresh.reshape(-1)).squeeze(1)
-    if not bool(fresh.all()):
-        b = int(torch.nonzero(~fresh.all(dim=1))[0, 0])
+                f"attention_mask row {b} (cached positions)",
+                "the row's positions as the cache holds them (1: a token it holds, 0: a pad)",
+                f"{cached[b].int().tolist()}, the cache holds {want[b].int().tolist()}"))
+    fresh = mask[:, past:]
+    where = "" if past == 0 else " (new positions)"
+    if not bool(fresh[:, -1].all()):
+        b = int(torch.nonzero(~fresh[:, -1])[0, 0])
         raise InvalidArgumentError(describe(
-            f"attention_mask row {b} (new positions)", f"no pads after the first forward; "
-            f"{_LEFT_ONLY}", fresh[b].int().tolist()))
-    want = torch.arange(past, device=mask.device)[None, :] >= \
-        torch.from_numpy(held).to(mask.device)[:, None]
-    if not torch.equal(mask[:, :past], want):
-        b = int(torch.nonzero((mask[:, :past] != want).any(dim=1))[0, 0])
-        raise InvalidArgumentError(describe(
-            f"attention_mask row {b} (cached positions)",
-            f"the row's {int(held[b])} left pads then its tokens, as in its first forward",
-            mask[b, :past].int().tolist()))
-    return held, full, None
+            f"attention_mask row {b}{where}", "a token (1) last: pads (0) only before the "
+            f"row's tokens; {_LEFT_ONLY}", fresh[b].int().tolist()))
+    if sliding_window is not None and not bool(fresh.all()):
+        seen = fresh.cummax(dim=1).values               # a token of the row at or before
+        if past:
+            seen = seen | (True if token_mask is None else
+                           token_mask.to(mask.device).any(dim=1, keepdim=True))
+        hole = (seen & ~fresh).any(dim=1)
+        if bool(hole.any()):
+            b = int(torch.nonzero(hole)[0, 0])
+            raise InvalidArgumentError(describe(
+                f"attention_mask row {b}{where}", f"no pad after a token of the row with a "
+                f"sliding window ({sliding_window}): transformers counts pad positions in the "
+                "window, kvtvm counts tokens", fresh[b].int().tolist()))
+    if bool(fresh.all()):
+        if token_mask is not None:
+            token_mask = torch.cat([token_mask.to(mask.device), fresh], dim=1)
+        return token_mask, full, None
+    counts = fresh.sum(dim=1).cpu().numpy().astype(np.int64)
+    before = mask.new_ones(batch, past) if token_mask is None else token_mask.to(mask.device)
+    return (torch.cat([before, fresh], dim=1), counts,
+            torch.nonzero(fresh.reshape(-1)).squeeze(1))
 
 
 def row_indices(name: str, value, n_rows: int) -> list[int]:

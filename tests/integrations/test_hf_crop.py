@@ -84,11 +84,13 @@ def _state(kv):
 
 @pytest.mark.parametrize("cache", ["paged", "continuous"])
 def test_crop_then_refeed_gives_the_same_logits(toy, cache):
-    """Left-padded rows of 4 and 7 tokens: crop the last 3 positions, feed them again: the
-    logits equal sdpa's over the whole chunk; a crop into a row's pads keeps them pads."""
+    """Rows of 4 tokens (left-padded) and of 6 (a hole at position 5): crop the last 3
+    positions, feed them again: the logits at every token equal sdpa's over the whole chunk;
+    a crop into a row's pads keeps them pads."""
     ids = _random_ids(5, 2, 7)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
+    mask[1, 5] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         want = toy(ids, attention_mask=mask, position_ids=pos).logits
@@ -102,8 +104,10 @@ def test_crop_then_refeed_gives_the_same_logits(toy, cache):
                        cache=kv).logits
 
         got = _on_kvtvm(toy, run)
-    torch.testing.assert_close(got, want[:, 4:], rtol=1e-4, atol=1e-4)
-    kv.crop(-6)                                   # row 0: its 3 pads and 3 of its 4 tokens
+    real = mask[:, 4:].bool()
+    torch.testing.assert_close(got[real], want[:, 4:][real], rtol=1e-4, atol=1e-4)
+    assert _state(kv)[2:4] == (7, [3, 1])
+    kv.crop(-6)                        # row 0: 2 of its pads and all 4 tokens; row 1: 5 tokens
     assert _state(kv)[2:] == (1, [1, 0], [0, 1])
     kv.crop(-1)
     assert _state(kv)[2:] == (0, [0, 0], [0, 0])
@@ -164,3 +168,59 @@ def test_second_turn_of_a_left_padded_batch_and_reset(toy):
     other = _random_ids(11, 2, 6)
     got = _on_kvtvm(toy, lambda: toy.generate(other, cache=kv, max_new_tokens=5, **GREEDY))
     assert torch.equal(got, toy.generate(other, max_new_tokens=5, **GREEDY))
+
+
+def test_second_turn_with_left_padded_user_tokens(toy):
+    """Users' next messages of 1, 4 and 2 tokens, left-padded to the batch: the pads sit between
+    turns (holes the cache remembers, never appended). Equal to transformers' generate over the
+    same chat and mask, and to each row's conversation generated alone."""
+    g = torch.Generator().manual_seed(12)
+    ids, mask = torch.zeros(3, 7, dtype=torch.long), torch.zeros(3, 7, dtype=torch.long)
+    for b, n in enumerate([7, 3, 5]):
+        ids[b, 7 - n:], mask[b, 7 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
+    kv = hf.KVTVMCache(toy, max_seq_len=32, max_batch_size=3, page_size=4)
+    turn1 = _on_kvtvm(toy, lambda: toy.generate(ids, attention_mask=mask, cache=kv,
+                                                max_new_tokens=4, **GREEDY))
+    user, user_mask = torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long)
+    for b, n in enumerate([1, 4, 2]):
+        user[b, 4 - n:], user_mask[b, 4 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
+    chat = torch.cat([turn1, user], dim=1)
+    chat_mask = torch.cat([mask, torch.ones(3, 4, dtype=torch.long), user_mask], dim=1)
+    turn2 = _on_kvtvm(toy, lambda: toy.generate(chat, attention_mask=chat_mask, cache=kv,
+                                                max_new_tokens=5, **GREEDY))
+    assert torch.equal(turn2, toy.generate(chat, attention_mask=chat_mask, max_new_tokens=5,
+                                           **GREEDY))
+    for b in range(3):
+        alone = chat[b][chat_mask[b].bool()][None]
+        assert torch.equal(toy.generate(alone, max_new_tokens=5, **GREEDY)[0, -5:],
+                           turn2[b, -5:])
+    assert kv.pads.tolist() == [3, 4 + 0, 2 + 2]
+    fed = [n + 4 + u + 4 for n, u in zip([7, 3, 5], [1, 4, 2])]  # prompt, turn 1, user, turn 2
+    assert [kv.mgr.cache_length(s) + 1 for s in kv.seq_ids] == fed    # + the last, uncommitted
+
+
+def test_pads_between_turns_refused_with_a_sliding_window():
+    """transformers counts pad positions in a sliding window, kvtvm counts tokens: with a
+    window, pads after a row's tokens are refused (typed, nothing changes); pads before any
+    token of the row (the first forward, or after cropping all of them) are fine."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+        initializer_range=0.1, pad_token_id=0)).eval()
+    ids = _random_ids(13, 2, 5)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kv = hf.KVTVMCache(model, 16, max_batch_size=2)
+
+    def run():
+        model(ids, attention_mask=mask, cache=kv)
+        before = _state(kv)
+        m = torch.cat([mask, torch.tensor([[1, 1], [0, 1]])], dim=1)
+        with pytest.raises(InvalidArgumentError, match=r"row 1 \(new positions\).*sliding"):
+            model(ids[:, :2], attention_mask=m, cache=kv)
+        assert _state(kv) == before
+
+    _on_kvtvm(model, run)

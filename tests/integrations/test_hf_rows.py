@@ -167,25 +167,27 @@ def _manager_state(kv):
             [m.cache_length(s) for s in kv.seq_ids])
 
 
-@pytest.mark.parametrize("bad", ["right", "hole", "empty_row"])
+@pytest.mark.parametrize("bad", ["right", "hole_in_a_window", "empty_row"])
 def test_unsupported_masks_refused_before_any_change(toy, bad):
     ids = torch.randint(3, 1000, (2, 6), generator=torch.Generator().manual_seed(16))
     mask = torch.ones_like(ids)
+    model = toy
     if bad == "right":
         mask[1, 4:] = 0
-    elif bad == "hole":
+    elif bad == "hole_in_a_window":         # without a window a hole is fine (test_hf_crop)
         mask[0, 2] = 0
+        model = _tiny("mistral")
     else:
         mask[1] = 0
         mask[0, 0] = 0
-    kv = hf.KVTVMCache(toy, 32, max_batch_size=2)
+    kv = hf.KVTVMCache(model, 32, max_batch_size=2)
     before = _manager_state(kv)
     with pytest.raises(InvalidArgumentError, match="attention_mask row"):
-        _on_kvtvm(toy, lambda: _gen(toy, ids, mask, kv))
+        _on_kvtvm(model, lambda: _gen(model, ids, mask, kv))
     assert _manager_state(kv) == before
 
 
-def test_pads_after_first_forward_and_4d_mask_refused(toy):
+def test_right_pads_in_a_later_chunk_wrong_history_and_4d_mask_refused(toy):
     _, ids, mask = _left_padded([3, 6], seed=17)
     kv = hf.KVTVMCache(toy, 32, max_batch_size=2)
 
@@ -193,8 +195,8 @@ def test_pads_after_first_forward_and_4d_mask_refused(toy):
         toy(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=kv)
         state = _manager_state(kv)
         nxt = torch.tensor([[5, 6], [7, 8]])
-        m = torch.cat([mask, torch.tensor([[0, 1], [1, 1]])], dim=1)       # a pad in a decode
-        with pytest.raises(InvalidArgumentError, match="no pads after the first forward"):
+        m = torch.cat([mask, torch.tensor([[1, 1], [1, 0]])], dim=1)   # right pad, later chunk
+        with pytest.raises(InvalidArgumentError, match=r"row 1 \(new positions\).*only before"):
             toy(nxt, attention_mask=m, cache=kv)
         m = torch.cat([torch.ones_like(mask), torch.ones(2, 2, dtype=torch.long)], dim=1)
         with pytest.raises(InvalidArgumentError, match="cached positions"):
