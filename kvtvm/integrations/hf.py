@@ -254,12 +254,15 @@ class KVTVMCache(Cache):
                 f"passes it through the 'kvtvm' mask function), got a prepared "
                 f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}")
         B, Hq, T, D = query.shape
-        if layer == 0:
-            self._begin_step(B, T, mask)
         kv = self._kv.pop(layer, None)
-        if kv is None or self.plan is None:
+        if kv is None:
             raise InvalidArgumentError(f"kvtvm attention: layer {layer} got no K/V from "
                                        "KVTVMCache.update this forward")
+        if layer == 0:
+            self._begin_step(B, T, mask)
+        if self.plan is None:
+            raise InvalidArgumentError(f"kvtvm attention: layer {layer} has no step: layer 0 "
+                                       "did not run this forward")
         k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in kv)
         q = query.transpose(1, 2).reshape(B * T, Hq, D)
         rows = self._rows
@@ -271,6 +274,7 @@ class KVTVMCache(Cache):
             out = out.new_zeros(B * T, Hq, D).index_copy_(0, rows, out)
         if layer == self.num_layers - 1:
             self.length += T
+            _active.cache = None        # a later forward without this cache must not find it
         return out.view(B, T, Hq, D), None
 
     # ------------------------------------------------------------------------------------

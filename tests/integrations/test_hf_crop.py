@@ -224,3 +224,17 @@ def test_pads_between_turns_refused_with_a_sliding_window():
         assert _state(kv) == before
 
     _on_kvtvm(model, run)
+
+
+def test_a_forward_without_the_cache_never_touches_it(toy, draft):
+    """A draft model switched to kvtvm but run without a KVTVMCache (transformers gives the
+    assistant its own DynamicCache) is refused, typed, and the target's cache is unchanged."""
+    ids = _random_ids(14, 1, 6)
+    kv = hf.KVTVMCache(toy, 16)
+    _on_kvtvm(toy, lambda: toy(ids, cache=kv))
+    before = _state(kv)
+    for cache in (None, "dynamic"):
+        kw = {"use_cache": False} if cache is None else {}
+        with pytest.raises(InvalidArgumentError, match="needs past_key_values=KVTVMCache"):
+            _on_kvtvm(draft, lambda: draft(ids[:, :3], **kw))
+        assert _state(kv) == before
