@@ -18,17 +18,36 @@ def toy():
     return build_toy_model(num_layers=2)
 
 
-@pytest.fixture(scope="module")
-def draft(toy):
-    """The target cut to its first layer (same vocabulary, embeddings and head): a smaller
-    model that agrees with it often but not always, so drafts are partly accepted."""
-    model = build_toy_model(num_layers=1)
-    model.load_state_dict({k: v for k, v in toy.state_dict().items()
+def _first_layer_of(target):
+    """``target`` cut to its first layer (same vocabulary, embeddings and head): a smaller
+    model that agrees with it often but not always, so drafts are partly accepted. It drafts 5
+    tokens every time."""
+    config = target.config.__class__(**{**target.config.to_dict(), "num_hidden_layers": 1})
+    model = target.__class__(config).eval()
+    model.load_state_dict({k: v for k, v in target.state_dict().items()
                            if not k.startswith("model.layers.1.")})
     model.generation_config.num_assistant_tokens = 5
     model.generation_config.num_assistant_tokens_schedule = "constant"
     model.generation_config.assistant_confidence_threshold = 0.0
     return model
+
+
+def _windowed():
+    """A 2-layer Mistral with a 4-token sliding window (random, std 0.1 weights)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+        initializer_range=0.1, pad_token_id=0, eos_token_id=None)).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def draft(toy):
+    return _first_layer_of(toy)
 
 
 def _on_kvtvm(model, fn):
@@ -50,8 +69,12 @@ def _random_ids(seed, *shape):
     return torch.randint(3, 1000, shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("cache", ["paged", "continuous"])
-def test_assisted_generation_equals_greedy(toy, draft, cache):
+@pytest.mark.parametrize("kind,cache", [("llama", "paged"), ("llama", "continuous"),
+                                        ("windowed", "paged")])
+def test_assisted_generation_equals_greedy(toy, draft, kind, cache):
+    if kind == "windowed":
+        toy = _windowed()
+        draft = _first_layer_of(toy)
     ids = _random_ids(3, 1, 12)
     want = toy.generate(ids, max_new_tokens=16, **GREEDY)
     kv = hf.KVTVMCache(toy, max_seq_len=40, cache=cache, page_size=4)
@@ -202,14 +225,8 @@ def test_second_turn_with_left_padded_user_tokens(toy):
 def test_pads_between_turns_refused_with_a_sliding_window():
     """transformers counts pad positions in a sliding window, kvtvm counts tokens: with a
     window, pads after a row's tokens are refused (typed, nothing changes); pads before any
-    token of the row (the first forward, or after cropping all of them) are fine."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
-        initializer_range=0.1, pad_token_id=0)).eval()
+    token of the row are fine."""
+    model = _windowed()
     ids = _random_ids(13, 2, 5)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
