@@ -21,21 +21,34 @@ Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
 ``num_return_sequences``, beam search, a sliding window (from the config), the model's
 ``scaling``, and
 
-* **left-padded batches**: a row's pads are never appended -- its sequence holds only its real
-  tokens (a ragged prefill), so each row decodes at its own length; the attention output at a
-  pad position is zero. transformers derives ``position_ids`` from the mask, so RoPE matches.
+* **padding**: a row's pads are never appended -- its sequence holds only its real tokens (a
+  ragged prefill), so each row decodes at its own length; the attention output at a pad
+  position is zero. Pads may stand anywhere before a row's last new position: left padding,
+  and pads between a chat's turns (the cache keeps each row's token mask, ``token_mask``, and
+  checks every later mask against it). transformers derives ``position_ids`` by counting the
+  mask's tokens, so RoPE and attention match its own path exactly.
 * **beam search** and batch re-indexing (``reorder_cache``, ``batch_select_indices``,
   ``batch_repeat_interleave``): a row that takes another row's tokens gets a copy of its
   sequence -- on the paged manager a ``fork`` (pages shared, the partial last page copied on
   write), on the continuous one a copy of its block -- and sequences no row takes are released.
+* **crop** (assisted generation with ``assistant_model=``, prompt lookup decoding): ``crop(-n)``
+  rolls every row back ``n`` positions, transformers 5's semantics (``crop(0)`` changes
+  nothing, a positive argument is refused); each row's sequence gives back the tokens among
+  them with the managers' ``pop``. The assistant runs on its own cache and attention.
+* **later turns**: the same cache passed to another ``generate`` with the conversation so far
+  plus new tokens (transformers feeds only the positions the cache lacks); ``reset()`` before
+  a different batch.
 * **batch growth**: ``max_batch_size`` is where the manager starts; a first forward with more
   rows (a larger batch, beams, ``num_return_sequences``) rebuilds the empty manager for them.
 
 Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager):
-right padding or holes in ``attention_mask``, pads after the first forward, a prepared 4-D
-mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than ``max_seq_len``,
-``crop`` (assisted / speculative generation), bad re-indexing arguments; re-indexing into
-more rows than the manager's ``max_batch_size`` raises
+a row whose new positions end with a pad (right padding, a row with no token), a mask whose
+cached part differs from the rows' token masks, a pad after a row's first token when the model
+has a sliding window (transformers' window counts pad positions, kvtvm's counts tokens), a
+prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than
+``max_seq_len``, a ``crop`` argument that is positive, not an int, or past the positions held,
+bad re-indexing arguments, a forward on kvtvm attention without a ``KVTVMCache``; re-indexing
+into more rows than the manager's ``max_batch_size`` raises
 :class:`kvtvm.errors.KVCacheCapacityError` naming it.
 
 Built and tested against transformers 5.24 (:data:`TESTED_TRANSFORMERS`); another version is
@@ -135,7 +148,7 @@ class KVTVMCache(Cache):
     model : transformers.PreTrainedModel
         The model it serves (its config gives heads, head_dim, layers, dtype, window).
     max_seq_len : int
-        Tokens per sequence (a row's real prompt tokens + new tokens; left pads not counted).
+        Tokens per sequence (a row's real tokens, prompt and new; pads not counted).
     cache : {"paged", "continuous"}
         Which kvtvm manager holds the cache.
     max_batch_size : int
