@@ -106,13 +106,17 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
                 "the row's positions as the cache holds them (1: a token it holds, 0: a pad)",
                 f"{cached[b].int().tolist()}, the cache holds {want[b].int().tolist()}"))
     fresh = mask[:, past:]
+    if bool(fresh.all()):                               # the usual decode step: one sync
+        if token_mask is not None:
+            token_mask = torch.cat([token_mask.to(mask.device), fresh], dim=1)
+        return token_mask, full, None
     where = "" if past == 0 else " (new positions)"
     if not bool(fresh[:, -1].all()):
         b = int(torch.nonzero(~fresh[:, -1])[0, 0])
         raise InvalidArgumentError(describe(
             f"attention_mask row {b}{where}", "a token (1) last: pads (0) only before the "
             f"row's tokens; {_LEFT_ONLY}", fresh[b].int().tolist()))
-    if sliding_window is not None and not bool(fresh.all()):
+    if sliding_window is not None:
         seen = fresh.cummax(dim=1).values               # a token of the row at or before
         if past:
             seen = seen | (True if token_mask is None else
@@ -124,10 +128,6 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
                 f"attention_mask row {b}{where}", f"no pad after a token of the row with a "
                 f"sliding window ({sliding_window}): transformers counts pad positions in the "
                 "window, kvtvm counts tokens", fresh[b].int().tolist()))
-    if bool(fresh.all()):
-        if token_mask is not None:
-            token_mask = torch.cat([token_mask.to(mask.device), fresh], dim=1)
-        return token_mask, full, None
     counts = fresh.sum(dim=1).cpu().numpy().astype(np.int64)
     before = mask.new_ones(batch, past) if token_mask is None else token_mask.to(mask.device)
     return (torch.cat([before, fresh], dim=1), counts,
