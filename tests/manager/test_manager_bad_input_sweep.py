@@ -199,6 +199,15 @@ def _table_cases(ids, inp):
     return cases
 
 
+def _pop_cases(ids):
+    """``pop`` (paged and continuous): ``a`` holds fewer than 11 tokens, ``c`` is in flight."""
+    cases = [(f"pop-id {v!r}", "pop", (v, 1), {}, ("seq_id",)) for v in BAD_IDS]
+    for v in ["x", 1.5, -1, True, NAN, None, 11, HUGE]:
+        cases.append((f"pop-n {v!r}", "pop", (ids.a, v), {}, ("n",)))
+    cases.append(("pop-in flight", "pop", (ids.c, 1), {}, ("seq_id",)))
+    return cases
+
+
 def _paged_cases(mgr, ids, inp):
     a, c, d, e = ids.a, ids.c, ids.d, ids.e
     cases = _table_cases(ids, inp)
@@ -209,11 +218,7 @@ def _paged_cases(mgr, ids, inp):
         for v in BAD_IDS + [ids.free]:
             cases.append((f"{m}-{v!r}", m, (v,), {}, ("seq_id",)))
     cases.append(("fork-in flight", "fork", (c,), {}, ("seq_id",)))
-    for v in BAD_IDS:
-        cases.append((f"pop-id {v!r}", "pop", (v, 1), {}, ("seq_id",)))
-    for v in ["x", 1.5, -1, True, NAN, None, 11, HUGE]:
-        cases.append((f"pop-n {v!r}", "pop", (a, v), {}, ("n",)))
-    cases.append(("pop-in flight", "pop", (c, 1), {}, ("seq_id",)))
+    cases += _pop_cases(ids)
     for v in BAD_IDS:
         cases.append((f"export-id {v!r}", "export_pages", (v,), {}, ("seq_id",)))
     cases += [
@@ -315,7 +320,7 @@ def _cases_of(kind):
         return mgr, inp, _paged_cases(mgr, ids, inp)
     if kind == "continuous":
         mgr, ids, inp = continuous()
-        return mgr, inp, _table_cases(ids, inp)
+        return mgr, inp, _table_cases(ids, inp) + _pop_cases(ids)
     mgr, _, inp = linear()
     return mgr, inp, _linear_cases()
 
