@@ -317,6 +317,23 @@ class ManagerMachine(RuleBasedStateMachine):
     def page_size(self):
         return 1
 
+    @rule(data=st.data())
+    def pop(self, data):            # paged and continuous: roll back committed tokens
+        if not any(self.shadow.values()):
+            return
+        s = data.draw(st.sampled_from([s for s in self.live() if self.shadow[s]]))
+        n_len = len(self.shadow[s])
+        before = self.snapshot()
+        try:
+            self.mgr.pop(s, n_len + 1)  # past zero
+        except ValueError:
+            assert self.snapshot() == before
+        else:
+            raise AssertionError("pop past zero did not raise")
+        n = data.draw(st.integers(0, n_len))
+        self.mgr.pop(s, n)
+        self.shadow[s] = self.shadow[s][:n_len - n]
+
 
 class PagedMachine(ManagerMachine):
     prefix = True
@@ -426,23 +443,6 @@ class PagedMachine(ManagerMachine):
         self.shadow[new] = list(self.shadow[s])
         k = -(-len(self.shadow[s]) // P)
         assert self.mgr.pages_of(new) == self.mgr.pages_of(s)[:k]
-
-    @rule(data=st.data())
-    def pop(self, data):
-        if not any(self.shadow.values()):
-            return
-        s = data.draw(st.sampled_from([s for s in self.live() if self.shadow[s]]))
-        n_len = len(self.shadow[s])
-        before = self.snapshot()
-        try:
-            self.mgr.pop(s, n_len + 1)  # past zero
-        except ValueError:
-            assert self.snapshot() == before
-        else:
-            raise AssertionError("pop past zero did not raise")
-        n = data.draw(st.integers(0, n_len))
-        self.mgr.pop(s, n)
-        self.shadow[s] = self.shadow[s][:n_len - n]
 
 
 class PagedNoPrefixTwoDevices(PagedMachine):
