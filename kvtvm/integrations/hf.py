@@ -57,6 +57,7 @@ checked at import for the names this module uses.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -85,6 +86,7 @@ __all__ = ["KVTVMCache", "kvtvm_attention", "use_kvtvm", "ATTN_NAME", "TESTED_TR
 
 ATTN_NAME = "kvtvm"
 TESTED_TRANSFORMERS = ("5.23", "5.24")
+log = logging.getLogger(__name__)
 _active = threading.local()          # .cache: the KVTVMCache of the forward running here
 
 
@@ -199,6 +201,8 @@ class KVTVMCache(Cache):
         self._rows = None               # flat positions of this forward's real tokens (None: all)
         self._kv: dict = {}             # layer -> (k, v) handed by update, appended by attention
         self._pending = None            # the batch fetched but not yet committed
+        self._layers_done = 0           # layers of the pending batch appended and attended
+        self._undo = None               # (pads, token_mask) before the pending batch
         super().__init__(layers=[_Layer(self, i) for i in range(self.num_layers)])
 
     def _new_manager(self, max_batch_size: int):
@@ -232,7 +236,7 @@ class KVTVMCache(Cache):
             raise InvalidArgumentError(
                 f"KVTVMCache: row {b} would hold {int(ends[b])} tokens, more than max_seq_len="
                 f"{self.max_seq_len}: make the cache larger")
-        self._commit()
+        self._settle()
         if not n_held:
             if batch > self.mgr.max_batch_size:
                 self.mgr = self._new_manager(batch)
@@ -240,6 +244,8 @@ class KVTVMCache(Cache):
         self._pending = [BatchItem(s, [0] * int(c)) for s, c in zip(self.seq_ids, counts)]
         (inputs,) = self.mgr.fetch(self._pending)
         self.plan = plan_step(inputs, sm_scale=self.scaling, sliding_window=self.sliding_window)
+        self._undo = (self.pads, self.token_mask)
+        self._layers_done = 0
         self.pads = (self.pads if n_held else np.zeros(batch, dtype=np.int64)) + (new - counts)
         self.token_mask, self._rows = marks, rows
 
@@ -247,6 +253,22 @@ class KVTVMCache(Cache):
         if self._pending is not None:
             self.mgr.step(self._pending)
             self._pending = None
+
+    def _settle(self) -> None:
+        """Commit the previous forward -- or, if it stopped before its last layer (an
+        exception in the model), roll it back: its tokens were appended to some layers only,
+        so they are popped again and the rows are as before it (a retry recomputes them)."""
+        pending = self._pending
+        self._commit()
+        if pending is None or self._layers_done == self.num_layers:
+            return
+        for item in pending:
+            if len(item.tokens):
+                self.mgr.pop(item.seq_id, len(item.tokens))
+        self.pads, self.token_mask = self._undo
+        self.plan, self._rows = None, None
+        log.warning("KVTVMCache: the previous forward stopped after %d of %d layers; its "
+                    "tokens were rolled back", self._layers_done, self.num_layers)
 
     def attention(self, layer: int, query, mask, scaling, sliding_window):
         """Append ``layer``'s K/V (from ``update``) and attend: ``(out [B, T, Hq, D], None)``.
@@ -285,6 +307,7 @@ class KVTVMCache(Cache):
         out, _ = self.plan.attention(layer, q.contiguous())
         if rows is not None:
             out = out.new_zeros(B * T, Hq, D).index_copy_(0, rows, out)
+        self._layers_done = layer + 1
         if layer == self.num_layers - 1:
             self.length += T
             _active.cache = None        # a later forward without this cache must not find it
@@ -350,7 +373,7 @@ class KVTVMCache(Cache):
                 int(tokens_to_remove)))
         if n == 0:
             return
-        self._commit()
+        self._settle()
         new_length = self.length - n
         if self.token_mask is None:
             drop = np.full(len(self.seq_ids), n, dtype=np.int64)
@@ -364,7 +387,7 @@ class KVTVMCache(Cache):
 
     def _regather(self, src: list[int]) -> None:
         check_room(self.mgr, len(self.seq_ids), src)
-        self._commit()
+        self._settle()
         self.seq_ids = regather(self.mgr, self.seq_ids, src)
         self.pads = self.pads[src]
         if self.token_mask is not None:

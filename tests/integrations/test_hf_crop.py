@@ -255,3 +255,41 @@ def test_a_forward_without_the_cache_never_touches_it(toy, draft):
         with pytest.raises(InvalidArgumentError, match="needs past_key_values=KVTVMCache"):
             _on_kvtvm(draft, lambda: draft(ids[:, :3], **kw))
         assert _state(kv) == before
+
+
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+def test_a_forward_that_fails_midway_is_rolled_back(toy, cache):
+    """An exception in the model after layer 0 appended but before the last layer did (here:
+    in layer 0's MLP) leaves the step's tokens in some layers only; the next forward rolls
+    them back, so a retry of the same chunk gives sdpa's logits and every row holds what it
+    held before. (An exception after the last layer's attention leaves every layer appended,
+    as transformers' own caches do.)"""
+    ids = _random_ids(9, 2, 6)
+    with torch.no_grad():
+        want = toy(ids).logits
+        kv = hf.KVTVMCache(toy, 16, cache=cache, max_batch_size=2, page_size=4)
+        mlp = toy.model.layers[0].mlp
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        def run():
+            toy(ids[:, :4], cache=kv)
+            before = _state(kv)
+            handle = mlp.register_forward_pre_hook(boom)
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    toy(ids[:, 4:], cache=kv)
+            finally:
+                handle.remove()
+            got = toy(ids[:, 4:], cache=kv).logits
+            nxt = toy(more, cache=kv).logits  # commits the retry; every layer at 6 tokens
+            return before, got, nxt
+
+        more = _random_ids(10, 2, 1)
+        full = toy(torch.cat([ids, more], 1)).logits
+        before, got, nxt = _on_kvtvm(toy, run)
+    torch.testing.assert_close(got, want[:, 4:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(nxt, full[:, 6:], rtol=1e-4, atol=1e-4)
+    assert before[2] == 4 and _state(kv)[2] == 7
+    assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [6, 6]  # the last one pending
