@@ -66,6 +66,7 @@ class Case:
     use_plan: bool
     prefix: bool = False
     fork_pop: bool = False
+    multistep: int = 0    # paged / continuous: a final fetch(num_steps=multistep)
     max_seq_len: int = 0
     num_layers: int = 2
 
@@ -74,7 +75,8 @@ class Case:
                 f"D={self.head_dim} ps={self.page_size} B={self.batch} "
                 f"lens={self.prompt_lens[:6]}{'...' if len(self.prompt_lens) > 6 else ''} "
                 f"chunk={self.chunk} dec={self.decode_steps} scale={self.sm_scale} "
-                f"plan={self.use_plan} prefix={self.prefix} forkpop={self.fork_pop}")
+                f"plan={self.use_plan} prefix={self.prefix} forkpop={self.fork_pop} "
+                f"multistep={self.multistep}")
 
 
 def make_params(c: Case) -> KVCacheParams:
@@ -158,7 +160,8 @@ class Driver:
     def __init__(self, c: Case, rng):
         self.c, self.rng = c, rng
         self.params = make_params(c)
-        c.max_seq_len = c.max_seq_len or (max(c.prompt_lens) + c.decode_steps + 8)
+        c.max_seq_len = c.max_seq_len or (max(c.prompt_lens) + c.decode_steps + c.multistep
+                                           + 8)
         self.src = RowSource(c, self.params, c.max_seq_len + 1, rng)
         self.scale = c.sm_scale if c.sm_scale is not None else 1.0 / math.sqrt(c.head_dim)
         self.tol = TOL[c.dtype] * (3 if self.params.quantized else 1)
@@ -228,9 +231,11 @@ class Driver:
                         f"cache {starts[b]} + {e - a})", out[a:e], lse[a:e], ro, rl, self.tol)
 
     # -- paged / continuous -----------------------------------------------------------------
-    def manager_step(self, items):
-        """items: list of (seq, tokens this step). Returns nothing; updates the shadow."""
-        (inputs,) = self.mgr.fetch([BatchItem(s, t) for s, t in items])
+    def manager_step(self, items, num_steps: int = 1):
+        """items: list of (seq, tokens this step); with ``num_steps > 1`` a multistep fetch
+        whose later steps add one random token per sequence through
+        ``increment_cache_lengths``. Updates the shadow."""
+        (inputs,) = self.mgr.fetch([BatchItem(s, t) for s, t in items], num_steps=num_steps)
         seqs, new, starts = [], [], []
         for b, (s, t) in enumerate(items):
             skip = int(inputs.num_cached_tokens[b]) if inputs.num_cached_tokens else 0
@@ -240,9 +245,17 @@ class Driver:
             if skip:  # prefix hit: those tokens' K/V are already in the shared pages
                 self.tokens[s] = self.tokens[s] + list(t[:skip])
         self.run_layers(inputs, seqs, new, starts)
-        self.mgr.step([BatchItem(s, t) for s, t in items])
         for b, s in enumerate(seqs):
             self.tokens[s] = self.tokens[s] + new[b]
+        fed = [list(t) for _, t in items]
+        for _ in range(num_steps - 1):
+            inputs = self.mgr.increment_cache_lengths(inputs)
+            more = [[int(self.rng.integers(0, VOCAB))] for _ in seqs]
+            self.run_layers(inputs, seqs, more, [len(self.tokens[s]) for s in seqs])
+            for b, s in enumerate(seqs):
+                self.tokens[s] = self.tokens[s] + more[b]
+                fed[b] += more[b]
+        self.mgr.step([BatchItem(s, t) for s, t in zip(seqs, fed)])
 
     def run_managed(self):
         c, rng = self.c, self.rng
@@ -271,6 +284,9 @@ class Driver:
             self.manager_step(items)
         for _ in range(c.decode_steps):
             self.manager_step([(s, [int(rng.integers(0, VOCAB))]) for s in seqs])
+        if c.multistep:
+            self.manager_step([(s, [int(rng.integers(0, VOCAB))]) for s in seqs],
+                              num_steps=c.multistep)
         if c.fork_pop and c.strategy == "paged":
             parent = seqs[-1]
             child = self.mgr.fork(parent)
@@ -361,7 +377,8 @@ def random_case(rng, i) -> Case:
                 sm_scale=None if rng.random() < 0.6 else float(rng.choice([0.05, 0.3, 1.0])),
                 use_plan=bool(rng.random() < 0.5),
                 prefix=strategy == "paged" and rng.random() < 0.4,
-                fork_pop=strategy == "paged" and rng.random() < 0.7)
+                fork_pop=strategy == "paged" and rng.random() < 0.7,
+                multistep=int(rng.choice([0, 2, 3])) if strategy != "linear" else 0)
 
 
 def fixed_cases(long: bool) -> list[Case]:
@@ -370,7 +387,7 @@ def fixed_cases(long: bool) -> list[Case]:
         Case("paged", "float32", "full", 3, 5, 48, 7, 5, [1, 7, 8, 14, 15], 300, 2, None, False,
              fork_pop=True),
         Case("paged", "bfloat16", "int8", 5, 3, 80, 3, 4, [1, 3, 4, 6], 2, 2, 0.3, True,
-             fork_pop=True, prefix=True),
+             fork_pop=True, prefix=True, multistep=3),
         Case("continuous", "float16", "float8_e4m3fn", 1, 7, 112, 0, 3, [1, 33, 2], 300, 2,
              None, False),
         Case("linear", "float32", "k_int8", 2, 6, 160, 0, 4, [1, 30, 5, 17], 9, 2, None, True),
