@@ -147,6 +147,10 @@ def cmd_generate(args) -> int:
     from .engine import Engine, Request, load_model, reference_tokens
     from .errors import InvalidArgumentError
 
+    if args.max_new_tokens < 1:  # before the model loads; it also sizes the cache below
+        print(f"error: --max-new-tokens: expected a positive int, got {args.max_new_tokens}",
+              file=sys.stderr)
+        return 2
     try:
         model, tok = load_model(args.model, args.dtype, args.device)
     except InvalidArgumentError as err:

@@ -100,6 +100,10 @@ def test_generate_bad_prompts_say_why():
     assert proc.returncode == 2 and "token ids" in proc.stderr
     proc = run("generate", "--model", "toy", "--prompt", "")
     assert proc.returncode == 2 and "empty prompt" in proc.stderr
+    # a negative count used to end in a traceback about max_seq_len (the cache it sized)
+    proc = run("generate", "--model", "toy", "--prompt", "5", "--max-new-tokens", "-3")
+    assert proc.returncode == 2 and "--max-new-tokens" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_generate_second_process_warm_from_the_disk_tier(tmp_path):
