@@ -76,6 +76,15 @@ def test_build_spec_set_covers_feature_sets():
     assert [(s.n_kv_heads, s.layout) for s in specs if s.op == "copy"] == [(1, "nhd")]
 
 
+def test_build_refuses_a_head_dim_the_cuda_kernels_cannot_take(tmp_path):
+    """Used to build the append, then fail decode with 'list index out of range'."""
+    proc = run("build", "--target", "cuda", "--ops", "append,decode", "--head-dims", "17",
+               "--out", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "head_dim: expected CUDA decode" in proc.stderr and "got 17" in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_build_refuses_unknown_features(tmp_path):
     proc = run("build", "--target", "llvm", "--ops", "decode", "--features", "none,alibi",
                "--out", str(tmp_path))
