@@ -5,8 +5,9 @@ of a warp in 16-byte vectors (decode), or over 16-wide tensor-core fragments (fl
 bfloat16 prefill), so their head_dim must fit those pieces. This module says so before anything
 is built or allocated -- as an :class:`~kvtvm.errors.InvalidArgumentError` naming head_dim and
 what is supported -- instead of an IndexError or an assertion deep inside a schedule. It is
-plain arithmetic (no TVM), used by :class:`kvtvm.compiler.KernelSpec` for CUDA specs and by the
-managers when one of their devices is CUDA; ``tests/compiler/test_cuda_limits.py`` checks it
+plain arithmetic (no TVM), used by :class:`kvtvm.compiler.KernelSpec` for CUDA specs and by
+:meth:`kvtvm.params.KVCacheParams.check_cuda` (the managers call it when one of their devices
+is CUDA); ``tests/compiler/test_cuda_limits.py`` checks it
 against the schedules' own choices.
 
 Rules (``c = 16 // itemsize``: 4 elements for float32, 8 for float16 / bfloat16):

@@ -7,7 +7,6 @@ from itertools import chain
 
 import numpy as np
 
-from ..cuda_limits import check_params_on_cuda
 from ..errors import DeviceUnavailableError, InvalidArgumentError, describe
 
 __all__ = ["check_positive_int", "parse_devices", "ItemTokens", "row_offsets", "check_int",
@@ -57,7 +56,7 @@ def parse_devices(devices, params=None) -> tuple:
     """``devices`` (strings like ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or torch devices) as a
     tuple of ``torch.device``. With ``params`` (:class:`~kvtvm.params.KVCacheParams`) and a
     CUDA device among them, also checks that the CUDA kernels take its head_dim
-    (:func:`kvtvm.cuda_limits.check_params_on_cuda`), before asking whether CUDA is there."""
+    (:meth:`~kvtvm.params.KVCacheParams.check_cuda`), before asking whether CUDA is there."""
     import torch
 
     if isinstance(devices, (str, torch.device)):
@@ -73,7 +72,7 @@ def parse_devices(devices, params=None) -> tuple:
         if d.type not in ("cpu", "cuda"):
             raise InvalidArgumentError(describe("devices", "cpu or cuda devices", str(d)))
     if params is not None and any(d.type == "cuda" for d in parsed):
-        check_params_on_cuda(params)
+        params.check_cuda()
     for d in parsed:
         if d.type == "cuda" and not torch.cuda.is_available():
             raise DeviceUnavailableError(

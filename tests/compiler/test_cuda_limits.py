@@ -66,8 +66,8 @@ def test_manager_on_cuda_refuses_the_head_dim_first():
         with pytest.raises(InvalidArgumentError, match="head_dim"):
             make(bad)
     with pytest.raises(InvalidArgumentError, match="quantizing append"):
-        check_params_on_cuda(KVCacheParams("float16", 2, 18, "paged", page_size=16,
-                                           k_cache_dtype="int8"))
+        KVCacheParams("float16", 2, 18, "paged", page_size=16, k_cache_dtype="int8").check_cuda()
+    check_params_on_cuda(KVCacheParams("bfloat16", 2, 80, "linear"))
     PagedKVCacheManager(bad, 2, 64, 1)  # the CPU takes it
     if not torch.cuda.is_available():  # a supported head_dim gets as far as the device check
         with pytest.raises(DeviceUnavailableError):
