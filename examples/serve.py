@@ -71,10 +71,12 @@ def chat_requests(tok, max_new_tokens: int, prompt: str | None = None, temperatu
 
 
 def demo_requests(vocab_size: int = 1000, max_seq_len: int = 128, seed: int = 1,
-                  n: int = 24, system_len: int = 48, bad: bool = True) -> list[Request]:
+                  n: int = 24, system_len: int = 48, bad: bool = True,
+                  max_new_tokens: int | None = None) -> list[Request]:
     """The toy model's workload: ``n`` random-token requests arriving over time, half sharing a
     ``system_len`` token system prompt, one filling pages of 16 exactly, plus (with ``bad``) an
-    empty prompt and a prompt longer than ``max_seq_len``."""
+    empty prompt and a prompt longer than ``max_seq_len``. Each asks for ``max_new_tokens``
+    tokens (None: a random 4..31)."""
     rng = np.random.default_rng(seed)
     system = rng.integers(3, vocab_size, system_len).tolist()
     reqs = []
@@ -85,7 +87,9 @@ def demo_requests(vocab_size: int = 1000, max_seq_len: int = 128, seed: int = 1,
             prompt = rng.integers(3, vocab_size, 32).tolist()
         else:
             prompt = rng.integers(3, vocab_size, int(rng.integers(2, 40))).tolist()
-        reqs.append(Request(i, prompt, int(rng.integers(4, 32)), arrival=2 * i))
+        n_new = int(rng.integers(4, 32))
+        reqs.append(Request(i, prompt, n_new if max_new_tokens is None else max_new_tokens,
+                            arrival=2 * i))
     if bad:
         reqs.append(Request(n, [], 8, arrival=3))
         reqs.append(Request(n + 1, rng.integers(3, vocab_size, max_seq_len + 8).tolist(), 8,
@@ -186,8 +190,12 @@ def run(cache: str = "paged", device: str = "cpu", requests=None, max_batch_size
             _check_cached(model, requests, reference_cache)
         for p in problems:
             say("MISMATCH " + p)
-        if not problems:
-            n = sum(r.status == "done" and r.temperature == 0 for r in requests)
+        n = sum(r.status == "done" and r.temperature == 0 for r in requests)
+        if requests and not any(r.status == "done" for r in requests):
+            # nothing was served (every request rejected: --max-seq-len too small, ...)
+            problems.append(f"no request was served: all {len(requests)} were rejected")
+            say("FAILED: " + problems[-1])
+        elif not problems:
             low = engine.model.dtype in (torch.bfloat16, torch.float16)
             how = ("token for token, or (low precision) within 2% of the logit range of its best "
                    "token, teacher-forced" if low else "token for token")
@@ -220,7 +228,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", default=None, metavar="DIR",
                         help="directory of kernels built with `python -m kvtvm build`")
     parser.add_argument("--prompt", default=None, help="your own question (chat models)")
-    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="tokens per request (default 40; toy: a random 4..31 each)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -235,6 +244,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the token-for-token check against transformers")
     args = parser.parse_args(argv)
+    for name in ("max_new_tokens", "max_batch_size", "max_seq_len", "page_size", "num_pages"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive int, got {value}")
+    if args.requests < 0:
+        parser.error(f"--requests: expected an int >= 0, got {args.requests}")
     if args.kernels:
         from kvtvm import compiler
 
@@ -256,10 +271,11 @@ def main(argv=None) -> int:
     refs, failed = {}, 0
     for cache in caches:
         if toy:
-            requests = demo_requests(model.config.vocab_size, max_seq_len, n=args.requests)
+            requests = demo_requests(model.config.vocab_size, max_seq_len, n=args.requests,
+                                     max_new_tokens=args.max_new_tokens)
         else:
-            requests = chat_requests(tok, args.max_new_tokens, args.prompt, args.temperature,
-                                     args.top_p, args.seed)
+            requests = chat_requests(tok, args.max_new_tokens or 40, args.prompt,
+                                     args.temperature, args.top_p, args.seed)
         try:
             _, _, problems = run(cache, args.device, requests, args.max_batch_size, max_seq_len,
                                  args.page_size, num_pages, not args.no_prefix_caching,

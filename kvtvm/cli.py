@@ -77,8 +77,15 @@ def cmd_build(args) -> int:
         print(f"--cache-dtypes: unknown {unknown}; known: none, {', '.join(QUANT_DTYPES)}",
               file=sys.stderr)
         return 2
-    specs = default_specs(args.target, arch, ops, args.dtypes, args.head_dims, args.kv_heads,
-                          args.group_sizes, args.layouts, args.features, args.cache_dtypes)
+    from .errors import KVCacheError
+
+    try:  # an unsupported size (a CUDA head_dim, a zero) names itself before any build
+        specs = default_specs(args.target, arch, ops, args.dtypes, args.head_dims,
+                              args.kv_heads, args.group_sizes, args.layouts, args.features,
+                              args.cache_dtypes)
+    except KVCacheError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
     out = Path(args.out)
     print(f"building {len(specs)} kernels for {args.target}"
@@ -147,6 +154,10 @@ def cmd_generate(args) -> int:
     from .engine import Engine, Request, load_model, reference_tokens
     from .errors import InvalidArgumentError
 
+    if args.max_new_tokens < 1:  # before the model loads; it also sizes the cache below
+        print(f"error: --max-new-tokens: expected a positive int, got {args.max_new_tokens}",
+              file=sys.stderr)
+        return 2
     try:
         model, tok = load_model(args.model, args.dtype, args.device)
     except InvalidArgumentError as err:

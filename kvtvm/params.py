@@ -263,6 +263,14 @@ class KVCacheParams:
                 "skip_layers", f"distinct layers of {num_layers}", repr(self.skip_layers)))
         return tuple(sorted(out))
 
+    def check_cuda(self) -> None:
+        """Raise :class:`~kvtvm.errors.InvalidArgumentError` naming head_dim when the CUDA
+        kernels cannot run a cache with these parameters (:mod:`kvtvm.cuda_limits`; the CPU
+        kernels take any head_dim). Managers call it when one of their devices is CUDA."""
+        from .cuda_limits import check_params_on_cuda
+
+        check_params_on_cuda(self)
+
     def storage(self, layer: int, kv: int, num_layers: int) -> str:
         """Storage type of layer ``layer``'s K (``kv=0``) or V (``kv=1``)."""
         if layer in self.resolve_skip_layers(num_layers):

@@ -121,12 +121,27 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.stride <= args.window:
         ap.error("need 0 < --stride <= --window")
+    if args.tokens < args.window:
+        ap.error(f"--tokens {args.tokens} is fewer than --window {args.window}: no window to "
+                 "score (need --tokens >= --window)")
+    if args.new_tokens < 1:
+        ap.error(f"--new-tokens: expected a positive int, got {args.new_tokens}")
     import torch
 
     model, tok = load_model()
     n_layers = model.config.num_hidden_layers
+    bad = [i for i in args.skip_layers if not -n_layers <= i < n_layers]
+    if bad:
+        ap.error(f"--skip-layers: expected layer indices in [-{n_layers}, {n_layers}) "
+                 f"(the model has {n_layers} layers), got {bad}")
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and args.window > max_pos:
+        ap.error(f"--window {args.window} is longer than the model's context "
+                 f"(max_position_embeddings={max_pos})")
     _state["skip"] = tuple(sorted(i % n_layers for i in args.skip_layers))
     ids = tok(topic_text()).input_ids[:args.tokens]
+    if len(ids) < args.window:
+        ap.error(f"--window {args.window} is longer than the text ({len(ids)} tokens)")
     log.info(f"{len(ids)} tokens of pydoc_data/topics.py; windows {args.window}/{args.stride}; "
         f"torch threads {torch.get_num_threads()}")
     rows, base_ppl, base_tokens = [], None, None

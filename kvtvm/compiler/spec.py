@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from ..cuda_limits import check_cuda_head_dim
 from ..errors import DeviceMismatchError, DeviceUnavailableError, InvalidArgumentError, describe
 from ..kernels.variants import variant_knobs
 from ..params import dtype_name
@@ -77,7 +78,8 @@ class KernelSpec:
     Raises
     ------
     InvalidArgumentError
-        An unknown family, layout, target, arch, variant or storage, or a non-positive size.
+        An unknown family, layout, target, arch, variant or storage, a non-positive size, or
+        a head_dim the CUDA kernel of the family cannot take (:mod:`kvtvm.cuda_limits`).
     """
 
     op: str
@@ -130,6 +132,9 @@ class KernelSpec:
                     name, f'"" for {self.op} (quantized caches: {", ".join(QUANT_FAMILIES)})',
                     repr(value)))
             object.__setattr__(self, name, value)
+        if self.target == "cuda":
+            check_cuda_head_dim(self.op, self.dtype, self.head_dim, self.k_storage,
+                                self.v_storage)
 
     # -- names ------------------------------------------------------------------------------
     @property

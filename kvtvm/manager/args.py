@@ -52,9 +52,11 @@ def check_seconds(name: str, value, allow_none: bool = True, allow_inf: bool = F
     return float(value)
 
 
-def parse_devices(devices) -> tuple:
+def parse_devices(devices, params=None) -> tuple:
     """``devices`` (strings like ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or torch devices) as a
-    tuple of ``torch.device``."""
+    tuple of ``torch.device``. With ``params`` (:class:`~kvtvm.params.KVCacheParams`) and a
+    CUDA device among them, also checks that the CUDA kernels take its head_dim
+    (:meth:`~kvtvm.params.KVCacheParams.check_cuda`), before asking whether CUDA is there."""
     import torch
 
     if isinstance(devices, (str, torch.device)):
@@ -69,6 +71,9 @@ def parse_devices(devices) -> tuple:
     for d in parsed:
         if d.type not in ("cpu", "cuda"):
             raise InvalidArgumentError(describe("devices", "cpu or cuda devices", str(d)))
+    if params is not None and any(d.type == "cuda" for d in parsed):
+        params.check_cuda()
+    for d in parsed:
         if d.type == "cuda" and not torch.cuda.is_available():
             raise DeviceUnavailableError(
                 f"devices: {d} was asked for but CUDA is not available on this machine")

@@ -88,7 +88,7 @@ class LinearKVCache:
         self.max_seq_len = check_positive_int("max_seq_len", max_seq_len)
         self.num_layers = check_positive_int("num_layers", num_layers)
         params.resolve_skip_layers(self.num_layers)
-        self.devices = parse_devices(devices)
+        self.devices = parse_devices(devices, params)
         self.n_devices = len(self.devices)
         self.device_params = dataclasses.replace(
             params, n_kv_heads=params.heads_per_device(self.n_devices))

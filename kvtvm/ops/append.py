@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
-                     check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
-                     check_no_alias, common_device, indices_on_host, live_tokens,
-                     sync_checked_call)
+                     check_contiguous, check_dim, check_dtype, check_flag, check_rank,
+                     check_vector_aligned, check_no_alias, common_device, indices_on_host,
+                     live_tokens, sync_checked_call)
 from .launch import Launch, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -95,6 +95,7 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
         check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
                           "lookup_table": table})
+    check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)
     sync_checked_call(device, check_indices)

@@ -10,6 +10,8 @@ written when it raises. Launching lives in :mod:`kvtvm.ops.launch`.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,6 +225,56 @@ def live_tokens(tensors: dict) -> tuple:
             if tok not in tokens:
                 tokens += (tok,)
     return tokens
+
+
+# ------------------------------------------------------------------------------------------
+# Scalar arguments of the attention ops (one rule for decode, prefill and the plans)
+# ------------------------------------------------------------------------------------------
+
+#: Largest value of an int32 kernel parameter (sliding_window is one).
+INT32_MAX = 2**31 - 1
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def check_sm_scale(sm_scale) -> float | None:
+    """``sm_scale`` as a float: None, or any finite real number (int, float, numpy scalar;
+    not a bool, a string or a tensor)."""
+    if sm_scale is None:
+        return None
+    if _is_bool(sm_scale) or not isinstance(sm_scale, numbers.Real) \
+            or not math.isfinite(float(sm_scale)):
+        raise InvalidArgumentError(describe("sm_scale", "a finite float", repr(sm_scale)))
+    return float(sm_scale)
+
+
+def check_sliding_window(sliding_window) -> int | None:
+    """``sliding_window`` as an int: None, or an integer in ``[1, 2**31)`` (the kernels take an
+    int32; a larger window would wrap around to a small one)."""
+    if sliding_window is None:
+        return None
+    if _is_bool(sliding_window) or not isinstance(sliding_window, numbers.Integral) \
+            or not 1 <= int(sliding_window) <= INT32_MAX:
+        raise InvalidArgumentError(describe("sliding_window",
+                                            "None or an int in [1, 2**31 - 1]",
+                                            repr(sliding_window)))
+    return int(sliding_window)
+
+
+def check_causal(causal) -> bool:
+    """``causal`` as a bool: a bool, a numpy bool, or the int 0 / 1."""
+    if _is_bool(causal) or (isinstance(causal, numbers.Integral) and int(causal) in (0, 1)):
+        return bool(causal)
+    raise InvalidArgumentError(describe("causal", "a bool", repr(causal)))
+
+
+def check_flag(name: str, value) -> bool | None:
+    """An optional bool argument (``check_indices``): None, a bool or a numpy bool."""
+    if value is None or _is_bool(value):
+        return None if value is None else bool(value)
+    raise InvalidArgumentError(describe(name, "None, True or False", repr(value)))
 
 
 def sync_checked_call(device, check_indices: bool) -> None:

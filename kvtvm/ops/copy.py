@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import DeviceMismatchError, InvalidArgumentError, describe
 from ..params import DTYPE_SIZES
-from .checks import as_tensor, check_contiguous, check_dtype, check_vector_aligned, host_array
+from .checks import (as_tensor, check_contiguous, check_dtype, check_flag, check_vector_aligned,
+                     host_array)
 from .launch import Launch, LaunchSequence, kernel_for
 
 __all__ = ["copy_pages", "copy_slots", "prepare_copy_pages", "prepare_copy_slots",
@@ -120,6 +121,7 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
                                             dst.shape[0]))
     rows = int(buf.shape[axis])
     on_host = src.device.type == "cpu"
+    check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = on_host
     if check_indices:

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+
+import numpy as np
 
 from .. import runtime
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_cache_pair, check_contiguous,
                      check_dim, check_dtype, check_rank, check_vector_aligned, common_device,
-                     check_no_alias, indices_on_host, live_tokens, sync_checked_call)
+                     check_flag, check_no_alias, check_sliding_window, check_sm_scale,
+                     indices_on_host, live_tokens, sync_checked_call)
 from .launch import Launch, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -254,24 +258,20 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
             raise InvalidArgumentError(describe("lse.shape", [batch, n_q_heads],
                                                 list(ls.shape)))
         check_contiguous("lse", ls)
-    if sliding_window is not None and (isinstance(sliding_window, bool)
-                                       or int(sliding_window) != sliding_window
-                                       or sliding_window < 1):
-        raise InvalidArgumentError(describe("sliding_window", "None or an int >= 1",
-                                            repr(sliding_window)))
-    if num_splits is not None and (isinstance(num_splits, bool) or int(num_splits) != num_splits
+    sliding_window = check_sliding_window(sliding_window)
+    if num_splits is not None and (isinstance(num_splits, (bool, np.bool_))
+                                   or not isinstance(num_splits, numbers.Integral)
                                    or not 1 <= num_splits <= MAX_SPLITS):
         raise InvalidArgumentError(describe("num_splits", f"None or an int in [1, {MAX_SPLITS}]",
                                             repr(num_splits)))
     device = common_device(tensors)
     check_no_alias({n: tensors[n] for n in ("out", "lse") if n in tensors},
                    {n: tensors[n] for n in ("q", "k_cache", "v_cache")})
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(
-            sm_scale, (int, float)) or not math.isfinite(float(sm_scale))):
-        raise InvalidArgumentError(describe("sm_scale", "a finite float", repr(sm_scale)))
+    sm_scale = check_sm_scale(sm_scale)
     if device.type == "cuda":  # K/V rows are staged with 16-byte cp.async copies
         check_vector_aligned({"k_cache": kc, "v_cache": vc})
     tokens = live_tokens({"cache_lengths": lengths, "lookup_table": table})
+    check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = indices_on_host(lengths, table)
     sync_checked_call(device, check_indices)

@@ -4,13 +4,13 @@ prefix and themselves (validation at the DLPack boundary, the kernel variant, lo
 from __future__ import annotations
 
 import math
-import numbers
 
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
                      check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
-                     common_device, indices_on_host, live_tokens,
-                     sync_checked_call, check_no_alias)
+                     check_causal, check_flag, check_sliding_window, check_sm_scale,
+                     common_device, indices_on_host, live_tokens, sync_checked_call,
+                     check_no_alias)
 from .launch import Launch, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -118,18 +118,11 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
                                             f"a positive multiple of n_kv_heads "
                                             f"({geo.n_kv_heads})", n_q_heads))
     group_size = n_q_heads // geo.n_kv_heads
-    if not isinstance(causal, (bool, numbers.Integral)):
-        raise InvalidArgumentError(describe("causal", "a bool", repr(causal)))
+    causal = check_causal(causal)
+    sm_scale = check_sm_scale(sm_scale)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(geo.head_dim)
-    if (not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool)
-            or not math.isfinite(float(sm_scale))):
-        raise InvalidArgumentError(describe("sm_scale", "a finite float", repr(sm_scale)))
-    if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral)
-                                       or isinstance(sliding_window, bool)
-                                       or not 1 <= int(sliding_window) < 2**31):
-        raise InvalidArgumentError(describe("sliding_window", "None or an int >= 1",
-                                            repr(sliding_window)))
+    sliding_window = check_sliding_window(sliding_window)
     check_batch_tables(indptr, lengths, table)
     device = common_device(tensors)
 
@@ -158,6 +151,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
         check_vector_aligned({"q": qt, "k_cache": kc, "v_cache": vc})
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
                           "lookup_table": table})
+    check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)
     sync_checked_call(device, check_indices)

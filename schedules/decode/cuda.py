@@ -36,6 +36,50 @@ from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 from ..common import DTYPE_BYTES, pages_bad_macro, replace_function
 #: Static shared memory kept for the K/V stages (of the 48 KiB a kernel may declare statically).
 SMEM_KV_BYTES = 40 * 1024
+#: What a kernel may declare statically, and the most threads a CTA may have.
+SMEM_STATIC_BYTES = 48 * 1024
+MAX_CTA_THREADS = 1024
+
+
+def attend_smem_bytes(bdz: int, G: int, D: int, stage_bytes: int) -> int:
+    """Static shared bytes of an attend kernel: K and V stages (``stage_bytes`` each), the
+    per-(row group, query head) running max/sum, and the output reduction, which reuses a K/V
+    stage buffer when it fits in one (as ptxas reports: d160 GQA 2 fp16 41088 bytes, d112 GQA 3
+    50560, 8-bit d256 GQA 4 67840)."""
+    red = bdz * G * D * 4
+    return 2 * stage_bytes + bdz * G * 2 * 4 + (0 if red <= stage_bytes else red)
+
+
+def fit_row_groups(spec, lanes: int, bdz: int, tile: int, smem) -> tuple[int, int]:
+    """``(bdz, tile)`` within a CTA's limits: ``lanes`` threads per row group (a multiple of
+    32 times ``bdz``, the shuffles use full warps), ``smem(bdz, tile)`` static shared bytes at
+    most :data:`SMEM_STATIC_BYTES`, at most :data:`MAX_CTA_THREADS` threads. Row groups are
+    dropped (whole-warp steps) until it fits -- only shapes that would not build otherwise
+    change (the shared bytes counted are those ptxas reports for the attend kernel) (e.g. head_dim 48 with GQA 16 over an 8-bit cache: the per-group reduction buffers
+    outgrew 48 KiB), then K/V tile rows; raises :class:`~kvtvm.errors.InvalidArgumentError` naming head_dim and
+    the group size when no whole-warp layout fits (an odd factor of ``lanes`` over 32, e.g.
+    head_dim 80 with GQA 7)."""
+    from math import gcd
+
+    from kvtvm.errors import InvalidArgumentError, describe
+
+    step = 32 // gcd(lanes, 32)               # fewest row groups making whole warps
+    while bdz > step and (smem(bdz, tile) > SMEM_STATIC_BYTES
+                          or lanes * bdz > MAX_CTA_THREADS):
+        bdz -= step
+        tile = max(tile, bdz) - max(tile, bdz) % bdz
+    while tile > bdz and smem(bdz, tile) > SMEM_STATIC_BYTES:  # then shorter K/V tiles
+        tile = max(bdz, tile // 2 - tile // 2 % bdz)
+    if lanes * bdz > MAX_CTA_THREADS or smem(bdz, tile) > SMEM_STATIC_BYTES:
+        raise InvalidArgumentError(describe(
+            "head_dim / group_size",
+            f"a CUDA decode layout in whole warps within {MAX_CTA_THREADS} threads and "
+            f"{SMEM_STATIC_BYTES // 1024} KiB of shared memory (another head_dim or GQA "
+            "group size; the CPU kernels take any)",
+            f"head_dim {spec.head_dim}, group_size {spec.group_size}, {spec.dtype}"
+            f"{' 8-bit' if spec.quantized else ''}: {lanes} threads per row group need "
+            f"{step} groups ({lanes * step} threads, {smem(step, max(tile, step))} bytes)"))
+    return bdz, tile
 
 _CP_ASYNC = r"""
 __device__ __forceinline__ void kvtvm_cp_async16(void* smem, const void* gmem) {
@@ -75,14 +119,30 @@ def default_knobs(spec) -> dict:
     # shuffle step per score; tools/gpu_decode_probe.py), unless that shrinks the CTA (the
     # row groups are capped at 8) or whole warps would need more than 8 row groups (tiny heads
     # with odd groups, e.g. d16 GQA 3: spills)
+    # A choice without a layout inside the CTA's limits (fit_row_groups) is skipped; when none
+    # has one, the first is returned and scheduling it raises the typed error.
     knobs = {"threads": 128, "tile_tokens": 32, "stages": 2, "merge_threads": 256}
     choices = vec_choices(spec)
     one = dict(knobs, vec=choices[0])
     if len(choices) == 1:
         return one
     two = dict(knobs, vec=choices[1])
-    g1, g2 = geometry(spec, one), geometry(spec, two)
+    g1, g2 = _geometry_or_none(spec, one), _geometry_or_none(spec, two)
+    if g1 is None or g2 is None:
+        for k in (one, two, *(dict(knobs, vec=v) for v in choices[2:])):
+            if _geometry_or_none(spec, k) is not None:
+                return k
+        return one
     return two if g2["bdz"] <= 8 and g2["threads"] >= g1["threads"] else one
+
+
+def _geometry_or_none(spec, knobs) -> dict | None:
+    from kvtvm.errors import InvalidArgumentError
+
+    try:
+        return geometry(spec, knobs)
+    except InvalidArgumentError:
+        return None
 
 
 def geometry(spec, knobs) -> dict:
@@ -105,6 +165,8 @@ def geometry(spec, knobs) -> dict:
         tile //= 2
     tile = max(tile, bdz)
     tile -= tile % bdz                       # rows per tz are equal
+    bdz, tile = fit_row_groups(spec, bdx * G, bdz, tile,
+                               lambda z, t: attend_smem_bytes(z, G, D, stages * t * D * esize))
     chunk = 16 // esize                      # elements per 16-byte copy
     return dict(esize=esize, vec=vec, bdx=bdx, bdy=G, bdz=bdz, threads=bdx * G * bdz,
                 stages=stages, tile=tile, rows_per_z=tile // bdz, chunk=chunk,

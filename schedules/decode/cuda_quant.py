@@ -23,7 +23,8 @@ from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale
 from kvtvm.quant import quant_row_bytes
 
 from ..common import pages_bad_macro, replace_function
-from .cuda import _COMMIT, _CP_ASYNC, SMEM_KV_BYTES, _wait_source, merge_macro
+from .cuda import (_COMMIT, _CP_ASYNC, SMEM_KV_BYTES, _wait_source, attend_smem_bytes,
+                   fit_row_groups, merge_macro)
 
 
 def _copy16_words(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_size):
@@ -138,6 +139,9 @@ def geometry(spec, knobs) -> dict:
         tile //= 2
     tile = max(tile, bdz)
     tile -= tile % bdz                       # rows per tz are equal
+    bdz, tile = fit_row_groups(
+        spec, bdx, bdz, tile,
+        lambda z, t: attend_smem_bytes(z, G, D, stages * t * quant_row_bytes(D)))
     chunk = 16                               # bytes (8-bit values) per 16-byte copy
     return dict(vec=vec, bdx=bdx, bdz=bdz, threads=bdx * bdz, stages=stages, tile=tile,
                 rows_per_z=tile // bdz, chunk=chunk, chunks_per_row=quant_row_bytes(D) // chunk)

@@ -76,6 +76,15 @@ def test_build_spec_set_covers_feature_sets():
     assert [(s.n_kv_heads, s.layout) for s in specs if s.op == "copy"] == [(1, "nhd")]
 
 
+def test_build_refuses_a_head_dim_the_cuda_kernels_cannot_take(tmp_path):
+    """Used to build the append, then fail decode with 'list index out of range'."""
+    proc = run("build", "--target", "cuda", "--ops", "append,decode", "--head-dims", "17",
+               "--out", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "head_dim: expected CUDA decode" in proc.stderr and "got 17" in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_build_refuses_unknown_features(tmp_path):
     proc = run("build", "--target", "llvm", "--ops", "decode", "--features", "none,alibi",
                "--out", str(tmp_path))
@@ -100,6 +109,10 @@ def test_generate_bad_prompts_say_why():
     assert proc.returncode == 2 and "token ids" in proc.stderr
     proc = run("generate", "--model", "toy", "--prompt", "")
     assert proc.returncode == 2 and "empty prompt" in proc.stderr
+    # a negative count used to end in a traceback about max_seq_len (the cache it sized)
+    proc = run("generate", "--model", "toy", "--prompt", "5", "--max-new-tokens", "-3")
+    assert proc.returncode == 2 and "--max-new-tokens" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_generate_second_process_warm_from_the_disk_tier(tmp_path):

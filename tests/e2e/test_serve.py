@@ -259,6 +259,31 @@ def test_cli_exit_code_and_report(monkeypatch, capsys, model):
     assert "MISMATCH request " in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flag", ["--max-new-tokens", "--page-size", "--max-seq-len",
+                                  "--max-batch-size", "--num-pages"])
+def test_cli_refuses_non_positive_sizes(flag, capsys):
+    """Used to end in a traceback from deep inside (page_size), or to serve nothing and exit 0
+    (max_new_tokens 0: every request rejected)."""
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--model", "toy", flag, "0"])
+    assert exc.value.code == 2
+    assert f"{flag}: expected a positive int, got 0" in capsys.readouterr().err
+
+
+def test_cli_toy_takes_max_new_tokens_and_fails_when_nothing_is_served(monkeypatch, capsys,
+                                                                      model):
+    """--max-new-tokens applies to the toy's requests too (it was ignored); a run where every
+    request is rejected exits 1 instead of reporting 'all 0 served requests match'."""
+    monkeypatch.setattr(serve, "build_model", lambda seed=0, device="cpu", dtype=None: model)
+    argv = ["--model", "toy", "--requests", "3", "--max-batch-size", "2", "--page-size", "7",
+            "--max-new-tokens", "1"]
+    assert serve.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "3 tokens generated" in out and "all 3 served requests match" in out
+    assert serve.main(["--model", "toy", "--requests", "2", "--max-seq-len", "2"]) == 1
+    assert "no request was served: all 4 were rejected" in capsys.readouterr().out
+
+
 def test_capacity_error_at_fetch_requeues(model, monkeypatch):
     """If the manager refuses a fetch despite admission (e.g. another user of the pool took
     pages), the new requests go back to the queue and are served later; nothing crashes."""

@@ -234,6 +234,24 @@ def test_bad_shapes(good):
         _call_poisoned(good, layout="xyz")
 
 
+@pytest.mark.parametrize("name,value", [
+    ("sliding_window", 2**32 + 2),   # used to wrap to a window of 2 in the int32 kernel argument
+    ("sliding_window", 2**31), ("sliding_window", [4]), ("sliding_window", "x"),
+    ("sliding_window", 2.0), ("num_splits", [2]), ("num_splits", 2.0),
+    ("sm_scale", "0.3"), ("sm_scale", torch.tensor(0.3)), ("sm_scale", True),
+    ("check_indices", "no")])
+def test_bad_scalars_are_typed_errors(good, name, value):
+    """Off-grid scalars: a TypeError/ValueError from int() or silently wrong numbers before."""
+    with pytest.raises(InvalidArgumentError, match=name):
+        _call_poisoned(good, **{name: value})
+
+
+def test_numpy_scalars_are_accepted(good):
+    """sm_scale=np.float32(...) was refused by decode (prefill took it); numpy ints too."""
+    check(good, "nhd", "float32", sm_scale=np.float32(0.3), num_splits=np.int64(2),
+          sliding_window=np.int32(9))
+
+
 def test_device_mismatch(good):
     q, kv, vv, lengths, table = good
     with pytest.raises(DeviceMismatchError):

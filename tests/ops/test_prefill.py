@@ -221,6 +221,11 @@ def test_bad_scalars(good):
     _call_untouched(good, InvalidArgumentError, "sliding_window", sliding_window=0)
     _call_untouched(good, InvalidArgumentError, "sm_scale", sm_scale=float("nan"))
     _call_untouched(good, InvalidArgumentError, "layout", layout="xyz")
+    # a window past the int32 kernel argument, causal other than a bool or 0/1
+    _call_untouched(good, InvalidArgumentError, r"sliding_window.*2\*\*31",
+                    sliding_window=2**32 + 2)
+    _call_untouched(good, InvalidArgumentError, "causal", causal=5)
+    _call_untouched(good, InvalidArgumentError, "check_indices", check_indices="no")
 
 
 def test_bad_device_or_strides(good):

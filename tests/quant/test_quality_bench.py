@@ -33,3 +33,37 @@ def test_quality_run_on_the_real_model(capsys):
     assert 1 < ppl["float32"] < 100                       # a trained model on English text
     assert abs(ppl["int8 K+V"] / ppl["float32"] - 1) < 0.01   # within 1% on this short run
     assert abs(ppl["fp8 K-only"] / ppl["float32"] - 1) < 0.05
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tokens", "100", "--window", "192", "--stride", "64"], "--tokens 100 is fewer than"),
+    (["--tokens", "0"], "--tokens 0 is fewer than"),
+    (["--new-tokens", "0"], "--new-tokens"),
+    (["--window", "64", "--stride", "128"], "--stride"),
+])
+def test_quality_refuses_windows_it_cannot_score(argv, needle, capsys):
+    """Off-grid options used to end in a ZeroDivisionError (no window scored) after loading
+    the model; now argparse refuses them first, naming the option."""
+    with pytest.raises(SystemExit) as err:
+        quality.main(argv)
+    assert err.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_quality_refuses_skip_layers_outside_the_model(monkeypatch, capsys):
+    """--skip-layers 30 on a 30-layer model used to wrap to layer 0 silently."""
+    class Config:
+        num_hidden_layers, max_position_embeddings = 30, 8192
+
+    class Model:
+        config = Config()
+
+    monkeypatch.setattr(quality, "load_model", lambda: (Model(), None))
+    for bad in ("30", "-31"):
+        with pytest.raises(SystemExit):
+            quality.main(["--tokens", "64", "--window", "64", "--stride", "32",
+                          "--skip-layers", bad])
+        assert "--skip-layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        quality.main(["--tokens", "9000", "--window", "9000", "--stride", "32"])
+    assert "max_position_embeddings=8192" in capsys.readouterr().err

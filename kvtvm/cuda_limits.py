@@ -1,0 +1,88 @@
+"""What the CUDA kernels support: head_dim per family, dtype and storage type.
+
+The CPU (llvm) kernels take any head_dim. The CUDA schedules split a head's row over the lanes
+of a warp in 16-byte vectors (decode), or over 16-wide tensor-core fragments (float16 /
+bfloat16 prefill), so their head_dim must fit those pieces. This module says so before anything
+is built or allocated -- as an :class:`~kvtvm.errors.InvalidArgumentError` naming head_dim and
+what is supported -- instead of an IndexError or an assertion deep inside a schedule. It is
+plain arithmetic (no TVM), used by :class:`kvtvm.compiler.KernelSpec` for CUDA specs and by
+:meth:`kvtvm.params.KVCacheParams.check_cuda` (the managers call it when one of their devices
+is CUDA); ``tests/compiler/test_cuda_limits.py`` checks it
+against the schedules' own choices.
+
+Rules (``c = 16 // itemsize``: 4 elements for float32, 8 for float16 / bfloat16):
+
+- decode, full precision: some ``v`` in ``(c, 2c, 4c)`` divides head_dim with
+  ``head_dim / v <= 32`` (a row inside one warp): float16 / bfloat16 multiples of 8 up to 256,
+  multiples of 16 up to 512, multiples of 32 up to 1024; float32 multiples of 4 up to 128, of 8 up to 256, of 16 up to 512.
+- decode, 8-bit K and V: some ``v`` in ``(4, 8, 16, 32)`` with the same rule.
+- prefill: float16 / bfloat16 need a multiple of 16 (tensor-core fragments); float32 any.
+- append: full precision any; quantizing (8-bit K or V) a multiple of 4.
+- copy: any.
+"""
+
+from __future__ import annotations
+
+from .errors import InvalidArgumentError, describe
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def decode_vectors(dtype: str, head_dim: int, quantized: bool = False) -> list[int]:
+    """The CUDA decode's choices of head_dim elements per thread (empty: unsupported)."""
+    if quantized:
+        sizes = (4, 8, 16, 32)
+    else:
+        chunk = 16 // _ITEMSIZE[dtype]
+        sizes = (chunk, 2 * chunk, 4 * chunk)
+    return [v for v in sizes if head_dim % v == 0 and head_dim // v <= 32]
+
+
+def _decode_rule(dtype: str, quantized: bool) -> str:
+    sizes = (4, 8, 16, 32) if quantized else tuple(
+        16 // _ITEMSIZE[dtype] * k for k in (1, 2, 4))
+    parts = [f"a multiple of {v} up to {32 * v}" for v in sizes]
+    return ", or ".join(parts)
+
+
+def cuda_head_dim_problem(op: str, dtype: str, head_dim: int, k_storage: str = "",
+                          v_storage: str = "") -> str | None:
+    """Why the CUDA kernel of family ``op`` cannot take ``head_dim`` (None: it can)."""
+    quant = bool(k_storage or v_storage)
+    if op == "decode":
+        both = bool(k_storage and v_storage)
+        if not decode_vectors(dtype, head_dim, quantized=both):
+            what = "8-bit K and V" if both else dtype
+            return f"CUDA decode ({what}): {_decode_rule(dtype, both)}"
+    elif op == "prefill":
+        if dtype in ("float16", "bfloat16") and head_dim % 16:
+            return f"CUDA prefill ({dtype}, tensor cores): a multiple of 16"
+    elif op == "append":
+        if quant and head_dim % 4:
+            return "CUDA quantizing append: a multiple of 4"
+    return None
+
+
+def check_cuda_head_dim(op: str, dtype: str, head_dim: int, k_storage: str = "",
+                        v_storage: str = "") -> None:
+    """Raise :class:`InvalidArgumentError` naming head_dim when the CUDA ``op`` cannot take
+    it."""
+    why = cuda_head_dim_problem(op, dtype, head_dim, k_storage, v_storage)
+    if why:
+        raise InvalidArgumentError(describe("head_dim", why + " (the CPU kernels take any)",
+                                            head_dim))
+
+
+def check_params_on_cuda(params) -> None:
+    """Raise when a cache with ``params`` (:class:`kvtvm.params.KVCacheParams`) could not run
+    append, decode or prefill on CUDA because of its head_dim; managers call it when one of
+    their devices is CUDA. 8-bit layers are judged by their K/V storage (a CUDA decode over
+    them needs both 8-bit; the ops refuse other mixes at call time)."""
+    dtype, D = params.dtype, params.head_dim
+    k8 = params.k_cache_dtype if params.k_cache_dtype != dtype else ""
+    v8 = params.v_cache_dtype if params.v_cache_dtype != dtype else ""
+    check_cuda_head_dim("append", dtype, D, k8, v8)
+    check_cuda_head_dim("decode", dtype, D, k8, v8)
+    if params.skip_layers or not (k8 or v8):   # full-precision layers exist
+        check_cuda_head_dim("decode", dtype, D)
+        check_cuda_head_dim("prefill", dtype, D)
