@@ -332,6 +332,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
+        """True when no request is waiting, queued or running."""
         return not (self.pending or self.queue or self.running)
 
     def step(self) -> None:
