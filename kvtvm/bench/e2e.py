@@ -222,7 +222,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-lens", default=[128, 1024], type=cliargs.int_list)
     parser.add_argument("--new-tokens", type=cliargs.positive_int, default=32)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"subset of {','.join(WAYS)}")
-    parser.add_argument("--repeat", type=cliargs.positive_int, default=1, help="timed runs per way (median)")
+    parser.add_argument("--repeat", type=cliargs.positive_int, default=1,
+                        help="timed runs per way (median)")
     parser.add_argument("--step-tokens", type=cliargs.positive_int, default=512,
                         help="the engine's max_step_tokens (chunked prefill budget; default "
                         "the engine's own)")

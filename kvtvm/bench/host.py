@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=cliargs.positive_int, default=4)
     parser.add_argument("--head-dim", type=cliargs.positive_int, default=64)
     parser.add_argument("--steps", type=cliargs.positive_int, default=30)
-    parser.add_argument("--json", type=cliargs.output_file, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", type=cliargs.output_file, metavar="PATH",
+                        help="also write the results as JSON")
     args = parser.parse_args(argv)
     shape = (args.layers, args.batch, args.context, args.n_kv_heads, args.group_size,
              args.head_dim, args.device, args.steps)

@@ -131,15 +131,18 @@ def main(argv=None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default=[1, 64, 256], type=cliargs.int_list,
                         help="decode batch sizes, comma-separated (default 1,64,256)")
-    parser.add_argument("--context", type=cliargs.positive_int, default=4096, help="context per sequence")
+    parser.add_argument("--context", type=cliargs.positive_int, default=4096,
+                        help="context per sequence")
     parser.add_argument("--page-size", type=cliargs.positive_int, default=16)
-    parser.add_argument("--steps", type=cliargs.positive_int, default=200, help="timed decode steps per case")
+    parser.add_argument("--steps", type=cliargs.positive_int, default=200,
+                        help="timed decode steps per case")
     parser.add_argument("--requests", type=cliargs.positive_int, default=2000,
                         help="requests of the memory-efficiency workload")
     parser.add_argument("--max-batch", type=cliargs.positive_int, default=64,
                         help="running sequences of the memory-efficiency workload")
     parser.add_argument("--max-seq-len", type=cliargs.positive_int, default=4096)
-    parser.add_argument("--json", type=cliargs.output_file, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", type=cliargs.output_file, metavar="PATH",
+                        help="also write the results as JSON")
     args = parser.parse_args(argv)
 
     kinds = ("paged", "paged+prefix", "continuous")

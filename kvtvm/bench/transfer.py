@@ -210,7 +210,8 @@ def main(argv=None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", type=cliargs.device)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument("--tokens", type=cliargs.positive_int, default=512, help="tokens of the sequence sent")
+    parser.add_argument("--tokens", type=cliargs.positive_int, default=512,
+                        help="tokens of the sequence sent")
     parser.add_argument("--page-size", type=cliargs.positive_int, default=16)
     parser.add_argument("--layers", type=cliargs.positive_int, default=8)
     parser.add_argument("--n-kv-heads", type=cliargs.positive_int, default=8)
@@ -218,9 +219,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float16", type=cliargs.float_dtype)
     parser.add_argument("--repeat", type=cliargs.positive_int, default=10)
     parser.add_argument("--warmup", type=cliargs.nonnegative_int, default=2)
-    parser.add_argument("--threads", type=cliargs.positive_int, default=1, help="torch threads per process")
+    parser.add_argument("--threads", type=cliargs.positive_int, default=1,
+                        help="torch threads per process")
     parser.add_argument("--skip", default="", help="comma list of: transfer, host")
-    parser.add_argument("--json", type=cliargs.output_file, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", type=cliargs.output_file, metavar="PATH",
+                        help="also write the results as JSON")
     args = parser.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     if skip - {"transfer", "host"}:
