@@ -124,6 +124,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.stride <= args.window:
         ap.error("need 0 < --stride <= --window")
+    if args.tokens < args.window:
+        ap.error(f"--tokens {args.tokens} is less than one --window ({args.window}): nothing "
+                 "would be scored")
     import torch
 
     model, tok = load_model()

@@ -47,6 +47,8 @@ CASES = [
     (["bench", "e2e", "--model", "/nonexistent/model", "--ways", "engine"], "--model"),
     (["bench", "e2e", "--prompt-lens", "8,x"], "--prompt-lens"),
     (["bench", "quality", "--tokens", "0"], "--tokens"),
+    (["bench", "quality", "--tokens", "100", "--window", "200", "--stride", "100"],
+     "--tokens 100"),
     (["bench", "transfer", "--dtype", "floot32"], "--dtype"),
     (["bench", "transfer", "--backend", "nccl"], "--backend nccl"),
     (["bench", "transfer", "--skip", "nosuch"], "--skip"),
