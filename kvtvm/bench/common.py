@@ -82,8 +82,17 @@ PEERS = {"dense": "torch SDPA dense", "gather": "torch gather+SDPA", "tvm": "TVM
          "flashinfer": "FlashInfer"}
 
 
+def skip_keys(text: str) -> str:
+    """argparse ``type`` of ``--skip``: comma-separated keys of :data:`PEERS`."""
+    unknown = sorted({k for k in text.split(",") if k} - set(PEERS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {unknown}; choose from "
+                                         f"{', '.join(PEERS)}")
+    return text
+
+
 def add_skip_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--skip", nargs="*", default=[], metavar="PEER",
+    parser.add_argument("--skip", nargs="*", default=[], metavar="PEER", type=skip_keys,
                         help=f"peers to leave out ({', '.join(PEERS)}; space or comma separated)")
 
 

@@ -42,6 +42,7 @@ CASES = [
     (["bench", "decode", "--cases", "4y100"], "--cases"),
     (["bench", "decode", "--json", "/nonexistent/dir/out.json"], "--json"),
     (["bench", "prefill", "--cases", "1:2"], "--cases"),
+    (["bench", "prefill", "--skip", "dense,nosuch"], "--skip"),
     (["bench", "manager", "--batches", "0"], "--batches"),
     (["bench", "host", "--layers", "0"], "--layers"),
     (["bench", "e2e", "--model", "/nonexistent/model", "--ways", "engine"], "--model"),
