@@ -99,3 +99,16 @@ def test_typed_error_past_the_options_is_one_line(capsys, monkeypatch):
     assert _status(bench_main, ["host", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().endswith("got 3")
+
+
+def test_load_model_refuses_a_bad_device_by_name():
+    from kvtvm.engine import load_model
+    from kvtvm.errors import DeviceUnavailableError, InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="^device: expected cpu or cuda"):
+        load_model("toy", device="meta")
+    with pytest.raises(InvalidArgumentError, match="^device: expected device names.*'tpu'$"):
+        load_model("toy", device="tpu")
+    if NO_CUDA:
+        with pytest.raises(DeviceUnavailableError, match="^device: cuda"):
+            load_model("toy", device="cuda")
