@@ -75,6 +75,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvtvm' has no attribute {name!r}")
 
 
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = ["KVCacheParams", "KVCacheStrategy", "KVCacheError", "InvalidArgumentError",
            "DTypeMismatchError", "DeviceMismatchError", "UnknownSequenceError",
            "SequenceStateError", "KVCacheCapacityError", "SequenceTooLongError",

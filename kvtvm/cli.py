@@ -9,8 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import compiler
+from . import cliargs, compiler
 from .compiler.spec import QUANT_FAMILIES
+from .errors import KVCacheError
 from .quant import QUANT_DTYPES
 
 
@@ -66,6 +67,13 @@ def available_ops() -> list[str]:
 def cmd_build(args) -> int:
     arch = args.arch if args.target == "cuda" else None
     ops = args.ops or available_ops()
+    for option, given, known in (("--ops", ops, available_ops()),
+                                 ("--dtypes", args.dtypes, cliargs.FLOAT_DTYPES),
+                                 ("--layouts", args.layouts, ("nhd", "hnd"))):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            print(f"{option}: unknown {unknown}; known: {', '.join(known)}", file=sys.stderr)
+            return 2
     unknown = sorted(set(args.features) - set(ATTENTION_FEATURES))
     if unknown:
         print(f"--features: unknown {unknown}; known: {sorted(ATTENTION_FEATURES)}",
@@ -217,9 +225,9 @@ def main(argv=None) -> int:
     b.add_argument("--ops", type=_csv(str), default=None,
                    help="comma-separated families (default: all defined)")
     b.add_argument("--dtypes", type=_csv(str), default=["float16", "bfloat16"])
-    b.add_argument("--head-dims", type=_csv(int), default=[128])
-    b.add_argument("--kv-heads", type=_csv(int), default=[8])
-    b.add_argument("--group-sizes", type=_csv(int), default=[4])
+    b.add_argument("--head-dims", type=cliargs.int_list, default=[128])
+    b.add_argument("--kv-heads", type=cliargs.int_list, default=[8])
+    b.add_argument("--group-sizes", type=cliargs.int_list, default=[4])
     b.add_argument("--layouts", type=_csv(str), default=["nhd", "hnd"])
     b.add_argument("--features", type=_csv(str), default=["none"],
                    help="attention feature sets to build, comma-separated: "
@@ -243,19 +251,19 @@ def main(argv=None) -> int:
     g.add_argument("--model", default="smollm2",
                    help="'smollm2', a local model directory, or 'toy' (prompt = token ids)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="cpu", type=cliargs.device)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--torch-threads", type=int, default=1,
+    g.add_argument("--torch-threads", type=cliargs.positive_int, default=1,
                    help="torch intra-op threads (default 1: see kvtvm.engine.threads)")
-    g.add_argument("--kernel-threads", type=int, default=None,
+    g.add_argument("--kernel-threads", type=cliargs.positive_int, default=None,
                    help="kvtvm kernel threads (default KVTVM_NUM_THREADS or the cores)")
     g.add_argument("--check", action="store_true",
                    help="greedy: compare the tokens with transformers' generate (exit 1 if not)")
-    g.add_argument("--host-tier-pages", type=int, default=0,
+    g.add_argument("--host-tier-pages", type=cliargs.nonnegative_int, default=0,
                    help="pages of the prefix cache's host tier (default 0: none)")
     g.add_argument("--disk-tier-dir", default=None,
                    help="prefix cache disk tier directory: a later run with the same "
@@ -278,7 +286,11 @@ def main(argv=None) -> int:
 
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("kvtvm").setLevel(logging.DEBUG)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KVCacheError as err:  # a value the options let through that kvtvm refuses
+        print(f"python -m kvtvm {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

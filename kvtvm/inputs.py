@@ -273,6 +273,22 @@ class RaggedKVCacheInputs(KVCacheInputs):
         (a later fetch, their step, or a release of one of their sequences)."""
         check_live("kv_cache_inputs", self.token)
 
+    def __repr__(self) -> str:
+        """The step in numbers (never the cache's contents)."""
+        def shape(t):
+            return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+        lengths = self.cache_lengths_host
+        indptr = self.qo_indptr_host
+        new = None if indptr is None else np.diff(indptr).tolist()
+        state = "" if self.token is None else (", live" if self.token.live else ", stale")
+        strategy = "" if self.params is None else f"{self.params.cache_strategy.value}, "
+        return (f"RaggedKVCacheInputs({strategy}seq_ids={list(self.seq_ids)}, "
+                f"cache_lengths={None if lengths is None else lengths.tolist()}, "
+                f"new_tokens={new}, num_cached_tokens={list(self.num_cached_tokens)}, "
+                f"lookup_table={shape(self.lookup_table)}, blocks={shape(self.blocks)} on "
+                f"{getattr(self.blocks, 'device', 'host')}, device_index={self.device_index}"
+                f"{state})")
+
     @property
     def batch_size(self) -> int:
         return int(self.cache_lengths.shape[0])

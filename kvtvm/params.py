@@ -129,7 +129,7 @@ def numpy_dtype(dtype: Any):
     return np.dtype(name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class KVCacheParams:
     """Static description of a KV cache; frozen and hashable.
 
@@ -232,6 +232,35 @@ class KVCacheParams:
             raise InvalidArgumentError(describe("dtype", "given (the config names none)", None))
         return cls(dtype, int(kv_heads), int(head_dim), cache_strategy, page_size=page_size,
                    enable_prefix_caching=enable_prefix_caching)
+
+    def __repr__(self) -> str:
+        """The constructor call that makes these params, defaults left out."""
+        parts = [repr(self.dtype), f"n_kv_heads={self.n_kv_heads}", f"head_dim={self.head_dim}",
+                 f"cache_strategy={self.cache_strategy.value!r}"]
+        if self.page_size is not None:
+            parts.append(f"page_size={self.page_size}")
+        if self.enable_prefix_caching:
+            parts.append("enable_prefix_caching=True")
+        if self.cache_dtype != self.dtype:
+            parts.append(f"cache_dtype={self.cache_dtype!r}")
+        for name in ("k_cache_dtype", "v_cache_dtype"):
+            if getattr(self, name) != self.cache_dtype:
+                parts.append(f"{name}={getattr(self, name)!r}")
+        if self.skip_layers:
+            parts.append(f"skip_layers={self.skip_layers}")
+        return f"KVCacheParams({', '.join(parts)})"
+
+    def summary(self) -> str:
+        """One short line: element type, heads x head_dim, storage when not ``dtype``
+        (e.g. ``"float16, 8 kv heads x 128, K int8 V float8_e4m3fn"``)."""
+        text = f"{self.dtype}, {self.n_kv_heads} kv heads x {self.head_dim}"
+        if self.k_cache_dtype == self.v_cache_dtype != self.dtype:
+            text += f", {self.k_cache_dtype} K/V"
+        elif self.k_cache_dtype != self.v_cache_dtype:
+            text += f", K {self.k_cache_dtype} V {self.v_cache_dtype}"
+        if self.skip_layers and self.quantized:
+            text += f" (layers {list(self.skip_layers)} {self.dtype})"
+        return text
 
     @property
     def itemsize(self) -> int:

@@ -71,6 +71,12 @@ class StepPlan:
         self._append: Launch | None = None
         self._attention: Launch | None = None
 
+    def __repr__(self) -> str:
+        kind = "decode" if self.decode else "prefill"
+        new = np.diff(np.asarray(self.inputs.qo_indptr_host)).tolist()
+        return (f"StepPlan({kind}, layers={len(self._caches)}, seq_ids="
+                f"{list(self.inputs.seq_ids)}, new_tokens={new})")
+
     def _layer(self, layer) -> tuple:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
                 or not 0 <= layer < len(self._caches):
@@ -155,5 +161,15 @@ class StepPlan:
 
 def plan_step(inputs, **kwargs) -> StepPlan:
     """A :class:`StepPlan` for this step's ``inputs`` (keyword arguments as its
-    constructor's)."""
+    constructor's: ``causal``, ``sm_scale``, ``sliding_window``, ``decode``).
+
+    Per layer, after the model's projections (``T`` = the step's new tokens of every
+    sequence, ``inputs.qo_indptr[-1]``)::
+
+        plan = plan_step(inputs)                  # inputs: one device's fetched inputs
+        for layer in range(num_layers):
+            plan.append_kv(layer, k, v)           # k, v: [T, n_kv_heads, head_dim]
+            out, lse = plan.attention(layer, q)   # q: [T, n_q_heads, head_dim] -> out like q,
+                                                  # lse: float32 [T, n_q_heads]
+    """
     return StepPlan(inputs, **kwargs)

@@ -25,7 +25,7 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from . import compiler, runtime
+from . import cliargs, compiler, runtime
 from .bench.common import device_name, median_seconds
 from .compiler.trust import check_trusted, check_trusted_tree
 from .kernels.errflag import ERR_SLOTS
@@ -213,16 +213,16 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", choices=compiler.KERNEL_FAMILIES,
                         help="kernel family (required, except with --prebuilt: all of DIR)")
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=1)
+    parser.add_argument("--dtype", default="float16", type=cliargs.float_dtype)
+    parser.add_argument("--head-dim", type=cliargs.positive_int, default=128)
+    parser.add_argument("--kv-heads", type=cliargs.positive_int, default=8)
+    parser.add_argument("--group-size", type=cliargs.positive_int, default=1)
     parser.add_argument("--layout", default="nhd", choices=compiler.LAYOUTS)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--arch", choices=sorted(compiler.CUDA_ARCHS),
                         help="with --build-only: the CUDA arch to build for (no GPU needed)")
-    parser.add_argument("--max-trials", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--max-trials", type=cliargs.positive_int, default=32)
+    parser.add_argument("--repeat", type=cliargs.positive_int, default=20)
     parser.add_argument("--log-root", type=Path, default=None,
                         help="tuning_logs directory to write (default: the package's)")
     parser.add_argument("--dry-run", action="store_true", help="search but write nothing")
@@ -237,6 +237,11 @@ def main(argv=None) -> int:
         SHOW_PROGRESS = False
     if args.build_only and args.prebuilt:
         parser.error("--build-only and --prebuilt are two steps: give one")
+    if not args.build_only:
+        try:
+            cliargs.device(args.device)
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"argument --device: {err} (--build-only DIR builds without a GPU)")
     if args.prebuilt:
         specs = manifest_specs(args.prebuilt, args.op)
         if not specs:
@@ -252,8 +257,10 @@ def main(argv=None) -> int:
             continue
         entry = tune(spec, args.device, args.max_trials, args.repeat, log_root=args.log_root,
                      write=not args.dry_run, prebuilt=args.prebuilt)
+        default_ms = entry["default_ms"]
+        default = "failed" if default_ms is None else f"{default_ms:.4f} ms"
         print(f"{spec.uri} on {entry['device']}: best {entry['knobs']} "
-              f"{entry['median_ms']:.4f} ms (default {entry['default_ms']} ms)")
+              f"{entry['median_ms']:.4f} ms (default {default})")
         if "path" in entry:
             print(f"wrote {entry['path']}")
     return 0

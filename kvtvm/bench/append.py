@@ -10,6 +10,7 @@ import argparse
 
 import numpy as np
 
+from .. import cliargs
 from ..quant import QUANT_DTYPES, quant_row_bytes
 from .common import Row, add_common_args, log, progress, report, timed
 
@@ -89,10 +90,10 @@ def quantizing_run(case, storage: str):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench append", description=__doc__)
     add_common_args(parser)
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--n-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float16", type=cliargs.float_dtype)
+    parser.add_argument("--n-kv-heads", type=cliargs.positive_int, default=8)
+    parser.add_argument("--head-dim", type=cliargs.positive_int, default=128)
+    parser.add_argument("--page-size", type=cliargs.positive_int, default=16)
     parser.add_argument("--cache-dtype", nargs="*", default=[], choices=QUANT_DTYPES,
                         metavar="STORAGE",
                         help="also time the quantizing append into an int8 / float8_e4m3fn "

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import date
 
+from .. import cliargs
+
 log = logging.getLogger("kvtvm.bench")
 
 #: What ``--plot`` says when matplotlib is missing.
@@ -29,7 +31,7 @@ def plot_path(value: str) -> str:
     matplotlib is not installed, saying how to get it."""
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError(PLOT_HINT)
-    return value
+    return cliargs.output_file(value)
 
 
 def progress(iterable=None, *, total: int | None = None, desc: str | None = None):
@@ -58,10 +60,14 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--repeat", type=int, default=20, help="timed runs per case")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed runs per case")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--device", default="cpu", type=cliargs.device,
+                        help="cpu or cuda (default: cpu)")
+    parser.add_argument("--repeat", type=cliargs.positive_int, default=20,
+                        help="timed runs per case")
+    parser.add_argument("--warmup", type=cliargs.nonnegative_int, default=3,
+                        help="untimed runs per case")
+    parser.add_argument("--json", metavar="PATH", type=cliargs.output_file,
+                        help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG", type=plot_path,
                         help="also draw the results as a bar chart with the values on the bars "
                              "(needs matplotlib: pip install 'kvtvm[bench]')")
@@ -76,8 +82,17 @@ PEERS = {"dense": "torch SDPA dense", "gather": "torch gather+SDPA", "tvm": "TVM
          "flashinfer": "FlashInfer"}
 
 
+def skip_keys(text: str) -> str:
+    """argparse ``type`` of ``--skip``: comma-separated keys of :data:`PEERS`."""
+    unknown = sorted({k for k in text.split(",") if k} - set(PEERS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {unknown}; choose from "
+                                         f"{', '.join(PEERS)}")
+    return text
+
+
 def add_skip_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--skip", nargs="*", default=[], metavar="PEER",
+    parser.add_argument("--skip", nargs="*", default=[], metavar="PEER", type=skip_keys,
                         help=f"peers to leave out ({', '.join(PEERS)}; space or comma separated)")
 
 

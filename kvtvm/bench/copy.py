@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from .. import cliargs
 from .common import Row, add_common_args, log, progress, report, timed
 
 # (name, pages in the pool, pages copied)
@@ -40,9 +41,9 @@ def tuning_workload(spec, device: str):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench copy", description=__doc__)
     add_common_args(parser)
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--n-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="float16", type=cliargs.float_dtype)
+    parser.add_argument("--n-kv-heads", type=cliargs.positive_int, default=8)
+    parser.add_argument("--head-dim", type=cliargs.positive_int, default=128)
     args = parser.parse_args(argv)
     from .. import ops
 

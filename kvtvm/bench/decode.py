@@ -13,6 +13,7 @@ import argparse
 import math
 import time
 
+from .. import cliargs
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
 from .quant_cases import CACHE_DTYPES, cache_as, row_bytes, speedup_lines
@@ -159,17 +160,28 @@ def tuning_workload(spec, device: str):
     return args, (out, lse)
 
 
+def batch_by_context(text: str) -> tuple[int, int]:
+    """argparse ``type`` of ``--cases``: ``"64x4096"`` -> ``(64, 4096)``."""
+    parts = text.lower().split("x")
+    try:
+        batch, ctx = (cliargs.positive_int(p) for p in parts)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected BATCHxCTX with positive ints such as "
+                                         f"64x4096, got {text!r}") from None
+    return batch, ctx
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench decode", description=__doc__)
     add_common_args(parser)
-    parser.add_argument("--dtype", default=None,
+    parser.add_argument("--dtype", default=None, type=cliargs.float_dtype,
                         help="float16 (default on CUDA) or float32 (default on the CPU, where "
                              "torch's float16 SDPA is emulated and slow)")
-    parser.add_argument("--n-kv-heads", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--cases", nargs="*", metavar="BATCHxCTX",
+    parser.add_argument("--n-kv-heads", type=cliargs.positive_int, default=8)
+    parser.add_argument("--group-size", type=cliargs.positive_int, default=4)
+    parser.add_argument("--head-dim", type=cliargs.positive_int, default=128)
+    parser.add_argument("--page-size", type=cliargs.positive_int, default=16)
+    parser.add_argument("--cases", nargs="*", metavar="BATCHxCTX", type=batch_by_context,
                         help="e.g. 1x4096 64x4096 (default: a per-device set)")
     parser.add_argument("--cache-dtype", nargs="*", default=[], choices=CACHE_DTYPES,
                         metavar="STORAGE",
@@ -188,7 +200,7 @@ def main(argv=None) -> int:
     cuda = device.startswith("cuda")
     dtype = args.dtype or ("float16" if cuda else "float32")
     if args.cases:
-        cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases]
+        cases = args.cases
     else:
         cases = DEFAULT_CASES["cuda" if cuda else "cpu"]
     scale = 1.0 / math.sqrt(args.head_dim)

@@ -35,6 +35,8 @@ import time
 import numpy as np
 import torch
 
+from .. import cliargs
+
 WAYS = ("engine", "hf-batch-sdpa", "hf-batch-paged-eager", "hf-batch-kvtvm",
         "hf-generate-sdpa", "hf-generate-kvtvm")
 
@@ -216,21 +218,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="'smollm2', 'toy' or a directory")
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--prompt-lens", default="128,1024")
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=cliargs.positive_int, default=8)
+    parser.add_argument("--prompt-lens", default=[128, 1024], type=cliargs.int_list)
+    parser.add_argument("--new-tokens", type=cliargs.positive_int, default=32)
     parser.add_argument("--ways", default=",".join(WAYS), help=f"subset of {','.join(WAYS)}")
-    parser.add_argument("--repeat", type=int, default=1, help="timed runs per way (median)")
-    parser.add_argument("--step-tokens", type=int, default=512,
+    parser.add_argument("--repeat", type=cliargs.positive_int, default=1,
+                        help="timed runs per way (median)")
+    parser.add_argument("--step-tokens", type=cliargs.positive_int, default=512,
                         help="the engine's max_step_tokens (chunked prefill budget; default "
                         "the engine's own)")
-    parser.add_argument("--hf-threads", type=int, default=None,
+    parser.add_argument("--hf-threads", type=cliargs.positive_int, default=None,
                         help="torch threads of the transformers paths (default: torch's)")
     parser.add_argument("--kvtvm-threads-one", action=argparse.BooleanOptionalAction,
                         default=True, help="run the hf-*-kvtvm ways with torch on one thread, "
                         "as the engine (default yes)")
-    parser.add_argument("--json", default=None, metavar="PATH")
-    parser.add_argument("--plot", default=None, metavar="PATH.png")
+    parser.add_argument("--json", type=cliargs.output_file, default=None, metavar="PATH")
+    parser.add_argument("--plot", type=cliargs.output_file, default=None, metavar="PATH.png")
     args = parser.parse_args(argv)
     from ..engine import load_model
 
@@ -243,7 +246,7 @@ def main(argv=None) -> int:
     model.generation_config.eos_token_id = None
     rows = []
     print(f"load average {os.getloadavg()[0]:.1f} at start; {os.cpu_count()} cpus")
-    for length in (int(x) for x in args.prompt_lens.split(",")):
+    for length in args.prompt_lens:
         prompts = _prompts(args.requests, length, model.config.vocab_size)
         for way in ways:                         # untimed: kernels, allocator, caches warm
             run_way(way, model, prompts[:2], 2, args)

@@ -14,6 +14,7 @@ import json
 import statistics
 import time
 
+from .. import cliargs
 from .common import log
 
 
@@ -66,15 +67,16 @@ def step_ms(planned: bool, layers: int, batch: int, context: int, n_kv_heads: in
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench host",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--n-kv-heads", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--device", default="cpu", type=cliargs.device)
+    parser.add_argument("--layers", type=cliargs.positive_int, default=32)
+    parser.add_argument("--batch", type=cliargs.positive_int, default=4)
+    parser.add_argument("--context", type=cliargs.positive_int, default=64)
+    parser.add_argument("--n-kv-heads", type=cliargs.positive_int, default=2)
+    parser.add_argument("--group-size", type=cliargs.positive_int, default=4)
+    parser.add_argument("--head-dim", type=cliargs.positive_int, default=64)
+    parser.add_argument("--steps", type=cliargs.positive_int, default=30)
+    parser.add_argument("--json", type=cliargs.output_file, metavar="PATH",
+                        help="also write the results as JSON")
     args = parser.parse_args(argv)
     shape = (args.layers, args.batch, args.context, args.n_kv_heads, args.group_size,
              args.head_dim, args.device, args.steps)

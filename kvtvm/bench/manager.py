@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from .. import cliargs
 from ..inputs import BatchItem, TokenBatch
 from ..params import KVCacheParams
 from .common import log, progress
@@ -128,20 +129,24 @@ def memory_efficiency(num_requests: int, max_batch: int, max_seq_len: int, page_
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench manager",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,64,256", help="decode batch sizes")
-    parser.add_argument("--context", type=int, default=4096, help="context per sequence")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=200, help="timed decode steps per case")
-    parser.add_argument("--requests", type=int, default=2000,
+    parser.add_argument("--batches", default=[1, 64, 256], type=cliargs.int_list,
+                        help="decode batch sizes, comma-separated (default 1,64,256)")
+    parser.add_argument("--context", type=cliargs.positive_int, default=4096,
+                        help="context per sequence")
+    parser.add_argument("--page-size", type=cliargs.positive_int, default=16)
+    parser.add_argument("--steps", type=cliargs.positive_int, default=200,
+                        help="timed decode steps per case")
+    parser.add_argument("--requests", type=cliargs.positive_int, default=2000,
                         help="requests of the memory-efficiency workload")
-    parser.add_argument("--max-batch", type=int, default=64,
+    parser.add_argument("--max-batch", type=cliargs.positive_int, default=64,
                         help="running sequences of the memory-efficiency workload")
-    parser.add_argument("--max-seq-len", type=int, default=4096)
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--max-seq-len", type=cliargs.positive_int, default=4096)
+    parser.add_argument("--json", type=cliargs.output_file, metavar="PATH",
+                        help="also write the results as JSON")
     args = parser.parse_args(argv)
 
     kinds = ("paged", "paged+prefix", "continuous")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     timing = {}
     print(f"host time per decode step (fetch + step), context ~{args.context}, page size "
           f"{args.page_size}, median of {args.steps} steps, microseconds: wall (thread CPU)")

@@ -18,6 +18,7 @@ import argparse
 import itertools
 import math
 
+from .. import cliargs
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
 from .quant_cases import CACHE_DTYPES, cache_as, row_bytes, speedup_lines
@@ -224,12 +225,32 @@ def tuning_workload(spec, device: str):
     return args, (out, lse)
 
 
+def batch_new_cached(text: str) -> list[tuple[int, int, int]]:
+    """argparse ``type`` of ``--cases``: ``"1:512:0,4:128:1920"`` -> ``[(1, 512, 0), ...]``
+    (batch and new tokens >= 1, cached tokens >= 0)."""
+    cases = []
+    for item in (c for c in text.split(",") if c):
+        parts = item.split(":")
+        try:
+            if len(parts) != 3:
+                raise ValueError
+            cases.append((cliargs.positive_int(parts[0]), cliargs.positive_int(parts[1]),
+                          cliargs.nonnegative_int(parts[2])))
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"expected batch:new:cached triples such as "
+                                             f"1:512:0,4:128:1920, got {item!r}") from None
+    if not cases:
+        raise argparse.ArgumentTypeError(f"expected batch:new:cached triples, got {text!r}")
+    return cases
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench prefill",
                                      description=__doc__.split("\n\n")[0])
     add_common_args(parser)
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--cases", help="batch:new:cached,... (default: per device)")
+    parser.add_argument("--dtype", default="float16", type=cliargs.float_dtype)
+    parser.add_argument("--cases", type=batch_new_cached,
+                        help="batch:new:cached,... (default: per device)")
     parser.add_argument("--cache-dtype", nargs="*", default=[], choices=CACHE_DTYPES,
                         metavar="STORAGE",
                         help="also run kvtvm over the same K/V stored as these types (int8, "
@@ -245,7 +266,7 @@ def main(argv=None) -> int:
             args.repeat, args.warmup = 5, 1
     cases = CPU_CASES if device == "cpu" else GPU_CASES
     if args.cases:
-        cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+        cases = args.cases
     skip = parse_skip(args)
     rows: list[Row] = []
     notes = []

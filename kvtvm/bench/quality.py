@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from .. import cliargs
 from ..quant import dequantize_rows, quantize_rows
 from .common import log
 
@@ -110,10 +111,12 @@ def greedy(model, tok, prompt: str, n_new: int) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtvm.bench quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=8192, help="tokens of text scored from")
-    ap.add_argument("--window", type=int, default=2048)
-    ap.add_argument("--stride", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt")
+    ap.add_argument("--tokens", type=cliargs.positive_int, default=8192,
+                    help="tokens of text scored from")
+    ap.add_argument("--window", type=cliargs.positive_int, default=2048)
+    ap.add_argument("--stride", type=cliargs.positive_int, default=1024)
+    ap.add_argument("--new-tokens", type=cliargs.positive_int, default=48,
+                    help="greedy tokens per prompt")
     ap.add_argument("--skip-layers", type=int, nargs="*", default=[],
                     help="layers kept at full precision")
     ap.add_argument("--settings", nargs="*", default=[s[0] for s in SETTINGS],

@@ -21,6 +21,7 @@ import socket
 import statistics
 import time
 
+from .. import cliargs
 from .common import log
 
 __all__ = ["main"]
@@ -207,21 +208,34 @@ def host_tier(args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvtvm.bench transfer",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", type=cliargs.device)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument("--tokens", type=int, default=512, help="tokens of the sequence sent")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--n-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--tokens", type=cliargs.positive_int, default=512,
+                        help="tokens of the sequence sent")
+    parser.add_argument("--page-size", type=cliargs.positive_int, default=16)
+    parser.add_argument("--layers", type=cliargs.positive_int, default=8)
+    parser.add_argument("--n-kv-heads", type=cliargs.positive_int, default=8)
+    parser.add_argument("--head-dim", type=cliargs.positive_int, default=128)
+    parser.add_argument("--dtype", default="float16", type=cliargs.float_dtype)
+    parser.add_argument("--repeat", type=cliargs.positive_int, default=10)
+    parser.add_argument("--warmup", type=cliargs.nonnegative_int, default=2)
+    parser.add_argument("--threads", type=cliargs.positive_int, default=1,
+                        help="torch threads per process")
     parser.add_argument("--skip", default="", help="comma list of: transfer, host")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--json", type=cliargs.output_file, metavar="PATH",
+                        help="also write the results as JSON")
     args = parser.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
+    if skip - {"transfer", "host"}:
+        parser.error(f"--skip: unknown {sorted(skip - {'transfer', 'host'})}; "
+                     "known: transfer, host")
+    if args.backend == "nccl":
+        import torch.distributed as dist
+
+        if not args.device.startswith("cuda"):
+            parser.error("--backend nccl needs --device cuda")
+        if not dist.is_nccl_available():
+            parser.error("--backend nccl: this torch build has no NCCL")
     res = {"args": vars(args)}
     shape = (f"{args.tokens} tokens, pages of {args.page_size}, {args.layers} layers, "
              f"{args.n_kv_heads} kv heads x {args.head_dim}, {args.dtype}, {args.device}")

@@ -267,7 +267,7 @@ class Engine:
             return "empty prompt (at least one token is needed)"
         if n > self.max_seq_len:
             return (f"prompt of {n} tokens is longer than max_seq_len={self.max_seq_len} "
-                    "(shorten it or raise --max-seq-len)")
+                    "(shorten it or raise the engine's max_seq_len)")
         if (not isinstance(req.max_new_tokens, int) or isinstance(req.max_new_tokens, bool)
                 or req.max_new_tokens < 1):
             return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
@@ -332,6 +332,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
+        """True when no request is waiting, queued or running."""
         return not (self.pending or self.queue or self.running)
 
     def step(self) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgumentError
+from ..manager.args import parse_devices
 from .runner import check_supported
 
 __all__ = ["load_model", "build_toy_model", "smollm2_dir", "SMOLLM2_GGUF", "DTYPES"]
@@ -133,6 +134,7 @@ def load_model(name: str = "smollm2", dtype: str = "float32", device: str = "cpu
     """
     if dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    parse_devices(device, name="device")   # a typed error before anything loads
     if name == "toy":
         return build_toy_model(device=device, dtype=DTYPES[dtype]), None
     if name == "smollm2":

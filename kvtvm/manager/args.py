@@ -52,31 +52,33 @@ def check_seconds(name: str, value, allow_none: bool = True, allow_inf: bool = F
     return float(value)
 
 
-def parse_devices(devices, params=None) -> tuple:
+def parse_devices(devices, params=None, name: str = "devices") -> tuple:
     """``devices`` (strings like ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or torch devices) as a
-    tuple of ``torch.device``. With ``params`` (:class:`~kvtvm.params.KVCacheParams`) and a
-    CUDA device among them, also checks that the CUDA kernels take its head_dim
-    (:meth:`~kvtvm.params.KVCacheParams.check_cuda`), before asking whether CUDA is there."""
+    tuple of ``torch.device``; errors name the argument ``name``. With ``params``
+    (:class:`~kvtvm.params.KVCacheParams`) and a CUDA device among them, also checks that the
+    CUDA kernels take its head_dim (:meth:`~kvtvm.params.KVCacheParams.check_cuda`), before
+    asking whether CUDA is there."""
     import torch
 
+    given = devices
     if isinstance(devices, (str, torch.device)):
         devices = (devices,)
     try:
         parsed = tuple(torch.device(d) for d in devices)
     except (TypeError, RuntimeError) as err:
-        raise InvalidArgumentError(describe("devices", "device names like 'cpu' or 'cuda:0'",
-                                            repr(devices))) from err
+        raise InvalidArgumentError(describe(name, "device names like 'cpu' or 'cuda:0'",
+                                            repr(given))) from err
     if not parsed:
-        raise InvalidArgumentError(describe("devices", "at least one device", repr(devices)))
+        raise InvalidArgumentError(describe(name, "at least one device", repr(devices)))
     for d in parsed:
         if d.type not in ("cpu", "cuda"):
-            raise InvalidArgumentError(describe("devices", "cpu or cuda devices", str(d)))
+            raise InvalidArgumentError(describe(name, "cpu or cuda devices", str(d)))
     if params is not None and any(d.type == "cuda" for d in parsed):
         params.check_cuda()
     for d in parsed:
         if d.type == "cuda" and not torch.cuda.is_available():
             raise DeviceUnavailableError(
-                f"devices: {d} was asked for but CUDA is not available on this machine")
+                f"{name}: {d} was asked for but CUDA is not available on this machine")
     return parsed
 
 

@@ -223,6 +223,18 @@ class KVCacheManager(abc.ABC):
             return (isinstance(seq_id, (int, np.integer)) and not isinstance(seq_id, bool)
                     and 0 <= seq_id < self.max_batch_size and bool(self._claimed[seq_id]))
 
+    def __repr__(self) -> str:
+        with self._lock:
+            active = int(self._claimed.sum())
+        devices = ", ".join(str(d) for d in self.devices)
+        return (f"{type(self).__name__}({self.params.summary()}, layers={self.num_layers}, "
+                f"max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}"
+                f"{self._repr_geometry()}, devices=[{devices}], sequences={active})")
+
+    def _repr_geometry(self) -> str:
+        """The manager's own sizes for ``repr`` (pages, blocks), after ``max_seq_len``."""
+        return ""
+
     @property
     def slots_remaining(self) -> set[int]:
         """The ``seq_id`` slots that can still be claimed."""

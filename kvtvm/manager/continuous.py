@@ -50,6 +50,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
 
     @property
     def num_blocks(self) -> int:
+        """Blocks of ``max_seq_len`` tokens in the cache: one per sequence slot."""
         return self.max_batch_size
 
     @classmethod

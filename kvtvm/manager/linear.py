@@ -178,6 +178,14 @@ class LinearKVCache:
                 f"cache_dtype={self.params.cache_dtype}"))
         return self._cache[device][layer]
 
+    def __repr__(self) -> str:
+        with self._lock:
+            active = self._active
+        devices = ", ".join(str(d) for d in self.devices)
+        return (f"LinearKVCache({self.params.summary()}, layers={self.num_layers}, "
+                f"max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}, "
+                f"devices=[{devices}], active_batch_size={active})")
+
     @property
     def active_batch_size(self) -> int:
         """Sequences in the active batch (slots ``0 .. active_batch_size - 1``)."""

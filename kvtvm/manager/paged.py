@@ -478,6 +478,13 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             if self.prefix_caching:
                 del self._keys[sid][new_len // self.page_size:]
 
+    def _repr_geometry(self) -> str:
+        with self._lock:
+            free, cached = len(self._free), len(self._prefix.lru)
+        prefix = f", prefix cache ({cached} cached)" if self.prefix_caching else ""
+        return (f", page_size={self.page_size}, pages={self.num_pages} ({free} free)"
+                f"{prefix}")
+
     def stats(self) -> PagedCacheStats:
         """Pages used / free / cached / shared / leased, the prefix-cache hit rate and the
         lower tiers' counters (``free + used + cached + leased == total``)."""

@@ -1,0 +1,114 @@
+"""A user's mistake on a command line (a bad option value, a missing directory, an unknown
+dtype, device or benchmark) ends with one line naming the option and exit status 2, before
+anything is loaded or measured -- never a traceback. Run in-process: argparse's exit is a
+``SystemExit``; anything else escaping ``main`` is the bug these tests look for."""
+
+import pytest
+import torch
+
+from kvtvm.bench.__main__ import main as bench_main
+from kvtvm.cli import main as cli_main
+
+pytestmark = pytest.mark.e2e
+
+NO_CUDA = not torch.cuda.is_available()
+
+CASES = [
+    # (argv of python -m kvtvm, what the one error line must name)
+    (["generate", "--model", "toy", "--prompt", "5 6", "--max-new-tokens", "-1"],
+     "--max-new-tokens"),
+    (["generate", "--model", "toy", "--prompt", "5 6", "--device", "tpu"], "--device"),
+    (["generate", "--model", "toy", "--prompt", "5 6", "--torch-threads", "0"],
+     "--torch-threads"),
+    (["generate", "--model", "toy", "--prompt", "5 6", "--kernel-threads", "-3"],
+     "--kernel-threads"),
+    (["generate", "--model", "toy", "--prompt", "5 6", "--host-tier-pages", "-1"],
+     "--host-tier-pages"),
+    (["generate", "--model", "toy", "--prompt", "5 6", "--disk-tier-dir", "/proc/kvtvm-x"],
+     "disk_dir"),
+    (["generate", "--model", "/nonexistent/model", "--prompt", "hi"], "--model"),
+    (["build", "--target", "llvm", "--out", "unused", "--head-dims", "0"], "--head-dims"),
+    (["build", "--target", "llvm", "--out", "unused", "--dtypes", "float64"], "--dtypes"),
+    (["build", "--target", "llvm", "--out", "unused", "--ops", "attention"], "--ops"),
+    (["tune", "--op", "decode", "--dtype", "floot32"], "--dtype"),
+    (["tune", "--op", "decode", "--head-dim", "0"], "--head-dim"),
+    (["tune", "--op", "decode", "--device", "tpu"], "--device"),
+    (["bench", "nosuch"], "nosuch"),
+    (["bench", "append", "--dtype", "floot32"], "--dtype"),
+    (["bench", "append", "--device", "tpu"], "--device"),
+    (["bench", "append", "--repeat", "0"], "--repeat"),
+    (["bench", "append", "--head-dim", "0"], "--head-dim"),
+    (["bench", "copy", "--dtype", "float64"], "--dtype"),
+    (["bench", "decode", "--cases", "4y100"], "--cases"),
+    (["bench", "decode", "--json", "/nonexistent/dir/out.json"], "--json"),
+    (["bench", "prefill", "--cases", "1:2"], "--cases"),
+    (["bench", "prefill", "--skip", "dense,nosuch"], "--skip"),
+    (["bench", "manager", "--batches", "0"], "--batches"),
+    (["bench", "host", "--layers", "0"], "--layers"),
+    (["bench", "e2e", "--model", "/nonexistent/model", "--ways", "engine"], "--model"),
+    (["bench", "e2e", "--prompt-lens", "8,x"], "--prompt-lens"),
+    (["bench", "quality", "--tokens", "0"], "--tokens"),
+    (["bench", "quality", "--tokens", "100", "--window", "200", "--stride", "100"],
+     "--tokens 100"),
+    (["bench", "transfer", "--dtype", "floot32"], "--dtype"),
+    (["bench", "transfer", "--backend", "nccl"], "--backend nccl"),
+    (["bench", "transfer", "--skip", "nosuch"], "--skip"),
+]
+if NO_CUDA:
+    CASES += [(["generate", "--model", "toy", "--prompt", "5 6", "--device", "cuda"], "CUDA"),
+              (["bench", "decode", "--device", "cuda"], "CUDA"),
+              (["tune", "--op", "decode", "--device", "cuda"], "CUDA")]
+
+
+def _status(call, argv):
+    try:
+        return call(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+@pytest.mark.parametrize("argv,names", CASES, ids=lambda a: " ".join(a) if isinstance(a, list)
+                         else None)
+def test_bad_option_is_one_line_naming_it(argv, names, capsys):
+    status = _status(cli_main, argv)
+    err = capsys.readouterr().err
+    assert status == 2, (status, err)
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert names in last, last
+
+
+def test_bench_entry_point_refuses_the_same_way(capsys):
+    """``python -m kvtvm.bench`` (not through ``python -m kvtvm bench``)."""
+    assert _status(bench_main, ["decode", "--cases", "0x10"]) == 2
+    assert "--cases" in capsys.readouterr().err
+    assert _status(bench_main, ["nosuch"]) == 2
+    assert "unknown benchmark 'nosuch'" in capsys.readouterr().err
+    assert _status(bench_main, ["--help"]) == 0
+
+
+def test_typed_error_past_the_options_is_one_line(capsys, monkeypatch):
+    """A kvtvm error raised while a command runs (a value only the library can judge) is
+    printed as one ``error:`` line with status 2."""
+    from kvtvm.bench import host
+    from kvtvm.errors import InvalidArgumentError
+
+    def refuse(*args, **kwargs):
+        raise InvalidArgumentError("n_kv_heads: expected a multiple of 2, got 3")
+    monkeypatch.setattr(host, "step_ms", refuse)
+    assert _status(bench_main, ["host", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().endswith("got 3")
+
+
+def test_load_model_refuses_a_bad_device_by_name():
+    from kvtvm.engine import load_model
+    from kvtvm.errors import DeviceUnavailableError, InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="^device: expected cpu or cuda"):
+        load_model("toy", device="meta")
+    with pytest.raises(InvalidArgumentError, match="^device: expected device names.*'tpu'$"):
+        load_model("toy", device="tpu")
+    if NO_CUDA:
+        with pytest.raises(DeviceUnavailableError, match="^device: cuda"):
+            load_model("toy", device="cuda")
