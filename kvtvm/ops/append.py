@@ -23,7 +23,11 @@ def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
               layout: str = "nhd", check_indices: bool | None = None) -> None:
     """Write a ragged batch of new K/V rows into a paged cache, in place.
 
-    ``prepare_append_kv(...).run()``: see :func:`prepare_append_kv` for the arguments.
+    Shapes (``nhd``; ``N`` new tokens of ``B`` sequences, ``H`` KV heads): ``k_cache`` /
+    ``v_cache`` ``[num_pages, page_size, H, D]`` views (``hnd``: ``[slots, H, max_seq_len,
+    D]``), ``k`` / ``v`` ``[N, H, D]``, ``qo_indptr`` int32 ``[B + 1]``, ``cache_lengths``
+    int32 ``[B]``, ``lookup_table`` int32 ``[B, max_pages]``. ``prepare_append_kv(...).run()``:
+    see :func:`prepare_append_kv` for every argument and error.
     """
     prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table,
                       layout=layout, check_indices=check_indices).run()

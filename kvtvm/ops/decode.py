@@ -147,11 +147,17 @@ def decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout
                      check_indices: bool | None = None, workspace: SplitWorkspace | None = None):
     """Attention of one new query token per sequence over its cached keys and values.
 
-    ``prepare_decode_attention(...).run()``: see :func:`prepare_decode_attention`.
+    Shapes (``B`` sequences, ``Hq`` query heads, ``H`` KV heads): ``q`` ``[B, Hq, D]``;
+    ``k_cache`` / ``v_cache`` ``[num_pages, page_size, H, D]`` views (``hnd``: ``[slots, H,
+    max_seq_len, D]``); ``cache_lengths`` int32 ``[B]`` (tokens before this step: attends over
+    ``cache_lengths[b] + 1``); ``lookup_table`` int32 ``[B, max_pages]``.
+    ``prepare_decode_attention(...).run()``: see :func:`prepare_decode_attention` for every
+    argument and error.
 
     Returns
     -------
     (out, lse)
+        ``out`` ``[B, Hq, D]`` in ``q``'s dtype; ``lse`` float32 ``[B, Hq]`` (natural log).
     """
     return prepare_decode_attention(
         q, k_cache, v_cache, cache_lengths, lookup_table, layout=layout, sm_scale=sm_scale,

@@ -34,11 +34,18 @@ def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tabl
                       check_indices: bool | None = None):
     """Ragged (chunked) prefill attention over a paged cache: cached prefix + new tokens.
 
-    ``prepare_prefill_attention(...).run()``: see :func:`prepare_prefill_attention`.
+    Shapes (``N`` new tokens of ``B`` sequences): ``q`` ``[N, Hq, D]``; ``k_cache`` /
+    ``v_cache`` ``[num_pages, page_size, H, D]`` views (``hnd``: ``[slots, H, max_seq_len,
+    D]``); ``qo_indptr`` int32 ``[B + 1]``; ``cache_lengths`` int32 ``[B]`` (tokens before
+    this step); ``lookup_table`` int32 ``[B, max_pages]``. Causal by default: new token ``i``
+    of sequence ``b`` attends over ``cache_lengths[b] + i + 1`` positions.
+    ``prepare_prefill_attention(...).run()``: see :func:`prepare_prefill_attention` for every
+    argument and error.
 
     Returns
     -------
     (out, lse)
+        ``out`` ``[N, Hq, D]`` in ``q``'s dtype; ``lse`` float32 ``[N, Hq]``.
     """
     return prepare_prefill_attention(
         q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table, layout=layout,
