@@ -207,7 +207,9 @@ class KVCacheParams:
 
     @classmethod
     def from_hf_config(cls, config, dtype=None, cache_strategy="paged", page_size=None,
-                       enable_prefix_caching: bool = False) -> "KVCacheParams":
+                       enable_prefix_caching: bool = False, cache_dtype=None,
+                       k_cache_dtype=None, v_cache_dtype=None,
+                       skip_layers=()) -> "KVCacheParams":
         """Parameters of a transformers model's KV cache.
 
         Parameters
@@ -218,6 +220,8 @@ class KVCacheParams:
             num_attention_heads``), ``dtype`` (when ``dtype`` is None).
         dtype, cache_strategy, page_size, enable_prefix_caching
             As for the constructor.
+        cache_dtype, k_cache_dtype, v_cache_dtype, skip_layers
+            The storage types (8-bit KV), as for the constructor.
         """
         config = getattr(config, "get_text_config", lambda: config)()
         heads = getattr(config, "num_attention_heads", None)
@@ -231,7 +235,9 @@ class KVCacheParams:
         if dtype is None:
             raise InvalidArgumentError(describe("dtype", "given (the config names none)", None))
         return cls(dtype, int(kv_heads), int(head_dim), cache_strategy, page_size=page_size,
-                   enable_prefix_caching=enable_prefix_caching)
+                   enable_prefix_caching=enable_prefix_caching, cache_dtype=cache_dtype,
+                   k_cache_dtype=k_cache_dtype, v_cache_dtype=v_cache_dtype,
+                   skip_layers=skip_layers)
 
     def __repr__(self) -> str:
         """The constructor call that makes these params, defaults left out."""

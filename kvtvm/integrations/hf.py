@@ -159,6 +159,12 @@ class KVTVMCache(Cache):
         that many.
     page_size : int
         Tokens per page (paged).
+    cache_dtype, k_cache_dtype, v_cache_dtype : str, optional
+        Storage of the cache (:class:`kvtvm.KVCacheParams`): ``"int8"`` or
+        ``"float8_e4m3fn"`` stores K and V (or K or V alone) in 8 bits with a float32 scale per
+        (token, head) row; default: the model's dtype.
+    skip_layers : sequence of int
+        Layers kept at full precision (e.g. ``(0, -1)``).
 
     Attributes
     ----------
@@ -174,7 +180,9 @@ class KVTVMCache(Cache):
     """
 
     def __init__(self, model, max_seq_len: int, cache: str = "paged", max_batch_size: int = 1,
-                 page_size: int = 16):
+                 page_size: int = 16, *, cache_dtype: str | None = None,
+                 k_cache_dtype: str | None = None, v_cache_dtype: str | None = None,
+                 skip_layers=()):
         from ..engine.runner import check_supported, sliding_window_of
 
         config = model.config.get_text_config()
@@ -187,7 +195,8 @@ class KVTVMCache(Cache):
         self._device = next(model.parameters()).device
         self.params = KVCacheParams.from_hf_config(
             config, dtype=dtype, cache_strategy=cache,
-            page_size=page_size if cache == "paged" else None)
+            page_size=page_size if cache == "paged" else None, cache_dtype=cache_dtype,
+            k_cache_dtype=k_cache_dtype, v_cache_dtype=v_cache_dtype, skip_layers=skip_layers)
         self._manager_cls = PagedKVCacheManager if cache == "paged" \
             else ContinuousBatchingKVCacheManager
         self.mgr = self._new_manager(max_batch_size)

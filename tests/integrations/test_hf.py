@@ -41,6 +41,50 @@ def test_toy_generate_on_kvtvm_equals_sdpa(toy, cache):
     assert torch.equal(want, got)
 
 
+@pytest.mark.parametrize("cache,storage", [
+    ("paged", dict(cache_dtype="int8")),
+    ("continuous", dict(cache_dtype="float8_e4m3fn")),
+    ("paged", dict(k_cache_dtype="int8", skip_layers=(-1,))),   # K-only, last layer full
+])
+def test_toy_generate_on_an_8bit_kvtvm_cache(toy, cache, storage):
+    """An 8-bit kvtvm cache under generate (append quantizes, attention dequantizes in the
+    kernel) gives the tokens of transformers' sdpa whose attention input is quantized row by
+    row with the reference quantizer (the quality bench's attention), and the cache holds the
+    8-bit bytes: less memory than the float32 cache."""
+    from transformers import AttentionInterface
+
+    from kvtvm.bench import quality
+
+    ids = torch.randint(3, 1000, (2, 19), generator=torch.Generator().manual_seed(3))
+    params = KVCacheParams.from_hf_config(toy.config, dtype=torch.float32, page_size=16,
+                                          **storage)
+    skip = tuple(i % toy.config.num_hidden_layers for i in params.skip_layers)
+    AttentionInterface.register(quality._ATTN, quality._attention)
+    saved = dict(quality._state)
+    quality._state.update(skip=skip, **{kv: (None if s == "float32" else s) for kv, s in
+                                        (("k", params.k_cache_dtype),
+                                         ("v", params.v_cache_dtype))})
+    try:
+        toy.set_attn_implementation(quality._ATTN)
+        want = _generate(toy, ids)
+        with torch.no_grad():
+            want_logits = toy(ids).logits
+        hf.use_kvtvm(toy)
+        kv = hf.KVTVMCache(toy, max_seq_len=48, cache=cache, max_batch_size=2, **storage)
+        got = _generate(toy, ids, kv)
+        with torch.no_grad():   # the prompt's logits too (float32 KV differs by ~0.2 here)
+            got_logits = toy(ids, cache=hf.KVTVMCache(toy, 48, cache=cache, max_batch_size=2,
+                                                      **storage)).logits
+    finally:
+        quality._state.update(saved)
+        toy.set_attn_implementation("sdpa")
+    assert kv.params.quantized and kv.mgr.blocks[0].dtype == torch.uint8
+    full = hf.KVTVMCache(toy, max_seq_len=48, cache=cache, max_batch_size=2)
+    assert kv.mgr.device_nbytes() < full.mgr.device_nbytes()
+    assert torch.equal(want, got)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=2e-3)
+
+
 def test_right_padded_batch_and_overflow_refused(toy):
     hf.use_kvtvm(toy)
     try:
