@@ -92,3 +92,15 @@ def unscheduled_kernel(spec):
     with tvm.target.Target("llvm"):
         built = tvm.compile(tvm.IRModule({spec.func_name: func}), target="llvm")
     return built.mod[spec.func_name]
+
+
+def on_kvtvm(model, fn):
+    """``fn()`` with ``model`` on the ``"kvtvm"`` attention of kvtvm.integrations.hf, sdpa
+    again afterwards."""
+    from kvtvm.integrations import hf
+
+    hf.use_kvtvm(model)
+    try:
+        return fn()
+    finally:
+        model.set_attn_implementation("sdpa")

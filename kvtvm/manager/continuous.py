@@ -9,7 +9,6 @@ paged cache with one page of ``max_seq_len`` per sequence, which is what the ker
 
 from __future__ import annotations
 
-from ..errors import InvalidArgumentError, describe
 from ..params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .tables import StepTables, table_elems
@@ -92,13 +91,8 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
             ``n`` is negative or more than the sequence's length.
         """
         with self._lock:
-            sid = self._check_settled(seq_id, "pop")
-            n = check_positive_int("n", n, allow_zero=True)
-            length = int(self._lengths[sid])
-            if n > length:
-                raise InvalidArgumentError(describe(
-                    f"pop: n for seq_id {sid}", f"at most its cache length {length}", n))
-            self._lengths[sid] = length - n
+            sid, new_len = self._check_pop(seq_id, n)
+            self._lengths[sid] = new_len
 
     def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total):
         self._tables.lookup[:ids.size, 0] = ids

@@ -30,8 +30,7 @@ from collections import Counter
 
 import numpy as np
 
-from ..errors import (InvalidArgumentError, KVCacheCapacityError, KVCacheError,
-                      SequenceStateError, describe)
+from ..errors import KVCacheCapacityError, KVCacheError, SequenceStateError
 from ..params import KVCacheParams, KVCacheStrategy
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
@@ -459,13 +458,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             ``n`` is negative or more than the sequence's length.
         """
         with self._lock:
-            sid = self._check_settled(seq_id, "pop")
-            n = check_positive_int("n", n, allow_zero=True)
-            L = int(self._lengths[sid])
-            if n > L:
-                raise InvalidArgumentError(describe(
-                    f"pop: n for seq_id {sid}", f"at most its cache length {L}", n))
-            new_len = L - n
+            sid, new_len = self._check_pop(seq_id, n)
             self._invalidate_lookup()
             keep = -(-new_len // self.page_size)
             k = int(self._npages[sid])

@@ -4,6 +4,7 @@ for token to transformers' own generate, and every bad ``crop`` typed and harmle
 
 import pytest
 import torch
+from helpers import on_kvtvm
 
 from kvtvm.engine import build_toy_model
 from kvtvm.errors import InvalidArgumentError
@@ -50,14 +51,6 @@ def draft(toy):
     return _first_layer_of(toy)
 
 
-def _on_kvtvm(model, fn):
-    hf.use_kvtvm(model)
-    try:
-        return fn()
-    finally:
-        model.set_attn_implementation("sdpa")
-
-
 def _spy_crops(kv):
     """Record every ``crop`` argument of ``kv``."""
     calls, crop = [], kv.crop
@@ -79,7 +72,7 @@ def test_assisted_generation_equals_greedy(toy, draft, kind, cache):
     want = toy.generate(ids, max_new_tokens=16, **GREEDY)
     kv = hf.KVTVMCache(toy, max_seq_len=40, cache=cache, page_size=4)
     crops = _spy_crops(kv)
-    got = _on_kvtvm(toy, lambda: toy.generate(ids, assistant_model=draft, cache=kv,
+    got = on_kvtvm(toy, lambda: toy.generate(ids, assistant_model=draft, cache=kv,
                                               max_new_tokens=16, **GREEDY))
     assert torch.equal(got, want)
     assert -5 in crops and any(-5 < c < 0 for c in crops)   # rejected and partly accepted
@@ -93,7 +86,7 @@ def test_prompt_lookup_decoding_equals_greedy(toy):
     want = toy.generate(ids, max_new_tokens=16, **GREEDY)
     kv = hf.KVTVMCache(toy, max_seq_len=48, page_size=4)
     crops = _spy_crops(kv)
-    got = _on_kvtvm(toy, lambda: toy.generate(ids, prompt_lookup_num_tokens=4, cache=kv,
+    got = on_kvtvm(toy, lambda: toy.generate(ids, prompt_lookup_num_tokens=4, cache=kv,
                                               max_new_tokens=16, **GREEDY))
     assert torch.equal(got, want)
     assert any(c < 0 for c in crops)
@@ -126,7 +119,7 @@ def test_crop_then_refeed_gives_the_same_logits(toy, cache):
             return toy(ids[:, 4:], attention_mask=mask, position_ids=pos[:, 4:],
                        cache=kv).logits
 
-        got = _on_kvtvm(toy, run)
+        got = on_kvtvm(toy, run)
     real = mask[:, 4:].bool()
     torch.testing.assert_close(got[real], want[:, 4:][real], rtol=1e-4, atol=1e-4)
     assert _state(kv)[2:4] == (7, [3, 1])
@@ -139,7 +132,7 @@ def test_crop_then_refeed_gives_the_same_logits(toy, cache):
 def test_bad_crop_refused_before_any_change(toy):
     kv = hf.KVTVMCache(toy, 16, max_batch_size=2)
     ids = _random_ids(6, 2, 5)
-    _on_kvtvm(toy, lambda: toy(ids, cache=kv))
+    on_kvtvm(toy, lambda: toy(ids, cache=kv))
     before = _state(kv)
     for bad, match in ((2, "an int <= 0"), (1.0, "an int <= 0"), (True, "an int <= 0"),
                        (None, "an int <= 0"), (-6, "at least -5")):
@@ -157,13 +150,13 @@ def test_second_turn_reuses_the_cache(toy, cache):
     feeds only what the cache lacks, and the answer equals a fresh generate of the whole chat."""
     ids, user = _random_ids(7, 1, 9), _random_ids(8, 1, 4)
     kv = hf.KVTVMCache(toy, max_seq_len=40, cache=cache, page_size=4)
-    turn1 = _on_kvtvm(toy, lambda: toy.generate(ids, cache=kv, max_new_tokens=6, **GREEDY))
+    turn1 = on_kvtvm(toy, lambda: toy.generate(ids, cache=kv, max_new_tokens=6, **GREEDY))
     chat = torch.cat([turn1, user], dim=1)
     fed = []
     hook = toy.register_forward_pre_hook(lambda m, a, k: fed.append(k["input_ids"].shape[1]),
                                          with_kwargs=True)
     try:
-        turn2 = _on_kvtvm(toy, lambda: toy.generate(chat, cache=kv, max_new_tokens=6, **GREEDY))
+        turn2 = on_kvtvm(toy, lambda: toy.generate(chat, cache=kv, max_new_tokens=6, **GREEDY))
     finally:
         hook.remove()
     assert torch.equal(turn2, toy.generate(chat, max_new_tokens=6, **GREEDY))
@@ -177,11 +170,11 @@ def test_second_turn_of_a_left_padded_batch_and_reset(toy):
     for b, n in enumerate([4, 8, 6]):
         ids[b, 8 - n:], mask[b, 8 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
     kv = hf.KVTVMCache(toy, max_seq_len=32, max_batch_size=3)
-    turn1 = _on_kvtvm(toy, lambda: toy.generate(ids, attention_mask=mask, cache=kv,
+    turn1 = on_kvtvm(toy, lambda: toy.generate(ids, attention_mask=mask, cache=kv,
                                                 max_new_tokens=5, **GREEDY))
     chat = torch.cat([turn1, _random_ids(10, 3, 3)], dim=1)
     chat_mask = torch.cat([mask, torch.ones(3, chat.shape[1] - 8, dtype=torch.long)], dim=1)
-    turn2 = _on_kvtvm(toy, lambda: toy.generate(chat, attention_mask=chat_mask, cache=kv,
+    turn2 = on_kvtvm(toy, lambda: toy.generate(chat, attention_mask=chat_mask, cache=kv,
                                                 max_new_tokens=5, **GREEDY))
     want = toy.generate(chat, attention_mask=chat_mask, max_new_tokens=5, **GREEDY)
     assert torch.equal(turn2, want)
@@ -189,7 +182,7 @@ def test_second_turn_of_a_left_padded_batch_and_reset(toy):
     kv.reset()
     assert sorted(kv.mgr.slots_remaining) == [0, 1, 2] and kv.length == 0
     other = _random_ids(11, 2, 6)
-    got = _on_kvtvm(toy, lambda: toy.generate(other, cache=kv, max_new_tokens=5, **GREEDY))
+    got = on_kvtvm(toy, lambda: toy.generate(other, cache=kv, max_new_tokens=5, **GREEDY))
     assert torch.equal(got, toy.generate(other, max_new_tokens=5, **GREEDY))
 
 
@@ -202,14 +195,14 @@ def test_second_turn_with_left_padded_user_tokens(toy):
     for b, n in enumerate([7, 3, 5]):
         ids[b, 7 - n:], mask[b, 7 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
     kv = hf.KVTVMCache(toy, max_seq_len=32, max_batch_size=3, page_size=4)
-    turn1 = _on_kvtvm(toy, lambda: toy.generate(ids, attention_mask=mask, cache=kv,
+    turn1 = on_kvtvm(toy, lambda: toy.generate(ids, attention_mask=mask, cache=kv,
                                                 max_new_tokens=4, **GREEDY))
     user, user_mask = torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long)
     for b, n in enumerate([1, 4, 2]):
         user[b, 4 - n:], user_mask[b, 4 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
     chat = torch.cat([turn1, user], dim=1)
     chat_mask = torch.cat([mask, torch.ones(3, 4, dtype=torch.long), user_mask], dim=1)
-    turn2 = _on_kvtvm(toy, lambda: toy.generate(chat, attention_mask=chat_mask, cache=kv,
+    turn2 = on_kvtvm(toy, lambda: toy.generate(chat, attention_mask=chat_mask, cache=kv,
                                                 max_new_tokens=5, **GREEDY))
     assert torch.equal(turn2, toy.generate(chat, attention_mask=chat_mask, max_new_tokens=5,
                                            **GREEDY))
@@ -240,7 +233,7 @@ def test_pads_between_turns_refused_with_a_sliding_window():
             model(ids[:, :2], attention_mask=m, cache=kv)
         assert _state(kv) == before
 
-    _on_kvtvm(model, run)
+    on_kvtvm(model, run)
 
 
 def test_a_forward_without_the_cache_never_touches_it(toy, draft):
@@ -248,12 +241,12 @@ def test_a_forward_without_the_cache_never_touches_it(toy, draft):
     assistant its own DynamicCache) is refused, typed, and the target's cache is unchanged."""
     ids = _random_ids(14, 1, 6)
     kv = hf.KVTVMCache(toy, 16)
-    _on_kvtvm(toy, lambda: toy(ids, cache=kv))
+    on_kvtvm(toy, lambda: toy(ids, cache=kv))
     before = _state(kv)
     for cache in (None, "dynamic"):
         kw = {"use_cache": False} if cache is None else {}
         with pytest.raises(InvalidArgumentError, match="needs past_key_values=KVTVMCache"):
-            _on_kvtvm(draft, lambda: draft(ids[:, :3], **kw))
+            on_kvtvm(draft, lambda: draft(ids[:, :3], **kw))
         assert _state(kv) == before
 
 
@@ -288,7 +281,7 @@ def test_a_forward_that_fails_midway_is_rolled_back(toy, cache):
 
         more = _random_ids(10, 2, 1)
         full = toy(torch.cat([ids, more], 1)).logits
-        before, got, nxt = _on_kvtvm(toy, run)
+        before, got, nxt = on_kvtvm(toy, run)
     torch.testing.assert_close(got, want[:, 4:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(nxt, full[:, 6:], rtol=1e-4, atol=1e-4)
     assert before[2] == 4 and _state(kv)[2] == 7

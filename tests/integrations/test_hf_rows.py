@@ -5,6 +5,7 @@ logit for logit) to transformers' own sdpa/eager path, and every refusal typed a
 import numpy as np
 import pytest
 import torch
+from helpers import on_kvtvm
 
 from kvtvm.engine import build_toy_model
 from kvtvm.errors import InvalidArgumentError, KVCacheCapacityError
@@ -57,14 +58,6 @@ def _gen(model, ids, mask, cache=None, **kw):
     return model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, **kw)
 
 
-def _on_kvtvm(model, fn):
-    hf.use_kvtvm(model)
-    try:
-        return fn()
-    finally:
-        model.set_attn_implementation("sdpa")
-
-
 @pytest.mark.parametrize("kind,cache,ref", [("llama", "paged", "sdpa"),
                                             ("llama", "continuous", "eager"),
                                             ("qwen2", "paged", "sdpa"),
@@ -75,7 +68,7 @@ def test_left_padded_greedy_equals_each_prompt_unpadded(toy, kind, cache, ref):
     model.set_attn_implementation(ref)
     want = [_gen(model, p[None], torch.ones(1, len(p), dtype=torch.long))[0] for p in prompts]
     kv = hf.KVTVMCache(model, max_seq_len=21, cache=cache)       # longest prompt + 8
-    got = _on_kvtvm(model, lambda: _gen(model, ids, mask, kv))
+    got = on_kvtvm(model, lambda: _gen(model, ids, mask, kv))
     T = ids.shape[1]
     for b, p in enumerate(prompts):
         assert torch.equal(got[b, T - len(p):], want[b]), (kind, b)
@@ -94,7 +87,7 @@ def test_beam_search_equals_dynamic_cache(toy, cache, beams, returns):
     kw = dict(num_beams=beams, num_return_sequences=returns)
     want = _gen(toy, ids, mask, **kw)                             # sdpa + DynamicCache
     kv = hf.KVTVMCache(toy, max_seq_len=18, cache=cache, max_batch_size=2)
-    got = _on_kvtvm(toy, lambda: _gen(toy, ids, mask, kv, **kw))
+    got = on_kvtvm(toy, lambda: _gen(toy, ids, mask, kv, **kw))
     assert torch.equal(got, want)
     assert len(kv.seq_ids) == 2 * beams and kv.mgr.max_batch_size == 2 * beams
     if cache == "paged":
@@ -117,7 +110,7 @@ def test_sampled_num_return_sequences_equals_sdpa(toy):
         torch.manual_seed(5)
         return _gen(toy, ids, mask, kv, **kw)
 
-    got = _on_kvtvm(toy, run)
+    got = on_kvtvm(toy, run)
     assert torch.equal(got, want)
     assert kv.pads.tolist() == [3, 3, 3, 0, 0, 0]
 
@@ -150,7 +143,7 @@ def test_batch_reindexing_equals_dynamic_cache(toy, cache):
     with torch.no_grad():
         want = run(DynamicCache(config=toy.config))
         kv = hf.KVTVMCache(toy, max_seq_len=16, cache=cache, max_batch_size=4)
-        got = _on_kvtvm(toy, lambda: run(kv))
+        got = on_kvtvm(toy, lambda: run(kv))
     real = mask.bool()
     assert torch.isfinite(got[0]).all()
     torch.testing.assert_close(got[0][real], want[0][real], atol=2e-4, rtol=2e-4)
@@ -183,7 +176,7 @@ def test_unsupported_masks_refused_before_any_change(toy, bad):
     kv = hf.KVTVMCache(model, 32, max_batch_size=2)
     before = _manager_state(kv)
     with pytest.raises(InvalidArgumentError, match="attention_mask row"):
-        _on_kvtvm(model, lambda: _gen(model, ids, mask, kv))
+        on_kvtvm(model, lambda: _gen(model, ids, mask, kv))
     assert _manager_state(kv) == before
 
 
@@ -205,13 +198,13 @@ def test_right_pads_in_a_later_chunk_wrong_history_and_4d_mask_refused(toy):
         with pytest.raises(InvalidArgumentError, match="2-D padding mask"):
             toy(nxt, attention_mask=torch.zeros(2, 1, 2, 8), cache=kv)
 
-    _on_kvtvm(toy, run)
+    on_kvtvm(toy, run)
 
 
 def test_bad_reorder_refused_before_any_change(toy):
     _, ids, mask = _left_padded([3, 6], seed=18)
     kv = hf.KVTVMCache(toy, 32, max_batch_size=3)
-    _on_kvtvm(toy, lambda: toy(ids, attention_mask=mask,
+    on_kvtvm(toy, lambda: toy(ids, attention_mask=mask,
                                position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=kv))
     before = _manager_state(kv)
     for bad, match in (([0, 2], r"beam_idx\[1\]"), (torch.tensor([0.0, 1.0]), "dtype"),
