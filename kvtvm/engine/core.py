@@ -162,6 +162,12 @@ class Engine:
         so a later engine on the same directory (a restart, another process) is served warm.
     disk_tier_bytes : int
         Size bound of the disk tier.
+    cache_dtype, k_cache_dtype, v_cache_dtype : str, optional
+        Storage type of the KV cache (``"int8"`` or ``"float8_e4m3fn"``: 8-bit rows with one
+        scale each, :mod:`kvtvm.quant`), of K (of V) alone; default the model's dtype. As
+        :class:`~kvtvm.params.KVCacheParams`; all three caches take them.
+    skip_layers : sequence of int
+        Layers whose cache stays in the model's dtype (negative indices count from the end).
     """
 
     def __init__(self, model, cache: str = "paged", max_batch_size: int = 4,
@@ -170,7 +176,9 @@ class Engine:
                  max_step_tokens: int | None = 512,
                  torch_threads: int | None = DEFAULT_TORCH_THREADS,
                  kernel_threads: int | None = None, host_tier_pages: int = 0,
-                 disk_tier_dir=None, disk_tier_bytes: int = 1 << 30):
+                 disk_tier_dir=None, disk_tier_bytes: int = 1 << 30,
+                 cache_dtype: str | None = None, k_cache_dtype: str | None = None,
+                 v_cache_dtype: str | None = None, skip_layers=()):
         if cache not in CACHE_CHOICES:
             raise InvalidArgumentError(f"cache must be one of {CACHE_CHOICES}, got {cache!r}")
         if max_step_tokens is not None and (not isinstance(max_step_tokens, int)
@@ -193,7 +201,9 @@ class Engine:
         self.params = KVCacheParams(self.model.dtype, self.model.n_kv_heads,
                                     self.model.head_dim, cache,
                                     page_size=page_size if cache == "paged" else None,
-                                    enable_prefix_caching=prefix_caching and cache == "paged")
+                                    enable_prefix_caching=prefix_caching and cache == "paged",
+                                    cache_dtype=cache_dtype, k_cache_dtype=k_cache_dtype,
+                                    v_cache_dtype=v_cache_dtype, skip_layers=skip_layers)
         self.kv = make_cache(cache, self.params, max_batch_size, max_seq_len,
                              self.model.num_layers, device, num_pages)
         if host_tier_pages or disk_tier_dir is not None:
