@@ -97,3 +97,15 @@ def test_bad_storage_is_refused_before_allocation(toy, monkeypatch, kw, name):
         monkeypatch.setattr(core, "make_cache", no_cache)
     with pytest.raises(InvalidArgumentError, match=name):
         Engine(toy, "paged", **kw)
+
+
+def test_quantized_reference_sets_the_cache_storage_then_restores(toy):
+    from kvtvm.engine import quantized_reference
+
+    before, state = toy.config._attn_implementation, dict(quality._state)
+    e = _engine(toy, "continuous", k_cache_dtype="int8", v_cache_dtype="float8_e4m3fn",
+                skip_layers=(-1,))
+    with quantized_reference(toy, e.params) as model:
+        assert model.config._attn_implementation == quality._ATTN
+        assert quality._state == {"k": "int8", "v": "float8_e4m3fn", "skip": (LAYERS - 1,)}
+    assert toy.config._attn_implementation == before and quality._state == state
