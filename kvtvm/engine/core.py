@@ -127,6 +127,30 @@ def sample(logits: torch.Tensor, reqs) -> list[int]:
     return greedy
 
 
+def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> None:
+    """Refuse (typed, naming the storage argument) an 8-bit cache on a device that lacks one of
+    the kernels a step runs over it: append, prefill (prompts) and decode
+    (:data:`kvtvm.ops.quant.QUANT_TARGETS`; CUDA has no prefill over an 8-bit cache yet)."""
+    if not params.quantized:
+        return
+    from ..ops.quant import BOTH_8BIT, QUANT_TARGETS
+
+    target = "cuda" if device.type == "cuda" else "llvm"
+    storages = {"k_cache_dtype": params.k_cache_dtype, "v_cache_dtype": params.v_cache_dtype}
+    name = "cache_dtype" if params.k_cache_dtype == params.v_cache_dtype else next(
+        n for n, s in storages.items() if s != params.dtype)
+    for op in ("append", "prefill", "decode"):
+        have = QUANT_TARGETS.get((target, op), ())
+        missing = [s for s in storages.values() if s != params.dtype and s not in have]
+        mixed = (target, op) in BOTH_8BIT and any(s not in have for s in storages.values())
+        if missing or mixed:
+            where = (f"only for K and V both in {list(have)}" if have else "not")
+            raise InvalidArgumentError(
+                f"{name}: an 8-bit cache on {device.type} needs the {op} kernel over K "
+                f"{params.k_cache_dtype} / V {params.v_cache_dtype}, which kvtvm has {where} "
+                f"on {device.type} (kvtvm.ops.quant.QUANT_TARGETS); serve it on the CPU")
+
+
 class Engine:
     """A continuous-batching engine over one kvtvm cache manager.
 
@@ -204,6 +228,7 @@ class Engine:
                                     enable_prefix_caching=prefix_caching and cache == "paged",
                                     cache_dtype=cache_dtype, k_cache_dtype=k_cache_dtype,
                                     v_cache_dtype=v_cache_dtype, skip_layers=skip_layers)
+        _check_quantized_kernels(self.params, self.device)
         self.kv = make_cache(cache, self.params, max_batch_size, max_seq_len,
                              self.model.num_layers, device, num_pages)
         if host_tier_pages or disk_tier_dir is not None:

@@ -109,3 +109,15 @@ def test_quantized_reference_sets_the_cache_storage_then_restores(toy):
         assert model.config._attn_implementation == quality._ATTN
         assert quality._state == {"k": "int8", "v": "float8_e4m3fn", "skip": (LAYERS - 1,)}
     assert toy.config._attn_implementation == before and quality._state == state
+
+
+@pytest.mark.parametrize("kw,name", [(dict(cache_dtype="int8"), "cache_dtype"),
+                                     (dict(k_cache_dtype="float8_e4m3fn"), "k_cache_dtype")])
+def test_8bit_cache_on_cuda_is_refused_typed(toy, monkeypatch, kw, name):
+    """CUDA has no prefill over an 8-bit cache: refused at construction, not at the first
+    prompt step (checked without a GPU: the refusal comes before any CUDA call)."""
+    import kvtvm.engine.core as core
+
+    monkeypatch.setattr(core, "make_cache", lambda *a, **k: pytest.fail("a cache was built"))
+    with pytest.raises(InvalidArgumentError, match=f"^{name}: .*prefill kernel"):
+        Engine(toy, "paged", device="cuda", **kw)
