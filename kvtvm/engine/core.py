@@ -144,10 +144,10 @@ def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> Non
         missing = [s for s in storages.values() if s != params.dtype and s not in have]
         mixed = (target, op) in BOTH_8BIT and any(s not in have for s in storages.values())
         if missing or mixed:
-            where = (f"only for K and V both in {list(have)}" if have else "not")
+            where = (f"has only for K and V both in {list(have)}" if have else "does not have")
             raise InvalidArgumentError(
                 f"{name}: an 8-bit cache on {device.type} needs the {op} kernel over K "
-                f"{params.k_cache_dtype} / V {params.v_cache_dtype}, which kvtvm has {where} "
+                f"{params.k_cache_dtype} / V {params.v_cache_dtype}, which kvtvm {where} "
                 f"on {device.type} (kvtvm.ops.quant.QUANT_TARGETS); serve it on the CPU")
 
 
