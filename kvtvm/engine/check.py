@@ -45,28 +45,28 @@ def quantized_reference(model, params):
     """Within the block, ``model`` (transformers) attends with K/V quantized and dequantized
     row by row by kvtvm's reference quantizer as the cache of ``params``
     (:class:`~kvtvm.params.KVCacheParams`) stores them -- K and V each in its storage type,
-    the ``skip_layers`` untouched (:func:`kvtvm.bench.quality.quantize_attention`) -- so
+    the ``skip_layers`` untouched (:func:`kvtvm.bench.quantref.quantize_attention`) -- so
     :func:`reference_tokens` and :func:`check_against_reference` are the reference of an
     engine over that cache. A full-precision ``params`` changes nothing. The model's attention
     implementation is restored afterwards."""
     if not params.quantized:
         yield model
         return
-    from ..bench import quality
     from ..quant import QUANT_DTYPES
+    from . import quantref
 
     def storage(dtype):
         return dtype if dtype in QUANT_DTYPES else None
 
-    before, state = model.config._attn_implementation, dict(quality._state)
-    quality.quantize_attention(model, storage(params.k_cache_dtype),
+    before, state = model.config._attn_implementation, dict(quantref.state)
+    quantref.quantize_attention(model, storage(params.k_cache_dtype),
                                storage(params.v_cache_dtype),
                                params.resolve_skip_layers(model.config.num_hidden_layers))
     try:
         yield model
     finally:
         model.set_attn_implementation(before)
-        quality._state.update(state)
+        quantref.state.update(state)
 
 
 @torch.no_grad()

@@ -189,7 +189,9 @@ class Engine:
     cache_dtype, k_cache_dtype, v_cache_dtype : str, optional
         Storage type of the KV cache (``"int8"`` or ``"float8_e4m3fn"``: 8-bit rows with one
         scale each, :mod:`kvtvm.quant`), of K (of V) alone; default the model's dtype. As
-        :class:`~kvtvm.params.KVCacheParams`; all three caches take them.
+        :class:`~kvtvm.params.KVCacheParams`; all three caches take them, on the CPU (CUDA
+        has no prefill over an 8-bit cache yet: refused here). Bad values raise
+        ``KVCacheParams``' :class:`~kvtvm.errors.InvalidArgumentError` before any allocation.
     skip_layers : sequence of int
         Layers whose cache stays in the model's dtype (negative indices count from the end).
     """

@@ -109,12 +109,12 @@ def test_generate_toy_matches_transformers(dtype):
 def test_generate_quantized_cache_checks_against_quantized_transformers(storage, capsys,
                                                                         monkeypatch):
     """An 8-bit cache changes the toy's tokens on this prompt; --check compares them with
-    transformers whose attention quantizes K/V the same way (kvtvm.bench.quality)."""
-    from kvtvm.bench import quality
+    transformers whose attention quantizes K/V the same way (kvtvm.engine.quantref)."""
+    from kvtvm.engine import quantref
     from kvtvm.cli import main
     from kvtvm.engine import build_toy_model, reference_tokens
 
-    monkeypatch.setattr(quality, "_state", dict(quality._state))   # restored afterwards
+    monkeypatch.setattr(quantref, "state", dict(quantref.state))   # restored afterwards
     prompt = list(range(5, 12))
     status = main(["generate", "--model", "toy", "--prompt", " ".join(map(str, prompt)),
                    "--max-new-tokens", "6", "--check", *storage])

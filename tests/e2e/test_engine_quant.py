@@ -1,11 +1,11 @@
 """kvtvm.engine over 8-bit KV caches: greedy tokens against transformers whose attention
-quantizes K/V with kvtvm's reference quantizer (kvtvm.bench.quality's attention function), the
+quantizes K/V with kvtvm's reference quantizer (kvtvm.engine.quantref), the
 cache's bytes against KVCacheParams, and bad storage arguments refused before any allocation."""
 
 import numpy as np
 import pytest
 
-from kvtvm.bench import quality
+from kvtvm.engine import quantref
 from kvtvm.engine import Engine, Request, build_toy_model, reference_tokens
 from kvtvm.errors import InvalidArgumentError
 
@@ -22,9 +22,9 @@ def toy():
 @pytest.fixture(scope="module")
 def fake_quant_toy():
     """The same toy weights, its attention quantizing K/V row by row (kvtvm.quant reference)
-    as each test sets in ``quality._state``."""
+    as each test sets in ``quantref.state``."""
     model = build_toy_model(num_layers=LAYERS)
-    quality.quantize_attention(model, None, None)
+    quantref.quantize_attention(model, None, None)
     return model
 
 
@@ -45,9 +45,9 @@ STORAGE = [  # (engine keywords, K storage, V storage, skipped layers) of the re
 @pytest.mark.parametrize("kw,k,v,skip", STORAGE, ids=["int8", "fp8-K-only", "int8-skip-last"])
 def test_quantized_engine_matches_fake_quantized_transformers(toy, fake_quant_toy, monkeypatch,
                                                              cache, kw, k, v, skip):
-    monkeypatch.setitem(quality._state, "k", k)
-    monkeypatch.setitem(quality._state, "v", v)
-    monkeypatch.setitem(quality._state, "skip", skip)
+    monkeypatch.setitem(quantref.state, "k", k)
+    monkeypatch.setitem(quantref.state, "v", v)
+    monkeypatch.setitem(quantref.state, "skip", skip)
     rng = np.random.default_rng(0)
     reqs = [Request(i, rng.integers(3, 1000, 14 + 9 * i).tolist(), 8, arrival=i)
             for i in range(3)]
@@ -102,13 +102,13 @@ def test_bad_storage_is_refused_before_allocation(toy, monkeypatch, kw, name):
 def test_quantized_reference_sets_the_cache_storage_then_restores(toy):
     from kvtvm.engine import quantized_reference
 
-    before, state = toy.config._attn_implementation, dict(quality._state)
+    before, state = toy.config._attn_implementation, dict(quantref.state)
     e = _engine(toy, "continuous", k_cache_dtype="int8", v_cache_dtype="float8_e4m3fn",
                 skip_layers=(-1,))
     with quantized_reference(toy, e.params) as model:
-        assert model.config._attn_implementation == quality._ATTN
-        assert quality._state == {"k": "int8", "v": "float8_e4m3fn", "skip": (LAYERS - 1,)}
-    assert toy.config._attn_implementation == before and quality._state == state
+        assert model.config._attn_implementation == quantref.ATTN_NAME
+        assert quantref.state == {"k": "int8", "v": "float8_e4m3fn", "skip": (LAYERS - 1,)}
+    assert toy.config._attn_implementation == before and quantref.state == state
 
 
 @pytest.mark.parametrize("kw,name", [(dict(cache_dtype="int8"), "cache_dtype"),
