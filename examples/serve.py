@@ -14,6 +14,7 @@ figures, and every greedy request is checked token for token against transformer
     python examples/serve.py --model toy --cache linear   # random 4-layer Llama, fast
     python examples/serve.py --model /path/to/llama   # any local Llama-family model
     python examples/serve.py --device cuda --dtype bfloat16 --kernels build/kernels
+    python examples/serve.py --cache-dtype int8       # 8-bit K/V (or --k-cache-dtype ...)
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from typing import Callable
 import numpy as np
 import torch
 
+from kvtvm import cliargs
 from kvtvm import ops  # noqa: F401  (tests patch kernels through it)
 from kvtvm.engine import (CACHE_CHOICES, DTYPES, Engine, Request, build_toy_model,
-                          check_against_reference, load_model, reference_tokens)
+                          check_against_reference, load_model, quantized_reference,
+                          reference_tokens)
+from kvtvm.engine.check import reference_tolerance
 from kvtvm.engine.runner import UnsupportedModelError
 from kvtvm.errors import CompilerUnavailableError, InvalidArgumentError, KVCacheCapacityError  # noqa: F401
 
@@ -161,9 +165,13 @@ def report(engine: Engine, requests, say, tok=None) -> None:
 def run(cache: str = "paged", device: str = "cpu", requests=None, max_batch_size: int = 4,
         max_seq_len: int = 128, page_size: int = 16, num_pages: int | None = 20,
         prefix_caching: bool = True, seed: int = 0, verify: bool = True, quiet: bool = False,
-        model=None, log: Callable[[str], None] | None = None, tok=None, reference_cache=None):
+        model=None, log: Callable[[str], None] | None = None, tok=None, reference_cache=None,
+        cache_storage: dict | None = None):
     """Serve ``requests`` (default the toy's :func:`demo_requests`) and check them against
-    transformers. Returns ``(engine, requests, problems)``; ``problems`` lists mismatches."""
+    transformers. ``cache_storage``: the engine's ``cache_dtype`` / ``k_cache_dtype`` /
+    ``v_cache_dtype`` / ``skip_layers`` (an 8-bit cache, checked against transformers whose
+    attention quantizes K/V the same way). Returns ``(engine, requests, problems)``;
+    ``problems`` lists mismatches."""
     bar = None if quiet else ProgressBar()
     say = (lambda s: None) if quiet else (log or bar.say)
     if model is None:
@@ -171,13 +179,14 @@ def run(cache: str = "paged", device: str = "cpu", requests=None, max_batch_size
     if requests is None:
         requests = demo_requests(model.config.vocab_size, max_seq_len)
     engine = Engine(model, cache, max_batch_size, max_seq_len, page_size, num_pages,
-                    prefix_caching, device)
+                    prefix_caching, device, **(cache_storage or {}))
     engine.log = say
     cfg, dtype = model.config, str(engine.model.dtype).replace("torch.", "")
     say(f"kvtvm serving a {cfg.num_hidden_layers}-layer {cfg.model_type} ({cfg.hidden_size} "
         f"hidden, {engine.model.n_heads} q / {engine.model.n_kv_heads} kv heads of "
         f"{engine.model.head_dim}, vocab {cfg.vocab_size}, {dtype}) on {device}, cache "
-        f"{cache}: {max_batch_size} sequences x {max_seq_len} tokens, "
+        f"{cache} ({engine.params.summary()}): {max_batch_size} sequences x {max_seq_len} "
+        f"tokens, "
         f"{_mib(engine.stats.allocated_bytes)} allocated")
     say(f"kernels ready in {engine.warmup():.1f} s (loaded from disk or built once)")
     engine.serve(requests, progress=bar)
@@ -186,8 +195,11 @@ def run(cache: str = "paged", device: str = "cpu", requests=None, max_batch_size
     problems = []
     if verify:
         t0 = time.perf_counter()
-        problems = check_against_reference(model, requests) if reference_cache is None else \
-            _check_cached(model, requests, reference_cache)
+        rel_tol = reference_tolerance(model, engine.params)
+        with quantized_reference(model, engine.params):
+            problems = (check_against_reference(model, requests, rel_tol)
+                        if reference_cache is None
+                        else _check_cached(model, requests, reference_cache, rel_tol))
         for p in problems:
             say("MISMATCH " + p)
         n = sum(r.status == "done" and r.temperature == 0 for r in requests)
@@ -196,15 +208,18 @@ def run(cache: str = "paged", device: str = "cpu", requests=None, max_batch_size
             problems.append(f"no request was served: all {len(requests)} were rejected")
             say("FAILED: " + problems[-1])
         elif not problems:
-            low = engine.model.dtype in (torch.bfloat16, torch.float16)
-            how = ("token for token, or (low precision) within 2% of the logit range of its best "
-                   "token, teacher-forced" if low else "token for token")
+            how = "token for token"
+            if rel_tol is not None:
+                how += (f", or within {100 * rel_tol:g}% of the logit range of its best token, "
+                        "teacher-forced")
+            if engine.params.quantized:
+                how += ", its attention quantizing K/V as the cache stores them"
             say(f"all {n} served requests match transformers' generate() {how} "
                 f"(checked in {time.perf_counter() - t0:.1f} s)")
     return engine, requests, problems
 
 
-def _check_cached(model, requests, cache: dict) -> list[str]:
+def _check_cached(model, requests, cache: dict, rel_tol=None) -> list[str]:
     """:func:`check_against_reference` reusing references already computed (``--cache all``
     serves the same requests three times)."""
     problems = []
@@ -213,7 +228,7 @@ def _check_cached(model, requests, cache: dict) -> list[str]:
         if r.status == "done" and r.temperature == 0 and key not in cache:
             cache[key] = reference_tokens(model, r.prompt, r.max_new_tokens, r.stop_token_ids)
         if r.status == "done" and r.temperature == 0 and cache[key] != r.output:
-            problems += check_against_reference(model, [r])
+            problems += check_against_reference(model, [r], rel_tol)
     return problems
 
 
@@ -243,7 +258,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the token-for-token check against transformers")
+    cliargs.add_cache_storage_options(parser)
     args = parser.parse_args(argv)
+    cache_storage = cliargs.cache_storage_kwargs(parser, args)
     for name in ("max_new_tokens", "max_batch_size", "max_seq_len", "page_size", "num_pages"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -280,10 +297,13 @@ def main(argv=None) -> int:
             _, _, problems = run(cache, args.device, requests, args.max_batch_size, max_seq_len,
                                  args.page_size, num_pages, not args.no_prefix_caching,
                                  args.seed, not args.no_verify, model=model, tok=tok,
-                                 reference_cache=refs)
+                                 reference_cache=refs, cache_storage=cache_storage)
         except CompilerUnavailableError as err:   # runtime-only install, kernels not built
             print(f"error: {err}\nbuild them with:\n  {CUDA_BUILD_COMMAND}\nthen pass "
                   "--kernels build/kernels (or set KVTVM_KERNEL_PATH)", file=sys.stderr)
+            return 2
+        except InvalidArgumentError as err:   # a storage the model refuses (skip_layers, dtype)
+            print(f"error: {err}", file=sys.stderr)
             return 2
         failed += bool(problems)
     return 1 if failed else 0

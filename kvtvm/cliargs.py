@@ -11,8 +11,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .quant import QUANT_DTYPES
+
 #: the activation dtypes the ops and the benchmarks take
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+#: the 8-bit KV cache storage types
+CACHE_DTYPES = QUANT_DTYPES
 
 
 def int_at_least(low: int):
@@ -78,3 +82,41 @@ def output_file(text: str) -> str:
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
     return text
+
+
+def cache_storage(text: str) -> str:
+    """A storage type of K or V: one of :data:`CACHE_DTYPES`, or a float dtype (the model's:
+    that half kept at full precision)."""
+    if text not in CACHE_DTYPES + FLOAT_DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CACHE_DTYPES)} or the "
+                                         f"model's dtype ({', '.join(FLOAT_DTYPES)}), got "
+                                         f"{text!r}")
+    return text
+
+
+def add_cache_storage_options(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dtype``, ``--k-cache-dtype``, ``--v-cache-dtype`` and ``--skip-layers``: an
+    8-bit KV cache (:class:`kvtvm.params.KVCacheParams`); read back by
+    :func:`cache_storage_kwargs`."""
+    parser.add_argument("--cache-dtype", choices=CACHE_DTYPES, default=None,
+                        help="store K and V in 8 bits (one scale per token and head; default: "
+                        "the model's dtype)")
+    parser.add_argument("--k-cache-dtype", type=cache_storage, default=None,
+                        help="storage of K alone (default --cache-dtype), e.g. int8 for a "
+                        "K-only 8-bit cache")
+    parser.add_argument("--v-cache-dtype", type=cache_storage, default=None,
+                        help="storage of V alone (default --cache-dtype)")
+    parser.add_argument("--skip-layers", type=int, nargs="+", default=[], metavar="LAYER",
+                        help="layers kept in the model's dtype in an 8-bit cache (negative: "
+                        "from the end)")
+
+
+def cache_storage_kwargs(parser: argparse.ArgumentParser, args) -> dict:
+    """The ``Engine`` keywords of :func:`add_cache_storage_options`' options; ``--skip-layers``
+    without an 8-bit K or V is a usage error (exits 2)."""
+    chosen = (args.cache_dtype, args.k_cache_dtype, args.v_cache_dtype)
+    if args.skip_layers and not any(d in CACHE_DTYPES for d in chosen):
+        parser.error("--skip-layers needs an 8-bit cache: give --cache-dtype, --k-cache-dtype "
+                     f"or --v-cache-dtype one of {', '.join(CACHE_DTYPES)}")
+    return dict(cache_dtype=args.cache_dtype, k_cache_dtype=args.k_cache_dtype,
+                v_cache_dtype=args.v_cache_dtype, skip_layers=tuple(args.skip_layers))

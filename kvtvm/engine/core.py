@@ -127,6 +127,30 @@ def sample(logits: torch.Tensor, reqs) -> list[int]:
     return greedy
 
 
+def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> None:
+    """Refuse (typed, naming the storage argument) an 8-bit cache on a device that lacks one of
+    the kernels a step runs over it: append, prefill (prompts) and decode
+    (:data:`kvtvm.ops.quant.QUANT_TARGETS`; CUDA has no prefill over an 8-bit cache yet)."""
+    if not params.quantized:
+        return
+    from ..ops.quant import BOTH_8BIT, QUANT_TARGETS
+
+    target = "cuda" if device.type == "cuda" else "llvm"
+    storages = {"k_cache_dtype": params.k_cache_dtype, "v_cache_dtype": params.v_cache_dtype}
+    name = "cache_dtype" if params.k_cache_dtype == params.v_cache_dtype else next(
+        n for n, s in storages.items() if s != params.dtype)
+    for op in ("append", "prefill", "decode"):
+        have = QUANT_TARGETS.get((target, op), ())
+        missing = [s for s in storages.values() if s != params.dtype and s not in have]
+        mixed = (target, op) in BOTH_8BIT and any(s not in have for s in storages.values())
+        if missing or mixed:
+            where = (f"has only for K and V both in {list(have)}" if have else "does not have")
+            raise InvalidArgumentError(
+                f"{name}: an 8-bit cache on {device.type} needs the {op} kernel over K "
+                f"{params.k_cache_dtype} / V {params.v_cache_dtype}, which kvtvm {where} "
+                f"on {device.type} (kvtvm.ops.quant.QUANT_TARGETS); serve it on the CPU")
+
+
 class Engine:
     """A continuous-batching engine over one kvtvm cache manager.
 
@@ -162,6 +186,14 @@ class Engine:
         so a later engine on the same directory (a restart, another process) is served warm.
     disk_tier_bytes : int
         Size bound of the disk tier.
+    cache_dtype, k_cache_dtype, v_cache_dtype : str, optional
+        Storage type of the KV cache (``"int8"`` or ``"float8_e4m3fn"``: 8-bit rows with one
+        scale each, :mod:`kvtvm.quant`), of K (of V) alone; default the model's dtype. As
+        :class:`~kvtvm.params.KVCacheParams`; all three caches take them, on the CPU (CUDA
+        has no prefill over an 8-bit cache yet: refused here). Bad values raise
+        ``KVCacheParams``' :class:`~kvtvm.errors.InvalidArgumentError` before any allocation.
+    skip_layers : sequence of int
+        Layers whose cache stays in the model's dtype (negative indices count from the end).
     """
 
     def __init__(self, model, cache: str = "paged", max_batch_size: int = 4,
@@ -170,7 +202,9 @@ class Engine:
                  max_step_tokens: int | None = 512,
                  torch_threads: int | None = DEFAULT_TORCH_THREADS,
                  kernel_threads: int | None = None, host_tier_pages: int = 0,
-                 disk_tier_dir=None, disk_tier_bytes: int = 1 << 30):
+                 disk_tier_dir=None, disk_tier_bytes: int = 1 << 30,
+                 cache_dtype: str | None = None, k_cache_dtype: str | None = None,
+                 v_cache_dtype: str | None = None, skip_layers=()):
         if cache not in CACHE_CHOICES:
             raise InvalidArgumentError(f"cache must be one of {CACHE_CHOICES}, got {cache!r}")
         if max_step_tokens is not None and (not isinstance(max_step_tokens, int)
@@ -193,7 +227,10 @@ class Engine:
         self.params = KVCacheParams(self.model.dtype, self.model.n_kv_heads,
                                     self.model.head_dim, cache,
                                     page_size=page_size if cache == "paged" else None,
-                                    enable_prefix_caching=prefix_caching and cache == "paged")
+                                    enable_prefix_caching=prefix_caching and cache == "paged",
+                                    cache_dtype=cache_dtype, k_cache_dtype=k_cache_dtype,
+                                    v_cache_dtype=v_cache_dtype, skip_layers=skip_layers)
+        _check_quantized_kernels(self.params, self.device)
         self.kv = make_cache(cache, self.params, max_batch_size, max_seq_len,
                              self.model.num_layers, device, num_pages)
         if host_tier_pages or disk_tier_dir is not None:

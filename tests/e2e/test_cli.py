@@ -104,6 +104,27 @@ def test_generate_toy_matches_transformers(dtype):
     assert "6 tokens equal transformers' generate" in proc.stderr
 
 
+@pytest.mark.parametrize("storage", [["--cache-dtype", "int8"],
+                                     ["--k-cache-dtype", "float8_e4m3fn", "--skip-layers", "-1"]])
+def test_generate_quantized_cache_checks_against_quantized_transformers(storage, capsys,
+                                                                        monkeypatch):
+    """An 8-bit cache changes the toy's tokens on this prompt; --check compares them with
+    transformers whose attention quantizes K/V the same way (kvtvm.engine.quantref)."""
+    from kvtvm.engine import quantref
+    from kvtvm.cli import main
+    from kvtvm.engine import build_toy_model, reference_tokens
+
+    monkeypatch.setattr(quantref, "state", dict(quantref.state))   # restored afterwards
+    prompt = list(range(5, 12))
+    status = main(["generate", "--model", "toy", "--prompt", " ".join(map(str, prompt)),
+                   "--max-new-tokens", "6", "--check", *storage])
+    out, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    assert "6 tokens equal transformers' generate" in err
+    tokens = [int(t) for t in out.split()]
+    assert len(tokens) == 6 and tokens != reference_tokens(build_toy_model(), prompt, 6)
+
+
 def test_generate_bad_prompts_say_why():
     proc = run("generate", "--model", "toy", "--prompt", "hello")
     assert proc.returncode == 2 and "token ids" in proc.stderr

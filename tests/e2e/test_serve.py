@@ -363,3 +363,26 @@ def test_autotune_measure_only_reports_tokens_per_second(capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(out)["tokens_per_second"] > 0
+
+
+def test_cli_8bit_cache_is_checked_against_quantized_transformers(monkeypatch, capsys, model):
+    """--cache-dtype / --k-cache-dtype: every cache serves the demo over an 8-bit cache and is
+    checked against transformers quantizing K/V the same way; a broken RoPE still fails."""
+    monkeypatch.setattr(serve, "build_model", lambda seed=0, device="cpu", dtype=None: model)
+    argv = ["--model", "toy", "--requests", "5", "--max-seq-len", "96", "--cache", "all",
+            "--k-cache-dtype", "float8_e4m3fn", "--v-cache-dtype", "int8"]
+    assert serve.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("K float8_e4m3fn V int8") == 3
+    assert out.count("its attention quantizing K/V as the cache stores them") == 3
+    monkeypatch.setattr(kvtvm.engine.runner, "rotate_half", lambda x: torch.zeros_like(x))
+    assert serve.main(argv[:-6] + ["--cache-dtype", "int8"]) == 1
+    assert "MISMATCH request " in capsys.readouterr().out
+
+
+def test_cli_bad_8bit_options_are_one_line(capsys):
+    assert serve.main(["--model", "toy", "--cache-dtype", "int8", "--skip-layers", "9"]) == 2
+    assert capsys.readouterr().err.startswith("error: skip_layers: expected indices")
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--model", "toy", "--skip-layers", "0"])
+    assert exc.value.code == 2 and "--skip-layers needs an 8-bit cache" in capsys.readouterr().err
