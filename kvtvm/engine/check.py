@@ -45,7 +45,7 @@ def quantized_reference(model, params):
     """Within the block, ``model`` (transformers) attends with K/V quantized and dequantized
     row by row by kvtvm's reference quantizer as the cache of ``params``
     (:class:`~kvtvm.params.KVCacheParams`) stores them -- K and V each in its storage type,
-    the ``skip_layers`` untouched (:func:`kvtvm.bench.quantref.quantize_attention`) -- so
+    the ``skip_layers`` untouched (:func:`kvtvm.engine.quantref.quantize_attention`) -- so
     :func:`reference_tokens` and :func:`check_against_reference` are the reference of an
     engine over that cache. A full-precision ``params`` changes nothing. The model's attention
     implementation is restored afterwards."""

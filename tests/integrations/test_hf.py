@@ -51,32 +51,23 @@ def test_toy_generate_on_an_8bit_kvtvm_cache(toy, cache, storage):
     kernel) gives the tokens of transformers' sdpa whose attention input is quantized row by
     row with the reference quantizer (the quality bench's attention), and the cache holds the
     8-bit bytes: less memory than the float32 cache."""
-    from transformers import AttentionInterface
-
-    from kvtvm.bench import quality
+    from kvtvm.engine.check import quantized_reference
 
     ids = torch.randint(3, 1000, (2, 19), generator=torch.Generator().manual_seed(3))
     params = KVCacheParams.from_hf_config(toy.config, dtype=torch.float32, page_size=16,
                                           **storage)
-    skip = tuple(i % toy.config.num_hidden_layers for i in params.skip_layers)
-    AttentionInterface.register(quality._ATTN, quality._attention)
-    saved = dict(quality._state)
-    quality._state.update(skip=skip, **{kv: (None if s == "float32" else s) for kv, s in
-                                        (("k", params.k_cache_dtype),
-                                         ("v", params.v_cache_dtype))})
-    try:
-        toy.set_attn_implementation(quality._ATTN)
+    with quantized_reference(toy, params):
         want = _generate(toy, ids)
         with torch.no_grad():
             want_logits = toy(ids).logits
-        hf.use_kvtvm(toy)
+    hf.use_kvtvm(toy)
+    try:
         kv = hf.KVTVMCache(toy, max_seq_len=48, cache=cache, max_batch_size=2, **storage)
         got = _generate(toy, ids, kv)
         with torch.no_grad():   # the prompt's logits too (float32 KV differs by ~0.2 here)
             got_logits = toy(ids, cache=hf.KVTVMCache(toy, 48, cache=cache, max_batch_size=2,
                                                       **storage)).logits
     finally:
-        quality._state.update(saved)
         toy.set_attn_implementation("sdpa")
     assert kv.params.quantized and kv.mgr.blocks[0].dtype == torch.uint8
     full = hf.KVTVMCache(toy, max_seq_len=48, cache=cache, max_batch_size=2)
