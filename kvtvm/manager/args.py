@@ -137,3 +137,12 @@ def row_offsets(prev_model_inputs, inp):
     if host is None and obj.device.type == "cpu":
         host = obj.numpy()
     return obj, host
+
+
+def pop_length(sid: int, n, length: int) -> int:
+    """The length of sequence ``sid`` (``length`` tokens) after a valid ``pop(sid, n)``."""
+    n = check_positive_int("n", n, allow_zero=True)
+    if n > length:
+        raise InvalidArgumentError(describe(f"pop: n for seq_id {sid}",
+                                            f"at most its cache length {length}", n))
+    return length - n

@@ -278,16 +278,6 @@ class KVCacheManager(abc.ABC):
                 f"{what}: seq_id {sid} has a fetch in flight; step() it before {what}()")
         return sid
 
-    def _check_pop(self, seq_id, n) -> tuple[int, int]:
-        """``(slot, new length)`` of a valid ``pop(seq_id, n)`` (the lock held)."""
-        sid = self._check_settled(seq_id, "pop")
-        n = check_positive_int("n", n, allow_zero=True)
-        length = int(self._lengths[sid])
-        if n > length:
-            raise InvalidArgumentError(describe(
-                f"pop: n for seq_id {sid}", f"at most its cache length {length}", n))
-        return sid, length - n
-
     def cache_length(self, seq_id: int) -> int:
         """Committed tokens of ``seq_id``."""
         with self._lock:

@@ -10,6 +10,7 @@ paged cache with one page of ``max_seq_len`` per sequence, which is what the ker
 from __future__ import annotations
 
 from ..params import KVCacheParams, KVCacheStrategy
+from .args import pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .tables import StepTables, table_elems
 
@@ -91,7 +92,8 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
             ``n`` is negative or more than the sequence's length.
         """
         with self._lock:
-            sid, new_len = self._check_pop(seq_id, n)
+            sid = self._check_settled(seq_id, "pop")
+            new_len = pop_length(sid, n, int(self._lengths[sid]))
             self._lengths[sid] = new_len
 
     def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total):

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import KVCacheCapacityError, KVCacheError, SequenceStateError
 from ..params import KVCacheParams, KVCacheStrategy
+from .args import pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
 from .pageio import PageIOMixin
@@ -458,7 +459,8 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             ``n`` is negative or more than the sequence's length.
         """
         with self._lock:
-            sid, new_len = self._check_pop(seq_id, n)
+            sid = self._check_settled(seq_id, "pop")
+            new_len = pop_length(sid, n, int(self._lengths[sid]))
             self._invalidate_lookup()
             keep = -(-new_len // self.page_size)
             k = int(self._npages[sid])
