@@ -104,3 +104,13 @@ def on_kvtvm(model, fn):
         return fn()
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def run_prompt(mgr, tokens):
+    """A new sequence of ``mgr`` holding ``tokens`` (claimed, fetched and stepped); its id."""
+    from kvtvm.inputs import BatchItem
+
+    (s,) = mgr.claim(1)
+    mgr.fetch([BatchItem(s, tokens)])
+    mgr.step([BatchItem(s, tokens)])
+    return s

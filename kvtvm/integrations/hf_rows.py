@@ -186,15 +186,10 @@ def regather(mgr, seq_ids: list[int], src: list[int]) -> list[int]:
     """The sequences of new rows ``i`` holding old row ``src[i]``'s tokens.
 
     ``seq_ids`` are the settled (no fetch in flight) sequences of the old rows; ``src`` is
-    valid (:func:`row_indices`). The first new row taking an old sequence keeps it, the others
-    get copies; old sequences no new row takes are released (before the copies claim slots).
-
-    Raises
-    ------
-    KVCacheCapacityError
-        The new rows need more sequences than ``mgr.max_batch_size`` (nothing changed).
+    valid (:func:`row_indices`) and fits (:func:`check_room`, which the caller runs before it
+    changes anything). The first new row taking an old sequence keeps it, the others get
+    copies; old sequences no new row takes are released (before the copies claim slots).
     """
-    check_room(mgr, len(seq_ids), src)
     keep, copies, dropped = _plan(len(seq_ids), src)
     for r in dropped:
         mgr.release(seq_ids[r])

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from helpers import run_prompt
 
 from kvtvm import KVCacheParams
 from kvtvm.errors import CorruptTransferError, FormatMismatchError, InvalidArgumentError
@@ -65,13 +66,6 @@ def make(devices=("cpu",), pages=16, **params):
         else:
             b.copy_(torch.randn(b.shape))
     return mgr
-
-
-def run_prompt(mgr, tokens):
-    (s,) = mgr.claim(1)
-    mgr.fetch([BatchItem(s, tokens)])
-    mgr.step([BatchItem(s, tokens)])
-    return s
 
 
 def conserved(mgr):

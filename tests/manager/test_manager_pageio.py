@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from helpers import run_prompt
 
 from kvtvm import KVCacheParams
 from kvtvm.errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
@@ -34,13 +35,6 @@ def make(devices=("cpu",), pages=16, dtype="float32", prefix=True, page_size=P, 
     for b in mgr.blocks:
         b.copy_(torch.randn(b.shape))
     return mgr
-
-
-def run_prompt(mgr, tokens):
-    (s,) = mgr.claim(1)
-    mgr.fetch([BatchItem(s, tokens)])
-    mgr.step([BatchItem(s, tokens)])
-    return s
 
 
 def kv_of(mgr, s, n):
