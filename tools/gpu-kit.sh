@@ -38,6 +38,16 @@ build --ops append --dtypes bfloat16 --head-dims 64 --kv-heads 4 --layouts hnd \
       --cache-dtypes int8/float8_e4m3fn
 build --ops append --dtypes float32 --head-dims 128 --kv-heads 4 --layouts nhd \
       --cache-dtypes float8_e4m3fn/int8
+# decode at the head shapes fit_row_groups refits (tests/ops/test_decode_cuda_shapes.py)
+build --ops decode --dtypes float16 --head-dims 112 --kv-heads 2 --group-sizes 3 --layouts nhd
+build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 4,8 --layouts nhd
+build --ops decode --dtypes float16 --head-dims 64 --kv-heads 2 --group-sizes 16 --layouts nhd
+build --ops decode --dtypes float16 --head-dims 48 --kv-heads 2 --group-sizes 16 --layouts nhd \
+      --cache-dtypes int8,float8_e4m3fn
+build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --cache-dtypes int8
+build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 8 --layouts nhd \
+      --cache-dtypes int8,float8_e4m3fn
 # TVM 0.27's built-in decode and prefill kernels, the benchmarks' peer (no compiler there)
 "$PY" -m kvtvm.bench.tvm_peer --arch "$ARCH" --out "$OUT" | tail -1
 # examples/serve.py --model toy --device cuda, float32 and bfloat16 (the toy Llama: 8 query

@@ -23,11 +23,9 @@ def _in_rows(s, d, rows):
 
 
 def default_knobs(spec) -> dict:
-    # one vector per thread: the kernel the GPU tests (bounds, copy, managers) ran on. On an
-    # H100 (2026-11-25, docs/PERF.md) two vectors per thread moved 1024 pages 7% faster and cut
-    # the bounds check's cost there from +7% to +1% (equal to torch on the probe's cases, not
-    # yet through the GPU tests: the next GPU session switches the default after them)
-    return {"vector_bytes": 16, "threads": 256, "vectors_per_thread": 1}
+    # two vectors per thread: on an H100 (docs/PERF.md) they moved 1024 pages 7% faster than one
+    # and cut the bounds check's cost there from +7% to +1% (tools/gpu_copy_check_probe.py)
+    return {"vector_bytes": 16, "threads": 256, "vectors_per_thread": 2}
 
 
 def schedule(mod, spec, knobs):

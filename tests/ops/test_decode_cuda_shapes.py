@@ -1,0 +1,64 @@
+"""CUDA decode at the head shapes whose layout ``fit_row_groups`` refits (fewer row groups or
+shorter K/V tiles, to stay within 1024 threads and 48 KiB of static shared memory): full
+precision and 8-bit caches, against the numpy reference over random pages. The kernels come
+prebuilt (tools/gpu-kit.sh builds these shapes); the GPU machine has no compiler."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+#: (storage, head_dim, group_size): "" is a float16 cache. Keep in step with tools/gpu-kit.sh.
+SHAPES = [("", 112, 3), ("", 256, 4), ("", 256, 8), ("", 64, 16),
+          ("int8", 48, 16), ("int8", 256, 4), ("int8", 256, 8),
+          ("float8_e4m3fn", 48, 16), ("float8_e4m3fn", 256, 8)]
+H = 2  # KV heads
+
+
+def _cache(rng, storage, shape):
+    from kvtvm.quant import quantize_rows
+
+    x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.1, 4, shape[:1] + (1,) * 3)
+    if not storage:
+        return torch.from_numpy(x).to(torch.float16).cuda()
+    rows = torch.from_numpy(quantize_rows(x, storage).view(np.int8))
+    return rows.cuda().view(getattr(torch, storage))
+
+
+def _host(t, storage):
+    if not storage:
+        return t.float().cpu().numpy()
+    import ml_dtypes
+
+    return t.view(torch.uint8).cpu().numpy().view(
+        np.int8 if storage == "int8" else ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("storage,D,G", SHAPES, ids=lambda v: str(v) or "fp16")
+@pytest.mark.parametrize("page_size,num_splits", [(16, 1), (5, 3)])
+def test_refitted_decode_layouts_match_the_reference(storage, D, G, page_size, num_splits):
+    from kvtvm import ops
+    from kvtvm.kernels.reference import reference_decode
+
+    rng = np.random.default_rng(D * 100 + G)
+    lengths = [0, 1, 2 * page_size - 1, 333]
+    need = [-(-(n + 1) // page_size) for n in lengths]
+    num_pages = sum(need) + 3
+    perm = rng.permutation(num_pages)
+    table = np.zeros((len(lengths), max(need)), np.int32)
+    cursor = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[cursor:cursor + n]
+        cursor += n
+    kc, vc = (_cache(rng, storage, (num_pages, page_size, H, D)) for _ in range(2))
+    q = torch.randn(len(lengths), H * G, D, dtype=torch.float16, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = ops.decode_attention(q, kc, vc, lens.cuda(), torch.from_numpy(table).cuda(),
+                                    num_splits=num_splits)
+    want, want_lse = reference_decode(q.float().cpu().numpy(), _host(kc, storage),
+                                      _host(vc, storage), lens.numpy(), table)
+    np.testing.assert_allclose(out.float().cpu().numpy(), want, atol=4e-3, rtol=0)
+    np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=1e-3, rtol=1e-4)
