@@ -21,13 +21,13 @@ memcheck() {  # memcheck NAME COMMAND...: the command under memcheck, its report
   grep -h "ERROR SUMMARY" "$OUT/memcheck-$name.txt" | tee -a "$LOG"
 }
 step device nvidia-smi --query-gpu=name,driver_version --format=csv
+memcheck bounds python3 -m pytest -q -p no:cacheprovider tests/ops/test_bounds_cuda.py
+memcheck serve python3 examples/serve.py --model toy --device cuda --dtype float32 \
+     --kernels build/kernels
 # the ops on the GPU: numerics, bad input, the kernels' own bounds checks (unchecked mode)
 memcheck ops python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels \
      tests/ops/test_copy_kernel.py tests/manager/test_manager_cuda.py \
      tests/manager/test_manager_linear_cuda.py tests/quant/test_quant_cuda.py \
      tests/ops/test_decode_cuda_shapes.py
-memcheck bounds python3 -m pytest -q -p no:cacheprovider tests/ops/test_bounds_cuda.py
-memcheck serve python3 examples/serve.py --model toy --device cuda --dtype float32 \
-     --kernels build/kernels
 echo "=== $failed step(s) failed" | tee -a "$LOG"
 exit "$failed"
