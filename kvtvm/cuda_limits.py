@@ -12,10 +12,12 @@ against the schedules' own choices.
 
 Rules (``c = 16 // itemsize``: 4 elements for float32, 8 for float16 / bfloat16):
 
-- decode, full precision: some ``v`` in ``(c, 2c, 4c)`` divides head_dim with
-  ``head_dim / v <= 32`` (a row inside one warp): float16 / bfloat16 multiples of 8 up to 256,
-  multiples of 16 up to 512, multiples of 32 up to 1024; float32 multiples of 4 up to 128, of 8 up to 256, of 16 up to 512.
-- decode, 8-bit K and V: some ``v`` in ``(4, 8, 16, 32)`` with the same rule.
+- decode: a score is reduced over ``head_dim / v`` lanes with an xor butterfly inside a warp,
+  so that count must be a power of two up to 32. Full precision: ``v`` is 1 to 5 16-byte
+  vectors (``c`` to ``5c``) -- float16 / bfloat16 take 8, 16, 24, 32, 40, 48, 64, 80, 96, 128,
+  160, 192, 256, 320, 384, 512, 640, 768, 1024; float32 4 to 640 alike. 8-bit K and V: ``v`` in
+  ``(4, 8, 16, 32)`` -- powers of two from 4 to 1024 (an 8-bit head of 48, 80 or 96 decodes on
+  the CPU).
 - prefill: float16 / bfloat16 need a multiple of 16 (tensor-core fragments); float32 any.
 - append: full precision any; quantizing (8-bit K or V) a multiple of 4.
 - copy: any.
@@ -28,21 +30,29 @@ from .errors import InvalidArgumentError, describe
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def decode_vectors(dtype: str, head_dim: int, quantized: bool = False) -> list[int]:
-    """The CUDA decode's choices of head_dim elements per thread (empty: unsupported)."""
+    """The CUDA decode's choices of head_dim elements per thread (empty: unsupported): a score
+    is reduced over ``head_dim / v`` lanes with an xor butterfly inside one warp, so that lane
+    count must be a power of two of at most 32; ``v`` is a whole number of 16-byte vectors (1 to
+    5) at full precision, 4, 8, 16 or 32 codes for 8-bit K and V."""
     if quantized:
         sizes = (4, 8, 16, 32)
     else:
         chunk = 16 // _ITEMSIZE[dtype]
-        sizes = (chunk, 2 * chunk, 4 * chunk)
-    return [v for v in sizes if head_dim % v == 0 and head_dim // v <= 32]
+        sizes = tuple(k * chunk for k in range(1, 6))
+    return [v for v in sizes
+            if head_dim % v == 0 and _power_of_two(head_dim // v) and head_dim // v <= 32]
 
 
 def _decode_rule(dtype: str, quantized: bool) -> str:
     sizes = (4, 8, 16, 32) if quantized else tuple(
-        16 // _ITEMSIZE[dtype] * k for k in (1, 2, 4))
-    parts = [f"a multiple of {v} up to {32 * v}" for v in sizes]
-    return ", or ".join(parts)
+        16 // _ITEMSIZE[dtype] * k for k in range(1, 6))
+    return (f"head_dim = v x (a power of two up to 32) for some v in {list(sizes)} "
+            "(the lanes reducing a score)")
 
 
 def cuda_head_dim_problem(op: str, dtype: str, head_dim: int, k_storage: str = "",

@@ -38,12 +38,14 @@ build --ops append --dtypes bfloat16 --head-dims 64 --kv-heads 4 --layouts hnd \
       --cache-dtypes int8/float8_e4m3fn
 build --ops append --dtypes float32 --head-dims 128 --kv-heads 4 --layouts nhd \
       --cache-dtypes float8_e4m3fn/int8
-# decode at the head shapes fit_row_groups refits (tests/ops/test_decode_cuda_shapes.py)
-build --ops decode --dtypes float16 --head-dims 112 --kv-heads 2 --group-sizes 3 --layouts nhd
+# decode at head shapes off the grid (tests/ops/test_decode_cuda_shapes.py): heads of 3 or 5
+# vectors a lane, and the shapes fit_row_groups refits
+build --ops decode --dtypes float16 --head-dims 96 --kv-heads 2 --group-sizes 3 --layouts nhd
+build --ops decode --dtypes float16 --head-dims 80 --kv-heads 2 --group-sizes 4 --layouts nhd
+build --ops decode --dtypes float16 --head-dims 160 --kv-heads 2 --group-sizes 2 --layouts nhd
 build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 4,8 --layouts nhd
-build --ops decode --dtypes float16 --head-dims 64 --kv-heads 2 --group-sizes 16 --layouts nhd
-build --ops decode --dtypes float16 --head-dims 48 --kv-heads 2 --group-sizes 16 --layouts nhd \
-      --cache-dtypes int8,float8_e4m3fn
+build --ops decode --dtypes float16 --head-dims 64 --kv-heads 2 --group-sizes 16 --layouts nhd \
+      --cache-dtypes none,int8,float8_e4m3fn
 build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 4 --layouts nhd \
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 8 --layouts nhd \

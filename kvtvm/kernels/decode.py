@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 
+from ..cuda_limits import decode_vectors
 from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from .accessor import _ITEMSIZE, match_cache_pair, match_err, match_tensor
 from .errflag import ERR_PAGE, ERR_POSITION
@@ -128,11 +129,9 @@ def match_params(spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_l
 
 
 def vec_choices(spec) -> list[int]:
-    """CUDA knob ``vec``: elements of head_dim per thread that keep one row inside a warp:
-    1, 2 or 4 16-byte vectors, at least head_dim / 32."""
-    chunk = 16 // _ITEMSIZE[spec.dtype]
-    return [v for v in (chunk, 2 * chunk, 4 * chunk)
-            if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
+    """CUDA knob ``vec``: elements of head_dim per thread, whole 16-byte vectors, leaving a
+    power of two of lanes (at most 32) per row (:func:`kvtvm.cuda_limits.decode_vectors`)."""
+    return decode_vectors(spec.dtype, spec.head_dim)
 
 
 def knob_space(spec) -> dict:

@@ -23,6 +23,7 @@ denormal mode and of any native float8 support:
 
 from __future__ import annotations
 
+from ..cuda_limits import decode_vectors
 from ..quant import QMAX, SCALE_BYTES
 from ._tvm import T
 from .accessor import cache_index, cache_row_elems, match_cache_pair
@@ -119,8 +120,9 @@ def dequant(cache, layout: str, page, slot, head, dim, head_dim: int, storage: s
 
 def quant_vec_choices(spec) -> list[int]:
     """CUDA decode knob ``vec`` for 8-bit caches: head_dim values per thread, whole int32
-    words of the staged rows (4, 8, 16 or 32), at most 32 threads per row."""
-    return [v for v in (4, 8, 16, 32) if spec.head_dim % v == 0 and spec.head_dim // v <= 32]
+    words of the staged rows (4, 8, 16 or 32), leaving a power of two of lanes (at most 32)
+    per row (:func:`kvtvm.cuda_limits.decode_vectors`)."""
+    return decode_vectors(spec.dtype, spec.head_dim, quantized=True)
 
 
 def word_row_scale(words, lead, head_dim: int, storage: str, fast: bool = False):
