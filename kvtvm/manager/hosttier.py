@@ -25,24 +25,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-__all__ = ["HostTier", "counters", "runs"]
+from .pagelayout import page_runs as runs
+
+__all__ = ["HostTier", "counters"]
 
 
 def counters(capacity, unit) -> dict:
     """A tier's counters (``stats()``), all zero."""
     return {"capacity": capacity, "unit": unit, "entries": 0, "bytes": 0, "hits": 0,
             "misses": 0, "demotions": 0, "promotions": 0, "rejected": 0, "evictions": 0}
-
-
-def runs(slots: list) -> list:
-    """``[(i, j, first slot)]``: maximal runs ``slots[i:j]`` of consecutive ascending
-    values."""
-    out, i = [], 0
-    for j in range(1, len(slots) + 1):
-        if j == len(slots) or slots[j] != slots[j - 1] + 1:
-            out.append((i, j, slots[i]))
-            i = j
-    return out
 
 
 class HostTier:
