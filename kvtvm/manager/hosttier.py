@@ -93,36 +93,52 @@ class HostTier:
 
     # -- demotion -----------------------------------------------------------------------------
     def _plan(self, items) -> tuple:
-        """The LRU bookkeeping of putting ``items`` one after the other, on copies:
-        (index, free slots, {item position: slot} of the pages that stay, pages stored,
-        evictions)."""
-        index, free = OrderedDict(self._index), sorted(self._slots, reverse=True)
-        placed, owner, stored, evictions = {}, {}, 0, 0
-        for i, (h, _fp, _toks, _page) in enumerate(items):
-            old = index.get(h)
-            if old is not None and old[0] in self._held:
+        """The LRU bookkeeping of putting ``items`` one after the other, without changing
+        anything (an overlay on the index: O(items), whatever the tier's size): (hashes
+        leaving the index, entries joining it in LRU order, free slots used, {item position:
+        slot} of the pages that stay, pages stored, evictions)."""
+        index, held, free = self._index, self._held, self._slots
+        removed, added = set(), OrderedDict()
+        oldest = iter(index.items())  # victims: the original entries first, oldest first
+        placed, owner, used, stored, evictions = {}, {}, 0, 0, 0
+        for i, (h, fp, toks, _page) in enumerate(items):
+            old = added.get(h)
+            if old is None and h in index and h not in removed:
+                old = index[h]
+            if old is not None and old[0] in held:
                 evictions += 1  # a promotion reads that entry's slot: this page is not kept
                 continue
-            if old is not None:
-                free.append(index.pop(h)[0])
-            elif not free:
-                victim = next((k for k, v in index.items() if v[0] not in self._held), None)
-                if victim is None:  # every entry is being promoted: this page is not kept
+            if old is not None:  # the same hash again: this page replaces it, in its slot
+                slot = old[0]
+                if added.pop(h, None) is None:
+                    removed.add(h)
+            elif used < len(free):
+                slot = free[len(free) - 1 - used]
+                used += 1
+            else:  # the least recently used entry that no promotion reads leaves
+                victim = next(((k, v) for k, v in oldest if k not in removed
+                               and v[0] not in held), None)
+                if victim is not None:
+                    removed.add(victim[0])
+                elif added:
+                    victim = added.popitem(last=False)
+                else:  # every entry is being promoted: this page is not kept
                     evictions += 1
                     continue
-                free.append(index.pop(victim)[0])
+                slot = victim[1][0]
                 evictions += 1
-            slot = free.pop()
             if slot in owner:  # an earlier page of this batch left (replaced or evicted)
                 placed.pop(owner[slot], None)
             owner[slot], placed[i] = i, slot
-            index[h] = (slot, _toks, _fp)
+            added[h] = (slot, toks, fp)
             stored += 1
-        return index, free, placed, stored, evictions
+        return removed, added, used, placed, stored, evictions
 
     def put_many(self, items: list, rows_of) -> dict:
         """Store several pages, as putting them one after the other would (same entries, LRU
-        order and counters), with one gather and one copy per run of slots.
+        order and counters), with one gather and one copy per run of slots. A page that
+        finds no slot (every entry is being promoted, see :attr:`held`) is not kept and
+        counts as an eviction.
 
         Parameters
         ----------
@@ -139,7 +155,7 @@ class HostTier:
         """
         if self.capacity <= 0 or not items:
             return {}
-        index, free, placed, stored, evictions = self._plan(items)
+        removed, added, used, placed, stored, evictions = self._plan(items)
         # the slots of this batch, ascending, given to its pages in ascending page order:
         # consecutive pages land in consecutive slots (one copy), and read back in one
         order = sorted(placed, key=lambda i: items[i][3])
@@ -147,11 +163,14 @@ class HostTier:
         for i, slot in zip(order, slots):
             placed[i] = slot
             h, fp, toks, _ = items[i]
-            index[h] = (slot, toks, fp)  # same position in the LRU order
+            added[h] = (slot, toks, fp)  # same position in the LRU order
         if order:
             rows = rows_of([items[i][3] for i in order])  # may raise: nothing changed
             self._write(slots, rows)
-        self._index, self._slots = index, free
+        for h in removed:
+            del self._index[h]
+        self._index.update(added)
+        del self._slots[len(self._slots) - used:]
         self.counters["demotions"] += stored
         self.counters["evictions"] += evictions
         return placed
@@ -179,6 +198,7 @@ class HostTier:
             for h in [h for h, v in self._index.items() if v[0] in gone]:
                 self._slots.append(self._index.pop(h)[0])
                 self.counters["evictions"] += 1
+            self._slots.sort(reverse=True)  # pop() -> lowest
             raise
 
     def put(self, h: int, fp: int, token_bytes: bytes, data) -> None:
