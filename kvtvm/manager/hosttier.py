@@ -183,8 +183,11 @@ class HostTier:
         if self._pool is None:
             self._pool = torch.empty((self.capacity, *rows.shape[1:]), dtype=rows.dtype,
                                      pin_memory=self.pin_memory)
+        async_ = False
         try:
             async_ = self._order(rows)
+            if not async_ and rows.device.type != "cpu":
+                rows = rows.cpu()  # an unpinned pool: one synchronous copy to the host
             spans = runs(slots)
             if not async_ and len(spans) > 1:
                 self._pool.index_copy_(0, torch.tensor(slots, dtype=torch.int64), rows)
@@ -194,6 +197,8 @@ class HostTier:
             if async_:
                 self._record(rows.device)
         except BaseException:
+            if async_:  # copies queued before the failure: waited for before the slots are
+                self._record(rows.device)  # written again
             gone = set(slots)
             for h in [h for h, v in self._index.items() if v[0] in gone]:
                 self._slots.append(self._index.pop(h)[0])
