@@ -8,6 +8,7 @@ drops only the entries whose slots were being overwritten)."""
 import random
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,3 +288,32 @@ def test_cuda_round_trip_through_the_pinned_pool(quantized):
     hit, got = serve(mgr, SYS + [2])
     torch.cuda.synchronize()
     assert hit == 16 and torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_demote_on_a_side_stream_then_promote_on_the_default_one():
+    mgr = PagedKVCacheManager(
+        KVCacheParams("float16", H, 16, "paged", page_size=P, enable_prefix_caching=True),
+        2, 32, L, devices=("cuda",), num_pages=5)
+    mgr.attach_tiers(host_pages=8)
+    _, want = serve(mgr, SYS + [1])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        serve(mgr, OTHER + [1])  # SYS demoted asynchronously on the side stream
+    # the promotion's copies wait for the side stream's event on the GPU; its scatter
+    # rewrites SYS's old pages only after the demotion has read them
+    hit, got = serve(mgr, SYS + [2])
+    torch.cuda.synchronize()
+    assert hit == 16 and torch.equal(got.cpu(), want.cpu())
+    assert torch.equal(mgr._tiers.host.get(*entry_of(mgr, SYS[:P])).cpu(), want[0].cpu())
+
+
+def entry_of(mgr, chunk):
+    """(hash, fingerprint, token bytes) of a prompt's first page."""
+    from kvtvm.manager.hashing import chain_hash, fingerprint
+
+    toks = np.asarray(chunk, np.int64).tobytes()
+    h, fp = mgr._root_chain()
+    return chain_hash(h, toks, mgr.hash_bits), fingerprint(fp, toks), toks
