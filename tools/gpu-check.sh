@@ -13,13 +13,15 @@ step "GPU tests" python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/kernels tests/ops/test_copy_kernel.py tests/ops/test_bounds_cuda.py \
      tests/manager/test_manager_cuda.py \
      tests/manager/test_manager_linear_cuda.py tests/quant/test_quant_cuda.py \
-     tests/manager/test_checksums_cuda.py
+     tests/manager/test_checksums_cuda.py tests/manager/test_manager_tier_batches.py
 for b in append copy decode prefill; do
   extra=()  # quantized caches side by side (their kernels: tools/gpu-kit.sh)
   case $b in decode) extra=(--cache-dtype float16 int8 float8_e4m3fn) ;; esac
   step "bench $b" python3 -m kvtvm bench "$b" --device cuda ${extra[@]+"${extra[@]}"} \
        --json "$OUT/bench-$b.json"
 done
+# the host tier's batched demote / promote against plain pinned copies, both directions
+step "bench transfer (host tier)" python3 -m kvtvm bench transfer --device cuda --skip transfer
 step "bench host" python3 -m kvtvm bench host --device cuda --head-dim 32  # serve.py's kernels
 step "serve --device cuda" python3 examples/serve.py --model toy --device cuda --dtype float32 \
      --kernels build/kernels

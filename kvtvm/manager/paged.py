@@ -26,6 +26,7 @@ Choices written down here:
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -167,12 +168,12 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             pages = free[len(free) - k:]
             del free[len(free) - k:]
             return pages[::-1]
+        victims = list(itertools.islice(self._prefix.lru, k - len(free)))
+        if self._tiers is not None:  # down a tier first, together (if it fails: unchanged)
+            self._demote(victims)
         pages = free[::-1]
         free.clear()
-        while len(pages) < k:
-            if self._tiers is not None:  # the oldest cached page goes down a tier first
-                self._demote(next(iter(self._prefix.lru)))
-            pages.append(self._prefix.evict_one())
+        pages.extend(self._prefix.evict_one() for _ in victims)
         pages.sort()  # evicted deepest first: ascending runs keep transfers zero-copy
         return pages
 
@@ -266,7 +267,8 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                 f"tokens, {len(cow)} copy-on-write), {available} are free or evictable "
                 f"(pool of {self.num_pages} pages)")
         # -- apply (only a failing page copy can raise from here; then everything is undone) --
-        snap = self._snapshot() if cow else None
+        evicts = self._tiers is not None and n_new > len(self._free)  # a demotion may fail
+        snap = self._snapshot() if cow or evicts else None
         try:
             self._apply_fetch(ids, hit_plan, uncache, cow, short, alloc, have_short, start)
         except BaseException:

@@ -15,7 +15,17 @@ from __future__ import annotations
 from ..errors import InvalidArgumentError, describe
 from .args import check_int
 
-__all__ = ["split_quant_rows", "join_quant_rows", "PageLayoutMixin"]
+__all__ = ["split_quant_rows", "join_quant_rows", "page_runs", "PageLayoutMixin"]
+
+
+def page_runs(pages: list) -> list:
+    """``[(i, j, first page)]``: maximal runs ``pages[i:j]`` of consecutive ascending pages."""
+    out, i = [], 0
+    for j in range(1, len(pages) + 1):
+        if j == len(pages) or pages[j] != pages[j - 1] + 1:
+            out.append((i, j, pages[i]))
+            i = j
+    return out
 
 
 def split_quant_rows(rows, params, num_layers: int, n_devices: int) -> list:
@@ -80,10 +90,15 @@ class PageLayoutMixin:
         each device taking its heads."""
         import torch
 
-        if len(pages) == 1 and self.n_devices == 1:  # a promotion: one page, no index
-            blocks = self._blocks[0]
-            blocks[pages[0]].copy_(rows[0].to(blocks.device))
-            return
+        if self.n_devices == 1:  # a few runs of consecutive pages: slice copies, no index
+            blocks, spans = self._blocks[0], page_runs(pages)
+            if len(spans) <= 4:
+                rows = rows.to(blocks.device)
+                if rows.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr():
+                    rows = rows.clone()  # an export of this very cache (a view of it)
+                for i, j, p in spans:
+                    blocks[p:p + j - i].copy_(rows[i:j])
+                return
         idx = torch.tensor(pages, dtype=torch.int64)
         if self.params.quantized:
             parts = split_quant_rows(rows, self.params, self.num_layers, self.n_devices)

@@ -31,7 +31,6 @@ import tempfile
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +38,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, describe
 from .args import check_seconds
 from .hashing import CHECKSUM_NAME, chain_hash, checksum, fingerprint
+from .hosttier import HostTier, counters as _counters
 
 __all__ = ["HostTier", "DiskTier", "TierStore", "TierMixin"]
 
@@ -46,78 +46,6 @@ log = logging.getLogger(__name__)
 
 _MAGIC = b"KVTVMPG1"
 _LEN = struct.Struct("<I")
-
-
-def _counters(capacity, unit) -> dict:
-    return {"capacity": capacity, "unit": unit, "entries": 0, "bytes": 0, "hits": 0,
-            "misses": 0, "demotions": 0, "promotions": 0, "rejected": 0, "evictions": 0}
-
-
-class HostTier:
-    """At most ``capacity`` pages in host memory, LRU.
-
-    Parameters
-    ----------
-    capacity : int
-        Pages held (a pool ``[capacity, 2, num_layers, page_size, n_kv_heads, head_dim]`` is
-        allocated on the first demotion).
-    pin_memory : bool
-        Pin the pool (for a CUDA cache: faster, asynchronous copies).
-    """
-
-    def __init__(self, capacity: int, pin_memory: bool = False):
-        self.capacity, self.pin_memory = int(capacity), bool(pin_memory)
-        self._pool = None
-        self._slots: list[int] = list(range(self.capacity - 1, -1, -1))
-        self._index: OrderedDict[int, tuple] = OrderedDict()  # hash -> (slot, tokens, fp)
-        self.counters = _counters(self.capacity, "pages")
-
-    def __contains__(self, h: int) -> bool:
-        return h in self._index
-
-    def put(self, h: int, fp: int, token_bytes: bytes, data) -> None:
-        """Store page ``data`` ``[2, L, P, H, D]`` under hash ``h`` (replacing an entry with
-        that hash); the least recently used entry makes room."""
-        import torch
-
-        if self.capacity <= 0:
-            return
-        if self._pool is None:
-            self._pool = torch.empty((self.capacity, *data.shape), dtype=data.dtype,
-                                     pin_memory=self.pin_memory)
-        old = self._index.pop(h, None)
-        if old is not None:
-            self._slots.append(old[0])
-        elif not self._slots:
-            _, (slot, _, _) = self._index.popitem(last=False)
-            self._slots.append(slot)
-            self.counters["evictions"] += 1
-        slot = self._slots.pop()
-        self._pool[slot].copy_(data)
-        self._index[h] = (slot, token_bytes, fp)
-        self.counters["demotions"] += 1
-
-    def get(self, h: int, fp: int, token_bytes: bytes):
-        """The page under ``h`` if its tokens and prefix fingerprint match, else None."""
-        hit = self._index.get(h)
-        if hit is None:
-            self.counters["misses"] += 1
-            return None
-        slot, toks, efp = hit
-        if toks != token_bytes or efp != fp:
-            self.counters["rejected"] += 1
-            self.counters["misses"] += 1
-            return None
-        self._index.move_to_end(h)
-        self.counters["hits"] += 1
-        return self._pool[slot]
-
-    def stats(self) -> dict:
-        c = dict(self.counters)
-        c["entries"] = len(self._index)
-        c["bytes"] = 0 if self._pool is None else \
-            len(self._index) * self._pool[0].numel() * self._pool.element_size()
-        return c
 
 
 def check_private_dir(path) -> Path:
@@ -386,24 +314,64 @@ class TierStore:
     def __init__(self, host: HostTier | None, disk: DiskTier | None, page_shape, dtype: str):
         self.host, self.disk, self.page_shape, self.dtype = host, disk, tuple(page_shape), dtype
 
-    def put(self, h, fp, token_bytes, data) -> None:
-        if self.host is not None:
-            self.host.put(h, fp, token_bytes, data)
-        if self.disk is not None and h not in self.disk:
-            self.disk.put(h, fp, token_bytes, data)
+    def put_many(self, items: list, rows_of) -> None:
+        """Demote pages together: ``items`` = (hash, fingerprint, token bytes, page), oldest
+        first; ``rows_of(pages)`` gives their rows. The host tier takes them in one batch
+        (:meth:`HostTier.put_many`); the disk tier queues those it lacks, from the host tier's
+        slots (or, for pages the host tier did not keep, one more gather to the host)."""
+        placed = self.host.put_many(items, rows_of) if self.host is not None else {}
+        if self.disk is None:
+            return
+        todo = [i for i, it in enumerate(items) if it[0] not in self.disk]
+        rest = [i for i in todo if i not in placed]
+        rows = rows_of([items[i][3] for i in rest]).cpu() if rest else None
+        row_of = {i: r for r, i in enumerate(rest)}
+        for i in todo:
+            h, fp, toks, _ = items[i]
+            if h not in self.disk:  # an earlier page of this batch with the same hash
+                data = self.host.slot_view(placed[i]) if i in placed else rows[row_of[i]]
+                self.disk.put(h, fp, toks, data)
 
-    def get(self, h, fp, token_bytes):
+    def put(self, h, fp, token_bytes, data) -> None:
+        """Demote one page ``data`` (``[*page_shape]``)."""
+        self.put_many([(h, fp, token_bytes, 0)], lambda pages: data[None])
+
+    def find(self, h, fp, token_bytes):
+        """A content-verified hit: ``("host", slot)`` or ``("disk", page tensor)``; None on a
+        miss in every tier. Counts the hit as a promotion."""
         if self.host is not None:
-            hit = self.host.get(h, fp, token_bytes)
-            if hit is not None:
+            slot = self.host.find(h, fp, token_bytes)
+            if slot is not None:
                 self.host.counters["promotions"] += 1
-                return hit
+                return "host", slot
         if self.disk is not None:
             hit = self.disk.get(h, fp, token_bytes, self.page_shape, self.dtype)
             if hit is not None:
                 self.disk.counters["promotions"] += 1
-                return hit
+                return "disk", hit
         return None
+
+    def get(self, h, fp, token_bytes):
+        """The page (a host tensor) of a hit (:meth:`find`), else None."""
+        hit = self.find(h, fp, token_bytes)
+        if hit is None:
+            return None
+        return self.host.slot_view(hit[1]) if hit[0] == "host" else hit[1]
+
+    def stage(self, hits: list, device) -> list:
+        """Rows of ``hits`` (from :meth:`find`) on ``device``, grouped by tier:
+        ``[(positions in hits, [n, *page_shape] rows)]``; host hits in slot order, one copy
+        per run of slots."""
+        import torch
+
+        out = []
+        host = sorted((h[1], i) for i, h in enumerate(hits) if h[0] == "host")
+        if host:
+            out.append(([i for _, i in host], self.host.read([s for s, _ in host], device)))
+        disk = [i for i, h in enumerate(hits) if h[0] == "disk"]
+        if disk:
+            out.append((disk, torch.stack([hits[i][1] for i in disk])))
+        return out
 
     def count_prefix(self, hashes) -> int:
         n = 0
@@ -463,17 +431,23 @@ class TierMixin:
             self._tiers = TierStore(host, disk, shape, p.tensor_dtype)
             return self._tiers
 
-    def _page_bytes(self, page: int):
-        """``[2, L, P, n_kv_heads, D]`` of one page, all devices' heads, on the host."""
-        return self._gather([page], (0, self.params.n_kv_heads))[0].cpu()
+    def _page_rows(self, pages: list):
+        """``[n, 2, L, P, n_kv_heads, D]`` (``[n, page_bytes]`` quantized) of ``pages``, all
+        devices' heads: a view of the cache when they are consecutive on one device."""
+        return self._gather(list(pages), (0, self.params.n_kv_heads))
 
-    def _demote(self, page: int) -> None:
-        """Copy cached ``page`` (about to be evicted) to the tiers."""
-        key = self._prefix.page_key[page]
-        kid = self._prefix.table[key][0]
-        chain = self._chain_of(kid)
-        if chain is not None:  # a page whose parent chain is gone is unreachable anyway
-            self._tiers.put(chain[0], chain[1], key[1], self._page_bytes(page))
+    def _demote(self, pages: list) -> None:
+        """Copy cached ``pages`` (about to be evicted, oldest first) to the tiers together:
+        one gather, one copy into the host tier, the disk tier's queue. Raises if a copy fails
+        (the device pool and the prefix cache unchanged; see :mod:`.hosttier`)."""
+        prefix, items = self._prefix, []
+        for page in pages:
+            key = prefix.page_key[page]
+            chain = self._chain_of(prefix.table[key][0])
+            if chain is not None:  # a page whose parent chain is gone is unreachable anyway
+                items.append((chain[0], chain[1], key[1], page))
+        if items:
+            self._tiers.put_many(items, self._page_rows)
 
     def persist_prefix_cache(self) -> int:
         """Write every cached device page the disk tier lacks (so a restart finds it);
@@ -482,12 +456,14 @@ class TierMixin:
             disk = self._tiers.disk if self._tiers is not None else None
             if disk is None:
                 return 0
-            n = 0
+            todo = []
             for key, (kid, page) in sorted(self._prefix.table.items(), key=lambda kv: kv[1][0]):
                 chain = self._chain_of(kid)
                 if chain is not None and chain[0] not in disk:
-                    n += disk.put(chain[0], chain[1], key[1], self._page_bytes(page),
-                                  block=True)
+                    todo.append((chain[0], chain[1], key[1], page))
+            rows = self._page_rows([it[3] for it in todo]).cpu() if todo else None
+            n = sum(disk.put(h, fp, toks, rows[i], block=True)
+                    for i, (h, fp, toks, _) in enumerate(todo))
         disk.flush()  # on disk when this returns (the lock is not held while waiting)
         return n
 
@@ -506,8 +482,13 @@ class TierMixin:
     def _promote(self, chunks: list, keep=()) -> int:
         """Bring back from the tiers the pages of ``chunks`` (token bytes of full pages, from
         page 0) past the device's longest cached chain, as cached device pages; never evicts
-        the pages of ``keep`` or of that chain. Returns the pages promoted."""
-        prefix = self._prefix
+        the pages of ``keep`` or of that chain. The pages found move together: their rows
+        are staged on the device (one copy per run of host slots) before any page is taken,
+        then written with one scatter per tier. Returns the pages promoted.
+
+        If the scatter fails, nothing is registered and the pages taken go back to the free
+        list (pages that were evicted for them stay evicted: they were demoted first)."""
+        prefix, tiers = self._prefix, self._tiers
         held, kids = prefix.lookup(chunks)
         if len(held) == len(chunks):
             return 0
@@ -515,23 +496,40 @@ class TierMixin:
         if chain is None:
             return 0
         h, fp = chain
-        found = []
+        found = []  # (chunk, hash, fingerprint), (tier, slot or tensor)
         for chunk in chunks[len(held):]:
             h, fp = chain_hash(h, chunk, self.hash_bits), fingerprint(fp, chunk)
-            data = self._tiers.get(h, fp, chunk)
-            if data is None:
+            hit = tiers.find(h, fp, chunk)
+            if hit is None:
                 break
-            found.append((chunk, data, h, fp))
+            found.append(((chunk, h, fp), hit))
+        n = min(len(found), self._available_pages() - sum(p in prefix.lru for p in
+                                                          set(keep) | set(held)))
+        if n <= 0:
+            return 0
+        found = found[:n]
+        device = self._blocks[0].device if self.n_devices == 1 else "cpu"
+        slots = [hit[1] for _, hit in found if hit[0] == "host"]
         pins = list(dict.fromkeys(list(keep) + list(held)))
-        self._lease_pages(pins)
+        hold = tiers.host.held if tiers.host is not None else set()
+        hold.update(slots)  # a demotion below must not give these slots away
         try:
-            n = min(len(found), self._available_pages())
-            pages = self._take(n)
+            groups = tiers.stage([hit for _, hit in found], device)
+            self._lease_pages(pins)
+            try:
+                pages = self._take(n)
+            finally:
+                self._unlease_pages(pins)
+            try:
+                for pos, rows in groups:
+                    self._scatter([pages[i] for i in pos], rows)
+            except BaseException:
+                self._free.extend(pages)
+                raise
         finally:
-            self._unlease_pages(pins)
+            hold.difference_update(slots)
         parent = kids[-1] if kids else prefix.root
-        for page, (chunk, data, h, fp) in zip(pages, found):
-            self._scatter([page], data[None])
+        for page, ((chunk, h, fp), _) in zip(pages, found):
             parent = prefix.insert(parent, chunk, page)
             self._chain_memo[parent] = (h, fp)
             if page in prefix.page_key:
