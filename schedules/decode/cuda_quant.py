@@ -127,9 +127,12 @@ def default_knobs(spec) -> dict:
 
 def default_vec(spec) -> int:
     """The largest slice that keeps ``group * vec <= 32`` (q and the output of every head of
-    the group in registers), at least one int32 word."""
+    the group in registers), at least one int32 word; at most 16 values when a side is full
+    precision (its slice is held raw and converted: 32 values made ptxas spill at head_dim 64,
+    GQA 1, on sm_80 and sm_90a; 16 use 90-96 registers)."""
     choices = quant_vec_choices(spec)
-    fits = [v for v in choices if spec.group_size * v <= 32]
+    cap = 32 if spec.k_storage and spec.v_storage else 16
+    fits = [v for v in choices if spec.group_size * v <= 32 and v <= cap]
     return max(fits) if fits else choices[0]
 
 
