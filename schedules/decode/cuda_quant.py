@@ -107,9 +107,15 @@ __device__ __forceinline__ void kvtvm_e4m3x4_to_float4(void* dst, int w) {
 _CONVERT = {"int8": "kvtvm_i8x4_to_float4", "float8_e4m3fn": "kvtvm_e4m3x4_to_float4"}
 
 
-def _convert4(storage, dst, word):
-    """Convert the 4 codes of ``word`` into 4 float32 values at pointer ``dst``."""
-    return T.cuda.func_call(_CONVERT[storage], dst, word, source_code=_TO_FLOAT[storage])
+def _convert4(storage, dst, word, dtype):
+    """Convert the 4 codes of ``word`` into 4 float32 values at pointer ``dst``. The e4m3
+    helpers use ``__half2``: TVM includes ``cuda_fp16.h`` for float16 kernels (and
+    ``cuda_bf16.h``, which includes it, for bfloat16 ones), so a float32 kernel includes it
+    with them (without it, float32 decode over a float8 side did not compile)."""
+    source = _TO_FLOAT[storage]
+    if storage == "float8_e4m3fn" and dtype == "float32":
+        source = "\n#include <cuda_fp16.h>\n" + source
+    return T.cuda.func_call(_CONVERT[storage], dst, word, source_code=source)
 
 
 def default_knobs(spec) -> dict:
@@ -233,7 +239,7 @@ def schedule(mod, spec, knobs):
                 for w in T.vectorized(WV):
                     words[c * WV + w] = smem[stage, row, tx * (VEC // 4) + c * WV + w]
             for w in T.unroll(VEC // 4):
-                T.evaluate(_convert4(storage, kv.access_ptr("w", offset=w * 4, extent=4), words[w]))
+                T.evaluate(_convert4(storage, kv.access_ptr("w", offset=w * 4, extent=4), words[w], dtype))
 
         @T.macro
         def load_full(smem, words, raw, kv, stage, row, tx):
