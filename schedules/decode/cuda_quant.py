@@ -188,8 +188,8 @@ def schedule(mod, spec, knobs):
 
     (K_W, K_DT), (V_W, V_DT) = smem_row(spec.k_storage), smem_row(spec.v_storage)
 
-    def copier(storage, CPR):
-        """``cp.async`` of chunk ``chunk`` (of ``CPR`` per row) of a row into a staged tile."""
+    def copier(storage):
+        """``cp.async`` of 16-byte chunk ``chunk`` of a row into a staged tile."""
         if storage:
             return lambda smem, stage, row, chunk, *rest: _copy16_words(
                 smem, stage, row, chunk * CH, *rest)
@@ -213,7 +213,7 @@ def schedule(mod, spec, knobs):
     else:                                    # rows of different sizes: a loop per side
         KC, VC = g["k_chunks"], g["v_chunks"]
         K_COPIES, V_COPIES = -(-TILE * KC // NT), -(-TILE * VC // NT)
-        copy_k, copy_v = copier(spec.k_storage, KC), copier(spec.v_storage, VC)
+        copy_k, copy_v = copier(spec.k_storage), copier(spec.v_storage)
 
         @T.macro
         def issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid,
