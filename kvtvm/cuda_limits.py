@@ -18,6 +18,8 @@ Rules (``c = 16 // itemsize``: 4 elements for float32, 8 for float16 / bfloat16)
   160, 192, 256, 320, 384, 512, 640, 768, 1024; float32 4 to 640 alike. 8-bit K and V: ``v`` in
   ``(4, 8, 16, 32)`` -- powers of two from 4 to 1024 (an 8-bit head of 48, 80 or 96 decodes on
   the CPU).
+- decode, one side 8-bit and the other full precision (K-only, V-only): the 8-bit rule, and
+  a multiple of ``c`` (the full-precision rows move in 16-byte copies).
 - prefill: float16 / bfloat16 need a multiple of 16 (tensor-core fragments); float32 any.
 - append: full precision any; quantizing (8-bit K or V) a multiple of 4.
 - copy: any.
@@ -60,10 +62,14 @@ def cuda_head_dim_problem(op: str, dtype: str, head_dim: int, k_storage: str = "
     """Why the CUDA kernel of family ``op`` cannot take ``head_dim`` (None: it can)."""
     quant = bool(k_storage or v_storage)
     if op == "decode":
-        both = bool(k_storage and v_storage)
-        if not decode_vectors(dtype, head_dim, quantized=both):
-            what = "8-bit K and V" if both else dtype
-            return f"CUDA decode ({what}): {_decode_rule(dtype, both)}"
+        if quant and not (k_storage and v_storage):   # one side 8-bit, the other full
+            chunk = 16 // _ITEMSIZE[dtype]
+            if not decode_vectors(dtype, head_dim, quantized=True) or head_dim % chunk:
+                return (f"CUDA decode (one side 8-bit, one {dtype}): "
+                        f"{_decode_rule(dtype, True)}; and a multiple of {chunk}")
+        elif not decode_vectors(dtype, head_dim, quantized=quant):
+            what = "8-bit K and V" if quant else dtype
+            return f"CUDA decode ({what}): {_decode_rule(dtype, quant)}"
     elif op == "prefill":
         if dtype in ("float16", "bfloat16") and head_dim % 16:
             return f"CUDA prefill ({dtype}, tensor cores): a multiple of 16"
@@ -86,8 +92,8 @@ def check_cuda_head_dim(op: str, dtype: str, head_dim: int, k_storage: str = "",
 def check_params_on_cuda(params) -> None:
     """Raise when a cache with ``params`` (:class:`kvtvm.params.KVCacheParams`) could not run
     append, decode or prefill on CUDA because of its head_dim; managers call it when one of
-    their devices is CUDA. 8-bit layers are judged by their K/V storage (a CUDA decode over
-    them needs both 8-bit; the ops refuse other mixes at call time)."""
+    their devices is CUDA. 8-bit layers are judged by their K/V storage (both 8-bit, or one
+    side 8-bit and the other full precision)."""
     dtype, D = params.dtype, params.head_dim
     k8 = params.k_cache_dtype if params.k_cache_dtype != dtype else ""
     v8 = params.v_cache_dtype if params.v_cache_dtype != dtype else ""

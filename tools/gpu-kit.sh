@@ -32,12 +32,27 @@ build --ops append,decode,prefill --dtypes float16 --head-dims 128 --kv-heads 8 
 # quantizing append and the quantized decode, int8 and float8_e4m3fn, both layouts
 build --ops append,decode --dtypes float16 --head-dims 128 --kv-heads 4,8 --group-sizes 4 \
       --layouts nhd,hnd --cache-dtypes int8,float8_e4m3fn
+# bench decode --cache-dtype int8/none (tools/gpu-check.sh): the K-only decode at the bench shape
+build --ops decode --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 --layouts nhd \
+      --cache-dtypes int8/none
 # the quantizing append's other formats: mixed K/V storage, K-only, bfloat16 and float32 rows
 build --ops append --dtypes float16 --head-dims 128 --kv-heads 4 --layouts nhd --cache-dtypes int8/none
 build --ops append --dtypes bfloat16 --head-dims 64 --kv-heads 4 --layouts hnd \
       --cache-dtypes int8/float8_e4m3fn
 build --ops append --dtypes float32 --head-dims 128 --kv-heads 4 --layouts nhd \
       --cache-dtypes float8_e4m3fn/int8
+# decode over a mixed K/V cache: K-only, V-only, K int8 + V fp8 (every kernel of
+# tests/quant/test_quant_decode_mixed_cuda.py: keep in step with its KIT)
+build --ops decode --dtypes float16 --head-dims 64,128 --kv-heads 2 --group-sizes 1,4,8 \
+      --layouts nhd,hnd --cache-dtypes int8/none,none/int8,float8_e4m3fn/none,int8/float8_e4m3fn  # test_quant_decode_mixed_cuda
+build --ops decode --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --features sliding_window --cache-dtypes int8/none,none/int8  # test_quant_decode_mixed_cuda
+build --ops decode --dtypes bfloat16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --cache-dtypes int8/none  # test_quant_decode_mixed_cuda
+build --ops decode --dtypes float32 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts hnd \
+      --cache-dtypes none/float8_e4m3fn  # test_quant_decode_mixed_cuda
+build --ops decode --dtypes float32 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --cache-dtypes float8_e4m3fn  # test_quant_decode_mixed_cuda
 # decode at head shapes off the grid (tests/ops/test_decode_cuda_shapes.py): heads of 3 or 5
 # vectors a lane, and the shapes fit_row_groups refits
 build --ops decode --dtypes float16 --head-dims 96 --kv-heads 2 --group-sizes 3 --layouts nhd

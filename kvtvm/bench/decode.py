@@ -120,16 +120,43 @@ def flashinfer_decode(case, ctx, page_size, scale):
     return lambda: wrapper.run(case["q"], kv)
 
 
+def cache_choice(text: str) -> str:
+    """argparse ``type`` of ``--cache-dtype``: one of :data:`CACHE_DTYPES` (K and V), or a
+    ``K/V`` pair of 8-bit types and ``none`` (the run's dtype), e.g. ``int8/none`` (K-only)."""
+    from ..quant import QUANT_DTYPES
+
+    k, sep, v = text.partition("/")
+    if not sep and text in CACHE_DTYPES:
+        return text
+    if sep and {k, v} <= {"none", *QUANT_DTYPES} and {k, v} != {"none"}:
+        return text
+    raise argparse.ArgumentTypeError(
+        f"expected one of {', '.join(CACHE_DTYPES)}, or K/V such as int8/none or "
+        f"int8/float8_e4m3fn (8-bit types and none), got {text!r}")
+
+
+def kv_row_bytes(storage: str, dtype: str, head_dim: int) -> int:
+    """Stored bytes of one token's K and V rows of a head for a ``--cache-dtype`` choice."""
+    k, _, v = storage.partition("/")
+    return sum(row_bytes(dtype if s == "none" else s, head_dim) for s in (k, v or k))
+
+
 def quantized_run(case, storage: str, dtype: str, scale: float):
     """kvtvm decode over the case's K/V stored as ``storage`` (q in ``dtype``, or in
-    ``storage`` for a full-precision one)."""
+    ``storage`` for a full-precision one); ``"K/V"`` stores the sides apart (``none``: as
+    the case's ``dtype``)."""
     import torch
 
     from .. import ops
     from ..quant import QUANT_DTYPES
 
-    kc, vc = cache_as(case["k_cache"], storage), cache_as(case["v_cache"], storage)
-    q = case["q"] if storage in QUANT_DTYPES else case["q"].to(getattr(torch, storage))
+    ks, sep, vs = storage.partition("/")
+    if sep:
+        kc, vc = (case[n] if s == "none" else cache_as(case[n], s)
+                  for n, s in (("k_cache", ks), ("v_cache", vs)))
+    else:
+        kc, vc = cache_as(case["k_cache"], storage), cache_as(case["v_cache"], storage)
+    q = case["q"] if sep or storage in QUANT_DTYPES else case["q"].to(getattr(torch, storage))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     return lambda: ops.decode_attention(q, kc, vc, case["lengths"], case["table"],
@@ -183,11 +210,12 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=cliargs.positive_int, default=16)
     parser.add_argument("--cases", nargs="*", metavar="BATCHxCTX", type=batch_by_context,
                         help="e.g. 1x4096 64x4096 (default: a per-device set)")
-    parser.add_argument("--cache-dtype", nargs="*", default=[], choices=CACHE_DTYPES,
+    parser.add_argument("--cache-dtype", nargs="*", default=[], type=cache_choice,
                         metavar="STORAGE",
                         help="also run kvtvm over the same K/V stored as these types (int8, "
                              "float8_e4m3fn, or another full-precision type), side by side; "
-                             f"choices: {', '.join(CACHE_DTYPES)}")
+                             f"choices: {', '.join(CACHE_DTYPES)}, or K/V pairs of 8-bit types "
+                             "and none (the run's dtype), e.g. int8/none (K-only)")
     add_skip_arg(parser)
     args = parser.parse_args(argv)
     skip = parse_skip(args)
@@ -261,7 +289,8 @@ def main(argv=None) -> int:
             sec, how = timed(fn, device, repeat, warmup, args.timing)
             nbytes = kv_bytes
             if impl.startswith("kvtvm "):  # the bytes that cache stores
-                nbytes = 2 * batch * ctx * args.n_kv_heads * row_bytes(impl[6:], args.head_dim)
+                nbytes = batch * ctx * args.n_kv_heads * kv_row_bytes(impl[6:], dtype,
+                                                                      args.head_dim)
             rows.append(Row(name, impl, sec * 1e3, nbytes / sec / 1e12,
                             {"batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
                              "stored_bytes": nbytes,

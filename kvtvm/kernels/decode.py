@@ -3,10 +3,10 @@
 Compile-time: dtype, n_kv_heads, group_size (query heads per KV head, GQA), head_dim, token
 layout (nhd/hnd), feature ``"sliding_window"``, and how K and V are stored (``spec.k_storage``
 / ``v_storage``: ``""`` full precision, or 8-bit rows with an inline float32 scale,
-:mod:`kvtvm.quant`): one definition and one CPU schedule serve every storage type (CUDA decode:
-its own ``schedules/decode/cuda_quant.py`` for 8-bit K and V), the K/V loads dequantizing to
-float32 (:mod:`kvtvm.kernels.quant_access`; a plain converting load for a full-precision side),
-accumulation in float32.
+:mod:`kvtvm.quant`): one definition and one CPU schedule serve every storage type (CUDA
+decode: its own ``schedules/decode/cuda_quant.py`` for a cache with an 8-bit side), the K/V
+loads dequantizing to float32 (:mod:`kvtvm.kernels.quant_access`; a plain converting load for
+a full-precision side), accumulation in float32.
 Runtime: batch, pages, page_size, max pages per sequence, cache strides and offset, number of
 KV splits (the first extent of the workspace), ``sm_scale``, window size.
 

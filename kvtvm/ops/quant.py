@@ -30,8 +30,8 @@ QUANT_TARGETS = {("llvm", "append"): QUANT_DTYPES, ("llvm", "decode"): QUANT_DTY
                  ("llvm", "prefill"): QUANT_DTYPES, ("cuda", "append"): QUANT_DTYPES,
                  ("cuda", "decode"): QUANT_DTYPES}
 #: (target, op) whose quantized kernels need both K and V 8-bit (the CUDA append writes either
-#: side in either format).
-BOTH_8BIT = (("cuda", "decode"), ("cuda", "prefill"))
+#: side in either format; the CUDA decode reads a full-precision side too, K-only or V-only).
+BOTH_8BIT = (("cuda", "prefill"),)
 
 def _is_8bit(t) -> bool:
     return t.element_size() == 1

@@ -41,13 +41,17 @@ SMEM_STATIC_BYTES = 48 * 1024
 MAX_CTA_THREADS = 1024
 
 
-def attend_smem_bytes(bdz: int, G: int, D: int, stage_bytes: int) -> int:
-    """Static shared bytes of an attend kernel: K and V stages (``stage_bytes`` each), the
-    per-(row group, query head) running max/sum, and the output reduction, which reuses a K/V
-    stage buffer when it fits in one (as ptxas reports: d160 GQA 2 fp16 41088 bytes, d112 GQA 3
-    50560, 8-bit d256 GQA 4 67840)."""
+def attend_smem_bytes(bdz: int, G: int, D: int, stage_bytes: int,
+                      v_stage_bytes: int | None = None) -> int:
+    """Static shared bytes of an attend kernel: K and V stages (``stage_bytes`` each, or
+    ``stage_bytes`` of K and ``v_stage_bytes`` of V when the two sides are stored differently),
+    the per-(row group, query head) running max/sum, and the output reduction, which reuses a
+    K/V stage buffer when it fits in one (as ptxas reports: d160 GQA 2 fp16 41088 bytes, d112
+    GQA 3 50560, 8-bit d256 GQA 4 67840)."""
+    v_stage_bytes = stage_bytes if v_stage_bytes is None else v_stage_bytes
     red = bdz * G * D * 4
-    return 2 * stage_bytes + bdz * G * 2 * 4 + (0 if red <= stage_bytes else red)
+    return (stage_bytes + v_stage_bytes + bdz * G * 2 * 4
+            + (0 if red <= max(stage_bytes, v_stage_bytes) else red))
 
 
 def fit_row_groups(spec, lanes: int, bdz: int, tile: int, smem) -> tuple[int, int]:

@@ -8,8 +8,12 @@ not once per query head: int8 through the float32 magic number (``0x4B0000 | (co
 minus ``2**23 + 128``: a byte permute and an add, not the conversion unit, which runs at an
 eighth of the float rate), e4m3 through the hardware pair conversion on sm_89+ (bit placement
 and an exact float16 rescale elsewhere) -- both exact. The row scales are folded into scalars
-(``score = scale_k * q.k``; ``acc += (p * scale_v) * v``). K and V must both be 8-bit (a K-only
-cache decodes on the CPU).
+(``score = scale_k * q.k``; ``acc += (p * scale_v) * v``). Either side may be full precision
+instead (a K-only or V-only cache, a float16 / bfloat16 / float32 row of ``head_dim`` values):
+its rows are staged as the float16 kernel stages them (``cuda._copy16``, the tile in the cache's
+dtype), a thread's slice is loaded in 16-byte (or narrower) vectors and converted to float32,
+and no scale is applied. K int8 with V float8_e4m3fn (or the reverse) is the 8-bit path with a
+converter per side.
 """
 
 from __future__ import annotations
@@ -22,9 +26,16 @@ from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale
 from kvtvm.quant import quant_row_bytes
 
-from ..common import pages_bad_macro, replace_function
-from .cuda import (_COMMIT, _CP_ASYNC, SMEM_KV_BYTES, _wait_source, attend_smem_bytes,
+from ..common import DTYPE_BYTES, pages_bad_macro, replace_function
+from .cuda import (_COMMIT, _CP_ASYNC, SMEM_KV_BYTES, _copy16, _wait_source, attend_smem_bytes,
                    fit_row_groups, merge_macro)
+
+
+def staged_row_bytes(spec, storage: str) -> int:
+    """Bytes of one staged row of a side stored as ``storage``: the 8-bit row
+    (``quant_row_bytes(head_dim)``: values, scale, padding) or ``head_dim`` values of the
+    cache's dtype (``""``, full precision)."""
+    return quant_row_bytes(spec.head_dim) if storage else spec.head_dim * DTYPE_BYTES[spec.dtype]
 
 
 def _copy16_words(smem, stage, row, col, cache, layout, lookup, b, pos, h, page_size):
@@ -96,9 +107,15 @@ __device__ __forceinline__ void kvtvm_e4m3x4_to_float4(void* dst, int w) {
 _CONVERT = {"int8": "kvtvm_i8x4_to_float4", "float8_e4m3fn": "kvtvm_e4m3x4_to_float4"}
 
 
-def _convert4(storage, dst, word):
-    """Convert the 4 codes of ``word`` into 4 float32 values at pointer ``dst``."""
-    return T.cuda.func_call(_CONVERT[storage], dst, word, source_code=_TO_FLOAT[storage])
+def _convert4(storage, dst, word, dtype):
+    """Convert the 4 codes of ``word`` into 4 float32 values at pointer ``dst``. The e4m3
+    helpers use ``__half2``: TVM includes ``cuda_fp16.h`` for float16 kernels (and
+    ``cuda_bf16.h``, which includes it, for bfloat16 ones), so a float32 kernel includes it
+    with them (without it, float32 decode over a float8 side did not compile)."""
+    source = _TO_FLOAT[storage]
+    if storage == "float8_e4m3fn" and dtype == "float32":
+        source = "\n#include <cuda_fp16.h>\n" + source
+    return T.cuda.func_call(_CONVERT[storage], dst, word, source_code=source)
 
 
 def default_knobs(spec) -> dict:
@@ -116,9 +133,12 @@ def default_knobs(spec) -> dict:
 
 def default_vec(spec) -> int:
     """The largest slice that keeps ``group * vec <= 32`` (q and the output of every head of
-    the group in registers), at least one int32 word."""
+    the group in registers), at least one int32 word; at most 16 values when a side is full
+    precision (its slice is held raw and converted: 32 values made ptxas spill at head_dim 64,
+    GQA 1, on sm_80 and sm_90a; 16 use 90-96 registers)."""
     choices = quant_vec_choices(spec)
-    fits = [v for v in choices if spec.group_size * v <= 32]
+    cap = 32 if spec.k_storage and spec.v_storage else 16
+    fits = [v for v in choices if spec.group_size * v <= 32 and v <= cap]
     return max(fits) if fits else choices[0]
 
 
@@ -135,54 +155,110 @@ def geometry(spec, knobs) -> dict:
         bdz += 1
     stages = max(1, int(knobs["stages"]))
     tile = int(knobs["tile_tokens"])
-    while tile > bdz and 2 * stages * tile * quant_row_bytes(D) > SMEM_KV_BYTES:
+    k_row, v_row = staged_row_bytes(spec, spec.k_storage), staged_row_bytes(spec, spec.v_storage)
+    while tile > bdz and stages * tile * (k_row + v_row) > SMEM_KV_BYTES:
         tile //= 2
     tile = max(tile, bdz)
     tile -= tile % bdz                       # rows per tz are equal
     bdz, tile = fit_row_groups(
         spec, bdx, bdz, tile,
-        lambda z, t: attend_smem_bytes(z, G, D, stages * t * quant_row_bytes(D)))
-    chunk = 16                               # bytes (8-bit values) per 16-byte copy
+        lambda z, t: attend_smem_bytes(z, G, D, stages * t * k_row, stages * t * v_row))
+    chunk = 16                               # bytes per 16-byte copy
     return dict(vec=vec, bdx=bdx, bdz=bdz, threads=bdx * bdz, stages=stages, tile=tile,
-                rows_per_z=tile // bdz, chunk=chunk, chunks_per_row=quant_row_bytes(D) // chunk)
+                rows_per_z=tile // bdz, chunk=chunk, k_row=k_row, v_row=v_row,
+                k_chunks=k_row // chunk, v_chunks=v_row // chunk)
 
 
 def schedule(mod, spec, knobs):
-    assert spec.k_storage and spec.v_storage, "CUDA: K and V both 8-bit"
+    assert spec.k_storage or spec.v_storage, "CUDA quantized decode: K or V 8-bit"
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     g = geometry(spec, knobs)
     VEC, BDX, BDZ, NT = g["vec"], g["bdx"], g["bdz"], g["threads"]
-    S, TILE, RPZ, CH, CPR = g["stages"], g["tile"], g["rows_per_z"], g["chunk"], g["chunks_per_row"]
-    COPIES = -(-TILE * CPR // NT)            # 16-byte chunks per thread per tile (K and V each)
+    S, TILE, RPZ, CH = g["stages"], g["tile"], g["rows_per_z"], g["chunk"]
     WV = min(4, VEC // 4)                    # words per shared-memory load of a slice
+    FV = min(VEC, 16 // DTYPE_BYTES[dtype])  # full-precision values per shared-memory load
     merge_splits = merge_macro(spec, knobs)
     WAIT = _wait_source(S - 1)
     pages_bad = pages_bad_macro(NT)
 
-    @T.macro
-    def issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid, stage,
-                   first):
-        """``cp.async`` of the K and V rows of the tile starting at position ``first`` into
-        ``stage`` (rows at or past ``hi`` are not copied)."""
-        for c in T.unroll(COPIES):
-            if c * NT + tid < TILE * CPR:
-                if first + (c * NT + tid) // CPR < hi:
-                    T.evaluate(_copy16_words(k_smem, stage, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, first + (c * NT + tid) // CPR, h, page_size))
-                    T.evaluate(_copy16_words(v_smem, stage, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, first + (c * NT + tid) // CPR, h, page_size))
+    def smem_row(storage):
+        """(last extent, dtype) of a side's staged tile: int32 words of the 8-bit row, or
+        head_dim values of the cache's dtype."""
+        return (quant_row_bytes(D) // 4, "int32") if storage else (D, dtype)
 
-    def slice_loader(storage: str):
-        """A macro converting thread ``tx``'s slice of a staged row into ``kv`` (float32)."""
+    (K_W, K_DT), (V_W, V_DT) = smem_row(spec.k_storage), smem_row(spec.v_storage)
+
+    def copier(storage):
+        """``cp.async`` of 16-byte chunk ``chunk`` of a row into a staged tile."""
+        if storage:
+            return lambda smem, stage, row, chunk, *rest: _copy16_words(
+                smem, stage, row, chunk * CH, *rest)
+        return lambda smem, stage, row, chunk, *rest: _copy16(
+            smem, stage, row, chunk * (CH // DTYPE_BYTES[dtype]), *rest)
+
+    if spec.k_storage and spec.v_storage:    # both 8-bit: one loop copies K and V rows
+        CPR = g["k_chunks"]
+        COPIES = -(-TILE * CPR // NT)        # 16-byte chunks per thread per tile (K and V each)
 
         @T.macro
-        def load(smem, words, kv, stage, row, tx):
+        def issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid,
+                       stage, first):
+            """``cp.async`` of the K and V rows of the tile starting at position ``first``
+            into ``stage`` (rows at or past ``hi`` are not copied)."""
+            for c in T.unroll(COPIES):
+                if c * NT + tid < TILE * CPR:
+                    if first + (c * NT + tid) // CPR < hi:
+                        T.evaluate(_copy16_words(k_smem, stage, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, k_cache, layout, lookup, b, first + (c * NT + tid) // CPR, h, page_size))
+                        T.evaluate(_copy16_words(v_smem, stage, (c * NT + tid) // CPR, T.floormod(c * NT + tid, CPR) * CH, v_cache, layout, lookup, b, first + (c * NT + tid) // CPR, h, page_size))
+    else:                                    # rows of different sizes: a loop per side
+        KC, VC = g["k_chunks"], g["v_chunks"]
+        K_COPIES, V_COPIES = -(-TILE * KC // NT), -(-TILE * VC // NT)
+        copy_k, copy_v = copier(spec.k_storage), copier(spec.v_storage)
+
+        @T.macro
+        def issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid,
+                       stage, first):
+            """``cp.async`` of the K rows, then the V rows, of the tile starting at position
+            ``first`` into ``stage`` (rows at or past ``hi`` are not copied)."""
+            for c in T.unroll(K_COPIES):
+                if c * NT + tid < TILE * KC:
+                    if first + (c * NT + tid) // KC < hi:
+                        T.evaluate(copy_k(k_smem, stage, (c * NT + tid) // KC, T.floormod(c * NT + tid, KC), k_cache, layout, lookup, b, first + (c * NT + tid) // KC, h, page_size))
+            for c in T.unroll(V_COPIES):
+                if c * NT + tid < TILE * VC:
+                    if first + (c * NT + tid) // VC < hi:
+                        T.evaluate(copy_v(v_smem, stage, (c * NT + tid) // VC, T.floormod(c * NT + tid, VC), v_cache, layout, lookup, b, first + (c * NT + tid) // VC, h, page_size))
+
+    def slice_loader(storage: str):
+        """A macro converting thread ``tx``'s slice of a staged row into ``kv`` (float32):
+        8-bit words through ``words``, full-precision values through ``raw``."""
+
+        @T.macro
+        def load_8bit(smem, words, raw, kv, stage, row, tx):
             for c in T.unroll(VEC // 4 // WV):  # 16-byte (or narrower) loads
                 for w in T.vectorized(WV):
                     words[c * WV + w] = smem[stage, row, tx * (VEC // 4) + c * WV + w]
             for w in T.unroll(VEC // 4):
-                T.evaluate(_convert4(storage, kv.access_ptr("w", offset=w * 4, extent=4), words[w]))
+                T.evaluate(_convert4(storage, kv.access_ptr("w", offset=w * 4, extent=4), words[w], dtype))
 
-        return load
+        @T.macro
+        def load_full(smem, words, raw, kv, stage, row, tx):
+            for c in T.unroll(VEC // FV):     # 16-byte (or narrower) loads
+                for v in T.vectorized(FV):
+                    raw[c * FV + v] = smem[stage, row, tx * VEC + c * FV + v]
+            for v in T.unroll(VEC):
+                kv[v] = T.Cast("float32", raw[v])
 
+        return load_8bit if storage else load_full
+
+    def scaled(storage):
+        """``x`` times the staged row's scale (an 8-bit side), or ``x`` (full precision)."""
+        if storage:
+            return lambda x, smem, stage, row: x * word_row_scale(smem, (stage, row), D, storage,
+                                                                  fast=True)
+        return lambda x, smem, stage, row: x
+
+    k_scaled, v_scaled = scaled(spec.k_storage), scaled(spec.v_storage)
     load_k, load_v = slice_loader(spec.k_storage), slice_loader(spec.v_storage)
 
     # fmt: off
@@ -202,14 +278,15 @@ def schedule(mod, spec, knobs):
                     with block("attend"):
                         T.reads()
                         T.writes()
-                        k_smem = alloc_buffer((S, TILE, quant_row_bytes(D) // 4), "int32", scope="shared")
-                        v_smem = alloc_buffer((S, TILE, quant_row_bytes(D) // 4), "int32", scope="shared")
+                        k_smem = alloc_buffer((S, TILE, K_W), K_DT, scope="shared")
+                        v_smem = alloc_buffer((S, TILE, V_W), V_DT, scope="shared")
                         o_red = alloc_buffer((BDZ, G, D), "float32", scope="shared")
                         md_red = alloc_buffer((BDZ, G, 2), "float32", scope="shared")
                         q_reg = alloc_buffer((G * VEC,), "float32", scope="local")
                         o_reg = alloc_buffer((G * VEC,), "float32", scope="local")
                         kv = alloc_buffer((VEC,), "float32", scope="local")
                         words = alloc_buffer((VEC // 4,), "int32", scope="local")
+                        raw = alloc_buffer((VEC,), dtype, scope="local")
                         s_reg = alloc_buffer((G * RPZ,), "float32", scope="local")
                         st = alloc_buffer((G * 4,), "float32", scope="local")  # per head: m, d, m_new, dot
                         bad = alloc_buffer((1,), "int32", scope="local")
@@ -255,14 +332,14 @@ def schedule(mod, spec, knobs):
                             for g in T.unroll(G):
                                 st[g * 4 + 2] = st[g * 4]
                             for j in T.unroll(RPZ):
-                                load_k(k_smem, words, kv, T.floormod(it, S), tz * RPZ + j, tx)
+                                load_k(k_smem, words, raw, kv, T.floormod(it, S), tz * RPZ + j, tx)
                                 for g in T.unroll(G):
                                     st[g * 4 + 3] = T.float32(0)
                                     for v in T.unroll(VEC):
                                         st[g * 4 + 3] = st[g * 4 + 3] + q_reg[g * VEC + v] * kv[v]
                                     for x in T.unroll(BDX.bit_length() - 1):
                                         st[g * 4 + 3] = st[g * 4 + 3] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[g * 4 + 3], BDX >> (x + 1), BDX, 32)
-                                    s_reg[g * RPZ + j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, st[g * 4 + 3] * word_row_scale(k_smem, (T.floormod(it, S), tz * RPZ + j), D, spec.k_storage, fast=True), T.float32(NEG))
+                                    s_reg[g * RPZ + j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, k_scaled(st[g * 4 + 3], k_smem, T.floormod(it, S), tz * RPZ + j), T.float32(NEG))
                                     st[g * 4 + 2] = T.max(st[g * 4 + 2], s_reg[g * RPZ + j])
                             # online softmax (log2 units): rescale once per tile
                             for g in T.unroll(G):
@@ -277,9 +354,9 @@ def schedule(mod, spec, knobs):
                                 # rows past the split were not copied: stale shared memory may
                                 # hold NaN bit patterns, and 0 * NaN is NaN
                                 if lo + it * TILE + tz * RPZ + j < hi:
-                                    load_v(v_smem, words, kv, T.floormod(it, S), tz * RPZ + j, tx)
+                                    load_v(v_smem, words, raw, kv, T.floormod(it, S), tz * RPZ + j, tx)
                                     for g in T.unroll(G):
-                                        st[g * 4 + 3] = s_reg[g * RPZ + j] * word_row_scale(v_smem, (T.floormod(it, S), tz * RPZ + j), D, spec.v_storage, fast=True)
+                                        st[g * 4 + 3] = v_scaled(s_reg[g * RPZ + j], v_smem, T.floormod(it, S), tz * RPZ + j)
                                         for v in T.unroll(VEC):
                                             o_reg[g * VEC + v] = o_reg[g * VEC + v] + st[g * 4 + 3] * kv[v]
                             T.tvm_storage_sync("shared")

@@ -41,6 +41,27 @@ def test_rules_are_the_schedules_own_choices():
             assert decode_vectors(dtype, d, quantized=True) == quant_vec_choices(cpu), (dtype, d)
 
 
+def test_one_8bit_side_rule_is_the_schedules_own():
+    """K-only / V-only CUDA decode: the 8-bit slices (quant_vec_choices) and 16-byte copies of
+    the full-precision rows; every head_dim the spec takes gets a layout from the schedule."""
+    for dtype in ("float16", "bfloat16", "float32"):
+        chunk = 16 // {"float32": 4}.get(dtype, 2)
+        for d in range(1, 600):
+            cpu = compiler.KernelSpec(op="decode", dtype=dtype, head_dim=d, n_kv_heads=1)
+            ok = bool(quant_vec_choices(cpu)) and d % chunk == 0
+            for ks, vs in (("int8", ""), ("", "float8_e4m3fn")):
+                if not ok:
+                    with pytest.raises(InvalidArgumentError, match="one side 8-bit"):
+                        _spec("decode", dtype, d, k_storage=ks, v_storage=vs)
+                    continue
+                spec = _spec("decode", dtype, d, k_storage=ks, v_storage=vs)
+                knobs = decode_cuda_quant.default_knobs(spec)
+                if 32 % (d // knobs["vec"]):  # an odd factor of lanes: whole warps may not fit
+                    continue                  # (a typed error naming head_dim / group_size)
+                g = decode_cuda_quant.geometry(spec, knobs)
+                assert _smem(decode_cuda_quant, spec, g) <= 48 * 1024, (dtype, d)
+
+
 @pytest.mark.parametrize("op,dtype,head_dim,storage", [
     ("decode", "float16", 17, ""), ("decode", "float16", 264, ""),  # used to: IndexError
     ("decode", "float32", 516, ""), ("decode", "float16", 18, "int8"),
@@ -85,17 +106,25 @@ def test_manager_on_cuda_refuses_the_head_dim_first():
 
 
 def _smem(mod, spec, g):
-    row = (g["chunks_per_row"] * g["chunk"]) if spec.quantized else spec.head_dim * g["esize"]
+    if spec.quantized:  # K and V rows staged as stored (8-bit or full precision)
+        return decode_cuda.attend_smem_bytes(g["bdz"], spec.group_size, spec.head_dim,
+                                             g["stages"] * g["tile"] * g["k_row"],
+                                             g["stages"] * g["tile"] * g["v_row"])
     return decode_cuda.attend_smem_bytes(g["bdz"], spec.group_size, spec.head_dim,
-                                         g["stages"] * g["tile"] * row)
+                                         g["stages"] * g["tile"] * spec.head_dim * g["esize"])
 
 
 @pytest.mark.parametrize("dtype,head_dim,group,quant", [
     ("float16", 64, 16, True), ("float16", 256, 4, True), ("bfloat16", 96, 3, False),
-    ("float16", 160, 6, False), ("float16", 256, 8, True)])
+    ("float16", 160, 6, False), ("float16", 256, 8, True),
+    # one side 8-bit, the other full precision (larger rows: a float32 V row is 4x K's bytes)
+    ("float32", 256, 8, "int8/"), ("float16", 256, 16, "/float8_e4m3fn"),
+    ("bfloat16", 64, 16, "int8/"), ("float32", 128, 8, "/int8")])
 def test_decode_layout_fits_a_cta(dtype, head_dim, group, quant):
     """Shapes whose attend kernel used to declare more than 48 KiB of shared memory."""
-    kw = dict(k_storage="int8", v_storage="int8") if quant else {}
+    kw = dict(k_storage="int8", v_storage="int8") if quant is True else {}
+    if isinstance(quant, str):
+        kw = dict(zip(("k_storage", "v_storage"), quant.split("/")))
     spec = _spec("decode", dtype, head_dim, group, **kw)
     mod = decode_cuda_quant if quant else decode_cuda
     g = mod.geometry(spec, mod.default_knobs(spec))

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 
 CASES = {
     "decode": ["--cases", "2x256", "--skip", "tvm", "--repeat", "2", "--warmup", "1",
-               "--cache-dtype", "int8", "float8_e4m3fn"],
+               "--cache-dtype", "int8", "float8_e4m3fn", "int8/none"],
     "prefill": ["--cases", "2:32:16", "--skip", "tvm", "--repeat", "2", "--warmup", "1",
                 "--cache-dtype", "int8"],
     "append": ["--repeat", "2", "--warmup", "1", "--n-kv-heads", "2", "--head-dim", "64",
@@ -42,6 +42,8 @@ def test_bench_runs(name, tmp_path):
     if name in ("decode", "prefill", "append"):  # quantized caches side by side
         impls = {r["impl"] for r in json.loads(out.read_text())["rows"]}
         assert "kvtvm int8" in impls and "kvtvm int8 / kvtvm" in proc.stdout
+        if name == "decode":  # a K-only cache too
+            assert "kvtvm int8/none" in impls
     if name in ("decode", "prefill"):
         assert "kvtvm int8" in proc.stdout and "x the " in proc.stdout and "GB/s of stored" \
             in proc.stdout
@@ -50,6 +52,23 @@ def test_bench_runs(name, tmp_path):
         assert "kvtvm / plain" in proc.stdout
         assert res["transfer"]["kvtvm_s"] > 0 and res["transfer"]["plain_s"] > 0
         assert res["host"]["demote_s"] > 0 and res["host"]["promote_s"] > 0
+
+
+def test_bench_decode_cache_dtype_choices():
+    """``--cache-dtype``: a type for K and V, or a K/V pair of 8-bit types and ``none``; the
+    stored bytes count each side as stored."""
+    import argparse
+
+    from kvtvm.bench.decode import cache_choice, kv_row_bytes
+
+    for ok in ("int8", "float16", "int8/none", "none/float8_e4m3fn", "int8/float8_e4m3fn"):
+        assert cache_choice(ok) == ok
+    for bad in ("none/none", "int8/bogus", "float16/none", "int8/none/x", "none"):
+        with pytest.raises(argparse.ArgumentTypeError, match="K/V"):
+            cache_choice(bad)
+    assert kv_row_bytes("int8/none", "float16", 128) == 144 + 256
+    assert kv_row_bytes("int8", "float16", 128) == 2 * 144
+    assert kv_row_bytes("float32", "float16", 64) == 2 * 256
 
 
 @pytest.mark.slow

@@ -287,8 +287,7 @@ def test_targets_without_quantized_kernels_are_refused_by_name():
                                     "float16", 64)
     check_quant_target(torch.device("cpu"), k_only, "decode")
     check_quant_target(cuda, k_only, "append")  # the CUDA append writes either side either way
-    with pytest.raises(DTypeMismatchError, match="storage for decode on cuda"):
-        check_quant_target(cuda, k_only, "decode")
+    check_quant_target(cuda, k_only, "decode")  # and the CUDA decode reads a full side too
 
 
 def test_kernel_spec_storage_names_and_refusals():
