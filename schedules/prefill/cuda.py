@@ -31,6 +31,15 @@ def default_knobs(spec) -> dict:
     if spec.head_dim > 128:
         return {"warps": 4, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
                 "one_barrier": 1, "wgmma": 0}
+    if spec.quantized and spec.head_dim <= 128:
+        # 8-bit K and/or V (.cuda_quant_tiles): the conversion and the per-row scales cost
+        # registers -- 16 warps (128 registers a thread) or two m-tiles spill; two warp groups,
+        # or 8 warps of one m-tile, fit (ptxas, tests/quant/test_quant_prefill_cuda.py)
+        if uses_wgmma(spec):
+            return {"warps": 8, "tile_kv": 64, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
+                    "one_barrier": 1, "wgmma": 1}
+        return {"warps": 8, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
+                "one_barrier": 1, "wgmma": 0}
     if uses_wgmma(spec):
         # four warp groups of 64 rows and 64-position K/V tiles, one CTA an SM (H100, fp16
         # d128, 1x8K causal: 319 TFLOP/s against 250-266 with 2-3 warp groups, 215 with
