@@ -191,3 +191,18 @@ def quant_tiles(spec, BN: int, NT: int, DP: int, WG: bool):
         return T.reinterpret("float32", raw[(stage * BN + j) * RW + D // 4])
 
     return copy_raw, convert, scale
+
+
+def tile_shared_bytes(spec, knobs) -> int:
+    """Dynamic shared memory of the tensor-core prefill of ``spec`` with ``knobs``: the Q tile,
+    the K and V tile stages and, for each 8-bit side, its raw stages (0 for float32, whose simt
+    kernel stages nothing)."""
+    if spec.dtype == "float32":
+        return 0
+    D, NW, BN, STAGES = spec.head_dim, int(knobs["warps"]), int(knobs["tile_kv"]), \
+        int(knobs["stages"])
+    WG = bool(knobs.get("wgmma", 0))
+    MT = 1 if WG else int(knobs["m_tiles"])
+    DP = D if WG else D + 8
+    raw = STAGES * BN * quant_row_bytes(D) * (bool(spec.k_storage) + bool(spec.v_storage))
+    return 2 * (16 * NW * MT * DP + 2 * STAGES * BN * DP) + raw

@@ -1,8 +1,8 @@
 """Quantized-cache CUDA kernels: the quantizing append and the quantized decode compile with
 nvcc for sm_90a and sm_80 (both SASS in the fatbin) without register spills; on a GPU, append
 writes the reference bytes (mixed storage, K-only, every row dtype) and decode equals attention
-over the reference-dequantized cache. Prefill over a quantized cache has no CUDA kernel yet:
-the op refuses it, typed, and writes nothing."""
+over the reference-dequantized cache; decode over a K-only cache is refused, typed (CUDA
+prefill over quantized caches: tests/quant/test_quant_prefill_cuda.py)."""
 
 import re
 import shutil
@@ -72,9 +72,9 @@ def _case(torch, rng, storage, layout, page_size, H, D, lengths):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("storage", STORAGES)
-def test_quantized_prefill_and_k_only_decode_are_refused_on_cuda(storage):
-    """No CUDA prefill over a quantized cache, no CUDA decode over a K-only one: a typed error
-    naming the storage, nothing written."""
+def test_k_only_decode_is_refused_on_cuda(storage):
+    """No CUDA decode over a K-only cache: a typed error naming the storage, nothing
+    written."""
     import torch
 
     from kvtvm import ops
@@ -85,9 +85,6 @@ def test_quantized_prefill_and_k_only_decode_are_refused_on_cuda(storage):
     before = kc.view(torch.uint8).clone()
     q = torch.randn(2, 8, 128, dtype=torch.float16, device="cuda")
     lens = torch.tensor([5, 20], dtype=torch.int32, device="cuda")
-    indptr = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
-    with pytest.raises(DTypeMismatchError, match=storage):
-        ops.prefill_attention(q, kc, vc, indptr, lens, table.cuda())
     plain = torch.zeros(vc.shape[:3] + (128,), dtype=torch.float16, device="cuda")
     with pytest.raises(DTypeMismatchError, match="v_cache storage for decode"):
         ops.decode_attention(q, kc, plain, lens, table.cuda())

@@ -365,8 +365,8 @@ def test_build_command_specs_for_quantized_caches():
     specs = default_specs("cuda", "sm_80", ["append", "decode", "prefill", "copy"], ["float16"],
                           [128], [8], [4], ["nhd"], cache_dtypes=["none", "float8_e4m3fn"])
     quant = {(s.op, s.k_storage, s.v_storage) for s in specs if s.quantized}
-    assert quant == {("append", "float8_e4m3fn", "float8_e4m3fn"),
-                     ("decode", "float8_e4m3fn", "float8_e4m3fn")}   # no CUDA prefill yet
+    assert quant == {(op, "float8_e4m3fn", "float8_e4m3fn")
+                     for op in ("append", "decode", "prefill")}
     assert sum(not s.quantized for s in specs) == 4
     cpu = default_specs("llvm", None, ["prefill"], ["float32"], [64], [2], [1], ["hnd"],
                         cache_dtypes=["int8"])
