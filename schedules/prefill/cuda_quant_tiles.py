@@ -135,8 +135,10 @@ def quant_tiles(spec, BN: int, NT: int, DP: int, WG: bool):
     - ``copy_raw(raw, cache, lookup, b, h, page_size, stage, j0, kv_hi, tid)``: ``cp.async`` of
       the rows of positions ``j0 .. j0 + BN - 1`` into raw stage ``stage`` (zeros past
       ``kv_hi``); the segment's pages were checked by its pre-pass.
-    - ``convert(tile, raw, stage, tid)`` (a function of the side's storage: ``convert(storage)``
-      returns the macro): raw stage ``stage`` -> ``tile`` stage ``stage``, unscaled.
+    - ``convert(tiles, stage, tid)``: raw stage ``stage`` of each 8-bit side -> its tile stage
+      ``stage``, unscaled; ``tiles = (Ks, Vs, Kraw, Vraw)``. With K and V both 8-bit one helper
+      converts a K chunk and a V chunk (two calls would make TVM put a barrier between them:
+      both write the one merged shared buffer).
     - ``scale(raw, stage, j)``: the float32 scale of row ``j`` of raw stage ``stage``.
     """
     D, layout, dtype = spec.head_dim, spec.layout, spec.dtype
@@ -168,24 +170,38 @@ def quant_tiles(spec, BN: int, NT: int, DP: int, WG: bool):
                     T.Cast("uint32", T.if_then_else(j0 + (it * NT + tid) // RC < kv_hi,
                                                     16, 0))))
 
-    def convert(storage: str):
-        name, source = _convert16_source(storage, dtype)
+    sides = [i for i, st in enumerate((spec.k_storage, spec.v_storage)) if st]
+    helpers = [_convert16_source(st, dtype) for st in (spec.k_storage, spec.v_storage) if st]
+    if len(helpers) == 2:  # one call converting a K chunk and a V chunk
+        name = f"kvtvm_kv_x16_to_{_TAG[dtype]}"
+        source = "".join(dict.fromkeys(src for _, src in helpers)) + (
+            f"\n__device__ __forceinline__ void {name}(void* k0, void* k1, const void* ks, "
+            f"void* v0, void* v1, const void* vs) {{\n  {helpers[0][0]}(k0, k1, ks);\n"
+            f"  {helpers[1][0]}(v0, v1, vs);\n}}\n")
+    else:
+        name, source = helpers[0]
 
-        @T.macro
-        def convert_tile(tile, raw, stage, tid):
-            for it in T.unroll(CONV_ITERS):
-                if it * NT + tid < BN * C16:
-                    T.evaluate(T.cuda.func_call(
-                        name,
-                        tile.access_ptr("w", offset=stage * (BN * DP) + tile_off(
-                            (it * NT + tid) // C16, (it * NT + tid) % C16 * 2), extent=8),
-                        tile.access_ptr("w", offset=stage * (BN * DP) + tile_off(
-                            (it * NT + tid) // C16, (it * NT + tid) % C16 * 2 + 1), extent=8),
-                        raw.access_ptr("r", offset=(stage * BN + (it * NT + tid) // C16) * RW
-                                       + (it * NT + tid) % C16 * 4, extent=4),
-                        source_code=source))
+    def chunk_ptrs(tile, raw, stage, L):
+        """Pointers of 16-code chunk ``L`` of a stage: its two tile halves and its codes."""
+        return [tile.access_ptr("w", offset=stage * (BN * DP) + tile_off(L // C16, L % C16 * 2),
+                                extent=8),
+                tile.access_ptr("w", offset=stage * (BN * DP) + tile_off(L // C16,
+                                                                         L % C16 * 2 + 1),
+                                extent=8),
+                raw.access_ptr("r", offset=(stage * BN + L // C16) * RW + L % C16 * 4,
+                               extent=4)]
 
-        return convert_tile
+    def call(tiles, stage, L):
+        ptrs = []
+        for i in sides:
+            ptrs += chunk_ptrs(tiles[i], tiles[2 + i], stage, L)
+        return T.cuda.func_call(name, *ptrs, source_code=source)
+
+    @T.macro
+    def convert(tiles, stage, tid):
+        for it in T.unroll(CONV_ITERS):
+            if it * NT + tid < BN * C16:
+                T.evaluate(call(tiles, stage, it * NT + tid))
 
     def scale(raw, stage, j):
         return T.reinterpret("float32", raw[(stage * BN + j) * RW + D // 4])

@@ -90,8 +90,6 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
     VPRE = v_prescale(spec)
     if QUANT:
         copy_raw, convert, qscale = quant_tiles(spec, BN, NT, DP, WG)
-        convert_k = convert(spec.k_storage) if QK else None
-        convert_v = convert(spec.v_storage) if QV else None
 
     # where 16-byte chunk ``L`` of a tile copy comes from (row, chunk) and goes (element offset);
     # for wgmma the chunks are stored in core-matrix order, so chunk L lands at L * 8
@@ -287,10 +285,7 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
     def convert_tiles(tiles, stage, tid):
         # the landed raw stage(s) -> the float16 / bfloat16 tiles of that stage (unscaled),
         # visible to every warp (and to wgmma's async proxy) after this
-        if QK:
-            convert_k(tiles[0], tiles[2], stage, tid)
-        if QV:
-            convert_v(tiles[1], tiles[3], stage, tid)
+        convert(tiles, stage, tid)
         if WG:
             T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
         T.tvm_storage_sync("shared")
