@@ -278,15 +278,15 @@ def test_targets_without_quantized_kernels_are_refused_by_name():
     cuda = torch.device("cuda", 0)
     for op in ("append", "decode", "prefill"):
         check_quant_target(torch.device("cpu"), pair, op)
-    # CUDA: append and decode have kernels; prefill over a quantized cache does not (yet)
-    for op in ("append", "decode"):
+    # CUDA: append, decode and prefill have kernels
+    for op in ("append", "decode", "prefill"):
         check_quant_target(cuda, pair, op)
-    with pytest.raises(DTypeMismatchError, match="prefill on cuda.*float8_e4m3fn"):
-        check_quant_target(cuda, pair, "prefill")
     k_only = check_quant_cache_pair(kc, torch.zeros(2, 4, 1, 64, dtype=torch.float16), "nhd",
                                     "float16", 64)
     check_quant_target(torch.device("cpu"), k_only, "decode")
-    check_quant_target(cuda, k_only, "append")  # the CUDA append writes either side either way
+    # the CUDA append and prefill take either side either way; the CUDA decode does not
+    check_quant_target(cuda, k_only, "append")
+    check_quant_target(cuda, k_only, "prefill")
     with pytest.raises(DTypeMismatchError, match="storage for decode on cuda"):
         check_quant_target(cuda, k_only, "decode")
 
