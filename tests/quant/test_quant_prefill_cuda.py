@@ -245,3 +245,40 @@ def reference_values(host, D):
 
     host = np.asarray(host)
     return dequantize_rows(host, D) if host.shape[-1] != D else host
+
+
+def _byte_perm(x, y, s):
+    """CUDA's ``__byte_perm``: byte i of the result is byte ``(s >> 4i) & 7`` of ``{y, x}``."""
+    pool = int(x) | int(y) << 32
+    return sum(((pool >> 8 * ((s >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+
+
+def test_conversion_helpers_are_exact_for_every_code():
+    """The bit tricks of the CUDA conversion helpers, emulated on every 8-bit code: int8 ->
+    float16 (``0x6400 | (code + 128)`` minus 1152), int8 -> float32 (``2**23 + code + 128``),
+    and the sm_80 e4m3 -> float16 bit placement (times 256) give the exact values."""
+    import ml_dtypes
+
+    from kvtvm.schedules.prefill.cuda_quant_tiles import _CONV4, _E4M3X2
+
+    i8f16, i8bf16 = _CONV4[(I8, "float16")], _CONV4[(I8, "bfloat16")]
+    assert "0x64646464u, 0x4140" in i8f16 and "0x64806480u" in i8f16
+    assert "0x4B000000u, 0x7540" in i8bf16 and "8388736.0f" in i8bf16
+    assert "0x1404" in _E4M3X2 and "0x3F803F80u" in _E4M3X2 and "0x5C005C00u" in _E4M3X2
+    codes = np.arange(-127, 128, dtype=np.int8)
+    word = lambda c: int(np.uint8(c)) * 0x01010101  # noqa: E731  (the code in every byte)
+    for c in codes:
+        u = word(c) ^ 0x80808080
+        lo = _byte_perm(u, 0x64646464, 0x4140) & 0xFFFF
+        half = np.array([lo], np.uint16).view(np.float16)[0]
+        assert np.float16(half - np.float16(1152)) == c
+        f = np.array([_byte_perm(u, 0x4B000000, 0x7540)], np.uint32).view(np.float32)[0]
+        assert f - np.float32(8388736.0) == c
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    for byte, value in zip(range(256), e4m3.astype(np.float32)):
+        if not np.isfinite(value):  # 0x7F / 0xFF: NaN, never in a cache kvtvm wrote
+            continue
+        p = _byte_perm(byte, 0, 0x1404)
+        h = (p & 0x80008000) | ((p >> 1) & 0x3F803F80)
+        half = np.array([h & 0xFFFF], np.uint16).view(np.float16)[0]
+        assert np.float32(np.float16(half * np.float16(256))) == value, hex(byte)
