@@ -136,9 +136,7 @@ def quant_tiles(spec, BN: int, NT: int, DP: int, WG: bool):
       the rows of positions ``j0 .. j0 + BN - 1`` into raw stage ``stage`` (zeros past
       ``kv_hi``); the segment's pages were checked by its pre-pass.
     - ``convert(tiles, stage, tid)``: raw stage ``stage`` of each 8-bit side -> its tile stage
-      ``stage``, unscaled; ``tiles = (Ks, Vs, Kraw, Vraw)``. With K and V both 8-bit one helper
-      converts a K chunk and a V chunk (two calls would make TVM put a barrier between them:
-      both write the one merged shared buffer).
+      ``stage``, unscaled; ``tiles = (Ks, Vs, Kraw, Vraw)``; one helper call a thread.
     - ``scale(raw, stage, j)``: the float32 scale of row ``j`` of raw stage ``stage``.
     """
     D, layout, dtype = spec.head_dim, spec.layout, spec.dtype
@@ -170,16 +168,19 @@ def quant_tiles(spec, BN: int, NT: int, DP: int, WG: bool):
                     T.Cast("uint32", T.if_then_else(j0 + (it * NT + tid) // RC < kv_hi,
                                                     16, 0))))
 
+    # one helper call converts every chunk a thread owns, K's and V's: TVM's sync pass would
+    # put a barrier between two calls (they write and read the one merged shared buffer)
     sides = [i for i, st in enumerate((spec.k_storage, spec.v_storage)) if st]
     helpers = [_convert16_source(st, dtype) for st in (spec.k_storage, spec.v_storage) if st]
-    if len(helpers) == 2:  # one call converting a K chunk and a V chunk
-        name = f"kvtvm_kv_x16_to_{_TAG[dtype]}"
-        source = "".join(dict.fromkeys(src for _, src in helpers)) + (
-            f"\n__device__ __forceinline__ void {name}(void* k0, void* k1, const void* ks, "
-            f"void* v0, void* v1, const void* vs) {{\n  {helpers[0][0]}(k0, k1, ks);\n"
-            f"  {helpers[1][0]}(v0, v1, vs);\n}}\n")
-    else:
-        name, source = helpers[0]
+    tags = "_".join(_TAG[st] for st in (spec.k_storage, spec.v_storage) if st)
+    name = f"kvtvm_convert{CONV_ITERS}_{tags}_to_{_TAG[dtype]}"
+    args = ", ".join(f"void* d{c}_{s}_0, void* d{c}_{s}_1, const void* s{c}_{s}"
+                     for c in range(CONV_ITERS) for s in range(len(sides)))
+    body = "".join(f"  if ({c} < n) {{ " + " ".join(
+        f"{helpers[s][0]}(d{c}_{s}_0, d{c}_{s}_1, s{c}_{s});" for s in range(len(sides)))
+        + " }\n" for c in range(CONV_ITERS))
+    source = "".join(dict.fromkeys(src for _, src in helpers)) + (
+        f"\n__device__ __forceinline__ void {name}(int n, {args}) {{\n{body}}}\n")
 
     def chunk_ptrs(tile, raw, stage, L):
         """Pointers of 16-code chunk ``L`` of a stage: its two tile halves and its codes."""
@@ -191,17 +192,18 @@ def quant_tiles(spec, BN: int, NT: int, DP: int, WG: bool):
                 raw.access_ptr("r", offset=(stage * BN + L // C16) * RW + L % C16 * 4,
                                extent=4)]
 
-    def call(tiles, stage, L):
+    def call(tiles, stage, tid):
+        """Chunks ``tid``, ``tid + NT``, ... of every 8-bit side (the first ``n`` exist)."""
         ptrs = []
-        for i in sides:
-            ptrs += chunk_ptrs(tiles[i], tiles[2 + i], stage, L)
-        return T.cuda.func_call(name, *ptrs, source_code=source)
+        for c in range(CONV_ITERS):
+            for i in sides:
+                ptrs += chunk_ptrs(tiles[i], tiles[2 + i], stage, c * NT + tid)
+        n = T.truncdiv(BN * C16 - tid + NT - 1, NT)  # chunks c * NT + tid < BN * C16
+        return T.cuda.func_call(name, n, *ptrs, source_code=source)
 
     @T.macro
     def convert(tiles, stage, tid):
-        for it in T.unroll(CONV_ITERS):
-            if it * NT + tid < BN * C16:
-                T.evaluate(call(tiles, stage, it * NT + tid))
+        T.evaluate(call(tiles, stage, tid))
 
     def scale(raw, stage, j):
         return T.reinterpret("float32", raw[(stage * BN + j) * RW + D // 4])

@@ -48,7 +48,7 @@ def test_int8_wgmma_kernel_builds_without_spills(tmp_path):
     spec = _spec("float16", I8, I8, 128, "nhd", (), "sm_90a")
     assert _check_build(spec, tmp_path) == {"sm_90a"}
     script = compiler.lower(spec).script()
-    assert script.count('"mma_async"') >= 2 and "kvtvm_i8x16_to_f16" in script
+    assert script.count('"mma_async"') >= 2 and "kvtvm_i8x16_to_f16" in script and "kvtvm_convert" in script
     assert "T.ptx.cp" in script
 
 
