@@ -109,6 +109,22 @@ def test_quantized_specs_stay_within_shared_memory():
         knobs["stages"] * knobs["tile_kv"] * 144
 
 
+@needs_nvcc
+def test_shared_memory_arithmetic_is_what_the_kernel_asks_for():
+    """tile_shared_bytes is the dynamic shared memory the built kernel is launched with (the
+    launch argument in the host code)."""
+    import tvm
+
+    from kvtvm.schedules.prefill.cuda_quant_tiles import tile_shared_bytes
+
+    spec = _spec("bfloat16", I8, I8, 128, "nhd", (), "sm_90a")
+    with spec.tvm_target():
+        host = tvm.compile(compiler.lower(spec), target=spec.tvm_target()).mod
+    want = tile_shared_bytes(spec, compiler.resolve_knobs(spec))
+    assert want == 2 * (128 * 128 + 2 * 2 * 64 * 128) + 2 * 2 * 64 * 144
+    assert str(want) in host.inspect_source("ll")
+
+
 def test_v_prescale_keeps_float16_in_range():
     """P * scale_v * prescale (P <= 1) stays below float16's largest value for any row of
     float16 values, and the prescale is an exact power of two (1 for bfloat16)."""
