@@ -31,6 +31,8 @@ TIR kernel, used by :mod:`.cuda` (the knobs there choose ``mma.sync`` or ``wgmma
   ``q_in_regs`` do not apply; ``one_barrier`` is required. Never written in place while a
   wgmma is in flight: an accumulator register written by another instruction makes ptxas
   serialize every wgmma of the kernel (warning C7515).
+- 8-bit K and/or V (``spec.k_storage`` / ``v_storage``): their rows are staged raw and
+  converted into the same tiles, the scales applied to S and P (:mod:`.cuda_quant_tiles`).
 """
 
 from __future__ import annotations
