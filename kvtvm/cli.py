@@ -43,8 +43,7 @@ def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_head
         attention = op in ("decode", "prefill")
         for g, feats in itertools.product(groups if attention else [1],
                                           features if attention else ["none"]):
-            # (CUDA has no quantized prefill kernel yet: kvtvm.ops.quant.QUANT_TARGETS)
-            quant = op in QUANT_FAMILIES and not (target == "cuda" and op == "prefill")
+            quant = op in QUANT_FAMILIES
             for cd in cache_dtypes if quant else ["none"]:
                 ks, _, vs = cd.partition("/")
                 ks, vs = ("" if s == "none" else s for s in (ks, vs or ks))

@@ -65,6 +65,30 @@ build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 4
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 8 --layouts nhd \
       --cache-dtypes int8,float8_e4m3fn
+# CUDA prefill over 8-bit caches (tests/quant/test_quant_prefill_cuda.py: one line a case;
+# K-only, V-only and mixed formats; float32 queries through the simt kernel)
+build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --cache-dtypes int8 --features none
+build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --cache-dtypes float8_e4m3fn --features sliding_window
+build --ops prefill --dtypes bfloat16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts hnd \
+      --cache-dtypes int8 --features sliding_window
+build --ops prefill --dtypes bfloat16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts hnd \
+      --cache-dtypes float8_e4m3fn --features none
+build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 1 --layouts nhd \
+      --cache-dtypes int8/none --features none
+build --ops prefill --dtypes bfloat16 --head-dims 128 --kv-heads 1 --group-sizes 8 --layouts nhd \
+      --cache-dtypes none/float8_e4m3fn --features sliding_window
+build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts hnd \
+      --cache-dtypes float8_e4m3fn/int8 --features none
+build --ops prefill --dtypes bfloat16 --head-dims 64 --kv-heads 2 --group-sizes 2 --layouts nhd \
+      --cache-dtypes int8 --features none
+build --ops prefill --dtypes float32 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --cache-dtypes int8/float8_e4m3fn --features none
+# bench prefill --cache-dtype int8 float8_e4m3fn (the Llama-3-8B layer; its quantizing append
+# is built above)
+build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 --layouts nhd \
+      --cache-dtypes int8,float8_e4m3fn
 # TVM 0.27's built-in decode and prefill kernels, the benchmarks' peer (no compiler there)
 "$PY" -m kvtvm.bench.tvm_peer --arch "$ARCH" --out "$OUT" | tail -1
 # examples/serve.py --model toy --device cuda, float32 and bfloat16 (the toy Llama: 8 query

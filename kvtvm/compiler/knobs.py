@@ -17,8 +17,8 @@ _REPO = _PKG.parent
 
 
 #: (family, target) pairs whose quantized specs have a schedule module of their own,
-#: ``schedules/<family>/<cpu|cuda>_quant.py``; the CPU decode and prefill schedules serve every
-#: storage type.
+#: ``schedules/<family>/<cpu|cuda>_quant.py``; the CPU decode and the CPU and CUDA prefill
+#: schedules serve every storage type.
 QUANT_SCHEDULES = (("append", "llvm"), ("append", "cuda"), ("decode", "cuda"))
 
 

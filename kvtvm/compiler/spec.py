@@ -71,7 +71,7 @@ class KernelSpec:
         ``"float8_e4m3fn"`` (quantized rows with an inline float32 scale, :mod:`kvtvm.quant`).
         The ops read them off the cache views (:func:`kvtvm.storage.view_storage`); a spec
         with either quantized has its own file name and is built from the family's module
-        (append: ``kvtvm.kernels.append_quant``) and schedule (``schedules/<op>/cpu.py``;
+        (append: ``kvtvm.kernels.append_quant``) and schedule (``schedules/<op>/<cpu|cuda>.py``;
         append and CUDA decode: ``<cpu|cuda>_quant.py``, see
         :func:`kvtvm.compiler.knobs.schedule_module_name`).
 

@@ -130,7 +130,7 @@ def sample(logits: torch.Tensor, reqs) -> list[int]:
 def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> None:
     """Refuse (typed, naming the storage argument) an 8-bit cache on a device that lacks one of
     the kernels a step runs over it: append, prefill (prompts) and decode
-    (:data:`kvtvm.ops.quant.QUANT_TARGETS`; CUDA has no prefill over an 8-bit cache yet)."""
+    (:data:`kvtvm.ops.quant.QUANT_TARGETS`, :data:`kvtvm.ops.quant.BOTH_8BIT`)."""
     if not params.quantized:
         return
     from ..ops.quant import BOTH_8BIT, QUANT_TARGETS
@@ -189,8 +189,8 @@ class Engine:
     cache_dtype, k_cache_dtype, v_cache_dtype : str, optional
         Storage type of the KV cache (``"int8"`` or ``"float8_e4m3fn"``: 8-bit rows with one
         scale each, :mod:`kvtvm.quant`), of K (of V) alone; default the model's dtype. As
-        :class:`~kvtvm.params.KVCacheParams`; all three caches take them, on the CPU (CUDA
-        has no prefill over an 8-bit cache yet: refused here). Bad values raise
+        :class:`~kvtvm.params.KVCacheParams`; all three caches take them (on CUDA K and V
+        both 8-bit: its decode reads no K-only / V-only cache, refused here). Bad values raise
         ``KVCacheParams``' :class:`~kvtvm.errors.InvalidArgumentError` before any allocation.
     skip_layers : sequence of int
         Layers whose cache stays in the model's dtype (negative indices count from the end).

@@ -3,8 +3,9 @@
 Compile-time: dtype, n_kv_heads, group_size (query heads per KV head), head_dim, token layout
 (nhd/hnd), feature ``"sliding_window"``, and how K and V are stored (``spec.k_storage`` /
 ``v_storage``: ``""`` full precision, or 8-bit rows with an inline float32 scale,
-:mod:`kvtvm.quant`): one definition and one CPU schedule serve every storage type (CUDA decode:
-its own ``schedules/decode/cuda_quant.py`` for 8-bit K and V), the K/V loads dequantizing to
+:mod:`kvtvm.quant`): one definition and one CPU schedule serve every storage type (the CUDA
+schedule too: its tensor-core kernel stages and converts 8-bit tiles,
+``schedules/prefill/cuda_quant_tiles.py``), the K/V loads dequantizing to
 float32 (:mod:`kvtvm.kernels.quant_access`; a plain converting load for a full-precision side),
 accumulation in float32.
 Runtime: batch, tokens, pages, page_size, max pages per sequence, cache strides and offset,
@@ -116,10 +117,14 @@ def knob_space(spec):
            "stages": [2, 3], "q_in_regs": [0, 1] if spec.head_dim <= 128 else [0],
            "m_tiles": [1, 2] if spec.head_dim <= 128 else [1], "one_barrier": [0, 1],
            "wgmma": [0]}
+    if spec.quantized:  # 8-bit tiles: two m-tiles a warp, or 16 warps of wgmma, spill
+        mma["m_tiles"] = [1]
     if not uses_wgmma(spec):
         return mma
     wgmma = {"warps": [8, 12, 16], "tile_kv": [32, 64], "stages": [2, 3], "q_in_regs": [0],
              "m_tiles": [1], "one_barrier": [1], "wgmma": [1]}
+    if spec.quantized:
+        return [mma, dict(wgmma, warps=[8])]
     # 128-position tiles need ~190 registers a thread: two warp groups at most
     return [mma, wgmma, dict(wgmma, warps=[8], tile_kv=[128])]
 

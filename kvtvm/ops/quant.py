@@ -24,14 +24,15 @@ __all__ = ["is_quantized_pair", "QuantPair", "check_quant_cache_pair", "check_qu
 
 #: Where kernels reading / writing quantized caches run: (target, op) -> storage types. CUDA
 #: has the quantizing append and decode (schedules/{append,decode}/cuda_quant.py; checked on an
-#: H100 against the references, docs/PERF.md); prefill over a quantized cache runs on the CPU
-#: only for now (the CUDA prefill is refused, typed).
+#: H100 against the references, docs/PERF.md) and prefill (the tensor-core kernel staging 8-bit
+#: tiles, schedules/prefill/cuda_quant_tiles.py; float32 queries: the simt kernel dequantizing
+#: as it loads).
 QUANT_TARGETS = {("llvm", "append"): QUANT_DTYPES, ("llvm", "decode"): QUANT_DTYPES,
                  ("llvm", "prefill"): QUANT_DTYPES, ("cuda", "append"): QUANT_DTYPES,
-                 ("cuda", "decode"): QUANT_DTYPES}
-#: (target, op) whose quantized kernels need both K and V 8-bit (the CUDA append writes either
-#: side in either format; the CUDA decode reads a full-precision side too, K-only or V-only).
-BOTH_8BIT = (("cuda", "prefill"),)
+                 ("cuda", "decode"): QUANT_DTYPES, ("cuda", "prefill"): QUANT_DTYPES}
+#: (target, op) whose quantized kernels need both K and V 8-bit: none now (the CUDA append,
+#: decode and prefill each take either side 8-bit or full precision: K-only, V-only, mixed).
+BOTH_8BIT = ()
 
 def _is_8bit(t) -> bool:
     return t.element_size() == 1

@@ -12,13 +12,20 @@ float16 / bfloat16: the tensor-core kernel of :mod:`.cuda_tensor_core` (``mma.sy
 float32 (``simt_prefill``): no tensor cores (fp32 operands would need TF32, which loses the
 float32 accuracy callers ask for); one warp per (token, query head) row, lanes splitting
 head_dim: correct, not tuned (float32 prefill is not a serving configuration).
+
+8-bit K and/or V (``spec.k_storage`` / ``v_storage``): float16 / bfloat16 through the same
+tensor-core kernel, its 8-bit tiles staged and converted by :mod:`.cuda_quant_tiles`; float32
+through ``simt_prefill`` dequantizing each element as it loads it
+(:func:`kvtvm.kernels.quant_access.dequant`: the value times its row's inline scale --
+correct, not tuned).
 """
 
 from __future__ import annotations
 
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
-from kvtvm.kernels.accessor import cache_index, find_sequence
+from kvtvm.kernels.accessor import find_sequence
 from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
+from kvtvm.kernels.quant_access import dequant
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, sequence_ok, uses_wgmma
 
 from ..common import pages_bad_macro, replace_function
@@ -30,6 +37,15 @@ def default_knobs(spec) -> dict:
         return {"warps": 4}
     if spec.head_dim > 128:
         return {"warps": 4, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
+                "one_barrier": 1, "wgmma": 0}
+    if spec.quantized and spec.head_dim <= 128:
+        # 8-bit K and/or V (.cuda_quant_tiles): the conversion and the per-row scales cost
+        # registers -- 16 warps (128 registers a thread) or two m-tiles spill; two warp groups,
+        # or 8 warps of one m-tile, fit (ptxas, tests/quant/test_quant_prefill_cuda.py)
+        if uses_wgmma(spec):
+            return {"warps": 8, "tile_kv": 64, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
+                    "one_barrier": 1, "wgmma": 1}
+        return {"warps": 8, "tile_kv": 32, "stages": 2, "q_in_regs": 0, "m_tiles": 1,
                 "one_barrier": 1, "wgmma": 0}
     if uses_wgmma(spec):
         # four warp groups of 64 rows and 64-position K/V tiles, one CTA an SM (H100, fp16
@@ -139,9 +155,9 @@ def simt_prefill(spec, NW: int):
                                 st[2] = T.float32(0)
                                 for i in T.unroll(DL):
                                     if i * 32 + lane < D:
-                                        st[2] = st[2] + qs[i] * T.Cast("float32", k_cache[
-                                            cache_index(layout, page, slot, vh // G,
-                                                        i * 32 + lane)])
+                                        st[2] = st[2] + qs[i] * dequant(
+                                            k_cache, layout, page, slot, vh // G, i * 32 + lane,
+                                            D, spec.k_storage)
                                 for sh in T.unroll(5):
                                     st[2] = st[2] + T.tvm_warp_shuffle_xor(
                                         T.uint32(0xFFFFFFFF), st[2], 1 << sh, 32, 32)
@@ -151,9 +167,9 @@ def simt_prefill(spec, NW: int):
                                 st[1] = st[1] * st[3] + st[2]
                                 for i in T.unroll(DL):
                                     if i * 32 + lane < D:
-                                        acc[i] = acc[i] * st[3] + st[2] * T.Cast(
-                                            "float32", v_cache[cache_index(
-                                                layout, page, slot, vh // G, i * 32 + lane)])
+                                        acc[i] = acc[i] * st[3] + st[2] * dequant(
+                                            v_cache, layout, page, slot, vh // G, i * 32 + lane,
+                                            D, spec.v_storage)
                             for i in T.unroll(DL):
                                 if i * 32 + lane < D:
                                     out[vn, vh, i * 32 + lane] = T.Cast(dtype, acc[i] / st[1])

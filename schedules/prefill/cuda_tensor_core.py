@@ -31,6 +31,8 @@ TIR kernel, used by :mod:`.cuda` (the knobs there choose ``mma.sync`` or ``wgmma
   ``q_in_regs`` do not apply; ``one_barrier`` is required. Never written in place while a
   wgmma is in flight: an accumulator register written by another instruction makes ptxas
   serialize every wgmma of the kernel (warning C7515).
+- 8-bit K and/or V (``spec.k_storage`` / ``v_storage``): their rows are staged raw and
+  converted into the same tiles, the scales applied to S and P (:mod:`.cuda_quant_tiles`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, sequence_ok
 
 from ..common import pages_bad_macro
+from .cuda_quant_tiles import quant_tiles, raw_row_words, v_prescale
 
 #: a masked score: exp2(MASKED - running max) is exactly 0 (running max >= NEG_INF)
 MASKED = -3.0e38
@@ -81,6 +84,14 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
     Q_ITERS = (BM * DC + NT - 1) // NT
     KV_ITERS = (BN * DC + NT - 1) // NT
     LN2 = 1.0 / LOG2E
+    # 8-bit K and/or V (spec.k_storage / v_storage): rows staged as stored, converted into the
+    # tiles below, scales applied in float32 (.cuda_quant_tiles); nothing changes otherwise
+    QK, QV = bool(spec.k_storage), bool(spec.v_storage)
+    QUANT = QK or QV
+    RAW = STAGES * BN * raw_row_words(D)  # int32 words of a side's raw stages
+    VPRE = v_prescale(spec)
+    if QUANT:
+        copy_raw, convert, qscale = quant_tiles(spec, BN, NT, DP, WG)
 
     # where 16-byte chunk ``L`` of a tile copy comes from (row, chunk) and goes (element offset);
     # for wgmma the chunks are stored in core-matrix order, so chunk L lands at L * 8
@@ -192,7 +203,7 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
             mr[hh] = mx[hh]
 
     @T.macro
-    def probs_tile(S, state, pf, pw, pt):
+    def probs_tile(S, state, pf, pw, pt, vq):
         """P = exp2(S - max) into ``pf`` (``pw`` for wgmma), added to the running sum. With
         wgmma, ``pt`` (2 floats) holds a pair on the way and S itself is never written: ptxas
         serializes every wgmma of a kernel that writes an accumulator register outside one."""
@@ -205,6 +216,10 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                     for e1 in T.unroll(2):
                         pt[e1] = T.exp2(S[nb * 4 + e2 * 2 + e1] - mx[e2])
                     lr[e2] = lr[e2] + pt[0] + pt[1]
+                    if QV:  # P' = P * scale_v (V's codes are unscaled)
+                        for e1 in T.unroll(2):
+                            pt[e1] = pt[e1] * (qscale(vq[0], vq[1], nb * 8 + vq[2] % 4 * 2
+                                                      + e1) * T.float32(VPRE))
                     T.evaluate(cvt_pair(pw[nb // 2 * 4 + nb % 2 * 2 + e2], pt[1], pt[0]))
         else:
             for mt in T.unroll(MT):
@@ -214,8 +229,14 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                             S[(mt * NB + nb) * 4 + e] - mx[mt * 2 + e // 2])
                         lr[mt * 2 + e // 2] = lr[mt * 2 + e // 2] \
                             + S[(mt * NB + nb) * 4 + e]
-                        pf[mt * NB * 4 + nb // 2 * 8 + nb % 2 * 4 + e] = \
-                            T.Cast(dtype, S[(mt * NB + nb) * 4 + e])
+                        if QV:  # P' = P * scale_v (V's codes are unscaled)
+                            pf[mt * NB * 4 + nb // 2 * 8 + nb % 2 * 4 + e] = T.Cast(
+                                dtype, S[(mt * NB + nb) * 4 + e] * (qscale(
+                                    vq[0], vq[1], nb * 8 + vq[2] % 4 * 2 + e % 2)
+                                    * T.float32(VPRE)))
+                        else:
+                            pf[mt * NB * 4 + nb // 2 * 8 + nb % 2 * 4 + e] = \
+                                T.Cast(dtype, S[(mt * NB + nb) * 4 + e])
 
     @T.macro
     def kv_load(Ks, Vs, k_cache, v_cache, lookup, b, h, page_size, stage, j0, kv_hi, L):
@@ -233,6 +254,43 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
             Vs.ptr_to([stage * (BN * DP) + ld_off(L)]),
             v_cache.ptr_to(list(cache_index(layout, page, slot, h, ld_chunk(L) * 8))), 16,
             T.Cast("uint32", T.if_then_else(pos < kv_hi, 16, 0))))
+
+    @T.macro
+    def tile_load(S, cache, lookup, b, h, page_size, stage, j0, kv_hi, tid):
+        # one full-precision side of kv_load, for a spec whose other side is 8-bit
+        for it in T.unroll(KV_ITERS):
+            if it * NT + tid < BN * DC:
+                T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                    S.ptr_to([stage * (BN * DP) + ld_off(it * NT + tid)]),
+                    cache.ptr_to(list(cache_index(
+                        layout, T.Cast("int64", lookup[b, T.truncdiv(T.min(
+                            j0 + ld_row(it * NT + tid), kv_hi - 1), page_size)]),
+                        T.truncmod(T.min(j0 + ld_row(it * NT + tid), kv_hi - 1), page_size),
+                        h, ld_chunk(it * NT + tid) * 8))), 16,
+                    T.Cast("uint32", T.if_then_else(j0 + ld_row(it * NT + tid) < kv_hi,
+                                                    16, 0))))
+
+    @T.macro
+    def kv_stage(tiles, caches, lookup, b, h, page_size, stage, j0, kv_hi, tid):
+        # the K/V tiles at j0 of a spec with an 8-bit side: 8-bit rows into their raw stage,
+        # full-precision rows straight into their tile; tiles = (Ks, Vs, Kraw, Vraw)
+        if QK:
+            copy_raw(tiles[2], caches[0], lookup, b, h, page_size, stage, j0, kv_hi, tid)
+        else:
+            tile_load(tiles[0], caches[0], lookup, b, h, page_size, stage, j0, kv_hi, tid)
+        if QV:
+            copy_raw(tiles[3], caches[1], lookup, b, h, page_size, stage, j0, kv_hi, tid)
+        else:
+            tile_load(tiles[1], caches[1], lookup, b, h, page_size, stage, j0, kv_hi, tid)
+
+    @T.macro
+    def convert_tiles(tiles, stage, tid):
+        # the landed raw stage(s) -> the float16 / bfloat16 tiles of that stage (unscaled),
+        # visible to every warp (and to wgmma's async proxy) after this
+        convert(tiles, stage, tid)
+        if WG:
+            T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
+        T.tvm_storage_sync("shared")
 
     @T.macro
     def encode_descriptors(dsc, Qs, Ks, Vs, w):
@@ -256,6 +314,10 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
         if WG:
             T.evaluate(T.ptx.fence.proxy.async_.shared__cta())
         T.tvm_storage_sync("shared")
+
+    def raw_stages(on, fallback):
+        # an 8-bit side's raw stages (int32 words), or (full-precision side) its tile itself
+        return alloc_buffer((RAW,), "int32", scope="shared.dyn") if on else fallback
 
     # fmt: off
     @prim_func
@@ -298,6 +360,8 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                             dsc = alloc_buffer((3,), "uint64", scope="local")
                             pw = alloc_buffer((MT * NB * 2,), "uint32", scope="local")
                             pt = alloc_buffer((2,), "float32", scope="local")
+                            Kraw = raw_stages(QK, Ks)
+                            Vraw = raw_stages(QV, Vs)
                             tid: T.int32 = w * 32 + lane
                             ntiles: T.int64 = (ntok + TQ - 1) // TQ
                             t: T.int64 = ntiles - 1 - bx
@@ -366,7 +430,13 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                     T.evaluate(T.ptx.cp.async_.commit_group())
                                     # ---- K/V tiles of the first AHEAD iterations ----
                                     for st in T.unroll(AHEAD):
-                                        if T.Cast("int64", st) < n_kv:
+                                        if QUANT:
+                                            if T.Cast("int64", st) < n_kv:
+                                                kv_stage((Ks, Vs, Kraw, Vraw), (k_cache, v_cache),
+                                                         lookup, b, h, page_size, st,
+                                                         kv_lo + T.Cast("int64", st * BN), kv_hi,
+                                                         tid)
+                                        elif T.Cast("int64", st) < n_kv:
                                             for it in T.unroll(KV_ITERS):
                                                 if it * NT + tid < BN * DC:
                                                     kv_load(Ks, Vs, k_cache, v_cache, lookup, b,
@@ -397,12 +467,21 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                             # tile kt landed and every warp is past tile kt - 1,
                                             # whose stage the next copy reuses: one barrier
                                             tiles_landed(AHEAD - 1)
+                                            if QUANT:
+                                                convert_tiles((Ks, Vs, Kraw, Vraw),
+                                                              T.Cast("int32", kt % STAGES), tid)
                                         if WG:  # S = Q K^T first: the copy below overlaps it
                                             T.evaluate(T.ptx.wgmma.fence.sync.aligned())
                                             for kstep in T.unroll(KS):
                                                 T.evaluate(wgmma_qk(sf, dsc, kt % STAGES, kstep))
                                             T.evaluate(T.ptx.wgmma.commit_group.sync.aligned())
-                                        if kt + AHEAD < n_kv:
+                                        if QUANT:
+                                            if kt + AHEAD < n_kv:
+                                                kv_stage((Ks, Vs, Kraw, Vraw), (k_cache, v_cache),
+                                                         lookup, b, h, page_size,
+                                                         (kt + AHEAD) % STAGES,
+                                                         kv_lo + (kt + AHEAD) * BN, kv_hi, tid)
+                                        elif kt + AHEAD < n_kv:
                                             for it in T.unroll(KV_ITERS):
                                                 if it * NT + tid < BN * DC:
                                                     kv_load(Ks, Vs, k_cache, v_cache, lookup, b, h,
@@ -412,6 +491,9 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                         T.evaluate(T.ptx.cp.async_.commit_group())
                                         if not ONE_BARRIER:
                                             tiles_landed(STAGES - 1)
+                                            if QUANT:
+                                                convert_tiles((Ks, Vs, Kraw, Vraw),
+                                                              T.Cast("int32", kt % STAGES), tid)
                                         j0i: T.int32 = T.Cast("int32", kv_lo + kt * BN)
                                         sbase: T.int32 = T.Cast("int32", kt % STAGES) * (BN * DP)
                                         if WG:  # S of tile kt complete
@@ -442,9 +524,15 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                                                 kf.data, half * 4, sf.data,
                                                                 (mt * NB + kb * 2 + half) * 4,
                                                                 False, dtype="float32"))
+                                        if QK:  # S[i, j] *= scale_k[j] (K's codes are unscaled)
+                                            for i in T.unroll(MT * NB * 4):
+                                                sf[i] = sf[i] * qscale(
+                                                    Kraw, T.Cast("int32", kt % STAGES),
+                                                    i // 4 % NB * 8 + lane % 4 * 2 + i % 2)
                                         rescale_tile(sf, j0i, (p0i, mi, kv_hii, causal, window,
                                                                sm_scale), (mr, lr, mx), of, w, lane)
-                                        probs_tile(sf, (mr, lr, mx), pf, pw, pt)
+                                        probs_tile(sf, (mr, lr, mx), pf, pw, pt,
+                                                   (Vraw, T.Cast("int32", kt % STAGES), lane))
                                         # O += P V
                                         if WG:
                                             T.evaluate(T.ptx.wgmma.fence.sync.aligned())
@@ -471,6 +559,9 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                         if not ONE_BARRIER:  # the next copy reuses this stage
                                             T.tvm_storage_sync("shared")
                                     T.evaluate(T.ptx.cp.async_.wait_group(0))
+                                    if VPRE != 1.0:  # P V was accumulated times VPRE
+                                        for i in T.unroll(MT * DB * 4):
+                                            of[i] = of[i] * T.float32(1.0 / VPRE)
                                     if ONE_BARRIER:  # the next segment's copies reuse Q and K/V
                                         T.tvm_storage_sync("shared")
                                     # ---- epilogue: O / l, lse ----

@@ -111,13 +111,16 @@ def test_quantized_reference_sets_the_cache_storage_then_restores(toy):
     assert toy.config._attn_implementation == before and quantref.state == state
 
 
-@pytest.mark.parametrize("kw,name", [(dict(cache_dtype="int8"), "cache_dtype"),
-                                     (dict(k_cache_dtype="float8_e4m3fn"), "k_cache_dtype")])
-def test_8bit_cache_on_cuda_is_refused_typed(toy, monkeypatch, kw, name):
-    """CUDA has no prefill over an 8-bit cache: refused at construction, not at the first
-    prompt step (checked without a GPU: the refusal comes before any CUDA call)."""
-    import kvtvm.engine.core as core
+@pytest.mark.parametrize("kw", [dict(cache_dtype="int8"), dict(cache_dtype="float8_e4m3fn"),
+                                dict(k_cache_dtype="int8", v_cache_dtype="float8_e4m3fn"),
+                                dict(v_cache_dtype="int8"), dict(k_cache_dtype="float8_e4m3fn")])
+def test_8bit_cache_on_cuda_has_every_kernel(kw):
+    """K and V 8-bit, or one side only (K-only, V-only): CUDA has the append, prefill and
+    decode over them."""
+    import torch
 
-    monkeypatch.setattr(core, "make_cache", lambda *a, **k: pytest.fail("a cache was built"))
-    with pytest.raises(InvalidArgumentError, match=f"^{name}: .*prefill kernel"):
-        Engine(toy, "paged", device="cuda", **kw)
+    from kvtvm.engine.core import _check_quantized_kernels
+    from kvtvm.params import KVCacheParams
+
+    _check_quantized_kernels(KVCacheParams("float16", 2, 64, "paged", page_size=16, **kw),
+                             torch.device("cuda"))

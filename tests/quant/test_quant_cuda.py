@@ -1,8 +1,8 @@
 """Quantized-cache CUDA kernels: the quantizing append and the quantized decode compile with
 nvcc for sm_90a and sm_80 (both SASS in the fatbin) without register spills; on a GPU, append
 writes the reference bytes (mixed storage, K-only, every row dtype) and decode equals attention
-over the reference-dequantized cache. Prefill over a quantized cache has no CUDA kernel yet:
-the op refuses it, typed, and writes nothing."""
+over the reference-dequantized cache (mixed K/V decode: tests/quant/test_quant_decode_mixed_cuda.py;
+CUDA prefill over quantized caches: tests/quant/test_quant_prefill_cuda.py)."""
 
 import re
 import shutil
@@ -67,28 +67,6 @@ def _case(torch, rng, storage, layout, page_size, H, D, lengths):
         rows = torch.from_numpy(quantize_rows(x, storage).view(np.int8))
         caches.append(rows.cuda().view(getattr(torch, storage)))
     return caches, torch.from_numpy(table)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("storage", STORAGES)
-def test_quantized_prefill_is_refused_on_cuda(storage):
-    """No CUDA prefill over a quantized cache: a typed error naming the storage, nothing
-    written. (A K-only decode runs: tests/quant/test_quant_decode_mixed_cuda.py.)"""
-    import torch
-
-    from kvtvm import ops
-    from kvtvm.errors import DTypeMismatchError
-
-    rng = np.random.default_rng(2)
-    (kc, vc), table = _case(torch, rng, storage, "nhd", 16, 2, 128, [5, 20])
-    before = kc.view(torch.uint8).clone()
-    q = torch.randn(2, 8, 128, dtype=torch.float16, device="cuda")
-    lens = torch.tensor([5, 20], dtype=torch.int32, device="cuda")
-    indptr = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
-    with pytest.raises(DTypeMismatchError, match=storage):
-        ops.prefill_attention(q, kc, vc, indptr, lens, table.cuda())
-    assert torch.equal(kc.view(torch.uint8), before)
 
 
 @pytest.mark.gpu

@@ -278,16 +278,15 @@ def test_targets_without_quantized_kernels_are_refused_by_name():
     cuda = torch.device("cuda", 0)
     for op in ("append", "decode", "prefill"):
         check_quant_target(torch.device("cpu"), pair, op)
-    # CUDA: append and decode have kernels; prefill over a quantized cache does not (yet)
-    for op in ("append", "decode"):
+    # CUDA: append, decode and prefill have kernels
+    for op in ("append", "decode", "prefill"):
         check_quant_target(cuda, pair, op)
-    with pytest.raises(DTypeMismatchError, match="prefill on cuda.*float8_e4m3fn"):
-        check_quant_target(cuda, pair, "prefill")
     k_only = check_quant_cache_pair(kc, torch.zeros(2, 4, 1, 64, dtype=torch.float16), "nhd",
                                     "float16", 64)
     check_quant_target(torch.device("cpu"), k_only, "decode")
-    check_quant_target(cuda, k_only, "append")  # the CUDA append writes either side either way
-    check_quant_target(cuda, k_only, "decode")  # and the CUDA decode reads a full side too
+    # the CUDA append, decode and prefill take either side either way
+    for op in ("append", "decode", "prefill"):
+        check_quant_target(cuda, k_only, op)
 
 
 def test_kernel_spec_storage_names_and_refusals():
@@ -364,8 +363,8 @@ def test_build_command_specs_for_quantized_caches():
     specs = default_specs("cuda", "sm_80", ["append", "decode", "prefill", "copy"], ["float16"],
                           [128], [8], [4], ["nhd"], cache_dtypes=["none", "float8_e4m3fn"])
     quant = {(s.op, s.k_storage, s.v_storage) for s in specs if s.quantized}
-    assert quant == {("append", "float8_e4m3fn", "float8_e4m3fn"),
-                     ("decode", "float8_e4m3fn", "float8_e4m3fn")}   # no CUDA prefill yet
+    assert quant == {(op, "float8_e4m3fn", "float8_e4m3fn")
+                     for op in ("append", "decode", "prefill")}
     assert sum(not s.quantized for s in specs) == 4
     cpu = default_specs("llvm", None, ["prefill"], ["float32"], [64], [2], [1], ["hnd"],
                         cache_dtypes=["int8"])
