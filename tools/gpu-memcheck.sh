@@ -12,9 +12,11 @@ LOG=${LOG:-${OUT:-$PWD/gpu-check-out}/gpu-memcheck.log}
 source "$(dirname "$0")/gpu-env.sh"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+STEPS=" ${MEMCHECK_STEPS:-bounds serve ops} "  # which of the three steps below to run
 memcheck() {  # memcheck NAME COMMAND...: the command under memcheck, its report in $OUT
   local name=$1
   shift
+  [[ $STEPS == *" $name "* ]] || return 0
   step "memcheck $name" "$SAN" --tool memcheck --kernel-name kns=kvtvm --error-exitcode 1 \
        --leak-check no \
        --print-limit 100 --log-file "$OUT/memcheck-$name.txt" "$@"
@@ -28,6 +30,7 @@ memcheck serve python3 examples/serve.py --model toy --device cuda --dtype float
 memcheck ops python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels \
      tests/ops/test_copy_kernel.py tests/manager/test_manager_cuda.py \
      tests/manager/test_manager_linear_cuda.py tests/quant/test_quant_cuda.py \
+     tests/quant/test_quant_decode_mixed_cuda.py tests/quant/test_quant_prefill_cuda.py \
      tests/ops/test_decode_cuda_shapes.py
 echo "=== $failed step(s) failed" | tee -a "$LOG"
 exit "$failed"

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU checks of the eighth session's kernels in one call (carry .device-bundle and
+# build/kernels from tools/gpu-kit.sh): every GPU test of tools/gpu-check.sh; decode over
+# float16 / int8 / e4m3 / K-only caches and prefill over 8-bit caches against their peers; the
+# decode-through-prefill probe; the host tier in batches; then compute-sanitizer over the ops'
+# GPU tests. Each step has its own time limit so that one stuck step leaves the rest their
+# time. Logs and JSON land in $OUT.
+set -uo pipefail
+source "$(dirname "$0")/gpu-env.sh"
+step device nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv
+tests=$(sed -n '/^step "GPU tests"/,/^for b/p' tools/gpu-check.sh | grep -o 'tests/[^ ]*')
+step "GPU tests" timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu $tests
+step "bench decode" timeout 80 python3 -m kvtvm bench decode --device cuda --skip tvm \
+     --cache-dtype float16 int8 float8_e4m3fn int8/none --json "$OUT/bench-decode.json"
+step "bench prefill" timeout 80 python3 -m kvtvm bench prefill --device cuda --skip tvm \
+     --cache-dtype int8 float8_e4m3fn --json "$OUT/bench-prefill.json"
+step "decode via prefill" timeout 60 python3 tools/gpu_decode_via_prefill_probe.py
+step "host tier" timeout 45 python3 -m kvtvm.bench transfer --device cuda --skip transfer
+LOG=$OUT/gpu-memcheck.log MEMCHECK_STEPS=ops timeout 120 bash tools/gpu-memcheck.sh \
+  || failed=$((failed + 1))
+echo "=== $failed step(s) failed" | tee -a "$LOG"
+exit "$failed"
