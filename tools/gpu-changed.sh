@@ -9,14 +9,14 @@ set -uo pipefail
 source "$(dirname "$0")/gpu-env.sh"
 step device nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv
 tests=$(sed -n '/^step "GPU tests"/,/^for b/p' tools/gpu-check.sh | grep -o 'tests/[^ ]*')
-step "GPU tests" timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu $tests
-step "bench decode" timeout 80 python3 -m kvtvm bench decode --device cuda --skip tvm \
+step "GPU tests" timeout 160 python3 -m pytest -q -p no:cacheprovider -m gpu $tests
+step "bench decode" timeout 75 python3 -m kvtvm bench decode --device cuda --skip tvm \
      --cache-dtype float16 int8 float8_e4m3fn int8/none --json "$OUT/bench-decode.json"
-step "bench prefill" timeout 80 python3 -m kvtvm bench prefill --device cuda --skip tvm \
+step "bench prefill" timeout 75 python3 -m kvtvm bench prefill --device cuda --skip tvm \
      --cache-dtype int8 float8_e4m3fn --json "$OUT/bench-prefill.json"
 step "decode via prefill" timeout 60 python3 tools/gpu_decode_via_prefill_probe.py
-step "host tier" timeout 45 python3 -m kvtvm.bench transfer --device cuda --skip transfer
-LOG=$OUT/gpu-memcheck.log MEMCHECK_STEPS=ops timeout 120 bash tools/gpu-memcheck.sh \
+step "host tier" timeout 40 python3 -m kvtvm.bench transfer --device cuda --skip transfer
+LOG=$OUT/gpu-memcheck.log MEMCHECK_STEPS=ops timeout 110 bash tools/gpu-memcheck.sh \
   || failed=$((failed + 1))
 echo "=== $failed step(s) failed" | tee -a "$LOG"
 exit "$failed"
