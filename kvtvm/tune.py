@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import cliargs, compiler, runtime
 from .bench.common import device_name, median_seconds
+from .compiler.spec import QUANT_FAMILIES
 from .compiler.trust import check_trusted, check_trusted_tree
 from .kernels.errflag import ERR_SLOTS
 
@@ -77,7 +78,7 @@ def candidates(spec, max_trials: int, seed: int = 0) -> list[dict]:
 
 
 SPEC_FIELDS = ("op", "dtype", "head_dim", "n_kv_heads", "group_size", "layout", "target",
-               "arch", "features")
+               "arch", "features", "k_storage", "v_storage")
 
 
 def manifest_path(spec, root: Path) -> Path:
@@ -218,6 +219,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=cliargs.positive_int, default=8)
     parser.add_argument("--group-size", type=cliargs.positive_int, default=1)
     parser.add_argument("--layout", default="nhd", choices=compiler.LAYOUTS)
+    parser.add_argument("--cache-dtype", default="none", type=_storage_pair,
+                        help="K/V storage of append, decode and prefill: none (full precision), "
+                             "int8, float8_e4m3fn, or a K/V pair such as int8/none (K-only)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--arch", choices=sorted(compiler.CUDA_ARCHS),
                         help="with --build-only: the CUDA arch to build for (no GPU needed)")
@@ -266,6 +270,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def _storage_pair(text: str) -> tuple[str, str]:
+    """argparse ``type`` of ``--cache-dtype``: ``(k_storage, v_storage)``, ``""`` for
+    full precision."""
+    from .quant import QUANT_DTYPES
+
+    k, sep, v = text.partition("/")
+    v = v if sep else k
+    if not {k, v} <= {"none", *QUANT_DTYPES}:
+        raise argparse.ArgumentTypeError(
+            f"expected none, {', '.join(QUANT_DTYPES)} or a K/V pair of them, got {text!r}")
+    return tuple("" if s == "none" else s for s in (k, v))
+
+
 def command_line_spec(args):
     """The spec the command line names, for the device (or ``--arch``) it runs on."""
     if args.arch:
@@ -279,9 +296,11 @@ def command_line_spec(args):
         target, arch = "llvm", None
     if args.op == "copy":  # the copy op always loads the copy kernel this way
         args.kv_heads, args.group_size, args.layout = 1, 1, "nhd"
+    k_storage, v_storage = args.cache_dtype if args.op in QUANT_FAMILIES else ("", "")
     return compiler.KernelSpec(op=args.op, dtype=args.dtype, head_dim=args.head_dim,
                                n_kv_heads=args.kv_heads, group_size=args.group_size,
-                               layout=args.layout, target=target, arch=arch)
+                               layout=args.layout, target=target, arch=arch,
+                               k_storage=k_storage, v_storage=v_storage)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 from .. import cliargs
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
-from .quant_cases import CACHE_DTYPES, cache_as, row_bytes, speedup_lines
+from .quant_cases import CACHE_DTYPES, cache_as, kernel_cache_arg, row_bytes, speedup_lines
 
 #: (batch, context) cases.
 DEFAULT_CASES = {
@@ -165,7 +165,8 @@ def quantized_run(case, storage: str, dtype: str, scale: float):
 
 def tuning_workload(spec, device: str):
     """``(args, outputs)`` calling ``spec``'s kernel directly (for ``python -m kvtvm.tune``):
-    a batch of 4 x 2K tokens on the CPU, 16 x 4K on a GPU, page 16, splits as the op picks."""
+    a batch of 4 x 2K tokens on the CPU, 16 x 4K on a GPU, page 16, splits as the op picks,
+    K and V stored as the spec says."""
     import torch
 
     from ..ops.decode import choose_num_splits, split_workspace
@@ -173,9 +174,8 @@ def tuning_workload(spec, device: str):
     batch, ctx = (16, 4096) if device.startswith("cuda") else (4, 2048)
     case = make_case(batch, ctx, spec.n_kv_heads, spec.group_size, spec.head_dim, 16,
                      spec.dtype, device)
-    kc, vc = case["k_cache"], case["v_cache"]
-    if spec.layout == "hnd":  # a strided [pages, H, page_size, D] view of the same memory
-        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    kc = kernel_cache_arg(case["k_cache"], spec.k_storage, spec.layout)
+    vc = kernel_cache_arg(case["v_cache"], spec.v_storage, spec.layout)
     dev = torch.device(device)
     splits = choose_num_splits(batch, spec.n_kv_heads, ctx, dev)
     o_part, lse_part = split_workspace(dev, splits, batch, case["q"].shape[1], spec.head_dim)

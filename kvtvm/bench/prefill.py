@@ -21,7 +21,7 @@ import math
 from .. import cliargs
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
-from .quant_cases import CACHE_DTYPES, cache_as, row_bytes, speedup_lines
+from .quant_cases import CACHE_DTYPES, cache_as, kernel_cache_arg, row_bytes, speedup_lines
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 #: (batch, new tokens per sequence, cached tokens per sequence)
@@ -198,8 +198,8 @@ TUNING_MIX = {"cpu": [(256, 0), (128, 384), (64, 192), (16, 240), (16, 496), (1,
 
 def tuning_workload(spec, device: str):
     """``(args, outputs)`` of one direct call of ``spec``'s kernel for ``python -m kvtvm.tune``:
-    the ragged mix :data:`TUNING_MIX` of the device, page 16, the spec's heads, dtype, layout
-    and features."""
+    the ragged mix :data:`TUNING_MIX` of the device, page 16, the spec's heads, dtype, layout,
+    features and K/V storage."""
     import torch
 
     mix = TUNING_MIX["cpu" if device == "cpu" else "cuda"]
@@ -210,9 +210,8 @@ def tuning_workload(spec, device: str):
     pages = max(-(-(new + cached) // PAGE) for new, cached in mix)
     table = torch.randperm(batch * pages, generator=g).to(torch.int32).reshape(batch, pages)
     cache = torch.randn(batch * pages, 2, PAGE, H, D, generator=g).to(tdt).to(device)
-    kc, vc = cache[:, 0], cache[:, 1]
-    if spec.layout == "hnd":  # a strided [pages, H, page_size, D] view of the same memory
-        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    kc = kernel_cache_arg(cache[:, 0], spec.k_storage, spec.layout)
+    vc = kernel_cache_arg(cache[:, 1], spec.v_storage, spec.layout)
     counts = [new for new, _ in mix]
     q = torch.randn(sum(counts), H * G, D, generator=g).to(tdt).to(device)
     indptr = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=device)

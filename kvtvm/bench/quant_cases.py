@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..params import DTYPE_SIZES
 from ..quant import QUANT_DTYPES, quant_row_bytes
 
-__all__ = ["CACHE_DTYPES", "cache_as", "row_bytes", "speedup_lines"]
+__all__ = ["CACHE_DTYPES", "cache_as", "kernel_cache_arg", "row_bytes", "speedup_lines"]
 
 #: what ``--cache-dtype`` accepts
 CACHE_DTYPES = (*sorted(DTYPE_SIZES), *QUANT_DTYPES)
@@ -36,6 +36,18 @@ def cache_as(cache, storage: str):
     ops.append_kv(out, spare, rows, rows, indptr, lengths, table)
     del spare
     return out
+
+
+def kernel_cache_arg(cache, storage: str, layout: str):
+    """What a kernel of a spec storing one side as ``storage`` (``""``: full precision) takes
+    for ``cache [pages, page_size, H, D]`` (nhd): the cache itself, or its quantized rows as an
+    ``int8`` view (as :mod:`kvtvm.ops.quant` hands them over); ``hnd``: the strided ``[pages, H,
+    page_size, ...]`` view of the same memory. For ``python -m kvtvm.tune``'s workloads."""
+    import torch
+
+    if storage:
+        cache = cache_as(cache, storage).view(torch.int8)
+    return cache.transpose(1, 2) if layout == "hnd" else cache
 
 
 def row_bytes(storage: str, head_dim: int) -> int:

@@ -69,3 +69,22 @@ def test_a_knob_space_may_be_a_union_of_grids():
     # without wgmma (sm_80) a single grid, as before
     sm80 = compiler.KernelSpec(**{**spec.__dict__, "arch": "sm_80"})
     assert not any(c.get("wgmma") for c in tune.candidates(sm80, 10_000))
+
+
+def test_a_quantized_spec_tunes_over_its_storage(tmp_path):
+    """A K-only (int8 K, float32 V) decode spec: the manifest keeps the storage, the workload
+    hands the kernel 8-bit K rows (kvtvm's quantizing append), and every candidate runs on it
+    and agrees with the default."""
+    spec = compiler.KernelSpec(op="decode", dtype="float32", head_dim=32, n_kv_heads=1,
+                               k_storage="int8")
+    built = tmp_path / "built"
+    tune.build_candidates(spec, 2, built)
+    assert tune.manifest_specs(built) == [spec]
+    entry = tune.tune(spec, "cpu", repeat=2, warmup=1, write=False, prebuilt=built)
+    assert [("median_ms" in t) for t in entry["trials"]] == [True, True], entry["trials"]
+    args, _ = tune.workload(spec, "cpu")
+    assert str(args[1].dtype) == "torch.int8" and str(args[2].dtype) == "torch.float32"
+    assert tune._storage_pair("int8/none") == ("int8", "")
+    assert tune._storage_pair("float8_e4m3fn") == ("float8_e4m3fn", "float8_e4m3fn")
+    with pytest.raises(Exception, match="K/V pair"):
+        tune._storage_pair("int4")
