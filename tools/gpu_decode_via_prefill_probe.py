@@ -5,7 +5,8 @@ benchmark's shapes (8 KV heads x 128, GQA 4, pages of 16, float16 queries):
 ``decode_attention`` over float16 / int8 / e4m3 caches and ``prefill_attention`` with
 ``qo_indptr = arange(B + 1)`` over the same caches, each checked against the float16 decode.
 
-On the GPU machine after ``source tools/gpu-env.sh``: ``python3 tools/gpu_decode_via_prefill_probe.py``
+On the GPU machine after ``source tools/gpu-env.sh``:
+``python3 tools/gpu_decode_via_prefill_probe.py``
 (needs the benchmarks' decode and prefill kernels, quantized too: make gpu-kit).
 """
 
