@@ -114,3 +114,28 @@ def run_prompt(mgr, tokens):
     mgr.fetch([BatchItem(s, tokens)])
     mgr.step([BatchItem(s, tokens)])
     return s
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU (False without torch)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def random_page_table(rng, lengths, page_size, spare=2):
+    """A page table for sequences of ``lengths`` cached tokens plus the current one, each page
+    a distinct random page of a pool with ``spare`` pages left over: returns ``(table
+    [len(lengths), max pages] int32, num_pages)``."""
+    need = [-(-(n + 1) // page_size) for n in lengths]
+    num_pages = sum(need) + spare
+    perm = rng.permutation(num_pages)
+    table = np.zeros((len(lengths), max(need)), np.int32)
+    cursor = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[cursor:cursor + n]
+        cursor += n
+    return table, num_pages

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import random_page_table
 
 from kvtvm import compiler
 
@@ -95,14 +96,7 @@ def test_decode_cuda_numerics(layout, page_size, num_splits):
 
     rng = np.random.default_rng(0)
     H, G, D, lengths = 8, 4, 128, [0, 1, 2 * page_size - 1, 200]
-    need = [-(-(n + 1) // page_size) for n in lengths]
-    num_pages = sum(need) + 2
-    perm = rng.permutation(num_pages)
-    table = np.zeros((len(lengths), max(need)), np.int32)
-    cursor = 0
-    for b, n in enumerate(need):
-        table[b, :n] = perm[cursor:cursor + n]
-        cursor += n
+    table, num_pages = random_page_table(rng, lengths, page_size, spare=2)
     shape = (num_pages, page_size, H, D) if layout == "nhd" else (num_pages, H, page_size, D)
     k = torch.randn(shape, dtype=torch.float16, device="cuda")
     v = torch.randn(shape, dtype=torch.float16, device="cuda")

@@ -8,6 +8,7 @@ prebuilt (tools/gpu-kit.sh builds these shapes); the GPU machine has no compiler
 
 import numpy as np
 import pytest
+from helpers import random_page_table
 
 torch = pytest.importorskip("torch")
 
@@ -48,14 +49,7 @@ def test_refitted_decode_layouts_match_the_reference(storage, D, G, page_size, n
 
     rng = np.random.default_rng(D * 100 + G)
     lengths = [0, 1, 2 * page_size - 1, 333]
-    need = [-(-(n + 1) // page_size) for n in lengths]
-    num_pages = sum(need) + 3
-    perm = rng.permutation(num_pages)
-    table = np.zeros((len(lengths), max(need)), np.int32)
-    cursor = 0
-    for b, n in enumerate(need):
-        table[b, :n] = perm[cursor:cursor + n]
-        cursor += n
+    table, num_pages = random_page_table(rng, lengths, page_size, spare=3)
     kc, vc = (_cache(rng, storage, (num_pages, page_size, H, D)) for _ in range(2))
     q = torch.randn(len(lengths), H * G, D, dtype=torch.float16, device="cuda")
     lens = torch.tensor(lengths, dtype=torch.int32)

@@ -10,18 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
+from helpers import cuda_available, random_page_table
+
 from kvtvm import compiler
 
 STORAGES = ("int8", "float8_e4m3fn")
-
-
-def _gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 def _no_spills(text):
@@ -51,14 +44,7 @@ def test_quantized_cuda_kernels_build_for_sm90a_and_sm80_without_spills(tmp_path
 def _case(torch, rng, storage, layout, page_size, H, D, lengths):
     from kvtvm.quant import quantize_rows
 
-    need = [-(-(n + 1) // page_size) for n in lengths]
-    num_pages = sum(need) + 2
-    perm = rng.permutation(num_pages)
-    table = np.zeros((len(lengths), max(need)), np.int32)
-    cursor = 0
-    for b, n in enumerate(need):
-        table[b, :n] = perm[cursor:cursor + n]
-        cursor += n
+    table, num_pages = random_page_table(rng, lengths, page_size, spare=2)
     shape = (num_pages, page_size, H, D) if layout == "nhd" else (num_pages, H, page_size, D)
     caches = []
     for _ in range(2):
@@ -70,7 +56,7 @@ def _case(torch, rng, storage, layout, page_size, H, D, lengths):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("layout,page_size,num_splits", [("nhd", 16, 1), ("nhd", 1, 4),
                                                          ("hnd", 256, 2)])
@@ -97,7 +83,7 @@ def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ks,vs,dtype,layout,H,D", [
     ("int8", "int8", "float16", "nhd", 4, 128),
     ("float8_e4m3fn", "float8_e4m3fn", "float16", "nhd", 4, 128),

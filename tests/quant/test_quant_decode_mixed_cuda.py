@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import cuda_available, random_page_table
+
 from kvtvm import compiler
 
 #: (k_storage, v_storage) of the mixed caches; "" is full precision.
@@ -89,18 +91,9 @@ def test_mixed_decode_builds_for_sm90a_and_sm80_without_spills(tmp_path, case):
 
 # -- on a GPU ------------------------------------------------------------------------------
 
-def _gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
 def gpu(test):
     """Mark ``test`` as a GPU test that skips itself without one."""
-    return pytest.mark.gpu(pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")(test))
+    return pytest.mark.gpu(pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")(test))
 
 
 def _side(torch, rng, storage, dtype, layout, num_pages, page_size, D, device="cuda"):
@@ -125,18 +118,6 @@ def _side(torch, rng, storage, dtype, layout, num_pages, page_size, D, device="c
     return view, view.float().cpu().numpy()
 
 
-def _table(rng, lengths, page_size):
-    need = [-(-(n + 1) // page_size) for n in lengths]
-    num_pages = sum(need) + 3
-    perm = rng.permutation(num_pages)
-    table = np.zeros((len(lengths), max(need)), np.int32)
-    cursor = 0
-    for b, n in enumerate(need):
-        table[b, :n] = perm[cursor:cursor + n]
-        cursor += n
-    return table, num_pages
-
-
 def _check(torch, case, page_size, num_splits, window=None, seed=0, device="cuda"):
     from kvtvm import ops
     from kvtvm.kernels.reference import reference_decode
@@ -144,7 +125,7 @@ def _check(torch, case, page_size, num_splits, window=None, seed=0, device="cuda
     ks, vs, dtype, D, G, layout, _ = case
     rng = np.random.default_rng(seed)
     lengths = [0, 1, 2 * page_size - 1, 300]
-    table, num_pages = _table(rng, lengths, page_size)
+    table, num_pages = random_page_table(rng, lengths, page_size, spare=3)
     (kc, k_host), (vc, v_host) = (_side(torch, rng, s, dtype, layout, num_pages, page_size, D,
                                         device) for s in (ks, vs))
     q = torch.randn(len(lengths), H * G, D, device=device).to(getattr(torch, dtype))
@@ -200,7 +181,7 @@ def _check_bad_page(torch, case, device="cuda"):
     ks, vs, dtype, D, G, layout, _ = case
     rng = np.random.default_rng(5)
     lengths = [40, 70]
-    table, num_pages = _table(rng, lengths, 16)
+    table, num_pages = random_page_table(rng, lengths, 16, spare=3)
     (kc, k_host), (vc, v_host) = (_side(torch, rng, s, dtype, layout, num_pages, 16, D, device)
                                   for s in (ks, vs))
     bad = table.copy()
