@@ -189,8 +189,8 @@ class Engine:
     cache_dtype, k_cache_dtype, v_cache_dtype : str, optional
         Storage type of the KV cache (``"int8"`` or ``"float8_e4m3fn"``: 8-bit rows with one
         scale each, :mod:`kvtvm.quant`), of K (of V) alone; default the model's dtype. As
-        :class:`~kvtvm.params.KVCacheParams`; all three caches take them (on CUDA K and V
-        both 8-bit: its decode reads no K-only / V-only cache, refused here). Bad values raise
+        :class:`~kvtvm.params.KVCacheParams`; all three caches take them, on the CPU and on
+        CUDA (K and V 8-bit, or one side only). Bad values raise
         ``KVCacheParams``' :class:`~kvtvm.errors.InvalidArgumentError` before any allocation.
     skip_layers : sequence of int
         Layers whose cache stays in the model's dtype (negative indices count from the end).
