@@ -45,8 +45,7 @@ def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_head
                                           features if attention else ["none"]):
             quant = op in QUANT_FAMILIES
             for cd in cache_dtypes if quant else ["none"]:
-                ks, _, vs = cd.partition("/")
-                ks, vs = ("" if s == "none" else s for s in (ks, vs or ks))
+                ks, vs = cliargs.storage_pair(cd)
                 specs.append(compiler.KernelSpec(
                     op=op, dtype=dtype, head_dim=d, n_kv_heads=h, group_size=g, layout=layout,
                     target=target, arch=arch, features=ATTENTION_FEATURES[feats],

@@ -94,6 +94,19 @@ def cache_storage(text: str) -> str:
     return text
 
 
+def storage_pair(text: str) -> tuple[str, str]:
+    """``(k_storage, v_storage)`` of a kernel spec named ``int8``, ``float8_e4m3fn`` (K and
+    V), ``none`` (full precision) or a ``K/V`` pair of those such as ``int8/none`` (K-only);
+    ``""`` stands for full precision. An argparse ``type`` too."""
+    k, sep, v = text.partition("/")
+    v = v if sep else k
+    if not {k, v} <= {"none", *QUANT_DTYPES}:
+        raise argparse.ArgumentTypeError(
+            f"expected none, {', '.join(QUANT_DTYPES)} or a K/V pair of them such as "
+            f"int8/none, got {text!r}")
+    return tuple("" if s == "none" else s for s in (k, v))
+
+
 def add_cache_storage_options(parser: argparse.ArgumentParser) -> None:
     """``--cache-dtype``, ``--k-cache-dtype``, ``--v-cache-dtype`` and ``--skip-layers``: an
     8-bit KV cache (:class:`kvtvm.params.KVCacheParams`); read back by

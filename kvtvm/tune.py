@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=cliargs.positive_int, default=8)
     parser.add_argument("--group-size", type=cliargs.positive_int, default=1)
     parser.add_argument("--layout", default="nhd", choices=compiler.LAYOUTS)
-    parser.add_argument("--cache-dtype", default="none", type=_storage_pair,
+    parser.add_argument("--cache-dtype", default="none", type=cliargs.storage_pair,
                         help="K/V storage of append, decode and prefill: none (full precision), "
                              "int8, float8_e4m3fn, or a K/V pair such as int8/none (K-only)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -268,19 +268,6 @@ def main(argv=None) -> int:
         if "path" in entry:
             print(f"wrote {entry['path']}")
     return 0
-
-
-def _storage_pair(text: str) -> tuple[str, str]:
-    """argparse ``type`` of ``--cache-dtype``: ``(k_storage, v_storage)``, ``""`` for
-    full precision."""
-    from .quant import QUANT_DTYPES
-
-    k, sep, v = text.partition("/")
-    v = v if sep else k
-    if not {k, v} <= {"none", *QUANT_DTYPES}:
-        raise argparse.ArgumentTypeError(
-            f"expected none, {', '.join(QUANT_DTYPES)} or a K/V pair of them, got {text!r}")
-    return tuple("" if s == "none" else s for s in (k, v))
 
 
 def command_line_spec(args):

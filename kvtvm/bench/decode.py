@@ -123,13 +123,14 @@ def flashinfer_decode(case, ctx, page_size, scale):
 def cache_choice(text: str) -> str:
     """argparse ``type`` of ``--cache-dtype``: one of :data:`CACHE_DTYPES` (K and V), or a
     ``K/V`` pair of 8-bit types and ``none`` (the run's dtype), e.g. ``int8/none`` (K-only)."""
-    from ..quant import QUANT_DTYPES
-
-    k, sep, v = text.partition("/")
-    if not sep and text in CACHE_DTYPES:
+    if "/" not in text and text in CACHE_DTYPES:
         return text
-    if sep and {k, v} <= {"none", *QUANT_DTYPES} and {k, v} != {"none"}:
-        return text
+    if "/" in text:
+        try:
+            if any(cliargs.storage_pair(text)):
+                return text
+        except argparse.ArgumentTypeError:
+            pass
     raise argparse.ArgumentTypeError(
         f"expected one of {', '.join(CACHE_DTYPES)}, or K/V such as int8/none or "
         f"int8/float8_e4m3fn (8-bit types and none), got {text!r}")

@@ -232,10 +232,7 @@ class HostTier:
         """The page under ``h`` (a view of the pool) if it is a hit (:meth:`find`), else
         None."""
         slot = self.find(h, fp, token_bytes)
-        if slot is None:
-            return None
-        self.wait()
-        return self._pool[slot]
+        return None if slot is None else self.slot_view(slot)
 
     def slot_view(self, slot: int):
         """The pool's row ``slot`` once the copies into it are done (a view)."""

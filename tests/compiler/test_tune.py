@@ -84,7 +84,9 @@ def test_a_quantized_spec_tunes_over_its_storage(tmp_path):
     assert [("median_ms" in t) for t in entry["trials"]] == [True, True], entry["trials"]
     args, _ = tune.workload(spec, "cpu")
     assert str(args[1].dtype) == "torch.int8" and str(args[2].dtype) == "torch.float32"
-    assert tune._storage_pair("int8/none") == ("int8", "")
-    assert tune._storage_pair("float8_e4m3fn") == ("float8_e4m3fn", "float8_e4m3fn")
+    from kvtvm import cliargs
+
+    assert cliargs.storage_pair("int8/none") == ("int8", "")
+    assert cliargs.storage_pair("float8_e4m3fn") == ("float8_e4m3fn", "float8_e4m3fn")
     with pytest.raises(Exception, match="K/V pair"):
-        tune._storage_pair("int4")
+        cliargs.storage_pair("int4")
