@@ -137,7 +137,8 @@ def with_runtime_variants(spec: KernelSpec) -> list[KernelSpec]:
     """``spec`` and the named variants of it the ops layer may load at run time (declared by
     the family, :mod:`kvtvm.kernels.variants`): what an ahead-of-time build must hold."""
     return [spec] + [replace(spec, variant=name)
-                     for name in variant_names(spec.op, spec.target) if name != spec.variant]
+                     for name in variant_names(spec.op, spec.target, spec.quantized)
+                     if name != spec.variant]
 
 
 def build_specs(specs: Iterable[KernelSpec], out_dir, progress=None,

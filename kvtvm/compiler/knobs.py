@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from ..errors import CorruptKernelError
+from ..kernels.variants import UNTUNED
 from .spec import KernelSpec
 from .trust import check_trusted, check_trusted_parents
 
@@ -87,11 +88,13 @@ def default_knobs(spec: KernelSpec) -> dict:
 
 
 def resolve_knobs(spec: KernelSpec) -> dict:
-    """Schedule defaults, overridden by the tuning log, by the spec's variant, then by
-    ``spec.knobs``."""
+    """Schedule defaults, overridden by the tuning log (unless the spec's variant is
+    :data:`~kvtvm.kernels.variants.UNTUNED`), by the spec's variant, then by ``spec.knobs``."""
     knobs = default_knobs(spec)
-    knobs.update(tuned_knobs(spec))
-    knobs.update(spec.variant_knobs)
+    variant = spec.variant_knobs
+    if not variant.pop(UNTUNED, False):
+        knobs.update(tuned_knobs(spec))
+    knobs.update(variant)
     knobs.update(dict(spec.knobs))
     return knobs
 

@@ -119,7 +119,6 @@ class KernelSpec:
         object.__setattr__(self, "knobs", tuple(sorted((str(k), v) for k, v in knobs)))
         object.__setattr__(self, "features", tuple(sorted(self.features)))
         object.__setattr__(self, "variant", str(self.variant or ""))
-        variant_knobs(self.op, self.target, self.variant)  # raises for an unknown name
         for name in ("k_storage", "v_storage"):
             value = str(getattr(self, name) or "")
             if value == self.dtype:
@@ -132,6 +131,7 @@ class KernelSpec:
                     name, f'"" for {self.op} (quantized caches: {", ".join(QUANT_FAMILIES)})',
                     repr(value)))
             object.__setattr__(self, name, value)
+        variant_knobs(self.op, self.target, self.variant, self.quantized)  # raises if unknown
         if self.target == "cuda":
             check_cuda_head_dim(self.op, self.dtype, self.head_dim, self.k_storage,
                                 self.v_storage)
@@ -176,7 +176,7 @@ class KernelSpec:
     @property
     def variant_knobs(self) -> dict:
         """Knob overrides of :attr:`variant` ({} for the default)."""
-        return variant_knobs(self.op, self.target, self.variant)
+        return variant_knobs(self.op, self.target, self.variant, self.quantized)
 
     def with_knobs(self, **knobs) -> "KernelSpec":
         """A copy with ``knobs`` overriding this spec's knobs."""

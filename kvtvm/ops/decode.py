@@ -22,7 +22,7 @@ from .checks import (as_tensor, check_batch_indices, check_cache_pair, check_con
 from .launch import Launch, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
-__all__ = ["decode_attention", "prepare_decode_attention", "choose_num_splits",
+__all__ = ["decode_attention", "prepare_decode_attention", "choose_num_splits", "decode_variant",
            "SplitWorkspace", "split_workspace", "MAX_SPLITS"]
 
 #: CPU: a split holds at least this many KV positions (shorter ones cost more in merging than
@@ -40,6 +40,12 @@ CUDA_MIN_SPLIT_TOKENS = 128
 #: ... and no grid just past one full wave (the second wave would run nearly empty): the
 #: tuned attend kernel keeps about this many CTAs resident per SM.
 CUDA_RESIDENT_CTAS_PER_SM = 7
+#: CUDA over an 8-bit side: splits shorter than this run the ``short_splits`` variant (the
+#: schedule's defaults): the tuned 8-bit kernels prefetch 2-3 stages of 32-64 rows and, tuned
+#: at 16 x 4K (512-position splits), lost a quarter at 1 x 4K (128-position splits; H200,
+#: docs/PERF.md 2026-11-27) where the defaults matched float16. 1 x 32K and 64 x 4K (512)
+#: were faster tuned. ``tools/gpu_decode_variant_probe.py`` measures where they cross.
+CUDA_SHORT_SPLIT_TOKENS = 512
 #: On the CPU, a call reading fewer K elements than this (batch x KV length x KV heads x
 #: head_dim) runs the serial variant of the kernel: waking TVM's thread pool costs more than
 #: the other cores win (measured on 2 cores: serial 15-35% faster below, slower above).
@@ -84,6 +90,17 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device) -> i
     if splits > 1 and wave < units * splits <= 1.5 * wave:
         splits //= 2
     return int(max(1, splits))
+
+
+def decode_variant(device_type: str, quantized: bool, max_kv_len: int, num_splits: int) -> str:
+    """The kernel variant a parallel decode call runs (:mod:`kvtvm.kernels.variants`; a small
+    CPU call runs ``"serial"`` instead): on CUDA over an 8-bit side, ``"short_splits"`` when
+    its ``num_splits`` splits of ``max_kv_len`` positions are shorter than
+    :data:`CUDA_SHORT_SPLIT_TOKENS`; else the tuned default ``""``."""
+    if device_type == "cuda" and quantized \
+            and max_kv_len < CUDA_SHORT_SPLIT_TOKENS * max(1, num_splits):
+        return "short_splits"
+    return ""
 
 
 class SplitWorkspace:
@@ -321,6 +338,7 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
     fn = kernel_for(device, **(quant.spec_fields if quant else {}), op="decode", dtype=geo.dtype, head_dim=geo.head_dim,
                     n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
                     features=("sliding_window",) if sliding_window is not None else (),
-                    variant="serial" if serial else "")
+                    variant="serial" if serial else decode_variant(device.type, bool(quant),
+                                                                  max_kv_len, num_splits))
     return Launch(fn, device, slots, outputs=("out", "lse"), tokens=tokens,
                   parallel=not serial)

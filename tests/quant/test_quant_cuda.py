@@ -41,6 +41,52 @@ def test_quantized_cuda_kernels_build_for_sm90a_and_sm80_without_spills(tmp_path
     assert "sm_80" in report and "sm_90a" in report
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("storage", STORAGES)
+def test_short_splits_variant_is_the_untuned_8bit_decode(tmp_path, storage):
+    """The variant the op launches over an 8-bit cache when its KV splits are short: part of
+    every ahead-of-time build of an 8-bit CUDA decode (of no other), the schedule's defaults
+    whatever the tuning log says, and free of spills."""
+    from kvtvm.compiler.knobs import default_knobs, resolve_knobs, tuned_knobs
+    from kvtvm.errors import InvalidArgumentError
+
+    spec = compiler.KernelSpec("decode", "float16", 128, 8, 4, target="cuda", arch="sm_90a",
+                               k_storage=storage, v_storage=storage)
+    tuned, short = compiler.with_runtime_variants(spec)
+    assert (tuned.variant, short.variant) == ("", "short_splits")
+    assert short.file_name() != tuned.file_name()
+    assert tuned_knobs(spec), "the committed sm_90a tuning log of this spec"
+    assert resolve_knobs(tuned) == {**default_knobs(spec), **tuned_knobs(spec)}
+    assert resolve_knobs(short) == default_knobs(spec) != resolve_knobs(tuned)
+    full = compiler.KernelSpec("decode", "float16", 128, 8, 4, target="cuda", arch="sm_90a")
+    assert [v.variant for v in compiler.with_runtime_variants(full)] == [""]
+    with pytest.raises(InvalidArgumentError, match="variant"):
+        compiler.KernelSpec("decode", "float16", 128, 8, 4, target="cuda", arch="sm_90a",
+                            variant="short_splits")
+    path = compiler.build_spec(short, tmp_path)
+    _no_spills(path.with_suffix(".ptxas.txt").read_text())
+
+
+@pytest.mark.parametrize("batch,ctx,want", [(1, 4096, "short_splits"), (2, 2048, "short_splits"),
+                                            (1, 32768, ""), (16, 4096, ""), (64, 4096, ""),
+                                            (256, 1024, "")])
+def test_decode_picks_short_splits_where_the_tuned_8bit_kernel_lost(monkeypatch, batch, ctx,
+                                                                    want):
+    """At the split counts the op chooses on an H100/H200 (132 SMs): the untuned variant where
+    the tuned 8-bit kernel measured slower than float16 (1 x 4K: 128-position splits), the
+    tuned kernel where it measured faster; never for full precision or on the CPU."""
+    import torch
+
+    from kvtvm.ops import decode
+
+    monkeypatch.setattr(decode, "_multiprocessors", lambda device: 132)
+    splits = decode.choose_num_splits(batch, 8, ctx, torch.device("cuda"))
+    assert decode.decode_variant("cuda", True, ctx, splits) == want
+    assert decode.decode_variant("cuda", False, ctx, splits) == ""
+    assert decode.decode_variant("cpu", True, ctx, splits) == ""
+
+
 def _case(torch, rng, storage, layout, page_size, H, D, lengths):
     from kvtvm.quant import quantize_rows
 
@@ -60,15 +106,21 @@ def _case(torch, rng, storage, layout, page_size, H, D, lengths):
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("layout,page_size,num_splits", [("nhd", 16, 1), ("nhd", 1, 4),
                                                          ("hnd", 256, 2)])
-def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits):
+@pytest.mark.parametrize("longest", [300, 2600])
+def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits, longest):
+    """Both kernels the op picks between: the tuned one, and ``short_splits`` when a split
+    holds under ``CUDA_SHORT_SPLIT_TOKENS`` positions."""
     import torch
 
     from kvtvm import ops
     from kvtvm.kernels.reference import reference_decode
+    from kvtvm.ops.decode import decode_variant
 
-    rng = np.random.default_rng(0)
-    H, G, D, lengths = 8, 4, 128, [0, 1, 2 * page_size - 1, 300]
+    rng = np.random.default_rng(longest)
+    H, G, D, lengths = 8, 4, 128, [0, 1, 2 * page_size - 1, longest]
     (kc, vc), table = _case(torch, rng, storage, layout, page_size, H, D, lengths)
+    picked = decode_variant("cuda", True, table.shape[1] * page_size, num_splits)
+    assert picked == ("short_splits" if longest == 300 else "")
     q = torch.randn(len(lengths), H * G, D, dtype=torch.float16, device="cuda")
     lens = torch.tensor(lengths, dtype=torch.int32)
     out, lse = ops.decode_attention(q, kc, vc, lens.cuda(), table.cuda(), layout=layout,
