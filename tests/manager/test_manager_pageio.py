@@ -245,11 +245,11 @@ def test_tiny_hash_range_collisions_cost_a_resend_never_wrong_kv():
     assert resends >= 2
 
 
-def make_quant(pages=16, cache_dtype="int8"):
+def make_quant(pages=16, cache_dtype="int8", devices=("cpu",)):
     mgr = PagedKVCacheManager(
         KVCacheParams("float16", H, 16, "paged", page_size=P, enable_prefix_caching=True,
                       cache_dtype=cache_dtype),
-        4, 64, L, num_pages=pages, page_copier=torch_copier)
+        4, 64, L, devices, num_pages=pages, page_copier=torch_copier)
     for b in mgr.blocks:
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
     return mgr
@@ -273,3 +273,21 @@ def test_quantized_pages_travel_as_byte_rows_and_formats_never_mix():
     # the hashes are seeded by the format: the same tokens are other names in another format
     c = make_quant(cache_dtype="float8_e4m3fn")
     assert c.block_hashes_of(run_prompt(c, list(range(11)))) != a.block_hashes_of(s)
+
+
+@pytest.mark.parametrize("src_devs,dst_devs", [(2, 2), (1, 2), (2, 1)])
+def test_quantized_export_of_no_pages_between_split_caches(src_devs, dst_devs):
+    """first_page == n_pages (the peer holds every page): nothing is carried, and a cache that
+    splits the heads of its byte rows exports and imports the empty run."""
+    a, b = make_quant(devices=("cpu",) * src_devs), make_quant(devices=("cpu",) * dst_devs)
+    toks = list(range(11))
+    s = run_prompt(a, toks)
+    ex = a.export_pages(s)
+    b.import_pages(ex.header, ex.data)  # b now holds the 2 full pages
+    a.end_lease(ex.lease_id)
+    s2 = run_prompt(a, toks[:8])  # exactly 2 full pages, both held by b
+    ex2 = a.export_pages(s2, first_page=2)
+    assert ex2.header.n_carried == 0 and tuple(ex2.data.shape) == (0, ex.header.page_bytes)
+    assert b.import_pages(ex2.header, ex2.data) == 0
+    a.end_lease(ex2.lease_id)
+    conserved(a), conserved(b)
