@@ -353,6 +353,7 @@ class PageIOMixin(PageLayoutMixin):
 
     # -- import -------------------------------------------------------------------------------
     def _check_header(self, hdr: PageHeader) -> None:
+        hdr.check(deferred=True)  # types and lengths first: a header built in Python, too
         p = self.params
         want = {"version": FORMAT_VERSION, "dtype": p.dtype, "storage": self.storage_name(),
                 "layout": LAYOUT, "page_size": self.page_size, "n_kv_heads": p.n_kv_heads,
@@ -570,6 +571,9 @@ class PageIOMixin(PageLayoutMixin):
                 raise InvalidArgumentError(describe("header", "a PageHeader",
                                                     type(header).__name__))
             self._check_header(header)
+            if header.checksums is None:  # checked before a lease is taken: nothing changes
+                raise CorruptTransferError("import: page header field checksums: expected one "
+                                           "per carried page, got None")
             want = (header.n_carried, *header.page_shape)
             if not isinstance(data, torch.Tensor) or tuple(data.shape) != want:
                 raise CorruptTransferError(describe(

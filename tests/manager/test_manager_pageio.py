@@ -144,6 +144,34 @@ def test_header_other_fields(field, value):
     assert stats(b)[0] == 16
 
 
+INCONSISTENT = [("first_page", -1), ("first_page", 5), ("first_page", True),
+                ("first_page", "1"), ("checksums", (1,)), ("checksums", (1, 2, 3, 4)),
+                ("checksums", ("a", "b")), ("checksums", 5), ("checksums", None),
+                ("tokens", (0.5,) + tuple(range(1, 13))), ("tokens", tuple(str(t) for t in range(13))),
+                ("tokens", (2 ** 70,) + tuple(range(1, 13))), ("tokens", None),
+                ("block_hashes", ()), ("head_range", (0, 2, 1)), ("page_size", 0)]
+
+
+@pytest.mark.parametrize("field,value", INCONSISTENT)
+def test_header_built_inconsistently_is_refused_by_name_and_changes_nothing(field, value):
+    """A header made in Python (dataclasses.replace, not from_bytes) whose fields disagree
+    with each other is a CorruptTransferError naming the field, before any lease is taken."""
+    a, b = make(), make()
+    toks = list(range(13))
+    ex = a.export_pages(run_prompt(a, toks), first_page=1)
+    first = a.export_pages(block_hashes=a.block_hashes_of(0)[:1])
+    b.import_pages(first.header, first.data)  # b holds page 0: the header starts at page 1
+    hdr = dataclasses.replace(ex.header, **{field: value})
+    (t,) = b.claim(1)
+    before, leases, blocks = stats(b), b._next_lease, [x.clone() for x in b.blocks]
+    with pytest.raises(CorruptTransferError, match=field):
+        b.import_pages(hdr, ex.data, seq_id=t)
+    assert stats(b) == before and b._next_lease == leases and b.cache_length(t) == 0
+    assert all(torch.equal(x, y) for x, y in zip(blocks, b.blocks))
+    conserved(b)
+    assert b.import_pages(ex.header, ex.data, seq_id=t) == 3  # the consistent one imports
+
+
 def test_corrupt_and_truncated_data_write_nothing():
     a, b = make(), make()
     ex = a.export_pages(run_prompt(a, list(range(13))))
