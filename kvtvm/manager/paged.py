@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import KVCacheCapacityError, KVCacheError, SequenceStateError
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import pop_length
+from .args import check_size, check_sizes, pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
 from .pageio import PageIOMixin
@@ -49,7 +49,7 @@ def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: 
                        available_cache_memory=None) -> int:
     width = params.pages_for_tokens(max_seq_len)
     if num_pages is not None:
-        return check_positive_int("num_pages", num_pages)
+        return check_size("num_pages", num_pages)
     if available_cache_memory is not None:
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
@@ -135,6 +135,8 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                               **kwargs) -> int:
         """Bytes allocated on each device: the page pool plus the per-step int32 tables
         (``num_pages`` resolved as in the constructor)."""
+        check_sizes(params, cls.strategy, max_batch_size=max_batch_size,
+                    max_seq_len=max_seq_len, num_layers=num_layers)
         n = len(parse_devices(devices))
         pages = _resolve_num_pages(params, max_batch_size, max_seq_len, num_layers, n,
                                    num_pages, available_cache_memory)
@@ -147,6 +149,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                                  devices=("cpu",), **kwargs) -> int:
         """Most sequences that can all reach ``max_seq_len`` at once in
         ``available_cache_memory`` bytes per device (pages plus tables); at least 1."""
+        check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))

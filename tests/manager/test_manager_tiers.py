@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvtvm import KVCacheParams
-from kvtvm.errors import InvalidArgumentError
+from kvtvm.errors import InvalidArgumentError, KVCacheCapacityError
 from kvtvm.manager import BatchItem, PagedKVCacheManager
 from kvtvm.manager.hashing import chain_hash, fingerprint
 from kvtvm.manager.tiers import DiskTier
@@ -260,3 +260,18 @@ def test_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
     for i, q in enumerate(queued):
         got = tier.get(i, i, np.array([i], np.int64).tobytes())
         assert (got is not None and torch.equal(got, torch.full((4,), float(i)))) == q
+
+
+def test_host_tier_too_big_for_the_host_is_refused_at_attach():
+    """The host pool is allocated by attach_tiers: one that cannot be (here about a petabyte)
+    is a KVCacheCapacityError naming host_pages there -- not an untyped error in a later fetch
+    that demotes -- and a count past int32 is refused before anything is allocated."""
+    mgr = PagedKVCacheManager(KVCacheParams("float32", 2, 256, "paged", page_size=64,
+                                            enable_prefix_caching=True), 2, 128, 2, num_pages=2)
+    with pytest.raises(KVCacheCapacityError, match="host_pages"):
+        mgr.attach_tiers(host_pages=(1 << 31) - 1)
+    with pytest.raises(InvalidArgumentError, match="host_pages"):
+        mgr.attach_tiers(host_pages=1 << 40)
+    assert mgr._tiers is None
+    host = mgr.attach_tiers(host_pages=3).host
+    assert host._pool is not None and tuple(host._pool.shape) == (3, 2, 2, 64, 2, 256)
