@@ -319,3 +319,12 @@ def test_quantized_export_of_no_pages_between_split_caches(src_devs, dst_devs):
     assert b.import_pages(ex2.header, ex2.data) == 0
     a.end_lease(ex2.lease_id)
     conserved(a), conserved(b)
+
+
+@pytest.mark.parametrize("export", ["x", None, 5, object()])
+def test_transport_send_names_a_bad_export(export):
+    a, b = make(), make()
+    ta, _ = InProcessTransport.pair(a, b, auto=True)
+    with pytest.raises(InvalidArgumentError, match="export"):
+        ta.send(0, export)
+    conserved(a), conserved(b)
