@@ -196,6 +196,9 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
 
     def _release_slot(self, seq_id: int) -> None:
         self._invalidate_lookup()
+        for lease in self._leases.values():  # an import still in flight for it: its pages
+            if lease.seq_id == seq_id:       # go to the prefix cache only, never to the
+                lease.seq_id = None          # next sequence that claims this slot
         k = int(self._npages[seq_id])
         self._drop_refs(self._page_table[seq_id, :k])
         self._page_table[seq_id, :k] = 0

@@ -481,7 +481,8 @@ class PageIOMixin(PageLayoutMixin):
         Raises
         ------
         SequenceStateError
-            The lease is not an open import lease (ended, aborted, expired).
+            The lease is not an open import lease (ended, aborted, expired), or its sequence
+            took tokens since :meth:`begin_import` (nothing is written).
         CorruptTransferError
             Wrong shape or dtype (truncated) or a checksum differs: nothing is written.
         """
@@ -496,7 +497,11 @@ class PageIOMixin(PageLayoutMixin):
             try:
                 if checksums is not None and lease.header.checksums is None:
                     lease.header = lease.header.with_checksums(checksums)
-                hdr = lease.header
+                hdr, sid = lease.header, lease.seq_id
+                if sid is not None and (self._lengths[sid] or self._npages[sid]
+                                        or self._pending[sid] >= 0):
+                    raise SequenceStateError(f"finish_import: seq_id {sid} took tokens since "
+                                             "begin_import (it must stay empty until then)")
                 if hdr.checksums is None and not verified:
                     raise CorruptTransferError("finish_import: the header carries no checksums")
                 r0 = lease.first_row

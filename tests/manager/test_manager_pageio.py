@@ -328,3 +328,33 @@ def test_transport_send_names_a_bad_export(export):
     with pytest.raises(InvalidArgumentError, match="export"):
         ta.send(0, export)
     conserved(a), conserved(b)
+
+
+def test_import_in_flight_never_lands_in_the_next_owner_of_its_slot():
+    """The sequence an import targets is released while the pages are in flight and its slot
+    is claimed again by another request: finish_import registers the pages in the prefix
+    cache only; the new owner keeps its own tokens and pages (they were overwritten and
+    leaked). A target that took tokens itself meanwhile refuses the import by name."""
+    a, b = make(), make()
+    toks = list(range(10))
+    ex = a.export_pages(run_prompt(a, toks))
+    (t,) = b.claim(1)
+    lid, _ = b.begin_import(ex.header, seq_id=t)
+    b.release(t)
+    assert b.claim(1) == [t]  # the same slot, another request
+    b.fetch([BatchItem(t, [7] * 5)])
+    b.step([BatchItem(t, [7] * 5)])
+    mine, kv = b.pages_of(t), kv_of(b, t, 5).clone()
+    assert b.finish_import(lid, ex.data) == 3
+    assert b.pages_of(t) == mine and b.cache_length(t) == 5
+    assert torch.equal(kv_of(b, t, 5), kv)
+    conserved(b)
+    assert stats(b)[2] == 2  # the two full pages imported are cached
+    (u,) = b.claim(1)
+    lid, _ = b.begin_import(ex.header, seq_id=u)
+    b.fetch([BatchItem(u, [1, 2, 3])])
+    b.step([BatchItem(u, [1, 2, 3])])
+    with pytest.raises(SequenceStateError, match=f"seq_id {u}"):
+        b.finish_import(lid, ex.data[2:])
+    assert b.cache_length(u) == 3 and not b.active_leases()
+    conserved(b)
