@@ -211,7 +211,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
     # fetch / step
     # ------------------------------------------------------------------------------------
 
-    def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total):
+    def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total, dry=False):
         P = self.page_size
         n = ids.size
         npages = self._npages[ids]
@@ -222,11 +222,16 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             fresh = np.flatnonzero((lengths == 0) & (npages == 0))
             if fresh.size:
                 hits = np.zeros(n, dtype=np.int64)
+            if fresh.size and self._tiers is not None and not dry:
+                # room first, with the device's hits only: a page promoted from a tier costs
+                # the page it saves, so the answer is the same, and a fetch that cannot fit
+                # fails before any page moves up (atomic); raises, or returns nothing
+                self._fetch_plan_apply(tokens, ids, counts, num_steps, lengths, total, True)
             for b in fresh:
                 toks = tokens.tokens_of(b)
                 full = (toks.size - 1) // P  # the last token is always recomputed
                 chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(full)]
-                if self._tiers is not None:  # lower-tier hits come back as cached pages
+                if self._tiers is not None and not dry:  # lower-tier hits come back cached
                     self._promote(chunks, keep=[p for _, ps, _, _ in hit_plan for p in ps])
                 pages, kids = prefix.lookup(chunks)
                 hit_plan.append((int(b), pages, kids, toks.size))
@@ -272,6 +277,8 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                 f"fetch: needs {n_new} new pages of {P} tokens ({n_alloc} for new "
                 f"tokens, {len(cow)} copy-on-write), {available} are free or evictable "
                 f"(pool of {self.num_pages} pages)")
+        if dry:
+            return None
         # -- apply (only a failing page copy can raise from here; then everything is undone) --
         evicts = self._tiers is not None and n_new > len(self._free)  # a demotion may fail
         snap = self._snapshot() if cow or evicts else None

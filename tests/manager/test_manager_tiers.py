@@ -275,3 +275,29 @@ def test_host_tier_too_big_for_the_host_is_refused_at_attach():
     assert mgr._tiers is None
     host = mgr.attach_tiers(host_pages=3).host
     assert host._pool is not None and tuple(host._pool.shape) == (3, 2, 2, 64, 2, 256)
+
+
+def test_fetch_without_room_promotes_nothing():
+    """A fetch that cannot fit fails before any page rises from a tier: the device pool,
+    the prefix cache, the cache bytes and the tiers' counters are as they were (a page
+    promoted costs the page it saves, so the room is known from the device's hits)."""
+    mgr = make()
+    mgr.attach_tiers(host_pages=16)
+    serve(mgr, SYS + [1])
+    for k in range(3):  # the system prompt goes down to the host tier
+        serve(mgr, list(range(100 * k, 100 * k + 13)))
+    (a,) = mgr.claim(1)
+    mgr.fetch([BatchItem(a, [7] * 9)])  # 3 of the 6 pages held
+    mgr.step([BatchItem(a, [7] * 9)])
+    (b,) = mgr.claim(1)
+    before = (mgr.stats(), list(mgr._free), dict(mgr._prefix.table),
+              [x.clone() for x in mgr.blocks])
+    with pytest.raises(KVCacheCapacityError):
+        mgr.fetch([BatchItem(b, SYS + list(range(20)))])  # 3 tier hits + 5 pages: 8 > 6
+    after = (mgr.stats(), list(mgr._free), dict(mgr._prefix.table), mgr.blocks)
+    assert before[:3] == after[:3]
+    assert all(torch.equal(x, y) for x, y in zip(before[3], after[3]))
+    mgr.check_invariants()
+    mgr.release(a), mgr.release(b)
+    hit, _ = serve(mgr, SYS + [2])  # with room, the same prefix rises and hits
+    assert hit == 12
