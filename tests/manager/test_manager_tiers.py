@@ -301,3 +301,27 @@ def test_fetch_without_room_promotes_nothing():
     mgr.release(a), mgr.release(b)
     hit, _ = serve(mgr, SYS + [2])  # with room, the same prefix rises and hits
     assert hit == 12
+
+
+def test_import_without_room_promotes_nothing():
+    """Same for an import: refused for room before any page of its prefix rises."""
+    a, b = make(pages=12), make()
+    b.attach_tiers(host_pages=16)
+    serve(b, SYS + [1])
+    for k in range(3):  # b's copy of the system prompt goes down to its host tier
+        serve(b, list(range(100 * k, 100 * k + 13)))
+    (s,) = a.claim(1)
+    toks = SYS + list(range(20))  # 8 pages: 3 b holds in its tier, 5 new
+    a.fetch([BatchItem(s, toks)])
+    a.step([BatchItem(s, toks)])
+    ex = a.export_pages(s)
+    (t,) = b.claim(1)
+    b.fetch([BatchItem(t, [7] * 9)])  # 3 of b's 6 pages held
+    b.step([BatchItem(t, [7] * 9)])
+    before = (b.stats(), list(b._free), dict(b._prefix.table), [x.clone() for x in b.blocks])
+    with pytest.raises(KVCacheCapacityError, match="import"):
+        b.import_pages(ex.header, ex.data)
+    after = (b.stats(), list(b._free), dict(b._prefix.table), b.blocks)
+    assert before[:3] == after[:3]
+    assert all(torch.equal(x, y) for x, y in zip(before[3], after[3]))
+    b.check_invariants()
