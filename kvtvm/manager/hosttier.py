@@ -61,7 +61,8 @@ class HostTier:
             from .args import allocate
 
             self._pool = allocate("attach_tiers: host_pages", (self.capacity, *page_shape),
-                                  getattr(torch, dtype), "cpu", pin_memory=self.pin_memory, zero=False)
+                                  getattr(torch, dtype), "cpu", pin_memory=self.pin_memory,
+                                  zero=False)
         self._slots: list[int] = list(range(self.capacity - 1, -1, -1))  # pop() -> lowest
         self._index: OrderedDict[int, tuple] = OrderedDict()  # hash -> (slot, tokens, fp)
         self._held: set[int] = set()  # slots a promotion is reading: never given away

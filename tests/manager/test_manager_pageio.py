@@ -147,7 +147,8 @@ def test_header_other_fields(field, value):
 INCONSISTENT = [("first_page", -1), ("first_page", 5), ("first_page", True),
                 ("first_page", "1"), ("checksums", (1,)), ("checksums", (1, 2, 3, 4)),
                 ("checksums", ("a", "b")), ("checksums", 5), ("checksums", None),
-                ("tokens", (0.5,) + tuple(range(1, 13))), ("tokens", tuple(str(t) for t in range(13))),
+                ("tokens", (0.5,) + tuple(range(1, 13))),
+                ("tokens", tuple(str(t) for t in range(13))),
                 ("tokens", (2 ** 70,) + tuple(range(1, 13))), ("tokens", None),
                 ("block_hashes", ()), ("head_range", (0, 2, 1)), ("page_size", 0)]
 
