@@ -111,7 +111,7 @@ class PageHeader:
                                        "or built inconsistently)")
 
         def ints(name, seq, lo=None, hi=None):  # exact ints: a JSON true must not pass as 1
-            if not isinstance(seq, tuple) or not all(type(v) is int for v in seq):
+            if not isinstance(seq, tuple) or not set(map(type, seq)) <= {int}:  # in C
                 bad(name, f"expected a tuple of int, got {_short(seq)}")
             if seq and ((lo is not None and min(seq) < lo) or (hi is not None and max(seq) > hi)):
                 bad(name, f"expected values in [{lo}, {hi}]")
