@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
-                     KVCacheCapacityError, TransferError, TransferTimeoutError, describe)
+from .errors import (CorruptTransferError, InvalidArgumentError, KVCacheError, TransferError,
+                     TransferTimeoutError, describe)
 from .manager.args import check_hashes
 from .manager.checksums import DEVICE, page_checksums
 from .manager.pageio import PageExport, PageHeader
@@ -428,8 +428,8 @@ class DistributedTransport(PageTransport):
         try:
             seq_id = seq_for(header, tag) if seq_for is not None else None
             lid, first_row = mgr.begin_import(header, seq_id, timeout=self.timeout)
-        except (TransferError, KVCacheCapacityError, InvalidArgumentError) as err:
-            # refused: take the data (and checksums) off the wire all the same, then say why
+        except KVCacheError as err:  # refused (format, room, a busy or unknown seq_id...):
+            # take the data (and checksums) off the wire all the same, then say why
             self._drain(peer, lengths, header.page_shape, dtype, later)
             held = mgr.held_prefix_pages(header.block_hashes) if type(err) is TransferError \
                 else 0
@@ -590,8 +590,7 @@ class InProcessTransport(PageTransport):
         try:
             seq_id = seq_for(header, tag) if seq_for is not None else None
             box["written"] = mgr.import_pages(header, data, seq_id)
-        except (TransferError, KVCacheCapacityError, InvalidArgumentError,
-                FormatMismatchError) as err:
+        except KVCacheError as err:  # refused: the sender's wait raises it
             box["error"] = err
             return Received("pages", tag, header=header, error=err)
         return Received("pages", tag, header=header, seq_id=seq_id,

@@ -359,3 +359,26 @@ def test_import_in_flight_never_lands_in_the_next_owner_of_its_slot():
         b.finish_import(lid, ex.data[2:])
     assert b.cache_length(u) == 3 and not b.active_leases()
     conserved(b)
+
+
+def test_transport_refuses_an_import_into_a_busy_sequence_and_stays_in_step():
+    """seq_for names a sequence that already holds tokens: the receiver refuses the import
+    (the error in what handle returns, nothing written), the sender's wait raises instead of
+    waiting forever, its lease ends, and the next transfer goes through."""
+    a, b = make(), make()
+    ta, tb = InProcessTransport.pair(a, b)
+    busy = run_prompt(b, [5, 6, 7])
+    s = run_prompt(a, list(range(10)))
+    ex = a.export_pages(s)
+    transfer = ta.send(0, ex)
+    got = tb.handle(0, lambda header, tag: busy)
+    assert isinstance(got.error, SequenceStateError) and b.cache_length(busy) == 3
+    with pytest.raises(SequenceStateError):
+        transfer.wait(5.0)
+    assert not a.active_leases()
+    conserved(a), conserved(b)
+    (t,) = b.claim(1)
+    transfer = ta.send(0, a.export_pages(s))
+    assert tb.handle(0, lambda header, tag: t).error is None
+    assert transfer.wait(5.0) == 3 and b.cache_length(t) == 10
+    conserved(a), conserved(b)
