@@ -189,11 +189,12 @@ class KVCacheParams:
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
         for name in ("n_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidArgumentError(describe(name, "a positive int", repr(value)))
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 1 << 31:
+                raise InvalidArgumentError(describe(name, "a positive int (below 2**31)",
+                                                    repr(value)))
         if self.cache_strategy is KVCacheStrategy.PAGED:
             if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) \
-                    or self.page_size <= 0:
+                    or not 0 < self.page_size < 1 << 31:
                 raise InvalidArgumentError(
                     describe("page_size", "a positive int for the PAGED strategy",
                              repr(self.page_size)))

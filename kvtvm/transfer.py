@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
-                     KVCacheCapacityError, TransferError, TransferTimeoutError, describe)
+from .errors import (CorruptTransferError, InvalidArgumentError, KVCacheError, TransferError,
+                     TransferTimeoutError, describe)
+from .manager.args import check_hashes
 from .manager.checksums import DEVICE, page_checksums
 from .manager.pageio import PageExport, PageHeader
 
@@ -151,7 +152,10 @@ class PageTransport(abc.ABC):
         """Process one incoming message from ``peer``: answer a lookup, or import pages.
         ``seq_for(header, tag)`` may return a claimed empty ``seq_id`` to import into."""
 
-    def _need(self):
+    def _need(self, *export):
+        if export and not isinstance(export[0], PageExport):  # send(peer, export)
+            raise InvalidArgumentError(describe("export", "a PageExport (from export_pages)",
+                                                type(export[0]).__name__))
         if self.manager is None:
             raise TransferError("transport: register() a cache first")
         return self.manager
@@ -294,13 +298,14 @@ class DistributedTransport(PageTransport):
 
     # -- interface ------------------------------------------------------------------------------
     def lookup(self, peer: int, block_hashes) -> int:
-        hashes = np.asarray([int(h) & _MASK for h in block_hashes], dtype=np.uint64)
+        hashes = np.asarray([h & _MASK for h in check_hashes("block_hashes", block_hashes)],
+                            dtype=np.uint64)
         self._send_msg(peer, LOOKUP, 0, hashes.tobytes(), "lookup")
         _, payload = self._expect(peer, ANSWER, "lookup answer")
         return int(np.frombuffer(payload, np.int64)[0])
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        self._need()
+        self._need(export)
         # one round trip: the header and the run lengths, the runs (views of the cache pages,
         # zero copy), their checksums (computed while the runs are on the wire), then the
         # peer's acknowledgement
@@ -423,8 +428,8 @@ class DistributedTransport(PageTransport):
         try:
             seq_id = seq_for(header, tag) if seq_for is not None else None
             lid, first_row = mgr.begin_import(header, seq_id, timeout=self.timeout)
-        except (TransferError, KVCacheCapacityError, InvalidArgumentError) as err:
-            # refused: take the data (and checksums) off the wire all the same, then say why
+        except KVCacheError as err:  # refused (format, room, a busy or unknown seq_id...):
+            # take the data (and checksums) off the wire all the same, then say why
             self._drain(peer, lengths, header.page_shape, dtype, later)
             held = mgr.held_prefix_pages(header.block_hashes) if type(err) is TransferError \
                 else 0
@@ -553,7 +558,7 @@ class InProcessTransport(PageTransport):
         return self.peer_ep._need().held_prefix_pages(block_hashes)
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        self._need()
+        self._need(export)
         transfer = Transfer(export, self.manager)
         box = {}
         # the bytes travel now (a copy, as a wire would); the ack comes when the peer handles
@@ -585,8 +590,7 @@ class InProcessTransport(PageTransport):
         try:
             seq_id = seq_for(header, tag) if seq_for is not None else None
             box["written"] = mgr.import_pages(header, data, seq_id)
-        except (TransferError, KVCacheCapacityError, InvalidArgumentError,
-                FormatMismatchError) as err:
+        except KVCacheError as err:  # refused: the sender's wait raises it
             box["error"] = err
             return Received("pages", tag, header=header, error=err)
         return Received("pages", tag, header=header, seq_id=seq_id,

@@ -7,10 +7,14 @@ from itertools import chain
 
 import numpy as np
 
-from ..errors import DeviceUnavailableError, InvalidArgumentError, describe
+from ..errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapacityError,
+                      describe)
 
-__all__ = ["check_positive_int", "parse_devices", "ItemTokens", "row_offsets", "check_int",
-           "check_hashes", "check_seconds"]
+__all__ = ["check_positive_int", "check_size", "check_sizes", "parse_devices", "ItemTokens",
+           "row_offsets", "check_int", "check_hashes", "check_seconds", "allocate"]
+
+#: Sizes (tokens, sequences, pages, layers) index int32 tables and kernels: at most this.
+INT32_MAX = (1 << 31) - 1
 
 
 def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
@@ -20,6 +24,50 @@ def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
         raise InvalidArgumentError(describe(
             name, "a non-negative int" if allow_zero else "a positive int", repr(value)))
     return int(value)
+
+
+def check_size(name: str, value) -> int:
+    """``value`` as a positive int that the int32 tables can index (at most ``2**31 - 1``),
+    or :class:`InvalidArgumentError` naming ``name``."""
+    value = check_positive_int(name, value)
+    if value > INT32_MAX:
+        raise InvalidArgumentError(describe(name, f"at most {INT32_MAX} (int32 tables)", value))
+    return value
+
+
+def check_sizes(params, strategy, **sizes) -> tuple:
+    """The arguments a manager's sizes come from (its constructor, ``estimated_memory_size``,
+    ``infer_optimal_batch_size``): ``params`` a KVCacheParams of ``strategy``, each size (by
+    keyword, e.g. ``max_seq_len``) a :func:`check_size` int; ``num_layers`` is also checked
+    against ``params.skip_layers``. Returns the sizes in the order given."""
+    from ..params import KVCacheParams
+
+    if not isinstance(params, KVCacheParams):
+        raise InvalidArgumentError(describe("params", "a KVCacheParams", type(params).__name__))
+    if params.cache_strategy is not strategy:
+        raise InvalidArgumentError(describe("params.cache_strategy", strategy.name,
+                                            params.cache_strategy.name))
+    out = tuple(check_size(name, value) for name, value in sizes.items())
+    if "num_layers" in sizes:
+        params.resolve_skip_layers(sizes["num_layers"])
+    return out
+
+
+def allocate(what: str, shape, dtype, device, pin_memory: bool = False, zero: bool = True):
+    """``torch.zeros(shape)`` (``torch.empty`` unless ``zero``); a failed allocation (no
+    memory for that size) is a :class:`KVCacheCapacityError` naming ``what``, the shape and
+    the bytes asked."""
+    import torch
+
+    make = torch.zeros if zero else torch.empty
+    try:
+        return make(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    except (RuntimeError, MemoryError) as err:
+        n = torch.empty((), dtype=dtype).element_size()
+        for d in shape:
+            n *= d
+        raise KVCacheCapacityError(f"{what}: cannot allocate {tuple(shape)} {dtype} ({n} bytes) "
+                                   f"on {device}: {str(err).splitlines()[0][:160]}") from None
 
 
 def check_int(name: str, value) -> int:

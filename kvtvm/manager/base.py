@@ -50,7 +50,8 @@ from ..errors import (InvalidArgumentError, KVCacheCapacityError,
 from ..inputs import (FetchToken, KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols,
                       TokenBatch, stamp)
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import ItemTokens as _ItemTokens, check_positive_int, parse_devices
+from .args import ItemTokens as _ItemTokens, allocate, check_positive_int, check_size, \
+    parse_devices
 from .args import row_offsets as _row_offsets
 from .fingerprint import fingerprints
 from .symbols import TensorSymbol, build_symbols
@@ -91,9 +92,9 @@ class KVCacheManager(abc.ABC):
                 "params.cache_strategy", f"{self.strategy.name} for {type(self).__name__}",
                 params.cache_strategy.name))
         self.params = params
-        self.max_batch_size = check_positive_int("max_batch_size", max_batch_size)
-        self.max_seq_len = check_positive_int("max_seq_len", max_seq_len)
-        self.num_layers = check_positive_int("num_layers", num_layers)
+        self.max_batch_size = check_size("max_batch_size", max_batch_size)
+        self.max_seq_len = check_size("max_seq_len", max_seq_len)
+        self.num_layers = check_size("num_layers", num_layers)
         params.resolve_skip_layers(self.num_layers)
         self.devices = parse_devices(devices, params)
         self.n_devices = len(self.devices)
@@ -587,7 +588,7 @@ class KVCacheManager(abc.ABC):
         import torch
 
         dtype = getattr(torch, self.params.tensor_dtype)  # uint8 for a quantized cache
-        return [torch.zeros(shape, dtype=dtype, device=d) for d in self.devices]
+        return [allocate("cache", shape, dtype, d) for d in self.devices]
 
     def device_nbytes(self) -> int:
         """Bytes this manager allocated on each device (cache + per-step tables)."""

@@ -44,14 +44,25 @@ class HostTier:
     capacity : int
         Pages held (a pool ``[capacity, *page_shape]`` -- ``[2, num_layers, page_size,
         n_kv_heads, head_dim]``, or ``[page_bytes]`` uint8 for a quantized cache -- is
-        allocated on the first demotion).
+        allocated now when ``page_shape`` is given, else on the first demotion).
     pin_memory : bool
         Pin the pool (for a CUDA cache: asynchronous copies at full bandwidth).
+    page_shape : tuple of int, optional
+        Shape of one page; with ``dtype`` (a torch dtype name), the pool is allocated at once,
+        so a pool too big for the host is a :class:`KVCacheCapacityError` here.
     """
 
-    def __init__(self, capacity: int, pin_memory: bool = False):
+    def __init__(self, capacity: int, pin_memory: bool = False, page_shape=None, dtype=None):
         self.capacity, self.pin_memory = int(capacity), bool(pin_memory)
         self._pool = None
+        if page_shape is not None:  # allocated now: too big a pool fails here, not in a fetch
+            import torch
+
+            from .args import allocate
+
+            self._pool = allocate("attach_tiers: host_pages", (self.capacity, *page_shape),
+                                  getattr(torch, dtype), "cpu", pin_memory=self.pin_memory,
+                                  zero=False)
         self._slots: list[int] = list(range(self.capacity - 1, -1, -1))  # pop() -> lowest
         self._index: OrderedDict[int, tuple] = OrderedDict()  # hash -> (slot, tokens, fp)
         self._held: set[int] = set()  # slots a promotion is reading: never given away

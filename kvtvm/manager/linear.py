@@ -34,7 +34,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, KVCacheError, SequenceTooLongError, describe
 from ..inputs import FetchToken, RaggedKVCacheInputs, stamp
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import check_positive_int, parse_devices
+from .args import allocate, check_positive_int, check_size, check_sizes, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
 
 __all__ = ["LinearKVCache", "LinearCacheConfig"]
@@ -84,9 +84,9 @@ class LinearKVCache:
         self.params = params
         #: Moves batch slots on :meth:`evict`: ``slot_copier(cache, src, dst)``.
         self.slot_copier = resolve_copier(slot_copier, "slot", "slot_copier")
-        self.max_batch_size = check_positive_int("max_batch_size", max_batch_size)
-        self.max_seq_len = check_positive_int("max_seq_len", max_seq_len)
-        self.num_layers = check_positive_int("num_layers", num_layers)
+        self.max_batch_size = check_size("max_batch_size", max_batch_size)
+        self.max_seq_len = check_size("max_seq_len", max_seq_len)
+        self.num_layers = check_size("num_layers", num_layers)
         params.resolve_skip_layers(self.num_layers)
         self.devices = parse_devices(devices, params)
         self.n_devices = len(self.devices)
@@ -95,7 +95,7 @@ class LinearKVCache:
         shape = params.cache_shape(self.num_layers, self.max_batch_size, self.max_seq_len,
                                    n_devices=self.n_devices)
         dtype = getattr(torch, params.tensor_dtype)  # uint8 for a quantized cache
-        self._cache = [torch.zeros(shape, dtype=dtype, device=d) for d in self.devices]
+        self._cache = [allocate("cache", shape, dtype, d) for d in self.devices]
         self._lock = threading.RLock()
         mb = self.max_batch_size
         self._active = 0
@@ -121,6 +121,8 @@ class LinearKVCache:
                               available_cache_memory=None, devices=("cpu",), **kwargs) -> int:
         """Bytes allocated on each device: the cache tensor plus the int32 length / slot
         buffer."""
+        check_sizes(params, cls.strategy, max_batch_size=max_batch_size,
+                    max_seq_len=max_seq_len, num_layers=num_layers)
         n = len(parse_devices(devices))
         return (params.cache_bytes(num_layers, max_batch_size, max_seq_len, n_devices=n)
                 + 4 * (3 * max_batch_size + 1))
@@ -130,6 +132,7 @@ class LinearKVCache:
                                  devices=("cpu",), **kwargs) -> int:
         """Most slots of ``max_seq_len`` tokens that fit ``available_cache_memory`` bytes per
         device; at least 1."""
+        check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import KVCacheCapacityError, KVCacheError, SequenceStateError
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import pop_length
+from .args import check_size, check_sizes, pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
 from .pageio import PageIOMixin
@@ -49,7 +49,7 @@ def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: 
                        available_cache_memory=None) -> int:
     width = params.pages_for_tokens(max_seq_len)
     if num_pages is not None:
-        return check_positive_int("num_pages", num_pages)
+        return check_size("num_pages", num_pages)
     if available_cache_memory is not None:
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
@@ -135,6 +135,8 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                               **kwargs) -> int:
         """Bytes allocated on each device: the page pool plus the per-step int32 tables
         (``num_pages`` resolved as in the constructor)."""
+        check_sizes(params, cls.strategy, max_batch_size=max_batch_size,
+                    max_seq_len=max_seq_len, num_layers=num_layers)
         n = len(parse_devices(devices))
         pages = _resolve_num_pages(params, max_batch_size, max_seq_len, num_layers, n,
                                    num_pages, available_cache_memory)
@@ -147,6 +149,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                                  devices=("cpu",), **kwargs) -> int:
         """Most sequences that can all reach ``max_seq_len`` at once in
         ``available_cache_memory`` bytes per device (pages plus tables); at least 1."""
+        check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))
@@ -193,6 +196,9 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
 
     def _release_slot(self, seq_id: int) -> None:
         self._invalidate_lookup()
+        for lease in self._leases.values():  # an import still in flight for it: its pages
+            if lease.seq_id == seq_id:       # go to the prefix cache only, never to the
+                lease.seq_id = None          # next sequence that claims this slot
         k = int(self._npages[seq_id])
         self._drop_refs(self._page_table[seq_id, :k])
         self._page_table[seq_id, :k] = 0
@@ -205,7 +211,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
     # fetch / step
     # ------------------------------------------------------------------------------------
 
-    def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total):
+    def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total, dry=False):
         P = self.page_size
         n = ids.size
         npages = self._npages[ids]
@@ -216,11 +222,16 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             fresh = np.flatnonzero((lengths == 0) & (npages == 0))
             if fresh.size:
                 hits = np.zeros(n, dtype=np.int64)
+            if fresh.size and self._tiers is not None and not dry:
+                # room first, with the device's hits only: a page promoted from a tier costs
+                # the page it saves, so the answer is the same, and a fetch that cannot fit
+                # fails before any page moves up (atomic); raises, or returns nothing
+                self._fetch_plan_apply(tokens, ids, counts, num_steps, lengths, total, True)
             for b in fresh:
                 toks = tokens.tokens_of(b)
                 full = (toks.size - 1) // P  # the last token is always recomputed
                 chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(full)]
-                if self._tiers is not None:  # lower-tier hits come back as cached pages
+                if self._tiers is not None and not dry:  # lower-tier hits come back cached
                     self._promote(chunks, keep=[p for _, ps, _, _ in hit_plan for p in ps])
                 pages, kids = prefix.lookup(chunks)
                 hit_plan.append((int(b), pages, kids, toks.size))
@@ -266,6 +277,8 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                 f"fetch: needs {n_new} new pages of {P} tokens ({n_alloc} for new "
                 f"tokens, {len(cow)} copy-on-write), {available} are free or evictable "
                 f"(pool of {self.num_pages} pages)")
+        if dry:
+            return None
         # -- apply (only a failing page copy can raise from here; then everything is undone) --
         evicts = self._tiers is not None and n_new > len(self._free)  # a demotion may fail
         snap = self._snapshot() if cow or evicts else None

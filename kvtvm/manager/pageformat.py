@@ -92,38 +92,75 @@ class PageHeader:
 
     def with_checksums(self, checksums) -> "PageHeader":
         """This header with ``checksums`` filled in (one int per carried page)."""
-        sums = tuple(int(c) for c in checksums)
+        try:
+            sums = tuple(int(c) for c in checksums)
+        except (TypeError, ValueError) as err:
+            raise CorruptTransferError(f"page header: checksums unreadable ({err})") from None
         if len(sums) != self.n_carried:
             raise CorruptTransferError(f"page header: {len(sums)} checksums for "
                                        f"{self.n_carried} pages")
         return replace(self, checksums=sums)
 
+    def check(self, deferred: bool = False) -> "PageHeader":
+        """Raise :class:`CorruptTransferError` naming the first field of the wrong type or
+        inconsistent with the others (a header built in Python, or parsed from the wire);
+        returns the header. ``deferred``: the checksums may be ``None`` (they follow the
+        data)."""
+        def bad(name, why):
+            raise CorruptTransferError(f"page header field {name}: {why} (truncated, corrupt "
+                                       "or built inconsistently)")
+
+        def ints(name, seq, lo=None, hi=None):  # exact ints: a JSON true must not pass as 1
+            if not isinstance(seq, tuple) or not set(map(type, seq)) <= {int}:  # in C
+                bad(name, f"expected a tuple of int, got {_short(seq)}")
+            if seq and ((lo is not None and min(seq) < lo) or (hi is not None and max(seq) > hi)):
+                bad(name, f"expected values in [{lo}, {hi}]")
+
+        for name in ("version", "page_size", "n_kv_heads", "head_dim", "num_layers",
+                     "first_page", "hash_bits", "page_bytes"):
+            ints(name, (getattr(self, name),), 0)
+        for name in ("dtype", "storage", "layout", "checksum"):
+            if not isinstance(getattr(self, name), str):
+                bad(name, f"expected a str, got {_short(getattr(self, name))}")
+        ints("head_range", tuple(self.head_range) if isinstance(self.head_range, (tuple, list))
+             else self.head_range, 0)
+        if len(self.head_range) != 2:
+            bad("head_range", f"expected (h0, h1), got {_short(self.head_range)}")
+        if self.page_size < 1:
+            bad("page_size", f"expected a positive int, got {self.page_size}")
+        ints("tokens", self.tokens, -(1 << 63), (1 << 63) - 1)  # int64 token ids
+        if not 0 <= self.first_page <= self.n_pages:
+            bad("first_page", f"expected an int in [0, n_pages={self.n_pages}], got "
+                f"{self.first_page}")
+        ints("block_hashes", self.block_hashes, 0)
+        full = len(self.tokens) // self.page_size
+        if len(self.block_hashes) != full:
+            bad("block_hashes", f"expected one per full page ({full}), got "
+                f"{len(self.block_hashes)}")
+        if self.checksums is None and deferred:
+            return self
+        ints("checksums", self.checksums, 0)
+        if len(self.checksums) != self.n_carried:
+            bad("checksums", f"expected one per carried page ({self.n_carried}), got "
+                f"{len(self.checksums)}")
+        return self
+
     @classmethod
     def from_bytes(cls, raw: bytes, deferred: bool = False) -> "PageHeader":
-        """Parse and sanity-check a header; anything malformed is a CorruptTransferError.
-        ``deferred``: the checksums may be ``None`` (they follow the data)."""
+        """Parse and sanity-check a header (:meth:`check`); anything malformed is a
+        CorruptTransferError. ``deferred``: the checksums may be ``None`` (they follow the
+        data)."""
         try:
             d = json.loads(bytes(raw).decode())
             hdr = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-            later = deferred and hdr.checksums is None
-            sums = () if later else hdr.checksums
-            ints = (hdr.version, hdr.page_size, hdr.n_kv_heads, hdr.head_dim, hdr.num_layers,
-                    hdr.first_page, hdr.hash_bits, hdr.page_bytes, *hdr.head_range)
-            # exact type checks in C (a JSON true is a bool, which must not pass as 1)
-            ok = (all(set(map(type, seq)) <= {int}
-                      for seq in (ints, hdr.tokens, hdr.block_hashes, sums))
-                  and all(isinstance(v, str) for v in (hdr.dtype, hdr.storage, hdr.layout,
-                                                       hdr.checksum))
-                  and len(hdr.head_range) == 2 and hdr.page_size > 0
-                  and 0 <= hdr.first_page <= hdr.n_pages
-                  and (later or len(sums) == hdr.n_carried)
-                  and len(hdr.block_hashes) == len(hdr.tokens) // hdr.page_size)
-        except (ValueError, TypeError, UnicodeDecodeError) as err:
+        except (ValueError, TypeError, UnicodeDecodeError, AttributeError) as err:
             raise CorruptTransferError(f"page header: unreadable ({err})") from None
-        if not ok:
-            raise CorruptTransferError("page header: fields of the wrong type or inconsistent "
-                                       "lengths (truncated or corrupt)")
-        return hdr
+        return hdr.check(deferred)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class PageExport:

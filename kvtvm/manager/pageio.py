@@ -353,6 +353,7 @@ class PageIOMixin(PageLayoutMixin):
 
     # -- import -------------------------------------------------------------------------------
     def _check_header(self, hdr: PageHeader) -> None:
+        hdr.check(deferred=True)  # types and lengths first: a header built in Python, too
         p = self.params
         want = {"version": FORMAT_VERSION, "dtype": p.dtype, "storage": self.storage_name(),
                 "layout": LAYOUT, "page_size": self.page_size, "n_kv_heads": p.n_kv_heads,
@@ -377,6 +378,16 @@ class PageIOMixin(PageLayoutMixin):
             raise InvalidArgumentError(describe("header.tokens",
                                                 f"1 to max_seq_len={self.max_seq_len} tokens",
                                                 len(hdr.tokens)))
+
+    def _import_room(self, header: PageHeader, held: list) -> int:
+        """New pages an import takes beside ``held`` (KVCacheCapacityError if not that many
+        are free or evictable)."""
+        n_new = header.n_pages - max(len(held), header.first_page)
+        available = self._available_pages() - sum(1 for p in held if p in self._prefix.lru)
+        if n_new > available:
+            raise KVCacheCapacityError(f"import: needs {n_new} new pages, {available} are "
+                                       f"free or evictable (pool of {self.num_pages})")
+        return n_new
 
     def begin_import(self, header: PageHeader, seq_id: int | None = None,
                      timeout: float | None = None) -> tuple[int, int]:
@@ -414,7 +425,8 @@ class PageIOMixin(PageLayoutMixin):
             P = self.page_size
             toks = np.asarray(header.tokens, dtype=np.int64)
             chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(toks.size // P)]
-            if getattr(self, "_tiers", None) is not None:
+            if getattr(self, "_tiers", None) is not None:  # room first: a page promoted
+                self._import_room(header, self._prefix.lookup(chunks)[0])  # costs one it saves
                 self._promote(chunks)
             held, kids = self._prefix.lookup(chunks)
             k = len(held)
@@ -423,12 +435,7 @@ class PageIOMixin(PageLayoutMixin):
                                     f"sequence, the peer sent from page {header.first_page}; "
                                     f"resend from page {k}")
             start = max(k, header.first_page)
-            n_new = header.n_pages - start
-            pinned = sum(1 for p in held if p in self._prefix.lru)
-            available = self._available_pages() - pinned
-            if n_new > available:
-                raise KVCacheCapacityError(f"import: needs {n_new} new pages, {available} are "
-                                           f"free or evictable (pool of {self.num_pages})")
+            n_new = self._import_room(header, held)
             self._lease_pages(held)  # pinned before taking: _take must not evict them
             try:  # ascending: consecutive pages make runs a transport receives in place
                 new = sorted(self._take(n_new))
@@ -480,7 +487,8 @@ class PageIOMixin(PageLayoutMixin):
         Raises
         ------
         SequenceStateError
-            The lease is not an open import lease (ended, aborted, expired).
+            The lease is not an open import lease (ended, aborted, expired), or its sequence
+            took tokens since :meth:`begin_import` (nothing is written).
         CorruptTransferError
             Wrong shape or dtype (truncated) or a checksum differs: nothing is written.
         """
@@ -495,7 +503,11 @@ class PageIOMixin(PageLayoutMixin):
             try:
                 if checksums is not None and lease.header.checksums is None:
                     lease.header = lease.header.with_checksums(checksums)
-                hdr = lease.header
+                hdr, sid = lease.header, lease.seq_id
+                if sid is not None and (self._lengths[sid] or self._npages[sid]
+                                        or self._pending[sid] >= 0):
+                    raise SequenceStateError(f"finish_import: seq_id {sid} took tokens since "
+                                             "begin_import (it must stay empty until then)")
                 if hdr.checksums is None and not verified:
                     raise CorruptTransferError("finish_import: the header carries no checksums")
                 r0 = lease.first_row
@@ -526,7 +538,7 @@ class PageIOMixin(PageLayoutMixin):
                 raise
             self._write_import(lease, data)
             self.end_lease(lease_id)
-            return lease_idx_written(lease)
+            return len(lease.pages) - lease.held  # the pages it did not find cached
 
     def _write_import(self, lease: _Lease, data) -> None:
         import torch
@@ -570,6 +582,9 @@ class PageIOMixin(PageLayoutMixin):
                 raise InvalidArgumentError(describe("header", "a PageHeader",
                                                     type(header).__name__))
             self._check_header(header)
+            if header.checksums is None:  # checked before a lease is taken: nothing changes
+                raise CorruptTransferError("import: page header field checksums: expected one "
+                                           "per carried page, got None")
             want = (header.n_carried, *header.page_shape)
             if not isinstance(data, torch.Tensor) or tuple(data.shape) != want:
                 raise CorruptTransferError(describe(
@@ -579,8 +594,3 @@ class PageIOMixin(PageLayoutMixin):
                                                     data.dtype))
             lid, first_row = self.begin_import(header, seq_id)
             return self.finish_import(lid, data[first_row:])
-
-
-def lease_idx_written(lease: _Lease) -> int:
-    """Pages an import lease wrote (those it did not find cached)."""
-    return len(lease.pages) - lease.held

@@ -40,7 +40,8 @@ def split_quant_rows(rows, params, num_layers: int, n_devices: int) -> list:
     parts = []
     for d in range(n_devices):
         segs = [rows[:, off:off + P * H * row].reshape(n, P, H, row)[:, :, d * hpd:(d + 1) * hpd]
-                .reshape(n, -1) for _, _, off, _, row in params.segments(num_layers, P, 1)]
+                .reshape(n, P * hpd * row)  # not -1: n may be 0 (nothing carried)
+                for _, _, off, _, row in params.segments(num_layers, P, 1)]
         parts.append(torch.cat(segs, dim=1))
     return parts
 
@@ -58,7 +59,7 @@ def join_quant_rows(parts, params, num_layers: int):
     for _, _, off, _, row in params.segments(num_layers, P, len(parts)):
         size = P * hpd * row
         heads = [p[:, off:off + size].to(dev).reshape(n, P, hpd, row) for p in parts]
-        segs.append(torch.cat(heads, dim=2).reshape(n, -1))
+        segs.append(torch.cat(heads, dim=2).reshape(n, P * hpd * len(parts) * row))
     return torch.cat(segs, dim=1)
 
 

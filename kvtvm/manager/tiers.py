@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidArgumentError, describe
-from .args import check_seconds
+from .args import INT32_MAX, check_seconds
 from .hashing import CHECKSUM_NAME, chain_hash, checksum, fingerprint
 from .hosttier import HostTier, counters as _counters
 
@@ -418,6 +418,8 @@ class TierMixin:
         for name, v in (("host_pages", host_pages), ("disk_bytes", disk_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidArgumentError(describe(name, "an int >= 0", repr(v)))
+        if host_pages > INT32_MAX:
+            raise InvalidArgumentError(describe("host_pages", f"at most {INT32_MAX}", host_pages))
         if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
             raise InvalidArgumentError(describe("disk_dir", "a path (str or os.PathLike)",
                                                 type(disk_dir).__name__))
@@ -426,7 +428,8 @@ class TierMixin:
             if not p.quantized else (p.bytes_per_page(self.num_layers),)
         pin = any(getattr(d, "type", str(d)).startswith("cuda") for d in self.devices)
         disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None else None
-        host = HostTier(host_pages, pin_memory=pin) if host_pages else None
+        host = HostTier(host_pages, pin_memory=pin, page_shape=shape, dtype=p.tensor_dtype) \
+            if host_pages else None
         with self._lock:
             self._tiers = TierStore(host, disk, shape, p.tensor_dtype)
             return self._tiers

@@ -367,3 +367,51 @@ def test_the_sweep_covers_every_public_method():
         swept = {c[1] for c in _cases_of(kind)[2]}
         missing = public - swept - no_args
         assert not missing, f"{kind}: not swept: {sorted(missing)}"
+
+
+_PARAMS = {"paged": KVCacheParams("float32", H, D, "paged", page_size=P),
+           "continuous": KVCacheParams("float32", H, D, "continuous"),
+           "linear": KVCacheParams("float32", H, D, "linear")}
+_CLASSES = {"paged": PagedKVCacheManager, "continuous": ContinuousBatchingKVCacheManager,
+            "linear": LinearKVCache}
+
+
+@pytest.mark.parametrize("kind", list(_CLASSES))
+@pytest.mark.parametrize("name", ["max_batch_size", "max_seq_len", "num_layers"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "x", NAN, None, 1 << 31, 2 ** 70])
+def test_bad_sizes_are_named_by_constructor_and_size_classmethods(kind, name, value):
+    """The sizes of the constructor, estimated_memory_size and infer_optimal_batch_size: a
+    non-int, non-positive or past-int32 size is an InvalidArgumentError naming it (the
+    classmethods returned floats or negative byte counts for some)."""
+    cls, params = _CLASSES[kind], _PARAMS[kind]
+    sizes = dict(max_batch_size=2, max_seq_len=16, num_layers=L)
+    sizes[name] = value
+    calls = [lambda: cls(params, **sizes),
+             lambda: cls.estimated_memory_size(params, **sizes)]
+    if name != "max_batch_size":
+        calls.append(lambda: cls.infer_optimal_batch_size(
+            params, sizes["max_seq_len"], sizes["num_layers"], 10 ** 6))
+    for call in calls:
+        with pytest.raises(KVCacheError, match=name):
+            call()
+
+
+@pytest.mark.parametrize("kind", list(_CLASSES))
+def test_size_classmethods_refuse_other_params(kind):
+    cls = _CLASSES[kind]
+    other = _PARAMS["linear" if kind != "linear" else "paged"]
+    for call in (lambda: cls.estimated_memory_size(other, 2, 16, L),
+                 lambda: cls.infer_optimal_batch_size(other, 16, L, 10 ** 6),
+                 lambda: cls.estimated_memory_size("x", 2, 16, L)):
+        with pytest.raises(KVCacheError, match="params"):
+            call()
+
+
+def test_cache_too_big_to_allocate_is_a_capacity_error():
+    """A size that passes the checks but not the allocator (about a petabyte) is a
+    KVCacheCapacityError naming the cache and its bytes, not the allocator's RuntimeError."""
+    from kvtvm.errors import KVCacheCapacityError
+
+    params = KVCacheParams("float32", H, 256, "paged", page_size=64)
+    with pytest.raises(KVCacheCapacityError, match="cache"):
+        PagedKVCacheManager(params, 2, 128, L, num_pages=(1 << 31) - 1)

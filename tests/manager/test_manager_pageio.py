@@ -144,6 +144,35 @@ def test_header_other_fields(field, value):
     assert stats(b)[0] == 16
 
 
+INCONSISTENT = [("first_page", -1), ("first_page", 5), ("first_page", True),
+                ("first_page", "1"), ("checksums", (1,)), ("checksums", (1, 2, 3, 4)),
+                ("checksums", ("a", "b")), ("checksums", 5), ("checksums", None),
+                ("tokens", (0.5,) + tuple(range(1, 13))),
+                ("tokens", tuple(str(t) for t in range(13))),
+                ("tokens", (2 ** 70,) + tuple(range(1, 13))), ("tokens", None),
+                ("block_hashes", ()), ("head_range", (0, 2, 1)), ("page_size", 0)]
+
+
+@pytest.mark.parametrize("field,value", INCONSISTENT)
+def test_header_built_inconsistently_is_refused_by_name_and_changes_nothing(field, value):
+    """A header made in Python (dataclasses.replace, not from_bytes) whose fields disagree
+    with each other is a CorruptTransferError naming the field, before any lease is taken."""
+    a, b = make(), make()
+    toks = list(range(13))
+    ex = a.export_pages(run_prompt(a, toks), first_page=1)
+    first = a.export_pages(block_hashes=a.block_hashes_of(0)[:1])
+    b.import_pages(first.header, first.data)  # b holds page 0: the header starts at page 1
+    hdr = dataclasses.replace(ex.header, **{field: value})
+    (t,) = b.claim(1)
+    before, leases, blocks = stats(b), b._next_lease, [x.clone() for x in b.blocks]
+    with pytest.raises(CorruptTransferError, match=field):
+        b.import_pages(hdr, ex.data, seq_id=t)
+    assert stats(b) == before and b._next_lease == leases and b.cache_length(t) == 0
+    assert all(torch.equal(x, y) for x, y in zip(blocks, b.blocks))
+    conserved(b)
+    assert b.import_pages(ex.header, ex.data, seq_id=t) == 3  # the consistent one imports
+
+
 def test_corrupt_and_truncated_data_write_nothing():
     a, b = make(), make()
     ex = a.export_pages(run_prompt(a, list(range(13))))
@@ -245,11 +274,11 @@ def test_tiny_hash_range_collisions_cost_a_resend_never_wrong_kv():
     assert resends >= 2
 
 
-def make_quant(pages=16, cache_dtype="int8"):
+def make_quant(pages=16, cache_dtype="int8", devices=("cpu",)):
     mgr = PagedKVCacheManager(
         KVCacheParams("float16", H, 16, "paged", page_size=P, enable_prefix_caching=True,
                       cache_dtype=cache_dtype),
-        4, 64, L, num_pages=pages, page_copier=torch_copier)
+        4, 64, L, devices, num_pages=pages, page_copier=torch_copier)
     for b in mgr.blocks:
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8))
     return mgr
@@ -273,3 +302,83 @@ def test_quantized_pages_travel_as_byte_rows_and_formats_never_mix():
     # the hashes are seeded by the format: the same tokens are other names in another format
     c = make_quant(cache_dtype="float8_e4m3fn")
     assert c.block_hashes_of(run_prompt(c, list(range(11)))) != a.block_hashes_of(s)
+
+
+@pytest.mark.parametrize("src_devs,dst_devs", [(2, 2), (1, 2), (2, 1)])
+def test_quantized_export_of_no_pages_between_split_caches(src_devs, dst_devs):
+    """first_page == n_pages (the peer holds every page): nothing is carried, and a cache that
+    splits the heads of its byte rows exports and imports the empty run."""
+    a, b = make_quant(devices=("cpu",) * src_devs), make_quant(devices=("cpu",) * dst_devs)
+    toks = list(range(11))
+    s = run_prompt(a, toks)
+    ex = a.export_pages(s)
+    b.import_pages(ex.header, ex.data)  # b now holds the 2 full pages
+    a.end_lease(ex.lease_id)
+    s2 = run_prompt(a, toks[:8])  # exactly 2 full pages, both held by b
+    ex2 = a.export_pages(s2, first_page=2)
+    assert ex2.header.n_carried == 0 and tuple(ex2.data.shape) == (0, ex.header.page_bytes)
+    assert b.import_pages(ex2.header, ex2.data) == 0
+    a.end_lease(ex2.lease_id)
+    conserved(a), conserved(b)
+
+
+@pytest.mark.parametrize("export", ["x", None, 5, object()])
+def test_transport_send_names_a_bad_export(export):
+    a, b = make(), make()
+    ta, _ = InProcessTransport.pair(a, b, auto=True)
+    with pytest.raises(InvalidArgumentError, match="export"):
+        ta.send(0, export)
+    conserved(a), conserved(b)
+
+
+def test_import_in_flight_never_lands_in_the_next_owner_of_its_slot():
+    """The sequence an import targets is released while the pages are in flight and its slot
+    is claimed again by another request: finish_import registers the pages in the prefix
+    cache only; the new owner keeps its own tokens and pages (they were overwritten and
+    leaked). A target that took tokens itself meanwhile refuses the import by name."""
+    a, b = make(), make()
+    toks = list(range(10))
+    ex = a.export_pages(run_prompt(a, toks))
+    (t,) = b.claim(1)
+    lid, _ = b.begin_import(ex.header, seq_id=t)
+    b.release(t)
+    assert b.claim(1) == [t]  # the same slot, another request
+    b.fetch([BatchItem(t, [7] * 5)])
+    b.step([BatchItem(t, [7] * 5)])
+    mine, kv = b.pages_of(t), kv_of(b, t, 5).clone()
+    assert b.finish_import(lid, ex.data) == 3
+    assert b.pages_of(t) == mine and b.cache_length(t) == 5
+    assert torch.equal(kv_of(b, t, 5), kv)
+    conserved(b)
+    assert stats(b)[2] == 2  # the two full pages imported are cached
+    (u,) = b.claim(1)
+    lid, _ = b.begin_import(ex.header, seq_id=u)
+    b.fetch([BatchItem(u, [1, 2, 3])])
+    b.step([BatchItem(u, [1, 2, 3])])
+    with pytest.raises(SequenceStateError, match=f"seq_id {u}"):
+        b.finish_import(lid, ex.data[2:])
+    assert b.cache_length(u) == 3 and not b.active_leases()
+    conserved(b)
+
+
+def test_transport_refuses_an_import_into_a_busy_sequence_and_stays_in_step():
+    """seq_for names a sequence that already holds tokens: the receiver refuses the import
+    (the error in what handle returns, nothing written), the sender's wait raises instead of
+    waiting forever, its lease ends, and the next transfer goes through."""
+    a, b = make(), make()
+    ta, tb = InProcessTransport.pair(a, b)
+    busy = run_prompt(b, [5, 6, 7])
+    s = run_prompt(a, list(range(10)))
+    ex = a.export_pages(s)
+    transfer = ta.send(0, ex)
+    got = tb.handle(0, lambda header, tag: busy)
+    assert isinstance(got.error, SequenceStateError) and b.cache_length(busy) == 3
+    with pytest.raises(SequenceStateError):
+        transfer.wait(5.0)
+    assert not a.active_leases()
+    conserved(a), conserved(b)
+    (t,) = b.claim(1)
+    transfer = ta.send(0, a.export_pages(s))
+    assert tb.handle(0, lambda header, tag: t).error is None
+    assert transfer.wait(5.0) == 3 and b.cache_length(t) == 10
+    conserved(a), conserved(b)

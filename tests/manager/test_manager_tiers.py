@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvtvm import KVCacheParams
-from kvtvm.errors import InvalidArgumentError
+from kvtvm.errors import InvalidArgumentError, KVCacheCapacityError
 from kvtvm.manager import BatchItem, PagedKVCacheManager
 from kvtvm.manager.hashing import chain_hash, fingerprint
 from kvtvm.manager.tiers import DiskTier
@@ -260,3 +260,68 @@ def test_full_write_queue_drops_and_counts(tmp_path, monkeypatch):
     for i, q in enumerate(queued):
         got = tier.get(i, i, np.array([i], np.int64).tobytes())
         assert (got is not None and torch.equal(got, torch.full((4,), float(i)))) == q
+
+
+def test_host_tier_too_big_for_the_host_is_refused_at_attach():
+    """The host pool is allocated by attach_tiers: one that cannot be (here about a petabyte)
+    is a KVCacheCapacityError naming host_pages there -- not an untyped error in a later fetch
+    that demotes -- and a count past int32 is refused before anything is allocated."""
+    mgr = PagedKVCacheManager(KVCacheParams("float32", 2, 256, "paged", page_size=64,
+                                            enable_prefix_caching=True), 2, 128, 2, num_pages=2)
+    with pytest.raises(KVCacheCapacityError, match="host_pages"):
+        mgr.attach_tiers(host_pages=(1 << 31) - 1)
+    with pytest.raises(InvalidArgumentError, match="host_pages"):
+        mgr.attach_tiers(host_pages=1 << 40)
+    assert mgr._tiers is None
+    host = mgr.attach_tiers(host_pages=3).host
+    assert host._pool is not None and tuple(host._pool.shape) == (3, 2, 2, 64, 2, 256)
+
+
+def test_fetch_without_room_promotes_nothing():
+    """A fetch that cannot fit fails before any page rises from a tier: the device pool,
+    the prefix cache, the cache bytes and the tiers' counters are as they were (a page
+    promoted costs the page it saves, so the room is known from the device's hits)."""
+    mgr = make()
+    mgr.attach_tiers(host_pages=16)
+    serve(mgr, SYS + [1])
+    for k in range(3):  # the system prompt goes down to the host tier
+        serve(mgr, list(range(100 * k, 100 * k + 13)))
+    (a,) = mgr.claim(1)
+    mgr.fetch([BatchItem(a, [7] * 9)])  # 3 of the 6 pages held
+    mgr.step([BatchItem(a, [7] * 9)])
+    (b,) = mgr.claim(1)
+    before = (mgr.stats(), list(mgr._free), dict(mgr._prefix.table),
+              [x.clone() for x in mgr.blocks])
+    with pytest.raises(KVCacheCapacityError):
+        mgr.fetch([BatchItem(b, SYS + list(range(20)))])  # 3 tier hits + 5 pages: 8 > 6
+    after = (mgr.stats(), list(mgr._free), dict(mgr._prefix.table), mgr.blocks)
+    assert before[:3] == after[:3]
+    assert all(torch.equal(x, y) for x, y in zip(before[3], after[3]))
+    mgr.check_invariants()
+    mgr.release(a), mgr.release(b)
+    hit, _ = serve(mgr, SYS + [2])  # with room, the same prefix rises and hits
+    assert hit == 12
+
+
+def test_import_without_room_promotes_nothing():
+    """Same for an import: refused for room before any page of its prefix rises."""
+    a, b = make(pages=12), make()
+    b.attach_tiers(host_pages=16)
+    serve(b, SYS + [1])
+    for k in range(3):  # b's copy of the system prompt goes down to its host tier
+        serve(b, list(range(100 * k, 100 * k + 13)))
+    (s,) = a.claim(1)
+    toks = SYS + list(range(20))  # 8 pages: 3 b holds in its tier, 5 new
+    a.fetch([BatchItem(s, toks)])
+    a.step([BatchItem(s, toks)])
+    ex = a.export_pages(s)
+    (t,) = b.claim(1)
+    b.fetch([BatchItem(t, [7] * 9)])  # 3 of b's 6 pages held
+    b.step([BatchItem(t, [7] * 9)])
+    before = (b.stats(), list(b._free), dict(b._prefix.table), [x.clone() for x in b.blocks])
+    with pytest.raises(KVCacheCapacityError, match="import"):
+        b.import_pages(ex.header, ex.data)
+    after = (b.stats(), list(b._free), dict(b._prefix.table), b.blocks)
+    assert before[:3] == after[:3]
+    assert all(torch.equal(x, y) for x, y in zip(before[3], after[3]))
+    b.check_invariants()
