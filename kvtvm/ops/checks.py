@@ -153,7 +153,21 @@ def check_cache_pair(k_cache, v_cache, layout: str) -> CacheGeometry:
                                             list(v_cache.shape)))
     num_pages, a, b, head_dim = k_cache.shape
     page_size, heads = (a, b) if layout == "nhd" else (b, a)
-    return CacheGeometry(num_pages, page_size, heads, head_dim, _dtype(k_cache))
+    return checked_geometry(CacheGeometry(num_pages, page_size, heads, head_dim,
+                                          _dtype(k_cache)), k_cache, layout)
+
+
+def checked_geometry(geo: CacheGeometry, k_cache, layout: str) -> CacheGeometry:
+    """``geo`` after checking that ``page_size``, ``n_kv_heads`` and ``head_dim`` are at
+    least 1 (an empty axis holds no token or head; an empty head_dim has no score scale)."""
+    axes = {"page_size": 1 if layout == "nhd" else 2, "n_kv_heads": 2 if layout == "nhd" else 1}
+    for what, value, axis in (("page_size", geo.page_size, axes["page_size"]),
+                              ("n_kv_heads", geo.n_kv_heads, axes["n_kv_heads"]),
+                              ("head_dim", geo.head_dim, 3)):
+        if value < 1:
+            raise InvalidArgumentError(describe(f"k_cache.shape[{axis}] ({what})", ">= 1",
+                                                f"{value} (shape {list(k_cache.shape)})"))
+    return geo
 
 
 def check_batch_tables(qo_indptr, cache_lengths, lookup_table):
@@ -305,6 +319,8 @@ def check_no_alias(written: dict, read: dict) -> None:
     interleaved views of one cache tensor: those alias only when they are the same view (same
     data pointer).
     """
+    written = {n: t for n, t in written.items() if t.numel()}  # an empty tensor shares no
+    read = {n: t for n, t in read.items() if t.numel()}        # memory with anything
     spans = [(n, _span(t)) for n, t in written.items()]
     spans += [(n, _span(t)) for n, t in read.items()]
     for wn, (w0, w1) in spans[:len(written)]:
