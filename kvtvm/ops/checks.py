@@ -109,12 +109,15 @@ def check_vector_aligned(tensors: dict, nbytes: int = 16) -> None:
 
 
 def common_device(tensors: dict):
-    """The one device every tensor of a call lives on; raises when they differ."""
+    """The one device every tensor of a call lives on; raises when they differ, or when it is
+    neither the CPU nor a CUDA GPU (e.g. ``meta``: no kernel runs there)."""
     first_name, first = next(iter(tensors.items()))
     for name, t in tensors.items():
         if t.device != first.device:
             raise DeviceMismatchError(describe(name, f"device {first.device} (as {first_name})",
                                                t.device))
+    if first.device.type not in ("cpu", "cuda"):
+        raise DeviceMismatchError(describe(first_name, "a tensor on cpu or cuda", first.device))
     return first.device
 
 

@@ -97,6 +97,8 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
     dst = as_tensor("dst", dst)
     check_dtype(name, buf, (*DTYPE_SIZES, "uint8"))
     check_contiguous(name, buf)
+    if buf.device.type not in ("cpu", "cuda"):
+        raise DeviceMismatchError(describe(name, "a tensor on cpu or cuda", buf.device))
     if buf.dim() < axis + 2:
         raise InvalidArgumentError(describe(f"{name} rank", f"at least {axis + 2}",
                                             f"shape {list(buf.shape)}"))

@@ -54,6 +54,8 @@ def _mutations(op, a):
             .permute(2, 1, 0))),
         ("type", first, lambda a: a.__setitem__(first, a[first].tolist())),
         ("device", first, lambda a: a.__setitem__(first, a[first].to("meta"))),
+        ("all on meta", first, _all_on_meta),  # no kernel there (append: was "k_cache and
+        # v_cache share memory", two meta tensors having the same null data pointer)
         ("index dtype", "cache_lengths",
          lambda a: a.__setitem__("cache_lengths", a["cache_lengths"].long())),
         ("negative length", "cache_lengths",
@@ -93,6 +95,12 @@ def _mutations(op, a):
     return out
 
 
+def _all_on_meta(a):
+    for name, t in list(a.items()):
+        if isinstance(t, torch.Tensor) and name != "_blocks":
+            a[name] = t.to("meta")
+
+
 def _empty_axis(a, axis):
     """Fresh K and V caches (nhd) with axis ``axis`` of extent 0 (head_dim: q, k and v too)."""
     shape = list(a["k_cache"].shape)
@@ -128,12 +136,16 @@ def test_bad_argument_raises_a_named_kvtvm_error_and_changes_nothing(op, what, n
     assert torch.equal(blocks, before)
 
 
-@pytest.mark.parametrize("what", ["dtype", "rank", "huge", "negative", "type"])
+@pytest.mark.parametrize("what", ["dtype", "rank", "huge", "negative", "type", "meta"])
 def test_copy_pages_bad_arguments(what):
     blocks = torch.randn(P, 2, PS, H, D)
     before = blocks.clone()
     src, dst = torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
     name = "dst"
+    if what == "meta":
+        with pytest.raises(KVCacheError, match="blocks"):
+            ops.copy_pages(blocks.to("meta"), src, dst)
+        return
     if what == "dtype":
         dst = dst.long()
     elif what == "rank":
