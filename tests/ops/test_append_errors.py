@@ -135,3 +135,27 @@ def test_tensor_on_other_gpu():  # pragma: no cover - GPU machines only
     cuda["k"] = cuda["k"].to("cuda:1")
     with pytest.raises(DeviceMismatchError, match="k: expected device cuda:0"):
         ops.append_kv(**cuda)
+
+
+@pytest.mark.parametrize("extra", [0, 1], ids=["at-the-limit", "past-it"])
+def test_batch_up_to_the_kernels_search_depth(extra):
+    """One token for each of MAX_APPEND_BATCH (+1) sequences: the kernels' binary search of
+    qo_indptr reaches exactly that many sequences, so one more is refused before anything is
+    written (it was a KernelIndexError after the first 2**17 sequences had been written)."""
+    from kvtvm.kernels.accessor import SEARCH_STEPS
+    from kvtvm.ops.append import MAX_APPEND_BATCH
+
+    assert MAX_APPEND_BATCH == 2 ** (SEARCH_STEPS + 1)
+    batch = MAX_APPEND_BATCH + extra
+    kc, vc = torch.zeros(batch, 1, 1, 4), torch.zeros(batch, 1, 1, 4)
+    k, v = torch.randn(batch, 1, 4), torch.randn(batch, 1, 4)
+    indptr = torch.arange(batch + 1, dtype=torch.int32)
+    table = torch.randperm(batch).to(torch.int32).view(batch, 1)
+    args = (kc, vc, k, v, indptr, torch.zeros(batch, dtype=torch.int32), table)
+    if extra:
+        with pytest.raises(InvalidArgumentError, match=r"batch.*at most 131072"):
+            ops.append_kv(*args)
+        assert not kc.any() and not vc.any()
+    else:
+        ops.append_kv(*args)
+        assert torch.equal(kc[table[:, 0].long(), 0], k) and torch.equal(vc[table[:, 0].long(), 0], v)
