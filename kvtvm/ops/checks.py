@@ -50,6 +50,9 @@ def as_tensor(name: str, value: Any):
         if any(s < 0 for s in value.strides):
             raise InvalidArgumentError(describe(name, "an array with non-negative strides",
                                                 f"strides {list(value.strides)}"))
+        if not value.dtype.isnative:  # torch.from_numpy would raise a bare ValueError
+            raise DTypeMismatchError(describe(name, "an array of native byte order",
+                                              value.dtype.str))
         if value.dtype.name == "bfloat16":
             return torch.from_numpy(value.view(np.uint16)).view(torch.bfloat16)
         try:

@@ -53,6 +53,7 @@ def _mutations(op, a):
             first, torch.randn(a[first].shape[2], a[first].shape[1], a[first].shape[0])
             .permute(2, 1, 0))),
         ("type", first, lambda a: a.__setitem__(first, a[first].tolist())),
+        ("byte order", first, lambda a: a.__setitem__(first, a[first].numpy().astype(">f4"))),
         ("device", first, lambda a: a.__setitem__(first, a[first].to("meta"))),
         ("all on meta", first, _all_on_meta),  # no kernel there (append: was "k_cache and
         # v_cache share memory", two meta tensors having the same null data pointer)
