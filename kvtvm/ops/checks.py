@@ -115,13 +115,14 @@ def common_device(tensors: dict):
     """The one device every tensor of a call lives on; raises when they differ, or when it is
     neither the CPU nor a CUDA GPU (e.g. ``meta``: no kernel runs there)."""
     first_name, first = next(iter(tensors.items()))
+    device = first.device
     for name, t in tensors.items():
-        if t.device != first.device:
-            raise DeviceMismatchError(describe(name, f"device {first.device} (as {first_name})",
+        if t.device != device:
+            raise DeviceMismatchError(describe(name, f"device {device} (as {first_name})",
                                                t.device))
-    if first.device.type not in ("cpu", "cuda"):
-        raise DeviceMismatchError(describe(first_name, "a tensor on cpu or cuda", first.device))
-    return first.device
+    if device.type not in ("cpu", "cuda"):
+        raise DeviceMismatchError(describe(first_name, "a tensor on cpu or cuda", device))
+    return device
 
 
 def host_array(t) -> np.ndarray:
@@ -325,16 +326,15 @@ def check_no_alias(written: dict, read: dict) -> None:
     interleaved views of one cache tensor: those alias only when they are the same view (same
     data pointer).
     """
-    written = {n: t for n, t in written.items() if t.numel()}  # an empty tensor shares no
-    read = {n: t for n, t in read.items() if t.numel()}        # memory with anything
     spans = [(n, _span(t)) for n, t in written.items()]
     spans += [(n, _span(t)) for n, t in read.items()]
     for wn, (w0, w1) in spans[:len(written)]:
         for on, (o0, o1) in spans:
             if on == wn:
                 continue
-            if wn in _KV and on in _KV:
-                overlap = written[wn].data_ptr() == written[on].data_ptr()
+            if wn in _KV and on in _KV:  # (two empty views may share a null pointer)
+                overlap = (written[wn].data_ptr() == written[on].data_ptr()
+                           and written[wn].numel() > 0)
             else:
                 overlap = w0 < o1 and o0 < w1
             if overlap:

@@ -50,6 +50,14 @@ def test_unsupported_cache_dtype():
                                                                     dtype=torch.float64))
 
 
+def test_a_cache_of_no_pages_names_the_page_not_an_alias():
+    """K and V views of an empty cache tensor share a null data pointer; they are not the
+    same memory (it said "k_cache and v_cache: expected separate memory")."""
+    empty = torch.zeros(0, 2, 2, S, H, D)
+    expect_error(InvalidArgumentError, r"lookup_table\[0, 0\]: expected a page in \[0, 0\)",
+                 k_cache=empty[:, 0, 1], v_cache=empty[:, 1, 1])
+
+
 def test_wrong_rank():
     expect_error(InvalidArgumentError, "k: expected rank 3", k=torch.randn(5, H * D))
 
