@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
                      check_contiguous, check_dim, check_dtype, check_flag, check_rank,
-                     check_vector_aligned, check_no_alias, common_device, indices_on_host,
-                     live_tokens, sync_checked_call)
+                     check_vector_aligned, check_no_alias, check_no_self_overlap,
+                     common_device, indices_on_host, live_tokens, sync_checked_call)
 from .launch import Launch, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -104,6 +104,8 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     # (the int32 tables are left out: a table inside a cache is still bounds-checked by the
     # kernel, and leaving them out keeps this check under 2 us)
     check_no_alias({"k_cache": kc, "v_cache": vc}, {"k": kt, "v": vt})
+    check_no_self_overlap("k_cache", kc)
+    check_no_self_overlap("v_cache", vc)
     if device.type == "cuda":  # rows move as 16-byte vectors
         check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,

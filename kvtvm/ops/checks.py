@@ -343,3 +343,26 @@ def check_no_alias(written: dict, read: dict) -> None:
 
 
 _KV = ("k_cache", "v_cache")
+
+
+def check_no_self_overlap(name: str, t) -> None:
+    """Refuse a tensor the op writes whose elements share memory with each other (an
+    ``expand``-ed or ``as_strided`` view: a write to one page would land in others). Sorted by
+    stride, each axis must step past everything the smaller axes span -- true of every cache
+    view a manager hands out, padded rows included."""
+    strides, shape = t.stride(), t.shape
+    span = 1
+    for stride, size in zip(reversed(strides), reversed(shape)):  # the usual order: no sort
+        if size > 1:
+            if stride < span:
+                break
+            span += stride * (size - 1)
+    else:
+        return
+    span = 1
+    for stride, size in sorted((st, n) for st, n in zip(strides, shape) if n > 1):
+        if stride < span:
+            raise InvalidArgumentError(describe(
+                f"{name}.stride()", "strides of non-overlapping elements (kvtvm writes it)",
+                f"{list(strides)} for shape {list(shape)}"))
+        span += stride * (size - 1)

@@ -58,6 +58,17 @@ def test_a_cache_of_no_pages_names_the_page_not_an_alias():
                  k_cache=empty[:, 0, 1], v_cache=empty[:, 1, 1])
 
 
+@pytest.mark.parametrize("which", ["expand", "as_strided"])
+def test_a_self_overlapping_cache_view_is_refused(which):
+    """A written view whose elements share memory (every page the same memory, or rows
+    overlapping): the append would land in other pages; refused like torch refuses it."""
+    if which == "expand":
+        view = torch.zeros(1, S, H, D).expand(P, S, H, D)
+    else:
+        view = torch.zeros(P * S * H * D).as_strided((P, S, H, D), (S * H * D, H * D, 1, 1))
+    expect_error(InvalidArgumentError, r"k_cache.stride\(\)", k_cache=view)
+
+
 def test_wrong_rank():
     expect_error(InvalidArgumentError, "k: expected rank 3", k=torch.randn(5, H * D))
 
