@@ -177,4 +177,5 @@ def test_batch_up_to_the_kernels_search_depth(extra):
         assert not kc.any() and not vc.any()
     else:
         ops.append_kv(*args)
-        assert torch.equal(kc[table[:, 0].long(), 0], k) and torch.equal(vc[table[:, 0].long(), 0], v)
+        pages = table[:, 0].long()
+        assert torch.equal(kc[pages, 0], k) and torch.equal(vc[pages, 0], v)
