@@ -5,18 +5,22 @@ from __future__ import annotations
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
                      check_contiguous, check_dim, check_dtype, check_flag, check_rank,
-                     check_vector_aligned, check_no_alias, common_device, indices_on_host,
-                     live_tokens, sync_checked_call)
+                     check_vector_aligned, check_no_alias, check_no_self_overlap,
+                     common_device, indices_on_host, live_tokens, sync_checked_call)
 from .launch import Launch, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
-__all__ = ["append_kv", "prepare_append_kv", "CPU_PARALLEL_APPEND_BYTES"]
+__all__ = ["append_kv", "prepare_append_kv", "CPU_PARALLEL_APPEND_BYTES", "MAX_APPEND_BATCH"]
 
 #: On the CPU, appends moving fewer K+V bytes than this run on one thread: an append is a
 #: memory copy, and below it waking TVM's thread pool costs more than the other cores win
 #: (2 cores: serial faster up to 2048 rows of 8 heads x 128 fp16 and 16384 rows of 2 x 32
 #: fp32, both about 8 MiB; parallel 2x faster at 5000 rows of 8 x 128).
 CPU_PARALLEL_APPEND_BYTES = 8 << 20
+#: Most sequences one append may hold: the kernels find a row's sequence by a binary search of
+#: ``qo_indptr`` with a fixed number of steps (``kvtvm.kernels.accessor.SEARCH_STEPS + 1``);
+#: past it rows of the later sequences would be skipped (KernelIndexError after a partial write).
+MAX_APPEND_BATCH = 1 << 17
 
 
 def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
@@ -51,7 +55,8 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     k, v : Tensor
         New rows, ``[num_tokens, n_kv_heads, head_dim]``, contiguous, the cache's dtype.
     qo_indptr : Tensor
-        int32 ``[batch + 1]``, row offsets of each sequence's new tokens.
+        int32 ``[batch + 1]``, row offsets of each sequence's new tokens; ``batch`` at most
+        :data:`MAX_APPEND_BATCH` (131072).
     cache_lengths : Tensor
         int32 ``[batch]``, tokens each sequence already holds.
     lookup_table : Tensor
@@ -90,11 +95,17 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
         check_contiguous(name, t)
     if tuple(vt.shape) != tuple(kt.shape):
         raise InvalidArgumentError(describe("v.shape", list(kt.shape), list(vt.shape)))
-    check_batch_tables(indptr, lengths, table)
+    batch = check_batch_tables(indptr, lengths, table)
+    if batch > MAX_APPEND_BATCH:
+        raise InvalidArgumentError(describe("cache_lengths.shape[0] (batch)",
+                                            f"at most {MAX_APPEND_BATCH} sequences per append "
+                                            "(split the batch)", batch))
     device = common_device(tensors)
     # (the int32 tables are left out: a table inside a cache is still bounds-checked by the
     # kernel, and leaving them out keeps this check under 2 us)
     check_no_alias({"k_cache": kc, "v_cache": vc}, {"k": kt, "v": vt})
+    check_no_self_overlap("k_cache", kc)
+    check_no_self_overlap("v_cache", vc)
     if device.type == "cuda":  # rows move as 16-byte vectors
         check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,

@@ -50,6 +50,9 @@ def as_tensor(name: str, value: Any):
         if any(s < 0 for s in value.strides):
             raise InvalidArgumentError(describe(name, "an array with non-negative strides",
                                                 f"strides {list(value.strides)}"))
+        if not value.dtype.isnative:  # torch.from_numpy would raise a bare ValueError
+            raise DTypeMismatchError(describe(name, "an array of native byte order",
+                                              value.dtype.str))
         if value.dtype.name == "bfloat16":
             return torch.from_numpy(value.view(np.uint16)).view(torch.bfloat16)
         try:
@@ -109,13 +112,17 @@ def check_vector_aligned(tensors: dict, nbytes: int = 16) -> None:
 
 
 def common_device(tensors: dict):
-    """The one device every tensor of a call lives on; raises when they differ."""
+    """The one device every tensor of a call lives on; raises when they differ, or when it is
+    neither the CPU nor a CUDA GPU (e.g. ``meta``: no kernel runs there)."""
     first_name, first = next(iter(tensors.items()))
+    device = first.device
     for name, t in tensors.items():
-        if t.device != first.device:
-            raise DeviceMismatchError(describe(name, f"device {first.device} (as {first_name})",
+        if t.device != device:
+            raise DeviceMismatchError(describe(name, f"device {device} (as {first_name})",
                                                t.device))
-    return first.device
+    if device.type not in ("cpu", "cuda"):
+        raise DeviceMismatchError(describe(first_name, "a tensor on cpu or cuda", device))
+    return device
 
 
 def host_array(t) -> np.ndarray:
@@ -153,7 +160,21 @@ def check_cache_pair(k_cache, v_cache, layout: str) -> CacheGeometry:
                                             list(v_cache.shape)))
     num_pages, a, b, head_dim = k_cache.shape
     page_size, heads = (a, b) if layout == "nhd" else (b, a)
-    return CacheGeometry(num_pages, page_size, heads, head_dim, _dtype(k_cache))
+    return checked_geometry(CacheGeometry(num_pages, page_size, heads, head_dim,
+                                          _dtype(k_cache)), k_cache, layout)
+
+
+def checked_geometry(geo: CacheGeometry, k_cache, layout: str) -> CacheGeometry:
+    """``geo`` after checking that ``page_size``, ``n_kv_heads`` and ``head_dim`` are at
+    least 1 (an empty axis holds no token or head; an empty head_dim has no score scale)."""
+    axes = {"page_size": 1 if layout == "nhd" else 2, "n_kv_heads": 2 if layout == "nhd" else 1}
+    for what, value, axis in (("page_size", geo.page_size, axes["page_size"]),
+                              ("n_kv_heads", geo.n_kv_heads, axes["n_kv_heads"]),
+                              ("head_dim", geo.head_dim, 3)):
+        if value < 1:
+            raise InvalidArgumentError(describe(f"k_cache.shape[{axis}] ({what})", ">= 1",
+                                                f"{value} (shape {list(k_cache.shape)})"))
+    return geo
 
 
 def check_batch_tables(qo_indptr, cache_lengths, lookup_table):
@@ -311,8 +332,9 @@ def check_no_alias(written: dict, read: dict) -> None:
         for on, (o0, o1) in spans:
             if on == wn:
                 continue
-            if wn in _KV and on in _KV:
-                overlap = written[wn].data_ptr() == written[on].data_ptr()
+            if wn in _KV and on in _KV:  # (two empty views may share a null pointer)
+                overlap = (written[wn].data_ptr() == written[on].data_ptr()
+                           and written[wn].numel() > 0)
             else:
                 overlap = w0 < o1 and o0 < w1
             if overlap:
@@ -321,3 +343,26 @@ def check_no_alias(written: dict, read: dict) -> None:
 
 
 _KV = ("k_cache", "v_cache")
+
+
+def check_no_self_overlap(name: str, t) -> None:
+    """Refuse a tensor the op writes whose elements share memory with each other (an
+    ``expand``-ed or ``as_strided`` view: a write to one page would land in others). Sorted by
+    stride, each axis must step past everything the smaller axes span -- true of every cache
+    view a manager hands out, padded rows included."""
+    strides, shape = t.stride(), t.shape
+    span = 1
+    for stride, size in zip(reversed(strides), reversed(shape)):  # the usual order: no sort
+        if size > 1:
+            if stride < span:
+                break
+            span += stride * (size - 1)
+    else:
+        return
+    span = 1
+    for stride, size in sorted((st, n) for st, n in zip(strides, shape) if n > 1):
+        if stride < span:
+            raise InvalidArgumentError(describe(
+                f"{name}.stride()", "strides of non-overlapping elements (kvtvm writes it)",
+                f"{list(strides)} for shape {list(shape)}"))
+        span += stride * (size - 1)

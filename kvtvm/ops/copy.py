@@ -97,6 +97,8 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
     dst = as_tensor("dst", dst)
     check_dtype(name, buf, (*DTYPE_SIZES, "uint8"))
     check_contiguous(name, buf)
+    if buf.device.type not in ("cpu", "cuda"):
+        raise DeviceMismatchError(describe(name, "a tensor on cpu or cuda", buf.device))
     if buf.dim() < axis + 2:
         raise InvalidArgumentError(describe(f"{name} rank", f"at least {axis + 2}",
                                             f"shape {list(buf.shape)}"))
@@ -132,7 +134,7 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
                 i = int(np.argmax(bad))
                 raise InvalidArgumentError(describe(f"{n_}[{i}]", f"an index in [0, {rows})",
                                                     int(idx[i])))
-    if src.shape[0] == 0:
+    if src.shape[0] == 0 or buf.numel() == 0:  # nothing to move (an empty row: no kernel)
         return LaunchSequence(())
     head_dim = int(buf.shape[-1])
     outer = int(np.prod(buf.shape[:axis], dtype=np.int64)) if axis else 1

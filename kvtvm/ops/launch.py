@@ -132,7 +132,8 @@ class Launch:
                       self.parallel)
 
     def _name(self) -> str:
-        return getattr(self.fn, "__name__", None) or ("no-op" if self.fn is None else "kernel")
+        # (a TVM function has no __name__: "the kvtvm kernel skipped ...", not "kernel kernel")
+        return getattr(self.fn, "__name__", None) or ("no-op" if self.fn is None else "kvtvm")
 
     def __repr__(self) -> str:
         return f"Launch({self._name()} on {self.device}, slots={list(self.slots)})"

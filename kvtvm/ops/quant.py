@@ -17,7 +17,7 @@ from ..compiler import LAYOUTS
 from ..errors import DTypeMismatchError, InvalidArgumentError, describe
 from ..quant import QUANT_DTYPES
 from ..storage import view_storage
-from .checks import CacheGeometry, check_rank
+from .checks import CacheGeometry, check_rank, checked_geometry
 
 __all__ = ["is_quantized_pair", "QuantPair", "check_quant_cache_pair", "check_quant_target",
            "QUANT_TARGETS"]
@@ -103,7 +103,9 @@ def check_quant_cache_pair(k_cache, v_cache, layout: str, dtype: str,
     num_pages, a, b = (int(x) for x in k_cache.shape[:3])
     page_size, heads = (a, b) if layout == "nhd" else (b, a)
     ks, vs = ("" if s == dtype else s for s in storages)
-    return QuantPair(CacheGeometry(num_pages, page_size, heads, head_dim, dtype), ks, vs,
+    geo = checked_geometry(CacheGeometry(num_pages, page_size, heads, head_dim, dtype),
+                           k_cache, layout)
+    return QuantPair(geo, ks, vs,
                      _kernel_view(k_cache, ks), _kernel_view(v_cache, vs))
 
 
@@ -149,4 +151,7 @@ def quant_pair_for(k_cache, v_cache, layout: str, ref_name: str, ref) -> QuantPa
     check_dtype(ref_name, ref, tuple(DTYPE_SIZES))
     check_rank(ref_name, ref, 3, f"[{'batch' if ref_name == 'q' else 'num_tokens'}, heads, "
                "head_dim]")
+    if int(ref.shape[2]) < 1:
+        raise InvalidArgumentError(describe(f"{ref_name}.shape[2] (head_dim)", ">= 1",
+                                            f"0 (shape {list(ref.shape)})"))
     return check_quant_cache_pair(k_cache, v_cache, layout, _dtype(ref), int(ref.shape[2]))

@@ -132,3 +132,23 @@ def test_large_append_in_both_variants(monkeypatch, threshold):
     num_pages = sum(-(-(s + n) // 16) for s, n in zip(starts, counts)) + 2
     args = random_batch(rng, 16, counts, starts, num_pages, "nhd", "float16")
     check_against_reference(args, "nhd")
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_one_head_of_one_element(layout):
+    """n_kv_heads = head_dim = 1 (the CPU kernels take any head_dim): TVM drops both unit
+    loops under the token loop, which the schedule must not expect (it failed to build)."""
+    rng = np.random.default_rng(6)
+    shape = (4, 5, 1, 1) if layout == "nhd" else (4, 1, 5, 1)
+    kc = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+    vc = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+    k, v = (torch.from_numpy(rng.standard_normal((4, 1, 1)).astype(np.float32))
+            for _ in range(2))
+    indptr, lengths = torch.tensor([0, 3, 4], dtype=torch.int32), torch.tensor([4, 0],
+                                                                               dtype=torch.int32)
+    table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+    want_k, want_v = reference_append(kc.numpy(), vc.numpy(), k.numpy(), v.numpy(),
+                                      indptr.numpy(), lengths.numpy(), table.numpy(), layout)
+    ops.append_kv(kc, vc, k, v, indptr, lengths, table, layout=layout)
+    np.testing.assert_array_equal(kc.numpy(), want_k)
+    np.testing.assert_array_equal(vc.numpy(), want_v)

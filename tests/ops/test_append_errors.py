@@ -50,6 +50,25 @@ def test_unsupported_cache_dtype():
                                                                     dtype=torch.float64))
 
 
+def test_a_cache_of_no_pages_names_the_page_not_an_alias():
+    """K and V views of an empty cache tensor share a null data pointer; they are not the
+    same memory (it said "k_cache and v_cache: expected separate memory")."""
+    empty = torch.zeros(0, 2, 2, S, H, D)
+    expect_error(InvalidArgumentError, r"lookup_table\[0, 0\]: expected a page in \[0, 0\)",
+                 k_cache=empty[:, 0, 1], v_cache=empty[:, 1, 1])
+
+
+@pytest.mark.parametrize("which", ["expand", "as_strided"])
+def test_a_self_overlapping_cache_view_is_refused(which):
+    """A written view whose elements share memory (every page the same memory, or rows
+    overlapping): the append would land in other pages; refused like torch refuses it."""
+    if which == "expand":
+        view = torch.zeros(1, S, H, D).expand(P, S, H, D)
+    else:
+        view = torch.zeros(P * S * H * D).as_strided((P, S, H, D), (S * H * D, H * D, 1, 1))
+    expect_error(InvalidArgumentError, r"k_cache.stride\(\)", k_cache=view)
+
+
 def test_wrong_rank():
     expect_error(InvalidArgumentError, "k: expected rank 3", k=torch.randn(5, H * D))
 
@@ -135,3 +154,28 @@ def test_tensor_on_other_gpu():  # pragma: no cover - GPU machines only
     cuda["k"] = cuda["k"].to("cuda:1")
     with pytest.raises(DeviceMismatchError, match="k: expected device cuda:0"):
         ops.append_kv(**cuda)
+
+
+@pytest.mark.parametrize("extra", [0, 1], ids=["at-the-limit", "past-it"])
+def test_batch_up_to_the_kernels_search_depth(extra):
+    """One token for each of MAX_APPEND_BATCH (+1) sequences: the kernels' binary search of
+    qo_indptr reaches exactly that many sequences, so one more is refused before anything is
+    written (it was a KernelIndexError after the first 2**17 sequences had been written)."""
+    from kvtvm.kernels.accessor import SEARCH_STEPS
+    from kvtvm.ops.append import MAX_APPEND_BATCH
+
+    assert MAX_APPEND_BATCH == 2 ** (SEARCH_STEPS + 1)
+    batch = MAX_APPEND_BATCH + extra
+    kc, vc = torch.zeros(batch, 1, 1, 4), torch.zeros(batch, 1, 1, 4)
+    k, v = torch.randn(batch, 1, 4), torch.randn(batch, 1, 4)
+    indptr = torch.arange(batch + 1, dtype=torch.int32)
+    table = torch.randperm(batch).to(torch.int32).view(batch, 1)
+    args = (kc, vc, k, v, indptr, torch.zeros(batch, dtype=torch.int32), table)
+    if extra:
+        with pytest.raises(InvalidArgumentError, match=r"batch.*at most 131072"):
+            ops.append_kv(*args)
+        assert not kc.any() and not vc.any()
+    else:
+        ops.append_kv(*args)
+        pages = table[:, 0].long()
+        assert torch.equal(kc[pages, 0], k) and torch.equal(vc[pages, 0], v)

@@ -53,7 +53,10 @@ def _mutations(op, a):
             first, torch.randn(a[first].shape[2], a[first].shape[1], a[first].shape[0])
             .permute(2, 1, 0))),
         ("type", first, lambda a: a.__setitem__(first, a[first].tolist())),
+        ("byte order", first, lambda a: a.__setitem__(first, a[first].numpy().astype(">f4"))),
         ("device", first, lambda a: a.__setitem__(first, a[first].to("meta"))),
+        ("all on meta", first, _all_on_meta),  # no kernel there (append: was "k_cache and
+        # v_cache share memory", two meta tensors having the same null data pointer)
         ("index dtype", "cache_lengths",
          lambda a: a.__setitem__("cache_lengths", a["cache_lengths"].long())),
         ("negative length", "cache_lengths",
@@ -68,6 +71,11 @@ def _mutations(op, a):
         ("read-only cache", "k_cache", lambda a: a.__setitem__("k_cache", _readonly(a))),
         ("negative strides", "k_cache", lambda a: a.__setitem__(
             "k_cache", a["k_cache"].numpy()[::-1])),
+        # an empty cache axis: a typed error naming it (was a ZeroDivisionError for head_dim,
+        # or "k_cache and v_cache share memory" for two empty views)
+        ("empty pages", "page_size", lambda a: _empty_axis(a, 1)),
+        ("no kv heads", "n_kv_heads", lambda a: _empty_axis(a, 2)),
+        ("empty head_dim", "head_dim", lambda a: _empty_axis(a, 3)),
     ]
     if op != "decode":
         out.append(("decreasing indptr", "qo_indptr", lambda a: a.__setitem__(
@@ -86,6 +94,23 @@ def _mutations(op, a):
         out.append(("k aliases the cache", "k_cache", lambda a: a.__setitem__(
             "k", a["_blocks"][0].view(-1)[:a["k"].numel()].view(a["k"].shape))))
     return out
+
+
+def _all_on_meta(a):
+    for name, t in list(a.items()):
+        if isinstance(t, torch.Tensor) and name != "_blocks":
+            a[name] = t.to("meta")
+
+
+def _empty_axis(a, axis):
+    """Fresh K and V caches (nhd) with axis ``axis`` of extent 0 (head_dim: q, k and v too)."""
+    shape = list(a["k_cache"].shape)
+    shape[axis] = 0
+    a["k_cache"], a["v_cache"] = torch.zeros(shape), torch.zeros(shape)
+    if axis == 3:
+        for name in ("q", "k", "v"):
+            if name in a:
+                a[name] = a[name][..., :0].contiguous()
 
 
 def _readonly(a):
@@ -112,12 +137,16 @@ def test_bad_argument_raises_a_named_kvtvm_error_and_changes_nothing(op, what, n
     assert torch.equal(blocks, before)
 
 
-@pytest.mark.parametrize("what", ["dtype", "rank", "huge", "negative", "type"])
+@pytest.mark.parametrize("what", ["dtype", "rank", "huge", "negative", "type", "meta"])
 def test_copy_pages_bad_arguments(what):
     blocks = torch.randn(P, 2, PS, H, D)
     before = blocks.clone()
     src, dst = torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
     name = "dst"
+    if what == "meta":
+        with pytest.raises(KVCacheError, match="blocks"):
+            ops.copy_pages(blocks.to("meta"), src, dst)
+        return
     if what == "dtype":
         dst = dst.long()
     elif what == "rank":
@@ -132,3 +161,16 @@ def test_copy_pages_bad_arguments(what):
         ops.copy_pages(blocks, src, dst)
     assert name in str(info.value) and isinstance(info.value, (ValueError, TypeError))
     assert torch.equal(blocks, before)
+
+
+@pytest.mark.parametrize("shape", [(P, 3, 0), (P, 0, 8), (P, 0)], ids=["no-head_dim",
+                                                                    "no-rows", "no-row"])
+def test_copy_pages_of_empty_pages_moves_nothing(shape):
+    """Pages of zero bytes: the copy has nothing to move (was a ZeroDivisionError or a TVM
+    stride error); indices are still checked."""
+    blocks = torch.zeros(shape)
+    ops.copy_pages(blocks, torch.tensor([1], dtype=torch.int32),
+                   torch.tensor([2], dtype=torch.int32))
+    with pytest.raises(KVCacheError, match="dst"):
+        ops.copy_pages(blocks, torch.tensor([1], dtype=torch.int32),
+                       torch.tensor([P], dtype=torch.int32))

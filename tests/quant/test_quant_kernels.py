@@ -267,6 +267,13 @@ def test_a_view_of_another_params_or_type_is_refused_and_nothing_written():
                       indptr, lengths, table)
     with pytest.raises(InvalidArgumentError, match="v_cache.shape"):
         ops.decode_attention(torch.randn(1, 2, 128), kc, vc[:-1], lengths, table)
+    # head_dim 0 (16-byte rows: only a scale) and an empty page axis: named, not a crash
+    empty = torch.zeros(pages, 16, 2, 16, dtype=torch.int8)
+    with pytest.raises(InvalidArgumentError, match=r"q.shape\[2\] \(head_dim\)"):
+        ops.decode_attention(torch.randn(1, 2, 0), empty, empty.clone(), lengths, table)
+    with pytest.raises(InvalidArgumentError, match="page_size"):
+        ops.append_kv(kc[:, :0], vc[:, :0], torch.randn(3, 2, 128), torch.randn(3, 2, 128),
+                      indptr, lengths, table)
     assert torch.equal(kc.view(torch.uint8), before.view(torch.uint8))
 
 
