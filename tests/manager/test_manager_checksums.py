@@ -221,3 +221,18 @@ def test_receive_targets_in_place_or_staged_then_copied(lengths, first_row, stag
     in_place = [t for t in targets if t.untyped_storage().data_ptr()
                 == cache.untyped_storage().data_ptr()]
     assert len(in_place) == len(lengths) - staged
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
+def test_host_checksums_of_a_run_equal_each_page_hashed_alone(dtype):
+    """A run is hashed through one numpy view (no torch view per page): same values as
+    hashing each page on its own, for strided runs and pages of a few bytes too."""
+    from kvtvm.manager.hashing import checksum
+
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(7, 2, 3, 4, 5), (300, 1, 1, 1, 2), (1, 3)]:
+        run = (torch.randn(shape, generator=gen) * 40).to(dtype)
+        for pages in (run, run.transpose(-1, -2), run[:, ..., :1]):
+            assert page_checksums(pages, HOST) == [checksum(p) for p in pages]
+    assert page_checksums(torch.empty((3, 0), dtype=dtype), HOST) == \
+        [checksum(p) for p in torch.empty((3, 0), dtype=dtype)]

@@ -382,3 +382,37 @@ def test_transport_refuses_an_import_into_a_busy_sequence_and_stays_in_step():
     assert tb.handle(0, lambda header, tag: t).error is None
     assert transfer.wait(5.0) == 3 and b.cache_length(t) == 10
     conserved(a), conserved(b)
+
+
+def test_header_wire_encoding_round_trips_and_refuses_damage():
+    """Fields as JSON, token ids / hashes / checksums as int64 / uint64 arrays: a long prompt's
+    header round-trips exactly (64-bit hashes and checksums, absent checksums too), and any
+    damage -- magic, an announced length, bytes missing or left over -- is a
+    CorruptTransferError, never a partly read header."""
+    import dataclasses
+    import struct
+
+    rng = np.random.default_rng(5)
+    n = 8192 + 5
+    hdr = PageHeader(version=2, dtype="float16", storage="dense", layout="x", page_size=16,
+                     n_kv_heads=4, head_range=(1, 3), head_dim=64, num_layers=2,
+                     tokens=tuple(int(t) for t in rng.integers(-2**63, 2**63 - 1, n)),
+                     first_page=3, block_hashes=tuple(int(h) for h in rng.integers(
+                         0, 2**63, n // 16, dtype=np.uint64) * 2 + 1),
+                     hash_bits=64, checksum="xxh3_64",
+                     checksums=tuple(range(2**64 - 508, 2**64)) + (0,) * 2, page_bytes=8)
+    assert len(hdr.checksums) == hdr.n_carried
+    for h, deferred in ((hdr, False), (dataclasses.replace(hdr, checksums=None), True)):
+        raw = h.to_bytes()
+        assert PageHeader.from_bytes(raw, deferred=deferred) == h
+    raw = hdr.to_bytes()
+    (jlen,) = struct.unpack_from("<I", raw, 4)
+    damaged = [raw[:-8], raw + b"\0" * 8, b"XXXX" + raw[4:], raw[:6], b"",
+               raw.replace(b'"n_tokens":%d' % n, b'"n_tokens":%d' % (n + 1)),
+               raw.replace(b'"n_tokens":%d' % n, b'"n_tokens":-2'),
+               raw[:4] + struct.pack("<I", jlen + 3) + raw[8:]]
+    for bad in damaged:
+        with pytest.raises(CorruptTransferError):
+            PageHeader.from_bytes(bad)
+    with pytest.raises(CorruptTransferError, match="block_hashes"):
+        dataclasses.replace(hdr, block_hashes=(-1,) + hdr.block_hashes[1:]).to_bytes()
