@@ -1,7 +1,8 @@
 """The self-describing format of exported pages: :class:`PageHeader` (the metadata plane: its
-fields as JSON, its token ids, block hashes and checksums as binary arrays) and :class:`PageExport` (a header, the page data as views of the cache, and the
-lease that keeps those pages unchanged until the data has been sent). Plain data: the manager
-side that fills and checks them is :mod:`.pageio`."""
+fields as JSON, its token ids, block hashes and checksums as binary arrays) and
+:class:`PageExport` (a header, the page data as views of the cache, and the lease that keeps
+those pages unchanged until the data has been sent). Plain data: the manager side that fills
+and checks them is :mod:`.pageio`."""
 
 from __future__ import annotations
 
