@@ -152,13 +152,18 @@ class PageTransport(abc.ABC):
         """Process one incoming message from ``peer``: answer a lookup, or import pages.
         ``seq_for(header, tag)`` may return a claimed empty ``seq_id`` to import into."""
 
-    def _need(self, *export):
-        if export and not isinstance(export[0], PageExport):  # send(peer, export)
-            raise InvalidArgumentError(describe("export", "a PageExport (from export_pages)",
-                                                type(export[0]).__name__))
+    def _need(self):
         if self.manager is None:
             raise TransferError("transport: register() a cache first")
         return self.manager
+
+
+def _check_export(export) -> None:
+    """What ``send`` was given must be an export of :meth:`export_pages` (typed error naming
+    ``export`` otherwise)."""
+    if not isinstance(export, PageExport):
+        raise InvalidArgumentError(describe("export", "a PageExport (from export_pages)",
+                                            type(export).__name__))
 
 
 def _import_status(err: BaseException) -> int:
@@ -305,7 +310,8 @@ class DistributedTransport(PageTransport):
         return int(np.frombuffer(payload, np.int64)[0])
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        self._need(export)
+        _check_export(export)
+        self._need()
         # one round trip: the header and the run lengths, the runs (views of the cache pages,
         # zero copy), their checksums (computed while the runs are on the wire), then the
         # peer's acknowledgement
@@ -560,7 +566,8 @@ class InProcessTransport(PageTransport):
         return self.peer_ep._need().held_prefix_pages(block_hashes)
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        self._need(export)
+        _check_export(export)
+        self._need()
         transfer = Transfer(export, self.manager)
         box = {}
         # the bytes travel now (a copy, as a wire would); the ack comes when the peer handles

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .args import allocate
 from .pagelayout import page_runs as runs
 
 __all__ = ["HostTier", "counters"]
@@ -57,8 +58,6 @@ class HostTier:
         self._pool = None
         if page_shape is not None:  # allocated now: too big a pool fails here, not in a fetch
             import torch
-
-            from .args import allocate
 
             self._pool = allocate("attach_tiers: host_pages", (self.capacity, *page_shape),
                                   getattr(torch, dtype), "cpu", pin_memory=self.pin_memory,
@@ -191,9 +190,9 @@ class HostTier:
         slots are dropped (they may hold partial bytes)."""
         import torch
 
-        if self._pool is None:
-            self._pool = torch.empty((self.capacity, *rows.shape[1:]), dtype=rows.dtype,
-                                     pin_memory=self.pin_memory)
+        if self._pool is None:  # made without page_shape: the first rows give it
+            self._pool = allocate("host tier", (self.capacity, *rows.shape[1:]), rows.dtype,
+                                  "cpu", pin_memory=self.pin_memory, zero=False)
         async_ = False
         try:
             async_ = self._order(rows)
