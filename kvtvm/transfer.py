@@ -52,6 +52,7 @@ from .errors import (CorruptTransferError, InvalidArgumentError, KVCacheError, T
                      TransferTimeoutError, describe)
 from .manager.args import check_hashes
 from .manager.checksums import DEVICE, page_checksums
+from .manager.pageformat import check_export
 from .manager.pageio import PageExport, PageHeader
 
 __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
@@ -156,14 +157,6 @@ class PageTransport(abc.ABC):
         if self.manager is None:
             raise TransferError("transport: register() a cache first")
         return self.manager
-
-
-def _check_export(export) -> None:
-    """What ``send`` was given must be an export of :meth:`export_pages` (typed error naming
-    ``export`` otherwise)."""
-    if not isinstance(export, PageExport):
-        raise InvalidArgumentError(describe("export", "a PageExport (from export_pages)",
-                                            type(export).__name__))
 
 
 def _import_status(err: BaseException) -> int:
@@ -310,7 +303,7 @@ class DistributedTransport(PageTransport):
         return int(np.frombuffer(payload, np.int64)[0])
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        _check_export(export)
+        check_export(export)
         self._need()
         # one round trip: the header and the run lengths, the runs (views of the cache pages,
         # zero copy), their checksums (computed while the runs are on the wire), then the
@@ -566,7 +559,7 @@ class InProcessTransport(PageTransport):
         return self.peer_ep._need().held_prefix_pages(block_hashes)
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        _check_export(export)
+        check_export(export)
         self._need()
         transfer = Transfer(export, self.manager)
         box = {}

@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from ..errors import CorruptTransferError, TransferError
+from ..errors import CorruptTransferError, InvalidArgumentError, TransferError, describe
 
-__all__ = ["FORMAT_VERSION", "LAYOUT", "STORAGE", "PageHeader", "PageExport"]
+__all__ = ["FORMAT_VERSION", "LAYOUT", "STORAGE", "PageHeader", "PageExport", "check_export"]
 
 FORMAT_VERSION = 2
 #: Wire encoding of a header: this magic, the JSON length (uint32 little-endian), the JSON of
@@ -297,3 +297,9 @@ class PageExport:
         return out
 
 
+def check_export(export) -> None:
+    """Raise :class:`~kvtvm.errors.InvalidArgumentError` naming ``export`` unless it is a
+    :class:`PageExport` (what a transport's ``send`` takes)."""
+    if not isinstance(export, PageExport):
+        raise InvalidArgumentError(describe("export", "a PageExport (from export_pages)",
+                                            type(export).__name__))
