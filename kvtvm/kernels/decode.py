@@ -203,7 +203,7 @@ def define(spec):
                         for d in range(D):
                             out[b, h * G + g, d] = T.Cast(dtype, acc[d] / den[0])
                         lse[b, h * G + g] = (m[0] + T.log2(den[0])) * T.float32(LN2)
-                    elif den[0] > T.float32(0):
+                    elif tir.any(den[0] > T.float32(0), T.isnan(den[0])):  # NaN: kept
                         for d in range(D):
                             o_part[s, b, h * G + g, d] = acc[d] / den[0]
                         lse_part[s, b, h * G + g] = m[0] + T.log2(den[0])

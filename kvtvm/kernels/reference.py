@@ -194,6 +194,11 @@ def reference_prefill(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tabl
         top = scores.max(axis=-1, keepdims=True)
         p = np.exp(scores - top)
         total = p.sum(axis=-1, keepdims=True)
-        out[start:end] = np.einsum("hqk,khd->qhd", p / total, vals)
+        if np.isfinite(vals).all():
+            out[start:end] = np.einsum("hqk,khd->qhd", p / total, vals)
+        else:  # a masked position weighs nothing: no 0 * NaN from a value it cannot see
+            for i in range(end - start):
+                seen = visible[i]
+                out[start + i] = np.einsum("hk,khd->hd", (p / total)[:, i, seen], vals[seen])
         lse[start:end] = (np.log(total) + top)[..., 0].T
     return out, lse

@@ -13,7 +13,7 @@ V rows of all heads as one contiguous run (nhd).
 
 from __future__ import annotations
 
-from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func
+from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index
 from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, signature,
                                   split_range)
@@ -245,7 +245,8 @@ def schedule(mod, spec, knobs):
                             for l in T.vectorized(L):
                                 out[b, h0 * G + r, dv * L + l] = T.Cast(dtype, acc[r, dv * L + l] / den[r])
                         lse[b, h0 * G + r] = (m[r] + T.log2(den[r])) * T.float32(LN2)
-                    elif den[r] > T.float32(0):
+                    elif tir.any(den[r] > T.float32(0), T.isnan(den[r])):  # a NaN key or
+                        # value seen by this split poisons the merged result (never dropped)
                         for dv in range(DV):
                             for l in T.vectorized(L):
                                 o_part[s, b, h0 * G + r, dv * L + l] = acc[r, dv * L + l] / den[r]

@@ -33,6 +33,8 @@ from ..common import new_schedule, replace_function, under_locate
 
 #: score of a masked (query, key) pair: below every real score and the initial running max
 MASKED = -3.0e38
+#: largest finite float32 (a V value above it in magnitude, or NaN, is not finite)
+FLT_MAX = 3.4028234663852886e38
 
 # 2**f on [-0.5, 0.5]: 1 + f * P(f) (Cephes exp2f coefficients, ~2e-7 relative error)
 _EXP2_P = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3,
@@ -113,6 +115,8 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                 Mn = alloc_buffer((R,), "float32", scope="local")
                 L = alloc_buffer((R,), "float32", scope="local")
                 Ls = alloc_buffer((R,), "float32", scope="local")
+                Vf = alloc_buffer((D,), "float32", scope="local")  # V tile not finite, by d
+                Vb = alloc_buffer((1,), "float32", scope="local")
                 ib = alloc_buffer((2,), "int32", scope="local")
                 ir = alloc_buffer((1,), "int64", scope="local")
                 ntiles: T.int64 = (ntok + TQ - 1) // TQ
@@ -161,6 +165,8 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                 O[r, d] = T.float32(0)
                         for kt in range((kv_hi - kv_lo + N - 1) // N):
                             j0: T.int64 = kv_lo + kt * N
+                            for d in T.vectorized(D):
+                                Vf[d] = T.float32(0)
                             for jj in range(N):
                                 if j0 + jj < kv_hi:
                                     page: T.int64 = T.Cast(
@@ -173,6 +179,10 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                         for d in T.vectorized(D):
                                             Vs[jj, d] = dequant(v_cache, layout, page, slot, h,
                                                                 d, D, spec.v_storage)
+                                        for d in T.vectorized(D):  # 1 where not finite
+                                            Vf[d] = T.max(Vf[d], T.Select(
+                                                T.abs(Vs[jj, d]) <= T.float32(FLT_MAX),
+                                                T.float32(0), T.float32(1)))
                                     else:  # skipped: a zero key and value
                                         err[ERR_PAGE] = 1
                                         for d in T.vectorized(D):
@@ -215,7 +225,8 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                         St[jj, rc * RC + r] = T.Select(
                                             St[jj, rc * RC + r] > T.float32(MASKED / 2),
                                             fast_exp2(St[jj, rc * RC + r] - Mn[rc * RC + r]),
-                                            T.float32(0))
+                                            T.Select(T.isnan(St[jj, rc * RC + r]),
+                                                     St[jj, rc * RC + r], T.float32(0)))
                                         Ls[rc * RC + r] = Ls[rc * RC + r] + St[jj, rc * RC + r]
                                 for r in T.vectorized(RC):
                                     # M becomes the rescale factor of the old O and L
@@ -228,14 +239,32 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                 for r in T.vectorized(RC):
                                     M[rc * RC + r] = Mn[rc * RC + r]
                             # O += P V, RB rows x DCH columns of O in registers
-                            for rb in range((mg + RB - 1) // RB):
-                                for dc in range(D // DCH):
+                            Vb[0] = T.float32(0)
+                            for d in range(D):
+                                Vb[0] = T.max(Vb[0], Vf[d])
+                            if Vb[0] == T.float32(0):
+                                for rb in range((mg + RB - 1) // RB):
+                                    for dc in range(D // DCH):
+                                        for jj in range(N):
+                                            for rr in T.unroll(RB):
+                                                for d in T.vectorized(DCH):
+                                                    O[rb * RB + rr, dc * DCH + d] = \
+                                                        O[rb * RB + rr, dc * DCH + d] \
+                                                        + St[jj, rb * RB + rr] \
+                                                        * Vs[jj, dc * DCH + d]
+                            else:  # a NaN/inf value in the tile: masked pairs add nothing
+                                # (their weight 0 times NaN would poison rows that cannot see
+                                # the value); visible ones poison as in the definition
+                                for rb in range((mg + RB - 1) // RB):
                                     for jj in range(N):
-                                        for rr in T.unroll(RB):
-                                            for d in T.vectorized(DCH):
-                                                O[rb * RB + rr, dc * DCH + d] = \
-                                                    O[rb * RB + rr, dc * DCH + d] \
-                                                    + St[jj, rb * RB + rr] * Vs[jj, dc * DCH + d]
+                                        for rr in range(RB):
+                                            for d in range(D):
+                                                O[rb * RB + rr, d] = O[rb * RB + rr, d] \
+                                                    + T.Select(visible(
+                                                        rb * RB + rr, j0 + jj, p0, kv_hi,
+                                                        causal, window),
+                                                        St[jj, rb * RB + rr] * Vs[jj, d],
+                                                        T.float32(0))
                         for i, g in T.grid(TQ, G):
                             if r0 + i < r1:
                                 for d in T.vectorized(D):
