@@ -32,8 +32,11 @@ other tensor of a K-only/V-only cache) is ``head_dim * itemsize`` rounded up to 
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .errors import InvalidArgumentError, describe
 from .quant import QUANT_DTYPES, ROW_ALIGN, quant_row_bytes, round_up
@@ -156,7 +159,8 @@ class KVCacheParams:
         with ``v_cache_dtype="float8_e4m3fn"``, or a K-only cache (``v_cache_dtype=dtype``).
     skip_layers : sequence of int
         Layers kept at full precision (``dtype``) whatever the storage types; negative
-        indices count from the last layer (``(0, -1)``: the first and the last).
+        indices count from the last layer (``(0, -1)``: the first and the last); numpy
+        integers are taken, ``None`` means none.
     """
 
     dtype: str
@@ -178,14 +182,19 @@ class KVCacheParams:
             value = getattr(self, name)
             object.__setattr__(self, name, cache if value is None
                                else cache_dtype_name(name, value, self.dtype))
-        skip = self.skip_layers
-        if isinstance(skip, (int, str, bytes)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in tuple(skip)):
+        skip = () if self.skip_layers is None else self.skip_layers
+        try:
+            items = None if isinstance(skip, (numbers.Number, str, bytes)) else tuple(skip)
+        except TypeError:  # not iterable (a float, an object)
+            items = None
+        if items is None or not all(isinstance(i, numbers.Integral)
+                                    and not isinstance(i, (bool, np.bool_)) for i in items):
             raise InvalidArgumentError(describe("skip_layers", "a sequence of int layer indices",
                                                 repr(skip)))
-        if len(set(skip)) != len(tuple(skip)):
+        items = tuple(int(i) for i in items)
+        if len(set(items)) != len(items):
             raise InvalidArgumentError(describe("skip_layers", "distinct indices", repr(skip)))
-        object.__setattr__(self, "skip_layers", tuple(sorted(skip)))
+        object.__setattr__(self, "skip_layers", tuple(sorted(items)))
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
         for name in ("n_kv_heads", "head_dim"):
             value = getattr(self, name)

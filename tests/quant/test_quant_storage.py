@@ -82,6 +82,25 @@ def test_bad_params_name_the_argument():
                          ).cache_dtype == "float8_e4m3fn"
 
 
+
+@pytest.mark.parametrize("skip", [1.5, object(), 2, "0", b"0", [0, 1.0], [np.float32(0)],
+                                  [np.bool_(True)], [None]])
+def test_skip_layers_of_a_wrong_type_is_a_typed_error(skip):
+    with pytest.raises(InvalidArgumentError, match="skip_layers"):
+        KVCacheParams("float32", 2, 64, "paged", page_size=4, cache_dtype="int8",
+                      skip_layers=skip)
+
+
+def test_skip_layers_takes_numpy_ints_and_none():
+    p = KVCacheParams("float32", 2, 64, "paged", page_size=4, cache_dtype="int8",
+                      skip_layers=np.array([-1, 0]))
+    assert p.skip_layers == (-1, 0) and all(type(i) is int for i in p.skip_layers)
+    assert hash(p) == hash(p.__class__("float32", 2, 64, "paged", page_size=4,
+                                       cache_dtype="int8", skip_layers=(0, -1)))
+    assert KVCacheParams("float32", 2, 64, "paged", page_size=4, cache_dtype="int8",
+                         skip_layers=None).skip_layers == ()
+
+
 GRID = list(itertools.product(
     ["float32", "float16"], FORMATS, [1, 5, 16], [1, 3], [40, 64, 128]))
 
