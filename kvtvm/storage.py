@@ -33,6 +33,11 @@ from .quant import QUANT_DTYPES, quant_row_bytes
 
 __all__ = ["layer_view", "view_storage", "split_rows"]
 
+#: Attribute of an 8-bit view :func:`layer_view` cut: the ``head_dim`` of its params. Rows of
+#: several head_dims have one byte length (96, 100, 104 and 108 are all 112-byte rows), so the
+#: last extent alone cannot tell a view of another ``params``; :func:`view_storage` checks it.
+_HEAD_DIM_ATTR = "_kvtvm_head_dim"
+
 
 def _torch_dtype(storage: str):
     import torch
@@ -70,7 +75,10 @@ def layer_view(cache, params: KVCacheParams, num_layers: int, layer: int, kv: in
     elems = row // (1 if storage in QUANT_DTYPES else DTYPE_SIZES[storage])
     dims = (heads, tokens, elems) if linear else (tokens, heads, elems)
     view = seg.unflatten(1, dims)
-    return view if storage in QUANT_DTYPES else view[..., :params.head_dim]
+    if storage not in QUANT_DTYPES:
+        return view[..., :params.head_dim]
+    setattr(view, _HEAD_DIM_ATTR, params.head_dim)
+    return view
 
 
 def view_storage(name: str, view: Any, head_dim: int, dtype: str) -> str:
@@ -83,8 +91,8 @@ def view_storage(name: str, view: Any, head_dim: int, dtype: str) -> str:
     DTypeMismatchError
         The view's dtype is neither ``dtype`` nor an 8-bit storage type.
     InvalidArgumentError
-        The last extent does not fit the storage type and ``head_dim`` (e.g. a view of a cache
-        made for another ``params``).
+        The last extent does not fit the storage type and ``head_dim``, or the view was cut
+        (:func:`layer_view`) from a cache of another ``head_dim`` with rows of the same length.
     """
     storage = str(view.dtype).replace("torch.", "")
     if storage == dtype:
@@ -97,6 +105,11 @@ def view_storage(name: str, view: Any, head_dim: int, dtype: str) -> str:
         raise InvalidArgumentError(describe(
             f"{name}.shape[-1]", f"{want} (a {storage} row of head_dim={head_dim})",
             int(view.shape[-1])))
+    made = getattr(view, _HEAD_DIM_ATTR, head_dim)
+    if made != head_dim:
+        raise InvalidArgumentError(describe(
+            name, f"a view of a head_dim={head_dim} cache (the call's head_dim)",
+            f"a view of a head_dim={made} cache (its {want}-byte rows hold {made} values)"))
     return storage
 
 

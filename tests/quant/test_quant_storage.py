@@ -183,6 +183,37 @@ def test_view_storage_rejects_foreign_views():
         view_storage("k_cache", torch.zeros(2, 4, 2, 64, dtype=torch.float16), 64, "float32")
 
 
+def test_a_view_of_another_head_dim_with_equal_rows_is_refused():
+    """head_dim 96 and 100 rows are both 112 bytes: the op still names the foreign view
+    (through the view's params), and writes nothing."""
+    from kvtvm import ops
+
+    views = {}
+    for D in (96, 100):
+        m = _managers(dict(cache_dtype="int8"), D=D)[0]
+        views[D] = (m, _inputs(m))
+    assert quant_row_bytes(96) == quant_row_bytes(100)
+    m, inp = views[96]
+    before = m.blocks[0].clone()
+    k = torch.randn(3, 2, 100)
+    with pytest.raises(InvalidArgumentError, match="k_cache.*head_dim=96"):
+        ops.append_kv(inp.k_cache(0), inp.v_cache(0), k, k, inp.qo_indptr, inp.cache_lengths,
+                      inp.lookup_table)
+    with pytest.raises(InvalidArgumentError, match="v_cache.*head_dim=100"):
+        ops.append_kv(inp.k_cache(0), views[100][1].v_cache(0), torch.randn(3, 2, 96),
+                      torch.randn(3, 2, 96), inp.qo_indptr, inp.cache_lengths,
+                      inp.lookup_table)
+    with pytest.raises(InvalidArgumentError, match="k_cache.*head_dim=96"):
+        ops.decode_attention(torch.randn(1, 4, 100), inp.k_cache(1), inp.v_cache(1),
+                             inp.cache_lengths, inp.lookup_table)
+    with pytest.raises(InvalidArgumentError, match="k_cache.*head_dim=96"):
+        ops.prefill_attention(torch.randn(3, 2, 100), inp.k_cache(1), inp.v_cache(1),
+                              inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
+    assert torch.equal(before, m.blocks[0])
+    ops.append_kv(inp.k_cache(0), inp.v_cache(0), torch.randn(3, 2, 96), torch.randn(3, 2, 96),
+                  inp.qo_indptr, inp.cache_lengths, inp.lookup_table)   # its own head_dim
+
+
 def _append_step(m, batch, rng, L, D=64):
     """Append random rows for ``batch`` through the reference (on the manager's views)."""
     (inp,) = m.fetch(batch)
