@@ -47,6 +47,7 @@ vars and call arguments are defined in :mod:`.relax_inputs` and re-exported here
 from __future__ import annotations
 
 import math
+import numbers
 
 from ..compiler import KernelSpec, lower
 from ..errors import InvalidArgumentError, describe
@@ -210,7 +211,42 @@ def _static(value, what):
     return int(value.value)
 
 
+def _check_layout(layout):
+    from ..compiler import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError(describe("layout", LAYOUTS, repr(layout)))
+
+
+def _check_rows(name, x, heads, dim, dtype):
+    """``x`` must be ``[num_tokens, heads, dim]`` of ``dtype`` (``num_tokens`` may be
+    symbolic)."""
+    shape, dt = _ty(x)
+    if len(shape) != 3 or dt != dtype or _static(shape[1], f"n_kv_heads of {name}") != heads \
+            or _static(shape[2], f"head_dim of {name}") != dim:
+        raise InvalidArgumentError(describe(name, f"[num_tokens, {heads}, {dim}] {dtype} (as "
+                                            "the cache)", f"{shape} {dt}"))
+
+
+def _check_tables(**tables):
+    """Each table must be int32 of its rank (``lookup_table`` 2, the others 1)."""
+    for name, x in tables.items():
+        shape, dt = _ty(x)
+        rank = 2 if name == "lookup_table" else 1
+        if dt != "int32" or len(shape) != rank:
+            raise InvalidArgumentError(describe(name, f"an int32 tensor of rank {rank}",
+                                                f"{shape} {dt}"))
+
+
+def _check_scalars(causal, sm_scale, sliding_window):
+    """The scalar arguments by the rules of :mod:`kvtvm.ops` (typed errors naming them)."""
+    from ..ops.checks import check_causal, check_sliding_window, check_sm_scale
+
+    return check_causal(causal), check_sm_scale(sm_scale), check_sliding_window(sliding_window)
+
+
 def _check_cache(k_cache, v_cache, layout):
+    _check_layout(layout)
     kshape, kdtype = _ty(k_cache)
     vshape, vdtype = _ty(v_cache)
     refuse_quantized("k_cache dtype", kdtype)
@@ -260,6 +296,9 @@ def emit_append_kv(bb, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_
     from tvm import relax
 
     heads, dim, dtype = _check_cache(k_cache, v_cache, layout)
+    _check_rows("k", k, heads, dim, dtype)
+    _check_rows("v", v, heads, dim, dtype)
+    _check_tables(qo_indptr=qo_indptr, cache_lengths=cache_lengths, lookup_table=lookup_table)
     spec = KernelSpec("append", dtype, dim, heads, layout=layout, target=target, arch=arch,
                       knobs=knobs)
     args = [k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table]
@@ -275,12 +314,14 @@ def _attention_spec(op, rows, q, k_cache, v_cache, layout, sm_scale, sliding_win
     """Check ``q`` against the caches; returns ``(spec, q shape, sm_scale)`` of ``op``."""
     heads, dim, dtype = _check_cache(k_cache, v_cache, layout)
     qshape, qdtype = _ty(q)
-    if len(qshape) != 3 or qdtype != dtype:
+    if len(qshape) != 3 or qdtype != dtype or _static(qshape[2], "head_dim of q") != dim:
         raise InvalidArgumentError(describe("q", f"[{rows}, n_q_heads, {dim}] {dtype}",
                                             f"{qshape} {qdtype}"))
     hq = _static(qshape[1], "n_q_heads of q")
-    if hq % heads:
-        raise InvalidArgumentError(describe("n_q_heads", f"a multiple of {heads}", hq))
+    if hq < 1 or hq % heads:
+        raise InvalidArgumentError(describe("n_q_heads", f"a positive multiple of {heads}",
+                                            hq))
+    _, sm_scale, sliding_window = _check_scalars(True, sm_scale, sliding_window)
     scale = 1.0 / math.sqrt(dim) if sm_scale is None else float(sm_scale)
     features = ("sliding_window",) if sliding_window is not None else ()
     spec = KernelSpec(op, dtype, dim, heads, group_size=hq // heads, layout=layout,
@@ -325,7 +366,9 @@ def emit_attention(bb, q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tab
     spec, qshape, scale = _attention_spec("prefill", "num_tokens", q, k_cache, v_cache, layout,
                                           sm_scale, sliding_window, target, arch, knobs)
     hq, dim, dtype = spec.n_kv_heads * spec.group_size, spec.head_dim, spec.dtype
-    scalars = dict(causal=int(bool(causal)), sm_scale=scale, window=int(sliding_window or 0))
+    causal = _check_scalars(causal, None, None)[0]
+    _check_tables(qo_indptr=qo_indptr, cache_lengths=cache_lengths, lookup_table=lookup_table)
+    scalars = dict(causal=int(causal), sm_scale=scale, window=int(sliding_window or 0))
     args = [q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_table]
     ntok = qshape[0]
     out = _call(bb, spec, scalars, args, [-1, -1], [relax.TensorType([ntok, hq, dim], dtype),
@@ -369,8 +412,14 @@ def emit_decode_attention(bb, q, k_cache, v_cache, cache_lengths, lookup_table, 
     spec, qshape, scale = _attention_spec("decode", "batch", q, k_cache, v_cache, layout,
                                           sm_scale, sliding_window, target, arch, knobs)
     hq, dim, dtype = spec.n_kv_heads * spec.group_size, spec.head_dim, spec.dtype
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise InvalidArgumentError(describe("num_splits", "a positive int", repr(num_splits)))
+    from ..ops.decode import MAX_SPLITS
+
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
+            or not 1 <= num_splits <= MAX_SPLITS:
+        raise InvalidArgumentError(describe("num_splits", f"an int in [1, {MAX_SPLITS}]",
+                                            repr(num_splits)))
+    num_splits = int(num_splits)
+    _check_tables(cache_lengths=cache_lengths, lookup_table=lookup_table)
     scalars = dict(sm_scale=scale, window=int(sliding_window or 0))
     args = [q, k_cache, v_cache, cache_lengths, lookup_table]
     batch = qshape[0]

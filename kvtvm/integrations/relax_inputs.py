@@ -121,6 +121,12 @@ def kv_input_types(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str =
 
     from ..kernels._tvm import tir
 
+    for name, value in (("num_layers", num_layers), ("n_kv_heads", n_kv_heads),
+                        ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(describe(name, "a positive int", repr(value)))
+    refuse_quantized("dtype", str(dtype))
+
     def sym(value, name):
         return tir.Var(name, "int64") if value is None else _i64(value)
 

@@ -1,0 +1,116 @@
+"""kvtvm.relax off our grid: the emit_* calls name bad rows, tables and scalar arguments (as
+kvtvm.ops does), and a graph with odd shapes (bfloat16, head_dim 40, 3 KV heads x GQA 3, pages
+of 5, an empty sequence in the batch) equals the numpy references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+tvm = pytest.importorskip("tvm")
+from tvm import relax  # noqa: E402
+
+import kvtvm.relax as kr  # noqa: E402
+from kvtvm.errors import InvalidArgumentError  # noqa: E402
+from kvtvm.kernels._tvm import tir  # noqa: E402
+from kvtvm.kernels.reference import reference_append, reference_prefill  # noqa: E402
+
+H, G = 2, 3
+HQ = H * G
+
+
+def _compile(mod):
+    ex = tvm.compile(mod, target=kr.llvm_target())
+    return relax.VirtualMachine(ex, tvm.cpu())
+
+
+@pytest.mark.parametrize("what,call,kwargs", [
+    ("sliding_window", "attn", dict(sliding_window=0)),       # was: silently no window
+    ("sliding_window", "decode", dict(sliding_window=-3)),
+    ("sliding_window", "attn", dict(sliding_window=2**40)),   # was: a TVM ValueError
+    ("sm_scale", "attn", dict(sm_scale=float("nan"))),
+    ("sm_scale", "decode", dict(sm_scale="x")),                # was: a bare ValueError
+    ("causal", "attn", dict(causal="no")),
+    ("layout", "attn", dict(layout="xyz")),
+    ("num_splits", "decode", dict(num_splits=True)),
+    ("num_splits", "decode", dict(num_splits=129)),
+    ("k", "append_d", {}), ("k", "append_h", {}), ("k", "append_f16", {}),
+    ("q", "attn_q_d", {}), ("qo_indptr", "append_i64", {}),
+    ("cache_lengths", "attn_len_i64", {}), ("lookup_table", "decode_tab_rank3", {}),
+])
+def test_emit_names_bad_rows_tables_and_scalars(what, call, kwargs):
+    """Each emit_* checks the new rows, the tables and its scalar arguments as kvtvm.ops
+    does (they were passed to the kernel unchecked: a wrong head_dim, an int64 table, a
+    window of 0 compiled or ran without a word)."""
+    D_ = 40
+    kv = kr.kv_input_vars(1, H, D_, "float32")
+    ty = {"q": [5, HQ, D_], "q_d": [5, HQ, D_ + 1], "k": [5, H, D_], "k_d": [5, H, D_ + 8],
+          "k_h": [5, H + 1, D_]}
+    var = {n: relax.Var(n, relax.TensorType(s, "float32")) for n, s in ty.items()}
+    var["k16"] = relax.Var("k16", relax.TensorType([5, H, D_], "float16"))
+    var["i64"] = relax.Var("i64", relax.TensorType([3], "int64"))
+    var["t3"] = relax.Var("t3", relax.TensorType([2, 4, 1], "int32"))
+    kc, vc, tabs = kv.k_caches[0], kv.v_caches[0], (kv.qo_indptr, kv.cache_lengths,
+                                                     kv.lookup_table)
+    calls = {
+        "attn": lambda bb: kr.emit_attention(bb, var["q"], kc, vc, *tabs, **kwargs),
+        "decode": lambda bb: kr.emit_decode_attention(bb, var["q"], kc, vc, *tabs[1:],
+                                                      **kwargs),
+        "append_d": lambda bb: kr.emit_append_kv(bb, kc, vc, var["k_d"], var["k_d"], *tabs),
+        "append_h": lambda bb: kr.emit_append_kv(bb, kc, vc, var["k_h"], var["k_h"], *tabs),
+        "append_f16": lambda bb: kr.emit_append_kv(bb, kc, vc, var["k16"], var["k16"], *tabs),
+        "attn_q_d": lambda bb: kr.emit_attention(bb, var["q_d"], kc, vc, *tabs),
+        "append_i64": lambda bb: kr.emit_append_kv(bb, kc, vc, var["k"], var["k"], var["i64"],
+                                                   *tabs[1:]),
+        "attn_len_i64": lambda bb: kr.emit_attention(bb, var["q"], kc, vc, tabs[0],
+                                                     var["i64"], tabs[2]),
+        "decode_tab_rank3": lambda bb: kr.emit_decode_attention(bb, var["q"], kc, vc, tabs[1],
+                                                                var["t3"]),
+    }
+    bb = relax.BlockBuilder()
+    with bb.function("main", [*var.values(), *kv.params()], pure=False):
+        with pytest.raises(InvalidArgumentError, match=what):
+            calls[call](bb)
+        bb.emit_func_output(relax.Tuple([]))
+    with pytest.raises(InvalidArgumentError, match="head_dim"):
+        kr.kv_input_vars(1, H, 0, "float32")
+
+
+def test_off_grid_shapes_in_a_graph_match_reference():
+    """bfloat16, head_dim 40, 3 KV heads x GQA 3, pages of 5, an empty sequence beside a
+    one-token and a longer one: append + prefill through the Relax VM equal the references."""
+    import ml_dtypes
+
+    h, g, d, ps, dt = 3, 3, 40, 5, "bfloat16"
+    kv = kr.kv_input_vars(1, h, d, dt)
+    n = tir.Var("n", "int64")
+    q, k, v = (relax.Var(nm, relax.TensorType([n, hh, d], dt))
+               for nm, hh in (("q", h * g), ("k", h), ("v", h)))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v, *kv.params()], pure=False):
+        kc, vc = kr.emit_append_kv(bb, kv.k_caches[0], kv.v_caches[0], k, v, kv.qo_indptr,
+                                   kv.cache_lengths, kv.lookup_table)
+        out = kr.emit_attention(bb, q, kc, vc, kv.qo_indptr, kv.cache_lengths,
+                                kv.lookup_table, return_lse=True)
+        bb.emit_func_output(relax.Tuple(list(out)))
+    vm = _compile(bb.get())
+    rng = np.random.default_rng(5)
+    cached, new = [0, 3, 12], [0, 1, 8]
+    table = torch.tensor([[9, 8, 7, 6], [5, 4, 3, 2], [1, 0, 10, 11]], dtype=torch.int32)
+    caches = [torch.randn(12, ps, h, d).to(torch.bfloat16) for _ in range(2)]
+    rows = [torch.randn(9, hh, d).to(torch.bfloat16) for hh in (h * g, h, h)]
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32)
+    lengths = torch.tensor(cached, dtype=torch.int32)
+    f = [t.float().numpy().astype(ml_dtypes.bfloat16) for t in caches + rows]
+    want_k, want_v = reference_append(f[0], f[1], f[3], f[4], indptr.numpy(), cached,
+                                      table.numpy())
+    out, lse = vm["main"](*rows, *caches, indptr, lengths, table, kr.error_flag())
+    kr.check_errors()
+    np.testing.assert_array_equal(caches[0].float().numpy(), want_k.astype(np.float32))
+    np.testing.assert_array_equal(caches[1].float().numpy(), want_v.astype(np.float32))
+    ref, ref_lse = reference_prefill(f[2], want_k, want_v, indptr.numpy(), cached,
+                                     table.numpy())
+    np.testing.assert_allclose(torch.as_tensor(out).float().numpy(), ref, rtol=2**-7,
+                               atol=1e-2)
+    np.testing.assert_allclose(torch.as_tensor(lse).numpy(), ref_lse, rtol=1e-4, atol=1e-3)
