@@ -115,7 +115,7 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                 Mn = alloc_buffer((R,), "float32", scope="local")
                 L = alloc_buffer((R,), "float32", scope="local")
                 Ls = alloc_buffer((R,), "float32", scope="local")
-                Vf = alloc_buffer((D,), "float32", scope="local")  # V tile not finite, by d
+                Vf = alloc_buffer((D,), "float32", scope="local")  # sum |V| of the tile, by d
                 Vb = alloc_buffer((1,), "float32", scope="local")
                 ib = alloc_buffer((2,), "int32", scope="local")
                 ir = alloc_buffer((1,), "int64", scope="local")
@@ -179,10 +179,8 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                         for d in T.vectorized(D):
                                             Vs[jj, d] = dequant(v_cache, layout, page, slot, h,
                                                                 d, D, spec.v_storage)
-                                        for d in T.vectorized(D):  # 1 where not finite
-                                            Vf[d] = T.max(Vf[d], T.Select(
-                                                T.abs(Vs[jj, d]) <= T.float32(FLT_MAX),
-                                                T.float32(0), T.float32(1)))
+                                        for d in T.vectorized(D):  # inf/NaN if any is
+                                            Vf[d] = Vf[d] + T.abs(Vs[jj, d])
                                     else:  # skipped: a zero key and value
                                         err[ERR_PAGE] = 1
                                         for d in T.vectorized(D):
@@ -241,8 +239,9 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                             # O += P V, RB rows x DCH columns of O in registers
                             Vb[0] = T.float32(0)
                             for d in range(D):
-                                Vb[0] = T.max(Vb[0], Vf[d])
-                            if Vb[0] == T.float32(0):
+                                Vb[0] = Vb[0] + Vf[d]
+                            if T.abs(Vb[0]) <= T.float32(FLT_MAX):  # every V finite (a sum
+                                # overflowing takes the exact path below: slower, same result)
                                 for rb in range((mg + RB - 1) // RB):
                                     for dc in range(D // DCH):
                                         for jj in range(N):
