@@ -4,6 +4,7 @@ spec's explicit knobs; where tuning logs and schedule modules are found."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -40,7 +41,17 @@ def schedule_module(spec: KernelSpec):
 
 
 def schedules_dir() -> Path:
-    """Folder of the schedule sources (installed ``kvtvm/schedules``, else the repository's)."""
+    """Folder of the schedule sources: where :func:`schedule_module` imports them from
+    (``kvtvm.schedules``, else a source tree's ``schedules``), so the digests that name a
+    build hash the very files it ran -- not another checkout's (an editable install maps
+    ``kvtvm.schedules`` to its own tree whatever ``kvtvm`` is imported from)."""
+    for name in ("kvtvm.schedules", "schedules"):
+        try:
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            found = None
+        if found is not None and found.submodule_search_locations:
+            return Path(list(found.submodule_search_locations)[0]).resolve()
     installed = _PKG / "schedules"
     return installed if installed.is_dir() else _REPO / "schedules"
 

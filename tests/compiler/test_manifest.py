@@ -150,3 +150,30 @@ def test_two_processes_building_one_kernel_build_it_once(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     assert sum(out.count("building copy_float32") for out in outs) == 1, outs
     assert len({line for out in outs for line in out.splitlines() if line.startswith("PATH")}) == 1
+
+
+def test_the_digested_schedules_are_the_ones_the_build_imports(tmp_path):
+    """The sources a manifest digests are those the build runs: with a second checkout first
+    on the path, ``kvtvm.schedules`` still imports from where the install maps it, and
+    schedules_dir() must say the same folder (it once said the other checkout's)."""
+    import importlib
+
+    from kvtvm.compiler.knobs import schedules_dir
+
+    imported = importlib.import_module("kvtvm.schedules")
+    assert schedules_dir() == __import__("pathlib").Path(imported.__file__).resolve().parent
+    other = tmp_path / "checkout"
+    shutil.copytree(compiler.__file__.rsplit("/", 2)[0], other / "kvtvm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (other / "schedules").mkdir()  # a stale tree beside the copy: never the one digested
+    out = run_python(textwrap.dedent("""
+        import importlib, pathlib, sys
+        sys.path.insert(0, sys.argv[1])  # the copy first, as `cd copy; python` would
+        from kvtvm.compiler.knobs import schedules_dir
+        import kvtvm
+        m = importlib.import_module("kvtvm.schedules")
+        print(kvtvm.__file__, pathlib.Path(m.__file__).resolve().parent, schedules_dir())
+    """), str(other))
+    kv, imported_dir, digested = out.split()
+    assert kv.startswith(str(other)), out
+    assert imported_dir == digested, out
