@@ -76,7 +76,7 @@ def _worker(rank, args, port, out):
         tr = DistributedTransport(timeout=300.0)
         tr.register(mgr)
         nbytes = -(-args.tokens // args.page_size) * mgr.params.bytes_per_page(args.layers)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=tr.device)
+        buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(tr.device)
         ack = torch.zeros(1, dtype=torch.int64, device=tr.device)
         plain, kvtvm, data_only = [], [], []
         cpu = {"plain": [], "kvtvm": []}  # this process's CPU seconds (all its threads)

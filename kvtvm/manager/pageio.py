@@ -513,8 +513,8 @@ class PageIOMixin(PageLayoutMixin):
                 r0 = lease.first_row
                 want = (hdr.n_carried - r0, *hdr.page_shape)
                 in_place = data is None and self.n_devices == 1  # see import_runs
-                rows = [self._blocks[0][p] for p in lease.pages[lease.held:]] if in_place \
-                    else data
+                rows = data if not in_place else None if verified \
+                    else [self._blocks[0][p] for p in lease.pages[lease.held:]]
                 if not in_place and (not isinstance(data, torch.Tensor)
                                      or tuple(data.shape) != want
                                      or str(data.dtype).removeprefix("torch.")
