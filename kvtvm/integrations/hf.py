@@ -26,7 +26,9 @@ Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
   position is zero. Pads may stand anywhere before a row's last new position: left padding,
   and pads between a chat's turns (the cache keeps each row's token mask, ``token_mask``, and
   checks every later mask against it). transformers derives ``position_ids`` by counting the
-  mask's tokens, so RoPE and attention match its own path exactly.
+  mask's tokens, so RoPE and attention match its own path exactly. A row may have no token in
+  a forward (a chunk of its left pads under ``prefill_chunk_size``): it is not fetched and its
+  outputs are zero, as sdpa's for a row whose positions are all masked.
 * **beam search** and batch re-indexing (``reorder_cache``, ``batch_select_indices``,
   ``batch_repeat_interleave``): a row that takes another row's tokens gets a copy of its
   sequence -- on the paged manager a ``fork`` (pages shared, the partial last page copied on
@@ -42,12 +44,15 @@ Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
   rows (a larger batch, beams, ``num_return_sequences``) rebuilds the empty manager for them.
 
 Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager):
-a row whose new positions end with a pad (right padding, a row with no token), a mask whose
+a row whose new positions hold tokens and end with a pad (right padding), a mask whose
 cached part differs from the rows' token masks, a pad after a row's first token when the model
 has a sliding window (transformers' window counts pad positions, kvtvm's counts tokens), a
 prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than
 ``max_seq_len``, a ``crop`` argument that is positive, not an int, or past the positions held,
-bad re-indexing arguments, a forward on kvtvm attention without a ``KVTVMCache``; re-indexing
+bad re-indexing arguments, a forward on kvtvm attention without a ``KVTVMCache``, a
+``KVTVMCache`` on a model whose attention is not kvtvm (``use_kvtvm`` forgotten: its own
+attention would see no history), a ``model`` that is not a supported transformers model
+(``UnsupportedModelError``, an ``InvalidArgumentError``); re-indexing
 into more rows than the manager's ``max_batch_size`` raises
 :class:`kvtvm.errors.KVCacheCapacityError` naming it.
 
@@ -88,6 +93,7 @@ ATTN_NAME = "kvtvm"
 TESTED_TRANSFORMERS = ("5.23", "5.24")
 log = logging.getLogger(__name__)
 _active = threading.local()          # .cache: the KVTVMCache of the forward running here
+_NO_TOKENS = object()                # the plan of a forward in which every row is pads
 
 
 def _check_version() -> None:
@@ -183,10 +189,9 @@ class KVTVMCache(Cache):
                  page_size: int = 16, *, cache_dtype: str | None = None,
                  k_cache_dtype: str | None = None, v_cache_dtype: str | None = None,
                  skip_layers=()):
-        from ..engine.runner import check_supported, sliding_window_of
+        from ..engine.runner import sliding_window_of
 
-        config = model.config.get_text_config()
-        check_supported(config)
+        config = _text_config(model)
         if cache not in ("paged", "continuous"):
             raise InvalidArgumentError(f"cache: expected 'paged' or 'continuous', got {cache!r}")
         self.config, self.max_seq_len = config, max_seq_len
@@ -223,6 +228,13 @@ class KVTVMCache(Cache):
     # ------------------------------------------------------------------------------------
 
     def _hand_kv(self, layer: int, k, v) -> None:
+        impl = getattr(self.config, "_attn_implementation", None)
+        if isinstance(impl, str) and impl != ATTN_NAME:
+            # the model's own attention would read back only this forward's K/V (a KVTVMCache
+            # returns no history) and silently attend to nothing before it
+            raise InvalidArgumentError(
+                f"past_key_values: a KVTVMCache needs the model's attention on kvtvm, the "
+                f"model runs {impl!r}: call kvtvm.integrations.hf.use_kvtvm(model) first")
         _active.cache = self
         self._kv[layer] = (k, v)
 
@@ -250,18 +262,24 @@ class KVTVMCache(Cache):
             if batch > self.mgr.max_batch_size:
                 self.mgr = self._new_manager(batch)
             self.seq_ids = list(self.mgr.claim(batch))
-        self._pending = [BatchItem(s, [0] * int(c)) for s, c in zip(self.seq_ids, counts)]
-        (inputs,) = self.mgr.fetch(self._pending)
-        self.plan = plan_step(inputs, sm_scale=self.scaling, sliding_window=self.sliding_window)
+        # a row with no token this forward (pads only) is left out of the fetch: its sequence
+        # is unchanged and its outputs are zero; the real positions stay in row order
+        self._pending = [BatchItem(s, [0] * int(c)) for s, c in zip(self.seq_ids, counts) if c]
+        if self._pending:
+            (inputs,) = self.mgr.fetch(self._pending)
+            self.plan = plan_step(inputs, sm_scale=self.scaling,
+                                  sliding_window=self.sliding_window)
+        else:
+            self.plan = _NO_TOKENS
         self._undo = (self.pads, self.token_mask)
         self._layers_done = 0
         self.pads = (self.pads if n_held else np.zeros(batch, dtype=np.int64)) + (new - counts)
         self.token_mask, self._rows = marks, rows
 
     def _commit(self) -> None:
-        if self._pending is not None:
+        if self._pending:
             self.mgr.step(self._pending)
-            self._pending = None
+        self._pending = None
 
     def _settle(self) -> None:
         """Commit the previous forward -- or, if it stopped before its last layer (an
@@ -307,6 +325,11 @@ class KVTVMCache(Cache):
         if self.plan is None:
             raise InvalidArgumentError(f"kvtvm attention: layer {layer} has no step: layer 0 "
                                        "did not run this forward")
+        if self.plan is _NO_TOKENS:                     # every row is pads this forward
+            out = query.new_zeros(B, T, Hq, D)
+            self._layers_done = layer + 1
+            self._end_forward(layer, T)
+            return out, None
         k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in kv)
         q = query.transpose(1, 2).reshape(B * T, Hq, D)
         rows = self._rows
@@ -317,10 +340,13 @@ class KVTVMCache(Cache):
         if rows is not None:
             out = out.new_zeros(B * T, Hq, D).index_copy_(0, rows, out)
         self._layers_done = layer + 1
-        if layer == self.num_layers - 1:
-            self.length += T
-            _active.cache = None        # a later forward without this cache must not find it
+        self._end_forward(layer, T)
         return out.view(B, T, Hq, D), None
+
+    def _end_forward(self, layer: int, new: int) -> None:
+        if layer == self.num_layers - 1:
+            self.length += new
+            _active.cache = None        # a later forward without this cache must not find it
 
     # ------------------------------------------------------------------------------------
     # Cache API
@@ -445,7 +471,25 @@ AttentionInterface.register(ATTN_NAME, kvtvm_attention)
 AttentionMaskInterface.register(ATTN_NAME, _padding_mask)
 
 
+def _text_config(model):
+    """The text config of ``model`` (a transformers model kvtvm supports), or a typed error
+    naming ``model``."""
+    from ..engine.runner import check_supported
+
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") \
+            or not hasattr(model, "set_attn_implementation"):
+        raise InvalidArgumentError(describe("model", "a transformers model (PreTrainedModel)",
+                                            type(model).__name__))
+    config = model.config.get_text_config()
+    check_supported(config)
+    return config
+
+
 def use_kvtvm(model):
-    """Switch ``model``'s attention to kvtvm (``set_attn_implementation("kvtvm")``)."""
+    """Switch ``model``'s attention to kvtvm (``set_attn_implementation("kvtvm")``).
+
+    Raises :class:`kvtvm.errors.InvalidArgumentError` (``UnsupportedModelError``) naming
+    ``model`` if it is not a transformers model kvtvm supports; the model is unchanged then."""
+    _text_config(model)
     model.set_attn_implementation(ATTN_NAME)
     return model

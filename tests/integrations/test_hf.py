@@ -91,6 +91,37 @@ def test_right_padded_batch_and_overflow_refused(toy):
         toy.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_kvtvm_cache_under_another_attention_refused(toy, attn):
+    """A KVTVMCache on a model not switched to kvtvm (``use_kvtvm`` forgotten): the model's own
+    attention would get back only this forward's K/V and decode without any history, so the
+    first forward is refused, naming past_key_values and the cure, and nothing is claimed."""
+    toy.set_attn_implementation(attn)
+    try:
+        kv = hf.KVTVMCache(toy, max_seq_len=32, max_batch_size=2)
+        ids = torch.randint(3, 1000, (2, 5), generator=torch.Generator().manual_seed(4))
+        with pytest.raises(InvalidArgumentError, match=f"past_key_values.*{attn}.*use_kvtvm"):
+            _generate(toy, ids, kv, n=3)
+        assert kv.get_seq_length() == 0 and len(kv.mgr.slots_remaining) == 2
+    finally:
+        toy.set_attn_implementation("sdpa")
+
+
+def test_not_a_supported_model_refused(toy):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    for bad in (None, "smollm2", toy.config, torch.nn.Linear(2, 2)):
+        with pytest.raises(InvalidArgumentError, match="model: expected a transformers model"):
+            hf.KVTVMCache(bad, 32)
+        with pytest.raises(InvalidArgumentError, match="model: expected a transformers model"):
+            hf.use_kvtvm(bad)
+    for call in (lambda: hf.KVTVMCache(gpt2, 32), lambda: hf.use_kvtvm(gpt2)):
+        with pytest.raises(InvalidArgumentError, match="model_type 'gpt2'"):
+            call()
+    assert gpt2.config._attn_implementation != hf.ATTN_NAME
+
+
 def test_softcap_refused():
     with pytest.raises(InvalidArgumentError, match="softcap"):
         hf.kvtvm_attention(None, None, None, None, None, softcap=30.0)

@@ -80,6 +80,24 @@ def test_left_padded_greedy_equals_each_prompt_unpadded(toy, kind, cache, ref):
     assert len(kv.mgr.slots_remaining) == kv.mgr.max_batch_size == 3  # grown from 1
 
 
+@pytest.mark.parametrize("cache,lengths,chunk", [("paged", [1, 7, 4], 3),
+                                                 ("continuous", [3, 0, 6], 2)])
+def test_chunked_prefill_of_a_left_padded_batch_equals_sdpa(toy, cache, lengths, chunk):
+    """``prefill_chunk_size`` over a left-padded batch (padded to 8, so the first chunk is
+    pads in every row, later ones in the short rows; one row pads only): a row with no token
+    in a forward is left out of the fetch, its outputs zero -- what sdpa gives a row whose
+    positions are all masked -- and the tokens equal sdpa's + DynamicCache's."""
+    _, ids, mask = _left_padded(lengths, seed=19)
+    ids, mask = (torch.cat([x.new_zeros(len(lengths), 8 - x.shape[1]), x], 1) for x in (ids, mask))
+    kw = dict(prefill_chunk_size=chunk)
+    want = _gen(toy, ids, mask, **kw)
+    kv = hf.KVTVMCache(toy, max_seq_len=16, cache=cache, max_batch_size=3, page_size=2)
+    got = on_kvtvm(toy, lambda: _gen(toy, ids, mask, kv, **kw))
+    assert torch.equal(got, want)
+    assert kv.pads.tolist() == [8 - n for n in lengths]
+    assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [n + 6 for n in lengths]
+
+
 @pytest.mark.parametrize("cache,beams,returns", [("paged", 2, 1), ("paged", 4, 3),
                                                  ("continuous", 3, 2)])
 def test_beam_search_equals_dynamic_cache(toy, cache, beams, returns):
@@ -160,7 +178,7 @@ def _manager_state(kv):
             [m.cache_length(s) for s in kv.seq_ids])
 
 
-@pytest.mark.parametrize("bad", ["right", "hole_in_a_window", "empty_row"])
+@pytest.mark.parametrize("bad", ["right", "hole_in_a_window", "right_after_a_hole"])
 def test_unsupported_masks_refused_before_any_change(toy, bad):
     ids = torch.randint(3, 1000, (2, 6), generator=torch.Generator().manual_seed(16))
     mask = torch.ones_like(ids)
@@ -170,8 +188,8 @@ def test_unsupported_masks_refused_before_any_change(toy, bad):
     elif bad == "hole_in_a_window":         # without a window a hole is fine (test_hf_crop)
         mask[0, 2] = 0
         model = _tiny("mistral")
-    else:
-        mask[1] = 0
+    else:                                   # a row of pads only is fine (chunked prefill)
+        mask[1] = torch.tensor([0, 1, 1, 0, 1, 0])
         mask[0, 0] = 0
     kv = hf.KVTVMCache(model, 32, max_batch_size=2)
     before = _manager_state(kv)
