@@ -76,6 +76,37 @@ def test_toy_generate_on_an_8bit_kvtvm_cache(toy, cache, storage):
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=2e-3)
 
 
+def test_left_padded_batch_on_an_8bit_cache_equals_the_quantized_reference(toy):
+    """The quantized reference (sdpa over row-quantized K/V) masks pads as sdpa does: a
+    left-padded batch on an int8 kvtvm cache gives its tokens, and its logits at real
+    positions (the reference once attended to pads: logits off by whole units)."""
+    from kvtvm.engine.check import quantized_reference
+
+    g = torch.Generator().manual_seed(21)
+    ids, mask = torch.zeros(3, 11, dtype=torch.long), torch.zeros(3, 11, dtype=torch.long)
+    for b, n in enumerate([4, 11, 7]):
+        ids[b, 11 - n:], mask[b, 11 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
+    storage = dict(cache_dtype="int8")
+    params = KVCacheParams.from_hf_config(toy.config, dtype=torch.float32, page_size=16,
+                                          **storage)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=0)
+    with quantized_reference(toy, params):
+        want = toy.generate(ids, **kw)
+        with torch.no_grad():
+            want_logits = toy(ids, attention_mask=mask).logits
+    hf.use_kvtvm(toy)
+    try:
+        got = toy.generate(ids, cache=hf.KVTVMCache(toy, 24, max_batch_size=3, **storage), **kw)
+        with torch.no_grad():
+            got_logits = toy(ids, attention_mask=mask, cache=hf.KVTVMCache(
+                toy, 24, max_batch_size=3, **storage)).logits
+    finally:
+        toy.set_attn_implementation("sdpa")
+    real = mask.bool()
+    torch.testing.assert_close(got_logits[real], want_logits[real], rtol=1e-4, atol=2e-3)
+    assert torch.equal(want, got)
+
+
 def test_right_padded_batch_and_overflow_refused(toy):
     hf.use_kvtvm(toy)
     try:
