@@ -18,7 +18,8 @@ Three pieces, all registered with transformers' public extension points:
 
 Supported: Llama-family decoders (:func:`kvtvm.engine.runner.check_supported`: Llama, Mistral,
 Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
-``num_return_sequences``, beam search, a sliding window (from the config), the model's
+``num_return_sequences``, beam search, sliding windows (from the config, per layer: full and
+windowed layers may mix, as ``layer_types`` says), the model's
 ``scaling``, and
 
 * **padding**: a row's pads are never appended -- its sequence holds only its real tokens (a
@@ -183,13 +184,16 @@ class KVTVMCache(Cache):
         cached part of every later ``attention_mask`` must equal it.
     seq_ids : list of int
         The manager's sequence of each row.
+    windows : list of int or None
+        Each layer's attention window (None: full attention), from the config's
+        ``sliding_window`` and ``layer_types``.
     """
 
     def __init__(self, model, max_seq_len: int, cache: str = "paged", max_batch_size: int = 1,
                  page_size: int = 16, *, cache_dtype: str | None = None,
                  k_cache_dtype: str | None = None, v_cache_dtype: str | None = None,
                  skip_layers=()):
-        from ..engine.runner import sliding_window_of
+        from ..engine.runner import layer_windows
 
         config = _text_config(model)
         if cache not in ("paged", "continuous"):
@@ -205,7 +209,8 @@ class KVTVMCache(Cache):
         self._manager_cls = PagedKVCacheManager if cache == "paged" \
             else ContinuousBatchingKVCacheManager
         self.mgr = self._new_manager(max_batch_size)
-        self.sliding_window = sliding_window_of(config)
+        self.windows = layer_windows(config)       # each layer's window (None: full)
+        self.sliding_window = next((w for w in self.windows if w), None)
         self.scaling = self.params.head_dim ** -0.5
         self.seq_ids: list[int] = []
         self.pads = np.zeros(0, dtype=np.int64)
@@ -267,8 +272,8 @@ class KVTVMCache(Cache):
         self._pending = [BatchItem(s, [0] * int(c)) for s, c in zip(self.seq_ids, counts) if c]
         if self._pending:
             (inputs,) = self.mgr.fetch(self._pending)
-            self.plan = plan_step(inputs, sm_scale=self.scaling,
-                                  sliding_window=self.sliding_window)
+            self.plan = {w: plan_step(inputs, sm_scale=self.scaling, sliding_window=w)
+                         for w in set(self.windows)}     # one per window the layers use
         else:
             self.plan = _NO_TOKENS
         self._undo = (self.pads, self.token_mask)
@@ -307,9 +312,10 @@ class KVTVMCache(Cache):
         if scaling is not None and not math.isclose(scaling, self.scaling, rel_tol=1e-6):
             raise InvalidArgumentError(f"kvtvm attention: scaling {scaling} differs from the "
                                        f"cache's {self.scaling} (1/sqrt(head_dim))")
-        if sliding_window is not None and sliding_window != self.sliding_window:
-            raise InvalidArgumentError(f"kvtvm attention: sliding_window {sliding_window} "
-                                       f"differs from the config's {self.sliding_window}")
+        if sliding_window is not None and sliding_window != self.windows[layer]:
+            raise InvalidArgumentError(f"kvtvm attention: layer {layer}'s sliding_window "
+                                       f"{sliding_window} differs from the config's "
+                                       f"{self.windows[layer]}")
         if mask is not None and not isinstance(mask, PaddingMask):
             raise InvalidArgumentError(
                 f"kvtvm attention: attention_mask must be the 2-D padding mask (transformers "
@@ -335,8 +341,9 @@ class KVTVMCache(Cache):
         rows = self._rows
         if rows is not None:
             k, v, q = k.index_select(0, rows), v.index_select(0, rows), q.index_select(0, rows)
-        self.plan.append_kv(layer, k.contiguous(), v.contiguous())
-        out, _ = self.plan.attention(layer, q.contiguous())
+        plan = self.plan[self.windows[layer]]
+        plan.append_kv(layer, k.contiguous(), v.contiguous())
+        out, _ = plan.attention(layer, q.contiguous())
         if rows is not None:
             out = out.new_zeros(B * T, Hq, D).index_copy_(0, rows, out)
         self._layers_done = layer + 1

@@ -121,6 +121,14 @@ def test_runner_checks_counts_and_models(toy):
     cfg.model_type = "llama"
     with pytest.raises(UnsupportedModelError, match="softcap"):
         check_supported(cfg)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    mixed = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+        sliding_window=4, max_window_layers=1))
+    with pytest.raises(UnsupportedModelError, match="sliding-window layers mixed"):
+        ModelRunner(mixed)           # one window for every layer would be silently wrong
     with pytest.raises(InvalidArgumentError, match="no such directory"):
         load_model("/nonexistent/model")
     with pytest.raises(InvalidArgumentError, match="dtype"):

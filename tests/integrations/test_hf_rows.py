@@ -22,8 +22,9 @@ def toy():
 
 def _tiny(kind: str):
     """A random 2-layer GQA model (std 0.1 weights, like build_toy_model): Mistral with a
-    head_dim of its own (32, hidden 192 / 8 heads = 24) and a 6-token sliding window, or Qwen2
-    (q/k/v biases)."""
+    head_dim of its own (32, hidden 192 / 8 heads = 24) and a 6-token sliding window, Qwen2
+    (q/k/v biases), or Qwen2 whose layer 0 attends in full and layer 1 over a 4-token window
+    (``max_window_layers=1``: mixed ``layer_types``)."""
     common = dict(vocab_size=1000, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, initializer_range=0.1,
                   max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
@@ -31,6 +32,10 @@ def _tiny(kind: str):
     if kind == "mistral":
         config, cls = MistralConfig(hidden_size=192, head_dim=32, sliding_window=6, **common), \
             MistralForCausalLM
+    elif kind == "qwen2_mixed":
+        config, cls = Qwen2Config(hidden_size=256, use_sliding_window=True, sliding_window=4,
+                                  max_window_layers=1, **common), Qwen2ForCausalLM
+        assert config.layer_types == ["full_attention", "sliding_attention"]
     else:
         config, cls = Qwen2Config(hidden_size=256, **common), Qwen2ForCausalLM
     torch.manual_seed(0)
@@ -61,6 +66,7 @@ def _gen(model, ids, mask, cache=None, **kw):
 @pytest.mark.parametrize("kind,cache,ref", [("llama", "paged", "sdpa"),
                                             ("llama", "continuous", "eager"),
                                             ("qwen2", "paged", "sdpa"),
+                                            ("qwen2_mixed", "paged", "sdpa"),
                                             ("mistral", "paged", "eager")])
 def test_left_padded_greedy_equals_each_prompt_unpadded(toy, kind, cache, ref):
     model = toy if kind == "llama" else _tiny(kind)
