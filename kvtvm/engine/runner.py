@@ -165,8 +165,9 @@ class ModelRunner:
             q = lin(attn.q_proj, h).view(T, Hq, D)
             k = lin(attn.k_proj, h).view(T, Hkv, D)
             v = lin(attn.v_proj, h).view(T, Hkv, D)
-            q = q * cos + rotate_half(q) * sin                          # RoPE (contiguous)
-            k = k * cos + rotate_half(k) * sin
+            if getattr(attn, "use_rope", True):     # SmolLM3's no_rope_layers have none
+                q = q * cos + rotate_half(q) * sin                      # RoPE (contiguous)
+                k = k * cos + rotate_half(k) * sin
             plan.append_kv(i, k, v)      # write this step's K/V into layer i's cache
             o, _ = plan.attention(i, q)  # attend over it: decode or causal prefill kernel
             o = o.reshape(T, Hq * D)
