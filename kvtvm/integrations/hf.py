@@ -40,7 +40,8 @@ windowed layers may mix, as ``layer_types`` says), the model's
   them with the managers' ``pop``. The assistant runs on its own cache and attention.
 * **later turns**: the same cache passed to another ``generate`` with the conversation so far
   plus new tokens (transformers feeds only the positions the cache lacks); ``reset()`` before
-  a different batch.
+  a different batch; ``copy.deepcopy(cache)`` (a prompt's cache reused for several
+  continuations) gives a cache with a manager of its own holding copies of the rows.
 * **batch growth**: ``max_batch_size`` is where the manager starts; a first forward with more
   rows (a larger batch, beams, ``num_return_sequences``) rebuilds the empty manager for them.
 
@@ -63,6 +64,7 @@ checked at import for the names this module uses.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -75,7 +77,8 @@ from ..inputs import BatchItem
 from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from ..params import KVCacheParams
 from ..plan import plan_step
-from .hf_rows import PaddingMask, check_room, regather, row_indices, step_rows
+from .hf_rows import (PaddingMask, check_room, copy_sequences, regather, row_indices,
+                      step_rows)
 
 try:
     import transformers
@@ -448,6 +451,23 @@ class KVTVMCache(Cache):
     def release(self) -> None:
         """Give the sequences back to the manager (same as :meth:`reset`)."""
         self.reset()
+
+    def __deepcopy__(self, memo) -> "KVTVMCache":
+        """A cache with a manager of its own holding copies of every row's sequence
+        (``copy.deepcopy(prompt_cache)``, transformers' way to reuse a prompt's cache for
+        several continuations); this cache keeps its sequences. Costs a second manager's
+        memory."""
+        self._settle()
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.mgr = self._new_manager(self.mgr.max_batch_size)
+        new.seq_ids = copy_sequences(self.mgr, self.seq_ids, new.mgr)
+        new.pads = self.pads.copy()
+        new.token_mask = None if self.token_mask is None else self.token_mask.clone()
+        new.plan = new._rows = new._pending = new._undo = None
+        new._kv, new._layers_done = {}, 0
+        new.layers = [_Layer(new, i) for i in range(self.num_layers)]
+        return new
 
 
 def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

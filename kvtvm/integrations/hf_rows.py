@@ -28,7 +28,8 @@ from ..errors import InvalidArgumentError, KVCacheCapacityError, describe
 from ..inputs import BatchItem
 from ..manager import PagedKVCacheManager
 
-__all__ = ["PaddingMask", "step_rows", "row_indices", "check_room", "regather"]
+__all__ = ["PaddingMask", "step_rows", "row_indices", "check_room", "regather",
+           "copy_sequences"]
 
 _LEFT_ONLY = "kvtvm supports left padding only (tokenizer(..., padding_side='left'))"
 
@@ -221,4 +222,31 @@ def _copy_sequence(mgr, seq_id: int) -> int:
     for blocks in mgr.blocks:
         copy_pages(blocks, src, dst)
     mgr.step(item)
+    return new
+
+
+def copy_sequences(src, seq_ids: list[int], dst) -> list[int]:
+    """Sequences of ``dst`` (a manager of the same class and params as ``src``, with free
+    slots) holding what ``src``'s settled sequences ``seq_ids`` hold: claimed, fetched for
+    their lengths, their pages (a continuous manager: blocks) copied byte for byte on every
+    device, and committed. Returns the new ids, in the order of ``seq_ids``."""
+    new = list(dst.claim(len(seq_ids)))
+    items = [BatchItem(n, [0] * src.cache_length(s)) for s, n in zip(seq_ids, new)]
+    held = [(s, item) for s, item in zip(seq_ids, items) if item.tokens]
+    if not held:
+        return new
+    dst.fetch([item for _, item in held])
+    src_pages, dst_pages = [], []
+    for s, item in held:
+        if isinstance(src, PagedKVCacheManager):
+            pages = dst.pages_of(item.seq_id)
+            src_pages += src.pages_of(s)[:len(pages)]
+            dst_pages += pages
+        else:                       # a continuous manager's sequence s owns block s
+            src_pages.append(s)
+            dst_pages.append(item.seq_id)
+    for a, b in zip(src.blocks, dst.blocks):
+        b.index_copy_(0, torch.tensor(dst_pages, device=b.device),
+                      a.index_select(0, torch.tensor(src_pages, device=a.device)))
+    dst.step([item for _, item in held])
     return new

@@ -186,6 +186,45 @@ def test_second_turn_of_a_left_padded_batch_and_reset(toy):
     assert torch.equal(got, toy.generate(other, max_new_tokens=5, **GREEDY))
 
 
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+def test_deepcopy_of_a_prompt_cache_serves_each_continuation(toy, cache):
+    """transformers' prompt reuse: one forward over a (left-padded) shared prefix, then
+    ``copy.deepcopy(prompt_cache)`` for each continuation. Each copy has a manager of its own
+    with the rows' pages/blocks copied; tokens equal DynamicCache's doing the same, and the
+    prompt cache is untouched (deepcopy once raised: a manager's lock cannot be pickled)."""
+    import copy
+
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(15)
+    ids, mask = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)
+    for b, n in enumerate([6, 9]):
+        ids[b, 9 - n:], mask[b, 9 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
+    suffixes = [torch.randint(3, 1000, (2, n), generator=g) for n in (3, 5)]
+
+    def run(prompt_cache):
+        with torch.no_grad():
+            toy(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=prompt_cache)
+        outs = []
+        for suf in suffixes:
+            full = torch.cat([mask, torch.ones_like(suf)], 1)
+            outs.append(toy.generate(torch.cat([ids, suf], 1), attention_mask=full,
+                                     past_key_values=copy.deepcopy(prompt_cache),
+                                     max_new_tokens=5, **GREEDY))
+        return outs
+
+    want = run(DynamicCache(config=toy.config))
+    kv = hf.KVTVMCache(toy, max_seq_len=24, cache=cache, max_batch_size=2, page_size=4)
+    got = on_kvtvm(toy, lambda: run(kv))
+    for w, g_ in zip(want, got):
+        assert torch.equal(w, g_)
+    assert _state(kv) == ([], kv.seq_ids, 9, [3, 0], [6, 9])
+    twin = copy.deepcopy(kv)
+    assert twin.mgr is not kv.mgr and twin.layers[0].owner is twin
+    assert _state(twin)[2:] == _state(kv)[2:]
+
+
 def test_second_turn_with_left_padded_user_tokens(toy):
     """Users' next messages of 1, 4 and 2 tokens, left-padded to the batch: the pads sit between
     turns (holes the cache remembers, never appended). Equal to transformers' generate over the
