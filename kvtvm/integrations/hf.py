@@ -50,7 +50,7 @@ a row whose new positions hold tokens and end with a pad (right padding), a mask
 cached part differs from the rows' token masks, a pad after a row's first token when the model
 has a sliding window (transformers' window counts pad positions, kvtvm's counts tokens), a
 prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than
-``max_seq_len``, a ``crop`` argument that is positive, not an int, or past the positions held,
+``max_seq_len`` (:class:`~kvtvm.errors.SequenceTooLongError`), a ``crop`` argument that is positive, not an int, or past the positions held,
 bad re-indexing arguments, a forward on kvtvm attention without a ``KVTVMCache``, a
 ``KVTVMCache`` on a model whose attention is not kvtvm (``use_kvtvm`` forgotten: its own
 attention would see no history), a ``model`` that is not a supported transformers model
@@ -72,7 +72,7 @@ import threading
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, describe
+from ..errors import InvalidArgumentError, SequenceTooLongError, describe
 from ..inputs import BatchItem
 from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from ..params import KVCacheParams
@@ -262,7 +262,7 @@ class KVTVMCache(Cache):
         ends = real + counts
         if int(ends.max()) > self.max_seq_len:
             b = int(np.argmax(ends))
-            raise InvalidArgumentError(
+            raise SequenceTooLongError(
                 f"KVTVMCache: row {b} would hold {int(ends[b])} tokens, more than max_seq_len="
                 f"{self.max_seq_len}: make the cache larger")
         self._settle()

@@ -7,7 +7,7 @@ import torch
 
 from kvtvm import KVCacheParams
 from kvtvm.engine import build_toy_model
-from kvtvm.errors import InvalidArgumentError
+from kvtvm.errors import InvalidArgumentError, SequenceTooLongError
 
 hf = pytest.importorskip("kvtvm.integrations.hf")
 
@@ -116,7 +116,7 @@ def test_right_padded_batch_and_overflow_refused(toy):
         with pytest.raises(InvalidArgumentError, match="padding_side='left'"):
             toy.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
                          pad_token_id=0, cache=hf.KVTVMCache(toy, 32, max_batch_size=2))
-        with pytest.raises(InvalidArgumentError, match="max_seq_len"):
+        with pytest.raises(SequenceTooLongError, match="max_seq_len=12"):
             _generate(toy, ids, hf.KVTVMCache(toy, 12, max_batch_size=2), n=8)
     finally:
         toy.set_attn_implementation("sdpa")
