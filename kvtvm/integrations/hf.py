@@ -28,8 +28,8 @@ windowed layers may mix, as ``layer_types`` says), the model's
   and pads between a chat's turns (the cache keeps each row's token mask, ``token_mask``, and
   checks every later mask against it). transformers derives ``position_ids`` by counting the
   mask's tokens, so RoPE and attention match its own path exactly. A row may have no token in
-  a forward (a chunk of its left pads under ``prefill_chunk_size``): it is not fetched and its
-  outputs are zero, as sdpa's for a row whose positions are all masked.
+  a forward while it holds none yet (a chunk of its left pads under ``prefill_chunk_size``):
+  it is not fetched and its outputs are zero, as sdpa's for queries with no token before them.
 * **beam search** and batch re-indexing (``reorder_cache``, ``batch_select_indices``,
   ``batch_repeat_interleave``): a row that takes another row's tokens gets a copy of its
   sequence -- on the paged manager a ``fork`` (pages shared, the partial last page copied on
@@ -46,7 +46,7 @@ windowed layers may mix, as ``layer_types`` says), the model's
   rows (a larger batch, beams, ``num_return_sequences``) rebuilds the empty manager for them.
 
 Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager):
-a row whose new positions hold tokens and end with a pad (right padding), a mask whose
+a row whose new positions end with a pad after a token of the row (right padding), a mask whose
 cached part differs from the rows' token masks, a pad after a row's first token when the model
 has a sliding window (transformers' window counts pad positions, kvtvm's counts tokens), a
 prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than

@@ -7,8 +7,8 @@ row holding only the row's real tokens. Two pieces map one onto the other for
 * :func:`step_rows` reads the 2-D ``attention_mask`` of a forward (``[B, past + T]``, what
   transformers hands the mask function) and says how many of the ``T`` new positions of each
   row are real tokens, and which flat positions of the ``[B * T]`` step they are. A row's new
-  positions must end with a token or be pads only (a chunk of a row's left padding under
-  chunked prefill); pads before its last token (left padding, or pads between a chat's turns)
+  positions must end with a token or be pads before the row's first token (a chunk of its
+  left padding under chunked prefill); pads before its last token (left padding, or pads between a chat's turns)
   are never appended, and the cache remembers where they are; right padding is refused (and,
   with a sliding window, pads after a row's first token).
 * :func:`regather` turns the sequences held for the rows into those of new rows, ``new row i =
@@ -50,10 +50,11 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
               batch: int, new: int, sliding_window: int | None = None):
     """Real tokens of each row in one forward.
 
-    Every forward's new positions of a row end with a token (1), or are all pads (a row with
-    no token this forward: a chunk of its left padding under ``prefill_chunk_size``, a row of
-    pads only); pads (0) may come anywhere before a row's last token: left pads, or pads
-    between a chat's turns (holes the cache remembers). The rows'
+    Every forward's new positions of a row end with a token (1), or are all pads while the row
+    holds no token yet (a chunk of its left padding under ``prefill_chunk_size``, a row of
+    pads only: sdpa's output there is zero, as kvtvm's); pads (0) may come anywhere before a
+    row's last token: left pads, or pads between a chat's turns (holes the cache remembers;
+    the outputs at them, never read by generate, are zero). The rows'
     sequences hold only their real tokens; transformers numbers positions by counting tokens
     (``position_ids`` from the mask), so attention over the real tokens is exact. With a
     sliding window a pad may not follow a token of its row: transformers' window counts pad
@@ -77,7 +78,7 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
     token_mask : bool Tensor ``[batch, past + new]`` or None
         Which positions are real after this forward (None: all of them).
     counts : int64 ndarray ``[batch]``
-        Real new tokens of each row (0 for a row of pads only).
+        Real new tokens of each row (0 for a row of left pads only).
     rows : int64 Tensor ``[sum(counts)]`` or None
         Flat indices into the ``[batch * new]`` positions of the real tokens, in order (None:
         every position is real).
@@ -86,7 +87,8 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
     ------
     InvalidArgumentError
         ``attention_mask`` is not a mask of this batch whose rows end with a token or hold
-        pads only (right padding, the wrong shape), its cached part is not
+        left pads only (right padding, pads after a row's tokens, the wrong shape), its cached
+        part is not
         ``token_mask``, or (with a sliding window) a pad follows a token of its row.
     """
     full = np.full(batch, new, dtype=np.int64)
@@ -115,7 +117,11 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
             token_mask = torch.cat([token_mask.to(mask.device), fresh], dim=1)
         return token_mask, full, None
     where = "" if past == 0 else " (new positions)"
-    right = ~fresh[:, -1] & fresh.any(dim=1)           # tokens, then a pad: right padding
+    # a row's new positions end with a token, or are pads while the row holds no token yet
+    # (sdpa's output at a pad is zero only while nothing before it is a token: left pads)
+    held = (token_mask.to(mask.device).any(dim=1) if token_mask is not None
+            else torch.full((batch,), past > 0, device=mask.device))
+    right = ~fresh[:, -1] & (fresh.any(dim=1) | held)  # tokens, then a pad: right padding
     if bool(right.any()):
         b = int(torch.nonzero(right)[0, 0])
         raise InvalidArgumentError(describe(

@@ -215,6 +215,9 @@ def test_right_pads_in_a_later_chunk_wrong_history_and_4d_mask_refused(toy):
         m = torch.cat([mask, torch.tensor([[1, 1], [1, 0]])], dim=1)   # right pad, later chunk
         with pytest.raises(InvalidArgumentError, match=r"row 1 \(new positions\).*only before"):
             toy(nxt, attention_mask=m, cache=kv)
+        m = torch.cat([mask, torch.tensor([[1, 1], [0, 0]])], dim=1)   # pads after tokens only:
+        with pytest.raises(InvalidArgumentError, match=r"row 1 \(new positions\).*only before"):
+            toy(nxt, attention_mask=m, cache=kv)     # sdpa's last logits there attend to them
         m = torch.cat([torch.ones_like(mask), torch.ones(2, 2, dtype=torch.long)], dim=1)
         with pytest.raises(InvalidArgumentError, match="cached positions"):
             toy(nxt, attention_mask=m, cache=kv)                    # history without its pads
