@@ -45,17 +45,17 @@ windowed layers may mix, as ``layer_types`` says), the model's
 * **batch growth**: ``max_batch_size`` is where the manager starts; a first forward with more
   rows (a larger batch, beams, ``num_return_sequences``) rebuilds the empty manager for them.
 
-Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager):
-a row whose new positions end with a pad after a token of the row (right padding), a mask whose
+Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager): a row
+whose new positions end with a pad after a token of the row (right padding), a mask whose
 cached part differs from the rows' token masks, a pad after a row's first token when the model
 has a sliding window (transformers' window counts pad positions, kvtvm's counts tokens), a
 prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than
-``max_seq_len`` (:class:`~kvtvm.errors.SequenceTooLongError`), a ``crop`` argument that is positive, not an int, or past the positions held,
-bad re-indexing arguments, a forward on kvtvm attention without a ``KVTVMCache``, a
-``KVTVMCache`` on a model whose attention is not kvtvm (``use_kvtvm`` forgotten: its own
-attention would see no history), a ``model`` that is not a supported transformers model
-(``UnsupportedModelError``, an ``InvalidArgumentError``); re-indexing
-into more rows than the manager's ``max_batch_size`` raises
+``max_seq_len`` (:class:`~kvtvm.errors.SequenceTooLongError`), a ``crop`` argument that is
+positive, not an int, or past the positions held, bad re-indexing arguments, a forward on kvtvm
+attention without a ``KVTVMCache``, a ``KVTVMCache`` on a model whose attention is not kvtvm
+(``use_kvtvm`` forgotten: its own attention would see no history), a ``model`` that is not a
+supported transformers model (``UnsupportedModelError``, an ``InvalidArgumentError``);
+re-indexing into more rows than the manager's ``max_batch_size`` raises
 :class:`kvtvm.errors.KVCacheCapacityError` naming it.
 
 Built and tested against transformers 5.24 (:data:`TESTED_TRANSFORMERS`); another version is

@@ -8,9 +8,9 @@ row holding only the row's real tokens. Two pieces map one onto the other for
   transformers hands the mask function) and says how many of the ``T`` new positions of each
   row are real tokens, and which flat positions of the ``[B * T]`` step they are. A row's new
   positions must end with a token or be pads before the row's first token (a chunk of its
-  left padding under chunked prefill); pads before its last token (left padding, or pads between a chat's turns)
-  are never appended, and the cache remembers where they are; right padding is refused (and,
-  with a sliding window, pads after a row's first token).
+  left padding under chunked prefill); pads before its last token (left padding, or pads
+  between a chat's turns) are never appended, and the cache remembers where they are; right
+  padding is refused (and, with a sliding window, pads after a row's first token).
 * :func:`regather` turns the sequences held for the rows into those of new rows, ``new row i =
   old row src[i]`` (beam search's ``reorder_cache``, ``batch_select_indices``,
   ``batch_repeat_interleave``): the first row taking an old sequence keeps it, every further
