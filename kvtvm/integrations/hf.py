@@ -249,7 +249,9 @@ class KVTVMCache(Cache):
     def _begin_step(self, batch: int, new: int, mask) -> None:
         """Fetch this forward's tokens: validate everything first, then commit the previous
         forward, claim the rows' sequences (growing the manager if it is empty and small),
-        fetch and plan."""
+        fetch and plan. A previous forward that stopped midway is rolled back first: the rows
+        are checked against what they really hold."""
+        self._roll_back_unfinished()
         n_held = len(self.seq_ids)
         if n_held and n_held != batch:
             raise InvalidArgumentError(
@@ -290,13 +292,19 @@ class KVTVMCache(Cache):
         self._pending = None
 
     def _settle(self) -> None:
-        """Commit the previous forward -- or, if it stopped before its last layer (an
-        exception in the model), roll it back: its tokens were appended to some layers only,
-        so they are popped again and the rows are as before it (a retry recomputes them)."""
-        pending = self._pending
+        """Commit the previous forward -- or, if it stopped before its last layer, roll it
+        back (:meth:`_roll_back_unfinished`)."""
+        self._roll_back_unfinished()
         self._commit()
+
+    def _roll_back_unfinished(self) -> None:
+        """If the previous forward stopped before its last layer (an exception in the model),
+        roll it back: its tokens were appended to some layers only, so they are popped again
+        and the rows (pads, token mask) are as before it (a retry recomputes them)."""
+        pending = self._pending
         if pending is None or self._layers_done == self.num_layers:
             return
+        self._commit()
         for item in pending:
             if len(item.tokens):
                 self.mgr.pop(item.seq_id, len(item.tokens))

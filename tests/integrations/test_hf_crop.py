@@ -325,3 +325,36 @@ def test_a_forward_that_fails_midway_is_rolled_back(toy, cache):
     torch.testing.assert_close(nxt, full[:, 6:], rtol=1e-4, atol=1e-4)
     assert before[2] == 4 and _state(kv)[2] == 7
     assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [6, 6]  # the last one pending
+
+
+def test_a_left_padded_forward_that_fails_midway_is_retried(toy):
+    """The rollback with a padded batch: the failed forward had extended the rows' token mask,
+    so the retry's mask was checked against it (an untyped shape error); the unfinished
+    forward is now rolled back before the retry is checked, and the retry gives sdpa's
+    logits."""
+    ids = _random_ids(16, 2, 8)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = toy(ids, attention_mask=mask, position_ids=pos).logits
+        kv = hf.KVTVMCache(toy, 16, max_batch_size=2, page_size=4)
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        def run():
+            toy(ids[:, :5], attention_mask=mask[:, :5], position_ids=pos[:, :5], cache=kv)
+            handle = toy.model.layers[0].mlp.register_forward_pre_hook(boom)
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    toy(ids[:, 5:], attention_mask=mask, position_ids=pos[:, 5:], cache=kv)
+            finally:
+                handle.remove()
+            return toy(ids[:, 5:], attention_mask=mask, position_ids=pos[:, 5:],
+                       cache=kv).logits
+
+        got = on_kvtvm(toy, run)
+    torch.testing.assert_close(got, want[:, 5:], rtol=1e-4, atol=1e-4)
+    assert kv.length == 8 and kv.pads.tolist() == [3, 0]
+
