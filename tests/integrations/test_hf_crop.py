@@ -205,12 +205,12 @@ def test_deepcopy_of_a_prompt_cache_serves_each_continuation(toy, cache):
     def run(prompt_cache):
         with torch.no_grad():
             toy(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=prompt_cache)
+                cache=prompt_cache)
         outs = []
         for suf in suffixes:
             full = torch.cat([mask, torch.ones_like(suf)], 1)
             outs.append(toy.generate(torch.cat([ids, suf], 1), attention_mask=full,
-                                     past_key_values=copy.deepcopy(prompt_cache),
+                                     cache=copy.deepcopy(prompt_cache),
                                      max_new_tokens=5, **GREEDY))
         return outs
 
