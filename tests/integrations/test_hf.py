@@ -216,3 +216,23 @@ def test_smollm2_left_padded_batch_on_kvtvm_equals_each_prompt(smollm2):
     for b in range(len(texts)):
         assert torch.equal(got[b, T:], want[b][0, -6:]), tok.decode(got[b, T:])
     assert "Paris" in tok.decode(got[0, T:])
+
+
+@pytest.mark.e2e
+def test_smollm2_chunked_prefill_of_a_padded_chat_batch_equals_sdpa(smollm2):
+    """Chat prompts of different lengths, left-padded, prefilled in chunks of 8 (the short
+    prompt's first chunk is pads only): the tokens equal transformers' own."""
+    model, tok = smollm2
+    texts = [_chat(tok, q) for q in ("Hi", "Explain in one sentence why the sky is blue.")]
+    batch = tok(texts, padding=True, padding_side="left", return_tensors="pt")
+    pads = batch["input_ids"].shape[1] - int(batch["attention_mask"][0].sum())
+    assert pads >= 8                                  # a whole chunk of row 0 is pads
+    kw = dict(do_sample=False, max_new_tokens=6, prefill_chunk_size=8)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(**batch, **kw)
+    hf.use_kvtvm(model)
+    try:
+        got = model.generate(**batch, cache=hf.KVTVMCache(model, 64, max_batch_size=2), **kw)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(want, got)
