@@ -47,7 +47,11 @@ def quantize_attention(model, k_storage, v_storage, skip_layers=()) -> None:
     dequantized to ``k_storage`` (``v_storage``; None: kept) at every layer but
     ``skip_layers`` (indices in ``[0, num_layers)``). Sets :data:`state`."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, attention)
+    # sdpa's mask too: a name without a mask function gets no mask at all from transformers,
+    # and sdpa then attends to a padded batch's pads
+    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     state.update(k=k_storage, v=v_storage, skip=tuple(skip_layers))
     model.set_attn_implementation(ATTN_NAME)

@@ -66,6 +66,18 @@ def sliding_window_of(config) -> int | None:
     return int(window)
 
 
+def layer_windows(config) -> list:
+    """Each layer's attention window (:func:`sliding_window_of` or None), from the config's
+    ``layer_types`` where it has them: a model may mix full and sliding-window layers (Qwen2
+    with ``use_sliding_window`` and ``max_window_layers``, SmolLM3)."""
+    window = sliding_window_of(config)
+    types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
+    if window is None or not types:
+        return [window] * n
+    return [window if t == "sliding_attention" else None for t in types]
+
+
 class ModelRunner:
     """The forward pass of a transformers Llama-family model over a ragged batch.
 
@@ -96,6 +108,11 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.num_layers = cfg.num_hidden_layers
         self.sliding_window = sliding_window_of(cfg)
+        if len(set(layer_windows(cfg))) > 1:
+            raise UnsupportedModelError(
+                f"layer_types {list(cfg.layer_types)}: full and sliding-window layers mixed; "
+                "kvtvm's engine runs one window for every layer (transformers on kvtvm, "
+                "kvtvm.integrations.hf, runs each layer's own)")
         self.dtype = next(hf_model.parameters()).dtype
         self.device = next(hf_model.parameters()).device
         self.use_decode_kernel = True
@@ -148,8 +165,9 @@ class ModelRunner:
             q = lin(attn.q_proj, h).view(T, Hq, D)
             k = lin(attn.k_proj, h).view(T, Hkv, D)
             v = lin(attn.v_proj, h).view(T, Hkv, D)
-            q = q * cos + rotate_half(q) * sin                          # RoPE (contiguous)
-            k = k * cos + rotate_half(k) * sin
+            if getattr(attn, "use_rope", True):     # SmolLM3's no_rope_layers have none
+                q = q * cos + rotate_half(q) * sin                      # RoPE (contiguous)
+                k = k * cos + rotate_half(k) * sin
             plan.append_kv(i, k, v)      # write this step's K/V into layer i's cache
             o, _ = plan.attention(i, q)  # attend over it: decode or causal prefill kernel
             o = o.reshape(T, Hq * D)

@@ -18,7 +18,8 @@ Three pieces, all registered with transformers' public extension points:
 
 Supported: Llama-family decoders (:func:`kvtvm.engine.runner.check_supported`: Llama, Mistral,
 Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
-``num_return_sequences``, beam search, a sliding window (from the config), the model's
+``num_return_sequences``, beam search, sliding windows (from the config, per layer: full and
+windowed layers may mix, as ``layer_types`` says), the model's
 ``scaling``, and
 
 * **padding**: a row's pads are never appended -- its sequence holds only its real tokens (a
@@ -26,7 +27,9 @@ Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
   position is zero. Pads may stand anywhere before a row's last new position: left padding,
   and pads between a chat's turns (the cache keeps each row's token mask, ``token_mask``, and
   checks every later mask against it). transformers derives ``position_ids`` by counting the
-  mask's tokens, so RoPE and attention match its own path exactly.
+  mask's tokens, so RoPE and attention match its own path exactly. A row may have no token in
+  a forward while it holds none yet (a chunk of its left pads under ``prefill_chunk_size``):
+  it is not fetched and its outputs are zero, as sdpa's for queries with no token before them.
 * **beam search** and batch re-indexing (``reorder_cache``, ``batch_select_indices``,
   ``batch_repeat_interleave``): a row that takes another row's tokens gets a copy of its
   sequence -- on the paged manager a ``fork`` (pages shared, the partial last page copied on
@@ -37,18 +40,22 @@ Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
   them with the managers' ``pop``. The assistant runs on its own cache and attention.
 * **later turns**: the same cache passed to another ``generate`` with the conversation so far
   plus new tokens (transformers feeds only the positions the cache lacks); ``reset()`` before
-  a different batch.
+  a different batch; ``copy.deepcopy(cache)`` (a prompt's cache reused for several
+  continuations) gives a cache with a manager of its own holding copies of the rows.
 * **batch growth**: ``max_batch_size`` is where the manager starts; a first forward with more
   rows (a larger batch, beams, ``num_return_sequences``) rebuilds the empty manager for them.
 
-Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager):
-a row whose new positions end with a pad (right padding, a row with no token), a mask whose
+Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager): a row
+whose new positions end with a pad after a token of the row (right padding), a mask whose
 cached part differs from the rows' token masks, a pad after a row's first token when the model
 has a sliding window (transformers' window counts pad positions, kvtvm's counts tokens), a
 prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than
-``max_seq_len``, a ``crop`` argument that is positive, not an int, or past the positions held,
-bad re-indexing arguments, a forward on kvtvm attention without a ``KVTVMCache``; re-indexing
-into more rows than the manager's ``max_batch_size`` raises
+``max_seq_len`` (:class:`~kvtvm.errors.SequenceTooLongError`), a ``crop`` argument that is
+positive, not an int, or past the positions held, bad re-indexing arguments, a forward on kvtvm
+attention without a ``KVTVMCache``, a ``KVTVMCache`` on a model whose attention is not kvtvm
+(``use_kvtvm`` forgotten: its own attention would see no history), a ``model`` that is not a
+supported transformers model (``UnsupportedModelError``, an ``InvalidArgumentError``);
+re-indexing into more rows than the manager's ``max_batch_size`` raises
 :class:`kvtvm.errors.KVCacheCapacityError` naming it.
 
 Built and tested against transformers 5.24 (:data:`TESTED_TRANSFORMERS`); another version is
@@ -57,6 +64,7 @@ checked at import for the names this module uses.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -64,12 +72,13 @@ import threading
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, describe
+from ..errors import InvalidArgumentError, SequenceTooLongError, describe
 from ..inputs import BatchItem
 from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from ..params import KVCacheParams
 from ..plan import plan_step
-from .hf_rows import PaddingMask, check_room, regather, row_indices, step_rows
+from .hf_rows import (PaddingMask, check_room, copy_sequences, regather, row_indices,
+                      step_rows)
 
 try:
     import transformers
@@ -88,6 +97,7 @@ ATTN_NAME = "kvtvm"
 TESTED_TRANSFORMERS = ("5.23", "5.24")
 log = logging.getLogger(__name__)
 _active = threading.local()          # .cache: the KVTVMCache of the forward running here
+_NO_TOKENS = object()                # the plan of a forward in which every row is pads
 
 
 def _check_version() -> None:
@@ -177,16 +187,18 @@ class KVTVMCache(Cache):
         cached part of every later ``attention_mask`` must equal it.
     seq_ids : list of int
         The manager's sequence of each row.
+    windows : list of int or None
+        Each layer's attention window (None: full attention), from the config's
+        ``sliding_window`` and ``layer_types``.
     """
 
     def __init__(self, model, max_seq_len: int, cache: str = "paged", max_batch_size: int = 1,
                  page_size: int = 16, *, cache_dtype: str | None = None,
                  k_cache_dtype: str | None = None, v_cache_dtype: str | None = None,
                  skip_layers=()):
-        from ..engine.runner import check_supported, sliding_window_of
+        from ..engine.runner import layer_windows
 
-        config = model.config.get_text_config()
-        check_supported(config)
+        config = _text_config(model)
         if cache not in ("paged", "continuous"):
             raise InvalidArgumentError(f"cache: expected 'paged' or 'continuous', got {cache!r}")
         self.config, self.max_seq_len = config, max_seq_len
@@ -200,7 +212,8 @@ class KVTVMCache(Cache):
         self._manager_cls = PagedKVCacheManager if cache == "paged" \
             else ContinuousBatchingKVCacheManager
         self.mgr = self._new_manager(max_batch_size)
-        self.sliding_window = sliding_window_of(config)
+        self.windows = layer_windows(config)       # each layer's window (None: full)
+        self.sliding_window = next((w for w in self.windows if w), None)
         self.scaling = self.params.head_dim ** -0.5
         self.seq_ids: list[int] = []
         self.pads = np.zeros(0, dtype=np.int64)
@@ -223,13 +236,22 @@ class KVTVMCache(Cache):
     # ------------------------------------------------------------------------------------
 
     def _hand_kv(self, layer: int, k, v) -> None:
+        impl = getattr(self.config, "_attn_implementation", None)
+        if isinstance(impl, str) and impl != ATTN_NAME:
+            # the model's own attention would read back only this forward's K/V (a KVTVMCache
+            # returns no history) and silently attend to nothing before it
+            raise InvalidArgumentError(
+                f"past_key_values: a KVTVMCache needs the model's attention on kvtvm, the "
+                f"model runs {impl!r}: call kvtvm.integrations.hf.use_kvtvm(model) first")
         _active.cache = self
         self._kv[layer] = (k, v)
 
     def _begin_step(self, batch: int, new: int, mask) -> None:
         """Fetch this forward's tokens: validate everything first, then commit the previous
         forward, claim the rows' sequences (growing the manager if it is empty and small),
-        fetch and plan."""
+        fetch and plan. A previous forward that stopped midway is rolled back first: the rows
+        are checked against what they really hold."""
+        self._roll_back_unfinished()
         n_held = len(self.seq_ids)
         if n_held and n_held != batch:
             raise InvalidArgumentError(
@@ -242,7 +264,7 @@ class KVTVMCache(Cache):
         ends = real + counts
         if int(ends.max()) > self.max_seq_len:
             b = int(np.argmax(ends))
-            raise InvalidArgumentError(
+            raise SequenceTooLongError(
                 f"KVTVMCache: row {b} would hold {int(ends[b])} tokens, more than max_seq_len="
                 f"{self.max_seq_len}: make the cache larger")
         self._settle()
@@ -250,27 +272,39 @@ class KVTVMCache(Cache):
             if batch > self.mgr.max_batch_size:
                 self.mgr = self._new_manager(batch)
             self.seq_ids = list(self.mgr.claim(batch))
-        self._pending = [BatchItem(s, [0] * int(c)) for s, c in zip(self.seq_ids, counts)]
-        (inputs,) = self.mgr.fetch(self._pending)
-        self.plan = plan_step(inputs, sm_scale=self.scaling, sliding_window=self.sliding_window)
+        # a row with no token this forward (pads only) is left out of the fetch: its sequence
+        # is unchanged and its outputs are zero; the real positions stay in row order
+        self._pending = [BatchItem(s, [0] * int(c)) for s, c in zip(self.seq_ids, counts) if c]
+        if self._pending:
+            (inputs,) = self.mgr.fetch(self._pending)
+            self.plan = {w: plan_step(inputs, sm_scale=self.scaling, sliding_window=w)
+                         for w in set(self.windows)}     # one per window the layers use
+        else:
+            self.plan = _NO_TOKENS
         self._undo = (self.pads, self.token_mask)
         self._layers_done = 0
         self.pads = (self.pads if n_held else np.zeros(batch, dtype=np.int64)) + (new - counts)
         self.token_mask, self._rows = marks, rows
 
     def _commit(self) -> None:
-        if self._pending is not None:
+        if self._pending:
             self.mgr.step(self._pending)
-            self._pending = None
+        self._pending = None
 
     def _settle(self) -> None:
-        """Commit the previous forward -- or, if it stopped before its last layer (an
-        exception in the model), roll it back: its tokens were appended to some layers only,
-        so they are popped again and the rows are as before it (a retry recomputes them)."""
-        pending = self._pending
+        """Commit the previous forward -- or, if it stopped before its last layer, roll it
+        back (:meth:`_roll_back_unfinished`)."""
+        self._roll_back_unfinished()
         self._commit()
+
+    def _roll_back_unfinished(self) -> None:
+        """If the previous forward stopped before its last layer (an exception in the model),
+        roll it back: its tokens were appended to some layers only, so they are popped again
+        and the rows (pads, token mask) are as before it (a retry recomputes them)."""
+        pending = self._pending
         if pending is None or self._layers_done == self.num_layers:
             return
+        self._commit()
         for item in pending:
             if len(item.tokens):
                 self.mgr.pop(item.seq_id, len(item.tokens))
@@ -289,9 +323,10 @@ class KVTVMCache(Cache):
         if scaling is not None and not math.isclose(scaling, self.scaling, rel_tol=1e-6):
             raise InvalidArgumentError(f"kvtvm attention: scaling {scaling} differs from the "
                                        f"cache's {self.scaling} (1/sqrt(head_dim))")
-        if sliding_window is not None and sliding_window != self.sliding_window:
-            raise InvalidArgumentError(f"kvtvm attention: sliding_window {sliding_window} "
-                                       f"differs from the config's {self.sliding_window}")
+        if sliding_window is not None and sliding_window != self.windows[layer]:
+            raise InvalidArgumentError(f"kvtvm attention: layer {layer}'s sliding_window "
+                                       f"{sliding_window} differs from the config's "
+                                       f"{self.windows[layer]}")
         if mask is not None and not isinstance(mask, PaddingMask):
             raise InvalidArgumentError(
                 f"kvtvm attention: attention_mask must be the 2-D padding mask (transformers "
@@ -307,20 +342,29 @@ class KVTVMCache(Cache):
         if self.plan is None:
             raise InvalidArgumentError(f"kvtvm attention: layer {layer} has no step: layer 0 "
                                        "did not run this forward")
+        if self.plan is _NO_TOKENS:                     # every row is pads this forward
+            out = query.new_zeros(B, T, Hq, D)
+            self._layers_done = layer + 1
+            self._end_forward(layer, T)
+            return out, None
         k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in kv)
         q = query.transpose(1, 2).reshape(B * T, Hq, D)
         rows = self._rows
         if rows is not None:
             k, v, q = k.index_select(0, rows), v.index_select(0, rows), q.index_select(0, rows)
-        self.plan.append_kv(layer, k.contiguous(), v.contiguous())
-        out, _ = self.plan.attention(layer, q.contiguous())
+        plan = self.plan[self.windows[layer]]
+        plan.append_kv(layer, k.contiguous(), v.contiguous())
+        out, _ = plan.attention(layer, q.contiguous())
         if rows is not None:
             out = out.new_zeros(B * T, Hq, D).index_copy_(0, rows, out)
         self._layers_done = layer + 1
-        if layer == self.num_layers - 1:
-            self.length += T
-            _active.cache = None        # a later forward without this cache must not find it
+        self._end_forward(layer, T)
         return out.view(B, T, Hq, D), None
+
+    def _end_forward(self, layer: int, new: int) -> None:
+        if layer == self.num_layers - 1:
+            self.length += new
+            _active.cache = None        # a later forward without this cache must not find it
 
     # ------------------------------------------------------------------------------------
     # Cache API
@@ -416,6 +460,23 @@ class KVTVMCache(Cache):
         """Give the sequences back to the manager (same as :meth:`reset`)."""
         self.reset()
 
+    def __deepcopy__(self, memo) -> "KVTVMCache":
+        """A cache with a manager of its own holding copies of every row's sequence
+        (``copy.deepcopy(prompt_cache)``, transformers' way to reuse a prompt's cache for
+        several continuations); this cache keeps its sequences. Costs a second manager's
+        memory."""
+        self._settle()
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.mgr = self._new_manager(self.mgr.max_batch_size)
+        new.seq_ids = copy_sequences(self.mgr, self.seq_ids, new.mgr)
+        new.pads = self.pads.copy()
+        new.token_mask = None if self.token_mask is None else self.token_mask.clone()
+        new.plan = new._rows = new._pending = new._undo = None
+        new._kv, new._layers_done = {}, 0
+        new.layers = [_Layer(new, i) for i in range(self.num_layers)]
+        return new
+
 
 def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     sliding_window=None, softcap=None, **kwargs):
@@ -445,7 +506,25 @@ AttentionInterface.register(ATTN_NAME, kvtvm_attention)
 AttentionMaskInterface.register(ATTN_NAME, _padding_mask)
 
 
+def _text_config(model):
+    """The text config of ``model`` (a transformers model kvtvm supports), or a typed error
+    naming ``model``."""
+    from ..engine.runner import check_supported
+
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") \
+            or not hasattr(model, "set_attn_implementation"):
+        raise InvalidArgumentError(describe("model", "a transformers model (PreTrainedModel)",
+                                            type(model).__name__))
+    config = model.config.get_text_config()
+    check_supported(config)
+    return config
+
+
 def use_kvtvm(model):
-    """Switch ``model``'s attention to kvtvm (``set_attn_implementation("kvtvm")``)."""
+    """Switch ``model``'s attention to kvtvm (``set_attn_implementation("kvtvm")``).
+
+    Raises :class:`kvtvm.errors.InvalidArgumentError` (``UnsupportedModelError``) naming
+    ``model`` if it is not a transformers model kvtvm supports; the model is unchanged then."""
+    _text_config(model)
     model.set_attn_implementation(ATTN_NAME)
     return model

@@ -333,9 +333,22 @@ def cb_config(max_prompt_len: int, max_new_tokens: int, num_requests: int,
         Tokens per page of transformers' cache.
     max_batch_tokens : int, optional
         Tokens one forward pass takes at most; default every prompt at once (capped at 8192).
+
+    Raises
+    ------
+    InvalidArgumentError
+        Naming the argument: a size that is not a positive int (``max_new_tokens`` may be 0).
     """
     from transformers import ContinuousBatchingConfig
 
+    from ..manager.args import check_positive_int
+
+    for name, value in (("max_prompt_len", max_prompt_len), ("num_requests", num_requests),
+                        ("page_size", page_size)):
+        check_positive_int(name, value)
+    check_positive_int("max_new_tokens", max_new_tokens, allow_zero=True)
+    if max_batch_tokens is not None:
+        check_positive_int("max_batch_tokens", max_batch_tokens)
     per_seq = -(-(max_prompt_len + max_new_tokens) // page_size) + 1
     tokens = max_batch_tokens or min(8192, num_requests * max_prompt_len)
     # the block table's width is left to generate_batch's workload hints (the longest request):

@@ -7,9 +7,10 @@ row holding only the row's real tokens. Two pieces map one onto the other for
 * :func:`step_rows` reads the 2-D ``attention_mask`` of a forward (``[B, past + T]``, what
   transformers hands the mask function) and says how many of the ``T`` new positions of each
   row are real tokens, and which flat positions of the ``[B * T]`` step they are. A row's new
-  positions must end with a token; pads before it (left padding, or pads between a chat's
-  turns) are never appended, and the cache remembers where they are; right padding is refused
-  (and, with a sliding window, pads after a row's first token).
+  positions must end with a token or be pads before the row's first token (a chunk of its
+  left padding under chunked prefill); pads before its last token (left padding, or pads
+  between a chat's turns) are never appended, and the cache remembers where they are; right
+  padding is refused (and, with a sliding window, pads after a row's first token).
 * :func:`regather` turns the sequences held for the rows into those of new rows, ``new row i =
   old row src[i]`` (beam search's ``reorder_cache``, ``batch_select_indices``,
   ``batch_repeat_interleave``): the first row taking an old sequence keeps it, every further
@@ -27,7 +28,8 @@ from ..errors import InvalidArgumentError, KVCacheCapacityError, describe
 from ..inputs import BatchItem
 from ..manager import PagedKVCacheManager
 
-__all__ = ["PaddingMask", "step_rows", "row_indices", "check_room", "regather"]
+__all__ = ["PaddingMask", "step_rows", "row_indices", "check_room", "regather",
+           "copy_sequences"]
 
 _LEFT_ONLY = "kvtvm supports left padding only (tokenizer(..., padding_side='left'))"
 
@@ -48,8 +50,11 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
               batch: int, new: int, sliding_window: int | None = None):
     """Real tokens of each row in one forward.
 
-    Every forward's new positions of a row end with a token (1); pads (0) may come anywhere
-    before it: left pads, or pads between a chat's turns (holes the cache remembers). The rows'
+    Every forward's new positions of a row end with a token (1), or are all pads while the row
+    holds no token yet (a chunk of its left padding under ``prefill_chunk_size``, a row of
+    pads only: sdpa's output there is zero, as kvtvm's); pads (0) may come anywhere before a
+    row's last token: left pads, or pads between a chat's turns (holes the cache remembers;
+    the outputs at them, never read by generate, are zero). The rows'
     sequences hold only their real tokens; transformers numbers positions by counting tokens
     (``position_ids`` from the mask), so attention over the real tokens is exact. With a
     sliding window a pad may not follow a token of its row: transformers' window counts pad
@@ -73,7 +78,7 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
     token_mask : bool Tensor ``[batch, past + new]`` or None
         Which positions are real after this forward (None: all of them).
     counts : int64 ndarray ``[batch]``
-        Real new tokens of each row (at least 1).
+        Real new tokens of each row (0 for a row of left pads only).
     rows : int64 Tensor ``[sum(counts)]`` or None
         Flat indices into the ``[batch * new]`` positions of the real tokens, in order (None:
         every position is real).
@@ -81,8 +86,9 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
     Raises
     ------
     InvalidArgumentError
-        ``attention_mask`` is not a mask of this batch whose rows end with a token (right
-        padding, a row without a token, the wrong shape), its cached part is not
+        ``attention_mask`` is not a mask of this batch whose rows end with a token or hold
+        left pads only (right padding, pads after a row's tokens, the wrong shape), its cached
+        part is not
         ``token_mask``, or (with a sliding window) a pad follows a token of its row.
     """
     full = np.full(batch, new, dtype=np.int64)
@@ -111,8 +117,13 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
             token_mask = torch.cat([token_mask.to(mask.device), fresh], dim=1)
         return token_mask, full, None
     where = "" if past == 0 else " (new positions)"
-    if not bool(fresh[:, -1].all()):
-        b = int(torch.nonzero(~fresh[:, -1])[0, 0])
+    # a row's new positions end with a token, or are pads while the row holds no token yet
+    # (sdpa's output at a pad is zero only while nothing before it is a token: left pads)
+    held = (token_mask.to(mask.device).any(dim=1) if token_mask is not None
+            else torch.full((batch,), past > 0, device=mask.device))
+    right = ~fresh[:, -1] & (fresh.any(dim=1) | held)  # tokens, then a pad: right padding
+    if bool(right.any()):
+        b = int(torch.nonzero(right)[0, 0])
         raise InvalidArgumentError(describe(
             f"attention_mask row {b}{where}", "a token (1) last: pads (0) only before the "
             f"row's tokens; {_LEFT_ONLY}", fresh[b].int().tolist()))
@@ -217,4 +228,31 @@ def _copy_sequence(mgr, seq_id: int) -> int:
     for blocks in mgr.blocks:
         copy_pages(blocks, src, dst)
     mgr.step(item)
+    return new
+
+
+def copy_sequences(src, seq_ids: list[int], dst) -> list[int]:
+    """Sequences of ``dst`` (a manager of the same class and params as ``src``, with free
+    slots) holding what ``src``'s settled sequences ``seq_ids`` hold: claimed, fetched for
+    their lengths, their pages (a continuous manager: blocks) copied byte for byte on every
+    device, and committed. Returns the new ids, in the order of ``seq_ids``."""
+    new = list(dst.claim(len(seq_ids)))
+    items = [BatchItem(n, [0] * src.cache_length(s)) for s, n in zip(seq_ids, new)]
+    held = [(s, item) for s, item in zip(seq_ids, items) if item.tokens]
+    if not held:
+        return new
+    dst.fetch([item for _, item in held])
+    src_pages, dst_pages = [], []
+    for s, item in held:
+        if isinstance(src, PagedKVCacheManager):
+            pages = dst.pages_of(item.seq_id)
+            src_pages += src.pages_of(s)[:len(pages)]
+            dst_pages += pages
+        else:                       # a continuous manager's sequence s owns block s
+            src_pages.append(s)
+            dst_pages.append(item.seq_id)
+    for a, b in zip(src.blocks, dst.blocks):
+        b.index_copy_(0, torch.tensor(dst_pages, device=b.device),
+                      a.index_select(0, torch.tensor(src_pages, device=a.device)))
+    dst.step([item for _, item in held])
     return new

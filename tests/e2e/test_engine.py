@@ -121,10 +121,35 @@ def test_runner_checks_counts_and_models(toy):
     cfg.model_type = "llama"
     with pytest.raises(UnsupportedModelError, match="softcap"):
         check_supported(cfg)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    mixed = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+        sliding_window=4, max_window_layers=1))
+    with pytest.raises(UnsupportedModelError, match="sliding-window layers mixed"):
+        ModelRunner(mixed)           # one window for every layer would be silently wrong
     with pytest.raises(InvalidArgumentError, match="no such directory"):
         load_model("/nonexistent/model")
     with pytest.raises(InvalidArgumentError, match="dtype"):
         load_model("toy", dtype="int8")
+
+
+def test_smollm3_layers_without_rope_match_transformers():
+    """SmolLM3 skips RoPE in every fourth layer (``no_rope_layers``): the runner follows each
+    layer's ``use_rope`` (it once rotated every layer: tokens differed from the first)."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    cfg = SmolLM3Config(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        initializer_range=0.1, pad_token_id=0, eos_token_id=None)
+    assert 0 in cfg.no_rope_layers
+    torch.manual_seed(0)
+    model = SmolLM3ForCausalLM(cfg).eval()
+    rng = np.random.default_rng(7)
+    reqs = [Request(i, _rand(rng, 9 + 4 * i), 6) for i in range(2)]
+    _engine(model).serve(reqs)
+    assert check_against_reference(model, reqs) == []
 
 
 def test_smollm2_chat_matches_transformers():

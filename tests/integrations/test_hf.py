@@ -7,7 +7,7 @@ import torch
 
 from kvtvm import KVCacheParams
 from kvtvm.engine import build_toy_model
-from kvtvm.errors import InvalidArgumentError
+from kvtvm.errors import InvalidArgumentError, SequenceTooLongError
 
 hf = pytest.importorskip("kvtvm.integrations.hf")
 
@@ -76,6 +76,37 @@ def test_toy_generate_on_an_8bit_kvtvm_cache(toy, cache, storage):
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=2e-3)
 
 
+def test_left_padded_batch_on_an_8bit_cache_equals_the_quantized_reference(toy):
+    """The quantized reference (sdpa over row-quantized K/V) masks pads as sdpa does: a
+    left-padded batch on an int8 kvtvm cache gives its tokens, and its logits at real
+    positions (the reference once attended to pads: logits off by whole units)."""
+    from kvtvm.engine.check import quantized_reference
+
+    g = torch.Generator().manual_seed(21)
+    ids, mask = torch.zeros(3, 11, dtype=torch.long), torch.zeros(3, 11, dtype=torch.long)
+    for b, n in enumerate([4, 11, 7]):
+        ids[b, 11 - n:], mask[b, 11 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
+    storage = dict(cache_dtype="int8")
+    params = KVCacheParams.from_hf_config(toy.config, dtype=torch.float32, page_size=16,
+                                          **storage)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=0)
+    with quantized_reference(toy, params):
+        want = toy.generate(ids, **kw)
+        with torch.no_grad():
+            want_logits = toy(ids, attention_mask=mask).logits
+    hf.use_kvtvm(toy)
+    try:
+        got = toy.generate(ids, cache=hf.KVTVMCache(toy, 24, max_batch_size=3, **storage), **kw)
+        with torch.no_grad():
+            got_logits = toy(ids, attention_mask=mask, cache=hf.KVTVMCache(
+                toy, 24, max_batch_size=3, **storage)).logits
+    finally:
+        toy.set_attn_implementation("sdpa")
+    real = mask.bool()
+    torch.testing.assert_close(got_logits[real], want_logits[real], rtol=1e-4, atol=2e-3)
+    assert torch.equal(want, got)
+
+
 def test_right_padded_batch_and_overflow_refused(toy):
     hf.use_kvtvm(toy)
     try:
@@ -85,10 +116,41 @@ def test_right_padded_batch_and_overflow_refused(toy):
         with pytest.raises(InvalidArgumentError, match="padding_side='left'"):
             toy.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
                          pad_token_id=0, cache=hf.KVTVMCache(toy, 32, max_batch_size=2))
-        with pytest.raises(InvalidArgumentError, match="max_seq_len"):
+        with pytest.raises(SequenceTooLongError, match="max_seq_len=12"):
             _generate(toy, ids, hf.KVTVMCache(toy, 12, max_batch_size=2), n=8)
     finally:
         toy.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_kvtvm_cache_under_another_attention_refused(toy, attn):
+    """A KVTVMCache on a model not switched to kvtvm (``use_kvtvm`` forgotten): the model's own
+    attention would get back only this forward's K/V and decode without any history, so the
+    first forward is refused, naming past_key_values and the cure, and nothing is claimed."""
+    toy.set_attn_implementation(attn)
+    try:
+        kv = hf.KVTVMCache(toy, max_seq_len=32, max_batch_size=2)
+        ids = torch.randint(3, 1000, (2, 5), generator=torch.Generator().manual_seed(4))
+        with pytest.raises(InvalidArgumentError, match=f"past_key_values.*{attn}.*use_kvtvm"):
+            _generate(toy, ids, kv, n=3)
+        assert kv.get_seq_length() == 0 and len(kv.mgr.slots_remaining) == 2
+    finally:
+        toy.set_attn_implementation("sdpa")
+
+
+def test_not_a_supported_model_refused(toy):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    for bad in (None, "smollm2", toy.config, torch.nn.Linear(2, 2)):
+        with pytest.raises(InvalidArgumentError, match="model: expected a transformers model"):
+            hf.KVTVMCache(bad, 32)
+        with pytest.raises(InvalidArgumentError, match="model: expected a transformers model"):
+            hf.use_kvtvm(bad)
+    for call in (lambda: hf.KVTVMCache(gpt2, 32), lambda: hf.use_kvtvm(gpt2)):
+        with pytest.raises(InvalidArgumentError, match="model_type 'gpt2'"):
+            call()
+    assert gpt2.config._attn_implementation != hf.ATTN_NAME
 
 
 def test_softcap_refused():
@@ -154,3 +216,23 @@ def test_smollm2_left_padded_batch_on_kvtvm_equals_each_prompt(smollm2):
     for b in range(len(texts)):
         assert torch.equal(got[b, T:], want[b][0, -6:]), tok.decode(got[b, T:])
     assert "Paris" in tok.decode(got[0, T:])
+
+
+@pytest.mark.e2e
+def test_smollm2_chunked_prefill_of_a_padded_chat_batch_equals_sdpa(smollm2):
+    """Chat prompts of different lengths, left-padded, prefilled in chunks of 8 (the short
+    prompt's first chunk is pads only): the tokens equal transformers' own."""
+    model, tok = smollm2
+    texts = [_chat(tok, q) for q in ("Hi", "Explain in one sentence why the sky is blue.")]
+    batch = tok(texts, padding=True, padding_side="left", return_tensors="pt")
+    pads = batch["input_ids"].shape[1] - int(batch["attention_mask"][0].sum())
+    assert pads >= 8                                  # a whole chunk of row 0 is pads
+    kw = dict(do_sample=False, max_new_tokens=6, prefill_chunk_size=8)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(**batch, **kw)
+    hf.use_kvtvm(model)
+    try:
+        got = model.generate(**batch, cache=hf.KVTVMCache(model, 64, max_batch_size=2), **kw)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(want, got)

@@ -116,6 +116,16 @@ def test_refusals_change_nothing():
     assert torch.equal(k, keep)
 
 
+@pytest.mark.parametrize("bad", [dict(page_size=0), dict(page_size=-1), dict(page_size=2.5),
+                                 dict(num_requests=0), dict(max_prompt_len=-5),
+                                 dict(max_new_tokens=True), dict(max_batch_tokens=0)])
+def test_cb_config_refuses_bad_sizes(bad):
+    (name, _), = bad.items()
+    args = {**dict(max_prompt_len=10, max_new_tokens=5, num_requests=2), **bad}
+    with pytest.raises(InvalidArgumentError, match=f"^{name}: expected a"):
+        hfb.cb_config(**args)
+
+
 def test_transformers_change_fails_loudly(monkeypatch):
     monkeypatch.delattr(hfb._mfa, "_flash_varlen_fn")
     with pytest.raises(ImportError, match="_flash_varlen_fn"):

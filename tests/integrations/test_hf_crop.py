@@ -186,6 +186,45 @@ def test_second_turn_of_a_left_padded_batch_and_reset(toy):
     assert torch.equal(got, toy.generate(other, max_new_tokens=5, **GREEDY))
 
 
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+def test_deepcopy_of_a_prompt_cache_serves_each_continuation(toy, cache):
+    """transformers' prompt reuse: one forward over a (left-padded) shared prefix, then
+    ``copy.deepcopy(prompt_cache)`` for each continuation. Each copy has a manager of its own
+    with the rows' pages/blocks copied; tokens equal DynamicCache's doing the same, and the
+    prompt cache is untouched (deepcopy once raised: a manager's lock cannot be pickled)."""
+    import copy
+
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(15)
+    ids, mask = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)
+    for b, n in enumerate([6, 9]):
+        ids[b, 9 - n:], mask[b, 9 - n:] = torch.randint(3, 1000, (n,), generator=g), 1
+    suffixes = [torch.randint(3, 1000, (2, n), generator=g) for n in (3, 5)]
+
+    def run(prompt_cache):
+        with torch.no_grad():
+            toy(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                cache=prompt_cache)
+        outs = []
+        for suf in suffixes:
+            full = torch.cat([mask, torch.ones_like(suf)], 1)
+            outs.append(toy.generate(torch.cat([ids, suf], 1), attention_mask=full,
+                                     cache=copy.deepcopy(prompt_cache),
+                                     max_new_tokens=5, **GREEDY))
+        return outs
+
+    want = run(DynamicCache(config=toy.config))
+    kv = hf.KVTVMCache(toy, max_seq_len=24, cache=cache, max_batch_size=2, page_size=4)
+    got = on_kvtvm(toy, lambda: run(kv))
+    for w, g_ in zip(want, got):
+        assert torch.equal(w, g_)
+    assert _state(kv) == ([], kv.seq_ids, 9, [3, 0], [6, 9])
+    twin = copy.deepcopy(kv)
+    assert twin.mgr is not kv.mgr and twin.layers[0].owner is twin
+    assert _state(twin)[2:] == _state(kv)[2:]
+
+
 def test_second_turn_with_left_padded_user_tokens(toy):
     """Users' next messages of 1, 4 and 2 tokens, left-padded to the batch: the pads sit between
     turns (holes the cache remembers, never appended). Equal to transformers' generate over the
@@ -286,3 +325,36 @@ def test_a_forward_that_fails_midway_is_rolled_back(toy, cache):
     torch.testing.assert_close(nxt, full[:, 6:], rtol=1e-4, atol=1e-4)
     assert before[2] == 4 and _state(kv)[2] == 7
     assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [6, 6]  # the last one pending
+
+
+def test_a_left_padded_forward_that_fails_midway_is_retried(toy):
+    """The rollback with a padded batch: the failed forward had extended the rows' token mask,
+    so the retry's mask was checked against it (an untyped shape error); the unfinished
+    forward is now rolled back before the retry is checked, and the retry gives sdpa's
+    logits."""
+    ids = _random_ids(16, 2, 8)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = toy(ids, attention_mask=mask, position_ids=pos).logits
+        kv = hf.KVTVMCache(toy, 16, max_batch_size=2, page_size=4)
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        def run():
+            toy(ids[:, :5], attention_mask=mask[:, :5], position_ids=pos[:, :5], cache=kv)
+            handle = toy.model.layers[0].mlp.register_forward_pre_hook(boom)
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    toy(ids[:, 5:], attention_mask=mask, position_ids=pos[:, 5:], cache=kv)
+            finally:
+                handle.remove()
+            return toy(ids[:, 5:], attention_mask=mask, position_ids=pos[:, 5:],
+                       cache=kv).logits
+
+        got = on_kvtvm(toy, run)
+    torch.testing.assert_close(got, want[:, 5:], rtol=1e-4, atol=1e-4)
+    assert kv.length == 8 and kv.pads.tolist() == [3, 0]
+

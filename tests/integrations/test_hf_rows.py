@@ -22,8 +22,9 @@ def toy():
 
 def _tiny(kind: str):
     """A random 2-layer GQA model (std 0.1 weights, like build_toy_model): Mistral with a
-    head_dim of its own (32, hidden 192 / 8 heads = 24) and a 6-token sliding window, or Qwen2
-    (q/k/v biases)."""
+    head_dim of its own (32, hidden 192 / 8 heads = 24) and a 6-token sliding window, Qwen2
+    (q/k/v biases), or Qwen2 whose layer 0 attends in full and layer 1 over a 4-token window
+    (``max_window_layers=1``: mixed ``layer_types``)."""
     common = dict(vocab_size=1000, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, initializer_range=0.1,
                   max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
@@ -31,6 +32,10 @@ def _tiny(kind: str):
     if kind == "mistral":
         config, cls = MistralConfig(hidden_size=192, head_dim=32, sliding_window=6, **common), \
             MistralForCausalLM
+    elif kind == "qwen2_mixed":
+        config, cls = Qwen2Config(hidden_size=256, use_sliding_window=True, sliding_window=4,
+                                  max_window_layers=1, **common), Qwen2ForCausalLM
+        assert config.layer_types == ["full_attention", "sliding_attention"]
     else:
         config, cls = Qwen2Config(hidden_size=256, **common), Qwen2ForCausalLM
     torch.manual_seed(0)
@@ -61,6 +66,7 @@ def _gen(model, ids, mask, cache=None, **kw):
 @pytest.mark.parametrize("kind,cache,ref", [("llama", "paged", "sdpa"),
                                             ("llama", "continuous", "eager"),
                                             ("qwen2", "paged", "sdpa"),
+                                            ("qwen2_mixed", "paged", "sdpa"),
                                             ("mistral", "paged", "eager")])
 def test_left_padded_greedy_equals_each_prompt_unpadded(toy, kind, cache, ref):
     model = toy if kind == "llama" else _tiny(kind)
@@ -78,6 +84,24 @@ def test_left_padded_greedy_equals_each_prompt_unpadded(toy, kind, cache, ref):
     assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [len(p) + 6 for p in prompts]
     kv.release()
     assert len(kv.mgr.slots_remaining) == kv.mgr.max_batch_size == 3  # grown from 1
+
+
+@pytest.mark.parametrize("cache,lengths,chunk", [("paged", [1, 7, 4], 3),
+                                                 ("continuous", [3, 0, 6], 2)])
+def test_chunked_prefill_of_a_left_padded_batch_equals_sdpa(toy, cache, lengths, chunk):
+    """``prefill_chunk_size`` over a left-padded batch (padded to 8, so the first chunk is
+    pads in every row, later ones in the short rows; one row pads only): a row with no token
+    in a forward is left out of the fetch, its outputs zero -- what sdpa gives a row whose
+    positions are all masked -- and the tokens equal sdpa's + DynamicCache's."""
+    _, ids, mask = _left_padded(lengths, seed=19)
+    ids, mask = (torch.cat([x.new_zeros(len(lengths), 8 - x.shape[1]), x], 1) for x in (ids, mask))
+    kw = dict(prefill_chunk_size=chunk)
+    want = _gen(toy, ids, mask, **kw)
+    kv = hf.KVTVMCache(toy, max_seq_len=16, cache=cache, max_batch_size=3, page_size=2)
+    got = on_kvtvm(toy, lambda: _gen(toy, ids, mask, kv, **kw))
+    assert torch.equal(got, want)
+    assert kv.pads.tolist() == [8 - n for n in lengths]
+    assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [n + 6 for n in lengths]
 
 
 @pytest.mark.parametrize("cache,beams,returns", [("paged", 2, 1), ("paged", 4, 3),
@@ -160,7 +184,7 @@ def _manager_state(kv):
             [m.cache_length(s) for s in kv.seq_ids])
 
 
-@pytest.mark.parametrize("bad", ["right", "hole_in_a_window", "empty_row"])
+@pytest.mark.parametrize("bad", ["right", "hole_in_a_window", "right_after_a_hole"])
 def test_unsupported_masks_refused_before_any_change(toy, bad):
     ids = torch.randint(3, 1000, (2, 6), generator=torch.Generator().manual_seed(16))
     mask = torch.ones_like(ids)
@@ -170,8 +194,8 @@ def test_unsupported_masks_refused_before_any_change(toy, bad):
     elif bad == "hole_in_a_window":         # without a window a hole is fine (test_hf_crop)
         mask[0, 2] = 0
         model = _tiny("mistral")
-    else:
-        mask[1] = 0
+    else:                                   # a row of pads only is fine (chunked prefill)
+        mask[1] = torch.tensor([0, 1, 1, 0, 1, 0])
         mask[0, 0] = 0
     kv = hf.KVTVMCache(model, 32, max_batch_size=2)
     before = _manager_state(kv)
@@ -191,6 +215,9 @@ def test_right_pads_in_a_later_chunk_wrong_history_and_4d_mask_refused(toy):
         m = torch.cat([mask, torch.tensor([[1, 1], [1, 0]])], dim=1)   # right pad, later chunk
         with pytest.raises(InvalidArgumentError, match=r"row 1 \(new positions\).*only before"):
             toy(nxt, attention_mask=m, cache=kv)
+        m = torch.cat([mask, torch.tensor([[1, 1], [0, 0]])], dim=1)   # pads after tokens only:
+        with pytest.raises(InvalidArgumentError, match=r"row 1 \(new positions\).*only before"):
+            toy(nxt, attention_mask=m, cache=kv)     # sdpa's last logits there attend to them
         m = torch.cat([torch.ones_like(mask), torch.ones(2, 2, dtype=torch.long)], dim=1)
         with pytest.raises(InvalidArgumentError, match="cached positions"):
             toy(nxt, attention_mask=m, cache=kv)                    # history without its pads
