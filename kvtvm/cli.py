@@ -7,6 +7,7 @@ import importlib
 import itertools
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from . import cliargs, compiler
@@ -94,6 +95,12 @@ def cmd_build(args) -> int:
         return 2
     specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
     out = Path(args.out)
+    try:  # an unwritable --out fails now, not once per kernel after each one is compiled
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as err:
+        print(f"--out: cannot write kernels to {str(out)!r}: {err}", file=sys.stderr)
+        return 2
     print(f"building {len(specs)} kernels for {args.target}"
           f"{' ' + arch if arch else ''} into {out}")
     from tqdm import tqdm
@@ -265,9 +272,9 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--torch-threads", type=cliargs.positive_int, default=1,
+    g.add_argument("--torch-threads", type=cliargs.thread_count, default=1,
                    help="torch intra-op threads (default 1: see kvtvm.engine.threads)")
-    g.add_argument("--kernel-threads", type=cliargs.positive_int, default=None,
+    g.add_argument("--kernel-threads", type=cliargs.thread_count, default=None,
                    help="kvtvm kernel threads (default KVTVM_NUM_THREADS or the cores)")
     g.add_argument("--check", action="store_true",
                    help="greedy: compare the tokens with transformers' generate (exit 1 if not)")

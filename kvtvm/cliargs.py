@@ -37,6 +37,28 @@ positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 
 
+def int_between(low: int, high: int):
+    """A ``type`` accepting ints in ``[low, high]``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an int in [{low}, {high}], got "
+                                             f"{text!r}")
+        return value
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
+
+
+def thread_count(text: str) -> int:
+    """A thread count: an int in ``[1, kvtvm.runtime.MAX_THREADS]``."""
+    from .runtime import MAX_THREADS
+
+    return int_between(1, MAX_THREADS)(text)
+
+
 def int_list(text: str) -> list[int]:
     """Comma-separated positive ints (``"1,64,256"``)."""
     values = [positive_int(x) for x in text.split(",") if x.strip()]

@@ -423,6 +423,8 @@ class TierMixin:
         if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
             raise InvalidArgumentError(describe("disk_dir", "a path (str or os.PathLike)",
                                                 type(disk_dir).__name__))
+        if disk_dir is not None and not os.fspath(disk_dir):  # Path("") is the current dir
+            raise InvalidArgumentError(describe("disk_dir", "a non-empty path", "''"))
         p = self.params
         shape = (2, self.num_layers, self.page_size, p.n_kv_heads, p.head_dim) \
             if not p.quantized else (p.bytes_per_page(self.num_layers),)

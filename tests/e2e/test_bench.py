@@ -171,3 +171,14 @@ def test_bench_e2e_toy_serves_every_way(tmp_path):
     assert 0 < rows["engine"]["kernel_share"] < 1
     assert "engine / best transformers path" in proc.stdout
     assert "generate_batch on kvtvm / on sdpa" in proc.stdout
+
+
+def test_bench_manager_context_shorter_than_a_page():
+    """``--context`` below ``--page-size`` drew prompts of zero or negative length (numpy
+    ValueError: negative dimensions) instead of measuring."""
+    from kvtvm.bench.manager import decode_step_us
+
+    for context in (1, 5, 15):
+        for kind in ("paged", "paged+prefix", "continuous"):
+            res = decode_step_us(kind, 3, context, 16, 2)
+            assert res["median_us"] > 0
