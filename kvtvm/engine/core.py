@@ -423,7 +423,9 @@ class Engine:
 
     def _chunks(self, batch) -> list[list[int]]:
         """This step's tokens per request: the last token of those generating, the next prompt
-        chunk of the others (at least one token each, within ``max_step_tokens``)."""
+        chunk of the others (at least one token each, within ``max_step_tokens``). A prompt's
+        first chunk also holds its prefix-cache hits, which cost nothing to compute (a chunk
+        shorter than them would recompute what the cache holds)."""
         budget = self.max_step_tokens or 1 << 62
         budget -= sum(1 for r in batch if r.prefilled == len(r.prompt))
         out = []
@@ -431,8 +433,9 @@ class Engine:
             if r.prefilled == len(r.prompt):
                 out.append(r.output[-1:])
                 continue
-            n = max(1, min(len(r.prompt) - r.prefilled, budget))
-            budget -= n
+            hits = self.kv.cached_prefix(r) if r.prefilled == 0 else 0
+            n = min(len(r.prompt) - r.prefilled, hits + max(1, budget))
+            budget -= n - hits
             out.append(r.prompt[r.prefilled:r.prefilled + n])
         return out
 

@@ -191,6 +191,23 @@ def test_tight_pool_prefixes_and_aborts_match_transformers(toy, page_size, num_p
     _assert_clean(e)
 
 
+def test_chunked_prefill_keeps_the_prefix_hits(toy):
+    """A prompt admitted when the step budget was nearly spent got a one-token first chunk;
+    prefix hits are looked up at a sequence's first fetch only, so a prompt whose first
+    21 tokens were cached computed all of them again (0 hits). The first chunk now holds the
+    cached prefix (free) plus the budget."""
+    rng = np.random.default_rng(5)
+    a, b = _rand(rng, 30), _rand(rng, 35)
+    reqs = [Request(0, a, 10), Request(1, b, 12, arrival=1),
+            Request(2, a[:27], 6, arrival=1), Request(3, a, 5, arrival=2)]
+    e = _engine(toy, max_seq_len=64, page_size=7, max_step_tokens=13)
+    e.serve(reqs)
+    assert [r.prefix_hit_tokens for r in reqs] == [0, 0, 21, 28]
+    assert e.stats.prefill_tokens == sum(len(r.prompt) for r in reqs) - 49
+    assert check_against_reference(toy, reqs) == []
+    _assert_clean(e)
+
+
 def test_prompt_of_max_seq_len_and_one_token_in_every_cache(toy):
     """A prompt exactly ``max_seq_len`` long (one new token), a one-token prompt and a
     request whose final length is ``max_seq_len``, through every cache; one token more is
