@@ -7,7 +7,6 @@ import importlib
 import itertools
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from . import cliargs, compiler
@@ -95,11 +94,9 @@ def cmd_build(args) -> int:
         return 2
     specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
     out = Path(args.out)
-    try:  # an unwritable --out fails now, not once per kernel after each one is compiled
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as err:
-        print(f"--out: cannot write kernels to {str(out)!r}: {err}", file=sys.stderr)
+    why = cliargs.unwritable_dir(out)  # now, not once per kernel after each one is compiled
+    if why:
+        print(f"--out: cannot write kernels to {str(out)!r}: {why}", file=sys.stderr)
         return 2
     print(f"building {len(specs)} kernels for {args.target}"
           f"{' ' + arch if arch else ''} into {out}")
@@ -236,7 +233,7 @@ def main(argv=None) -> int:
                        "modules load with the TVM runtime alone.")
     b.add_argument("--target", choices=["llvm", "cuda"], default="cuda")
     b.add_argument("--arch", default="sm_90a", choices=sorted(compiler.CUDA_ARCHS))
-    b.add_argument("--out", required=True, help="output directory")
+    b.add_argument("--out", required=True, type=cliargs.dir_path, help="output directory")
     b.add_argument("--ops", type=_csv(str), default=None,
                    help="comma-separated families (default: all defined)")
     b.add_argument("--dtypes", type=_csv(str), default=["float16", "bfloat16"])

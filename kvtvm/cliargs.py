@@ -9,6 +9,7 @@ measured: argparse then prints the usage and one line naming the option
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from .quant import QUANT_DTYPES
@@ -104,6 +105,25 @@ def output_file(text: str) -> str:
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
     return text
+
+
+def dir_path(text: str) -> Path:
+    """A directory path, not empty (``Path("")`` is the current directory: an unset shell
+    variable would write there)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a directory path, got {text!r}")
+    return Path(text).expanduser()
+
+
+def unwritable_dir(path) -> str:
+    """Why files cannot be written into directory ``path`` (created, with its parents, when
+    missing), or ``""``: checked before a long run that writes there at its end."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as err:
+        return str(err)
+    return ""
 
 
 def cache_storage(text: str) -> str:

@@ -53,6 +53,17 @@ CASES = [
     (["build", "--target", "llvm", "--out", "/proc/kvtvm-x", "--ops", "copy", "--dtypes",
       "float32", "--head-dims", "16"], "--out"),
     (["bench", "manager", "--max-seq-len", "1"], "--max-seq-len"),
+    (["build", "--target", "llvm", "--out", "", "--ops", "copy"], "--out"),
+    # tune: directories it writes at the end of a search are checked before it (a traceback
+    # after the search before), a missing --prebuilt is a usage error, --arch on a CPU run
+    # tuned CUDA knobs on the CPU (every candidate failed)
+    (["tune", "--op", "copy", "--dtype", "float32", "--head-dim", "16", "--max-trials", "1",
+      "--log-root", "/proc/kvtvm-x"], "--log-root"),
+    (["tune", "--op", "copy", "--log-root", "", "--dry-run"], "--log-root"),
+    (["tune", "--op", "copy", "--arch", "sm_90a", "--build-only", "/proc/kvtvm-x"],
+     "--build-only"),
+    (["tune", "--prebuilt", "/nonexistent/kvtvm-dir"], "--prebuilt"),
+    (["tune", "--op", "decode", "--arch", "sm_90a", "--dry-run"], "--arch"),
     (["build", "--target", "llvm", "--out", "unused", "--head-dims", "0"], "--head-dims"),
     (["build", "--target", "llvm", "--out", "unused", "--dtypes", "float64"], "--dtypes"),
     (["build", "--target", "llvm", "--out", "unused", "--ops", "attention"], "--ops"),
