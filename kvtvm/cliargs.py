@@ -97,13 +97,18 @@ def device(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """A file path whose directory exists (checked now, so a long run does not fail at its
-    end when it writes its results)."""
+    """A file path whose directory exists and can be written (checked now, so a long run does
+    not fail at its end when it writes its results)."""
     parent = Path(text).expanduser().resolve().parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} does not exist")
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
+    try:  # writable (a temporary file, removed: the path itself is not touched)
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {str(parent)!r} "
+                                         f"({err.strerror or err})") from None
     return text
 
 

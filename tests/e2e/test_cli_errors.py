@@ -78,6 +78,9 @@ CASES = [
     (["bench", "copy", "--dtype", "float64"], "--dtype"),
     (["bench", "decode", "--cases", "4y100"], "--cases"),
     (["bench", "decode", "--json", "/nonexistent/dir/out.json"], "--json"),
+    # a directory that exists but cannot be written: the run failed at its end (traceback)
+    (["bench", "decode", "--json", "/proc/kvtvm-out.json"], "--json"),
+    (["bench", "append", "--plot", "/proc/kvtvm-out.png"], "--plot"),
     (["bench", "prefill", "--cases", "1:2"], "--cases"),
     (["bench", "prefill", "--skip", "dense,nosuch"], "--skip"),
     (["bench", "manager", "--batches", "0"], "--batches"),
