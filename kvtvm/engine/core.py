@@ -287,14 +287,18 @@ class Engine:
         self.running: list[Request] = []    # in the cache, in batch order
         self.finished: list[Request] = []   # done, rejected or aborted
         self.step_no = 0
+        self._closed = False
         self.stats = ServeStats(allocated_bytes=self.kv.allocated_bytes())
         self.log: Callable[[str], None] = _log.info
 
     # -- requests -------------------------------------------------------------------------
 
     def close(self, persist: bool = True) -> int:
-        """Finish with the prefix cache's tiers: with a disk tier, write every cached page
-        there (``persist``) and stop its writer. Returns the pages written."""
+        """Finish with the engine: with a disk tier, write every cached page there
+        (``persist``) and stop its writer. Returns the pages written. Requests submitted
+        afterwards are refused (:class:`~kvtvm.errors.InvalidArgumentError`): a closed tier
+        takes no more pages, so make a new engine (on the same directory, it starts warm)."""
+        self._closed = True
         mgr = getattr(self.kv, "mgr", None)
         if getattr(mgr, "_tiers", None) is None:
             return 0
@@ -306,6 +310,9 @@ class Engine:
         """Refuse (typed, nothing queued) a request object that was already submitted to an
         engine: its ``output``, ``status`` and cache position belong to that run, and serving
         it again would continue its old output over an empty cache."""
+        if self._closed:
+            raise InvalidArgumentError("engine: closed by close(); make a new Engine to serve "
+                                       "more requests")
         seen = {id(r) for r in (*self.pending, *self.queue, *self.running)}
         for r in reqs:
             if not isinstance(r, Request):
@@ -439,6 +446,16 @@ class Engine:
             out.append(r.prompt[r.prefilled:r.prefilled + n])
         return out
 
+    def _unadmit(self, new) -> None:
+        """Undo :meth:`_admit` of ``new`` (never fetched): their slots back, the requests
+        back at the head of the queue."""
+        if not new:
+            return
+        self.kv.remove(new)
+        for r in reversed(new):
+            r.status, r.seq_id, r.admitted_step = "waiting", -1, -1
+            self.queue.insert(0, r)
+
     # -- one step -------------------------------------------------------------------------
 
     @property
@@ -469,16 +486,16 @@ class Engine:
                 raise
             # no room after all: the new requests go back to the head of the queue
             self.log(f"requests {[r.rid for r in new]} wait: {err}")
-            self.kv.remove(new)
-            for r in reversed(new):
-                r.status, r.seq_id, r.admitted_step = "waiting", -1, -1
-                self.queue.insert(0, r)
+            self._unadmit(new)
             new, batch = [], self.running
             if not batch:
                 self.step_no += 1
                 return
             tokens = self._chunks(batch)
             kv = self.kv.fetch(batch, tokens)
+        except BaseException:
+            self._unadmit(new)   # a failed fetch changed nothing: neither does this step
+            raise
         self.running = batch
         is_new = {id(r) for r in new}
         prefilling = [r.prefilled < len(r.prompt) for r in batch]

@@ -146,6 +146,41 @@ def test_bad_engine_arguments_are_refused_by_name(toy, kw, name):
         _engine(toy, **kw)
 
 
+def test_a_failed_fetch_leaves_the_engine_as_it_was(toy, tmp_path):
+    """Serving after close() raised out of the fetch (the closed disk tier refuses pages) with
+    the step's new request holding a slot: the slot leaked and the request was lost. Now
+    close() refuses later requests by name, and a fetch that raises undoes the admission."""
+    rng = np.random.default_rng(6)
+    base = _rand(rng, 16)
+    e = _engine(toy, page_size=4, num_pages=8, max_seq_len=30, disk_tier_dir=tmp_path)
+    first = [Request(i, base + _rand(rng, 2), 3, arrival=i) for i in range(3)]
+    e.serve(first)
+    assert e.close() > 0
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        e.serve([Request(9, base, 3)])
+    assert e.idle and len(e.kv.mgr.slots_remaining) == 3
+    e = _engine(toy, "linear")
+    reqs = [Request(i, _rand(rng, 6 + i), 4, arrival=i) for i in range(3)]
+    for r in reqs:
+        e.submit(r)
+    e.step()
+    fetch, calls = e.kv.fetch, []
+
+    def flaky(batch, tokens):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise InvalidArgumentError("fetch: injected")
+        return fetch(batch, tokens)
+    e.kv.fetch = flaky
+    with pytest.raises(InvalidArgumentError, match="injected"):
+        e.step()                                       # request 1 arrives, fetch fails
+    assert [r.status for r in reqs] == ["running", "waiting", "waiting"]
+    assert e.kv.mgr.active_batch_size == 1 and e.queue == [reqs[1]]
+    e.serve([])
+    assert check_against_reference(toy, reqs) == []
+    _assert_clean(e)
+
+
 def test_warmup_loads_the_8bit_cache_kernels(toy, monkeypatch):
     """warmup() served its throwaway engine over a full-precision cache, so an 8-bit engine
     still loaded (or built) its quantized kernels at its first real step."""
