@@ -262,7 +262,7 @@ class Engine:
             gen = getattr(model, "generation_config", None)
             eos_token_ids = getattr(gen, "eos_token_id", None)
         eos = _token_list((eos_token_ids,) if _is_int(eos_token_ids) else
-                          (eos_token_ids or ()))
+                          () if eos_token_ids is None else eos_token_ids)
         if eos is None:
             raise InvalidArgumentError(describe("eos_token_ids", "None, an int or a sequence "
                                                 "of ints", repr(eos_token_ids)))

@@ -146,6 +146,15 @@ def test_bad_engine_arguments_are_refused_by_name(toy, kw, name):
         _engine(toy, **kw)
 
 
+def test_stop_ids_as_arrays(toy):
+    """An array of stop ids (numpy or torch, as a generation config may hold) is taken (a
+    2-element numpy array was 'truth value ambiguous')."""
+    assert _engine(toy, eos_token_ids=np.array([5, 6])).eos_token_ids == (5, 6)
+    assert _engine(toy, eos_token_ids=torch.tensor([7, 8])).eos_token_ids == (7, 8)
+    assert _engine(toy, eos_token_ids=np.int64(9)).eos_token_ids == (9,)
+    assert _engine(toy, eos_token_ids=[]).eos_token_ids == ()
+
+
 def test_a_failed_fetch_leaves_the_engine_as_it_was(toy, tmp_path):
     """Serving after close() raised out of the fetch (the closed disk tier refuses pages) with
     the step's new request holding a slot: the slot leaked and the request was lost. Now
