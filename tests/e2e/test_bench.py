@@ -182,3 +182,14 @@ def test_bench_manager_context_shorter_than_a_page():
         for kind in ("paged", "paged+prefix", "continuous"):
             res = decode_step_us(kind, 3, context, 16, 2)
             assert res["median_us"] > 0
+
+
+def test_bench_e2e_one_new_token(capsys):
+    """``--new-tokens 1``: generate_batch's time per output token divided by zero
+    (ZeroDivisionError) -- one token has no time after the first: 0, as ``Request.tpot``."""
+    from kvtvm.bench.e2e import main
+
+    assert main(["--model", "toy", "--requests", "1", "--prompt-lens", "3", "--new-tokens",
+                 "1", "--repeat", "1", "--ways", "engine,hf-batch-sdpa"]) == 0
+    out = capsys.readouterr().out
+    assert "hf-batch-sdpa" in out and "TPOT    0.0 ms" in out
