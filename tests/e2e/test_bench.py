@@ -193,3 +193,14 @@ def test_bench_e2e_one_new_token(capsys):
                  "1", "--repeat", "1", "--ways", "engine,hf-batch-sdpa"]) == 0
     out = capsys.readouterr().out
     assert "hf-batch-sdpa" in out and "TPOT    0.0 ms" in out
+
+
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_bench_transfer_host_tier_tokens_off_the_page_grid(tokens, capsys):
+    """``--tokens`` not one less than a multiple of the page size left the last page partial,
+    never cached: AssertionError 'the sequence's pages are not all cached'."""
+    from kvtvm.bench.transfer import main
+
+    assert main(["--tokens", str(tokens), "--layers", "1", "--n-kv-heads", "1", "--head-dim",
+                 "16", "--repeat", "1", "--warmup", "0", "--skip", "transfer"]) == 0
+    assert f"host tier: {tokens} tokens" in capsys.readouterr().out
