@@ -492,9 +492,17 @@ class TierMixin:
         always recomputed); 0 without prefix caching. A fetch of only the first ``k`` tokens
         can hit ``(k - 1) // page_size`` pages at most: an engine sizes a prompt's first
         chunk with this so chunked prefill does not recompute what the cache holds."""
+        try:
+            toks = None if isinstance(tokens, (str, bytes)) else np.array(
+                tokens if isinstance(tokens, list) else list(tokens))
+        except (TypeError, ValueError):
+            toks = None
+        if toks is None or toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):
+            raise InvalidArgumentError(describe("tokens", "a flat sequence of int token ids",
+                                                repr(tokens)[:80]))
         if not self.prefix_caching:
             return 0
-        toks = np.asarray(tokens, dtype=np.int64).ravel()
+        toks = toks.astype(np.int64, copy=False)
         P = self.page_size
         chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(max(0, toks.size - 1) // P)]
         with self._lock:
