@@ -27,11 +27,12 @@ import sys
 import numpy as np
 import torch
 
-from kvtvm import KVCacheParams
+from kvtvm import KVCacheParams, cliargs
 from kvtvm.engine import ModelRunner, build_toy_model, load_model, reference_tokens
 from kvtvm.manager import BatchItem, PagedKVCacheManager
 
 PAGE_SIZE = 16
+MAX_SEQ_LEN = 256   # tokens per sequence in both processes' caches
 
 
 # ------------------------------------------------------------------------------------------
@@ -90,7 +91,8 @@ class ModelStep:
 
 
 def make_cache(step: ModelStep, num_pages: int) -> PagedKVCacheManager:
-    return PagedKVCacheManager(step.params, 4, 256, step.num_layers, num_pages=num_pages)
+    return PagedKVCacheManager(step.params, 4, MAX_SEQ_LEN, step.num_layers,
+                               num_pages=num_pages)
 
 
 def demo_prompts(n: int, vocab_size: int, seed: int = 7) -> list[list[int]]:
@@ -196,6 +198,18 @@ def run(argv=None) -> list[tuple]:
     import torch.multiprocessing as mp
 
     prompts = ModelStep(args.model, args.seed, args.layers).prompts(args.requests)
+    # both caches must hold the longest request (one at a time): refused here, by option,
+    # rather than as a capacity error in a worker process
+    # (the last generated token is never fed back)
+    longest = max(len(p) for p in prompts) + args.max_new_tokens - 1
+    if longest > MAX_SEQ_LEN:
+        _parser().error(f"--max-new-tokens {args.max_new_tokens}: the longest prompt "
+                        f"({longest + 1 - args.max_new_tokens} tokens) plus the new tokens "
+                        f"passes the caches' max_seq_len of {MAX_SEQ_LEN}")
+    need = -(-longest // PAGE_SIZE)
+    if args.num_pages < need:
+        _parser().error(f"--num-pages {args.num_pages}: the longest request ({longest} tokens) "
+                        f"needs {need} pages of {PAGE_SIZE}")
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -207,18 +221,34 @@ def run(argv=None) -> list[tuple]:
     return sorted(out)
 
 
-def parse(argv=None):
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (default), toy (random Llama) or a local model directory")
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4, help="layers of the toy model")
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--num-pages", type=int, default=32)
+    p.add_argument("--requests", type=cliargs.positive_int, default=4)
+    p.add_argument("--layers", type=cliargs.positive_int, default=4,
+                   help="layers of the toy model")
+    p.add_argument("--max-new-tokens", type=cliargs.positive_int, default=8)
+    p.add_argument("--num-pages", type=cliargs.positive_int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0,
+    p.add_argument("--timeout", type=_seconds, default=120.0,
                    help="seconds a process waits for its peer before giving up")
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv=None):
+    """The options; a bad value exits 2 with one line naming it (argparse)."""
+    return _parser().parse_args(argv)
 
 
 def main(argv=None) -> int:

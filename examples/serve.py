@@ -268,7 +268,12 @@ def main(argv=None) -> int:
     if args.requests < 0:
         parser.error(f"--requests: expected an int >= 0, got {args.requests}")
     if args.kernels:
+        from pathlib import Path
+
         from kvtvm import compiler
+
+        if not Path(args.kernels).is_dir():   # a typo would only show as a missing kernel
+            parser.error(f"--kernels: no such directory: {args.kernels!r}")
 
         compiler.add_kernel_dir(args.kernels)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -94,6 +94,10 @@ def cmd_build(args) -> int:
         return 2
     specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
     out = Path(args.out)
+    why = cliargs.unwritable_dir(out)  # now, not once per kernel after each one is compiled
+    if why:
+        print(f"--out: cannot write kernels to {str(out)!r}: {why}", file=sys.stderr)
+        return 2
     print(f"building {len(specs)} kernels for {args.target}"
           f"{' ' + arch if arch else ''} into {out}")
     from tqdm import tqdm
@@ -229,7 +233,7 @@ def main(argv=None) -> int:
                        "modules load with the TVM runtime alone.")
     b.add_argument("--target", choices=["llvm", "cuda"], default="cuda")
     b.add_argument("--arch", default="sm_90a", choices=sorted(compiler.CUDA_ARCHS))
-    b.add_argument("--out", required=True, help="output directory")
+    b.add_argument("--out", required=True, type=cliargs.dir_path, help="output directory")
     b.add_argument("--ops", type=_csv(str), default=None,
                    help="comma-separated families (default: all defined)")
     b.add_argument("--dtypes", type=_csv(str), default=["float16", "bfloat16"])
@@ -265,9 +269,9 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--torch-threads", type=cliargs.positive_int, default=1,
+    g.add_argument("--torch-threads", type=cliargs.thread_count, default=1,
                    help="torch intra-op threads (default 1: see kvtvm.engine.threads)")
-    g.add_argument("--kernel-threads", type=cliargs.positive_int, default=None,
+    g.add_argument("--kernel-threads", type=cliargs.thread_count, default=None,
                    help="kvtvm kernel threads (default KVTVM_NUM_THREADS or the cores)")
     g.add_argument("--check", action="store_true",
                    help="greedy: compare the tokens with transformers' generate (exit 1 if not)")

@@ -9,6 +9,7 @@ measured: argparse then prints the usage and one line naming the option
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from .quant import QUANT_DTYPES
@@ -35,6 +36,28 @@ def int_at_least(low: int):
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+
+
+def int_between(low: int, high: int):
+    """A ``type`` accepting ints in ``[low, high]``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an int in [{low}, {high}], got "
+                                             f"{text!r}")
+        return value
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
+
+
+def thread_count(text: str) -> int:
+    """A thread count: an int in ``[1, kvtvm.runtime.MAX_THREADS]``."""
+    from .runtime import MAX_THREADS
+
+    return int_between(1, MAX_THREADS)(text)
 
 
 def int_list(text: str) -> list[int]:
@@ -74,14 +97,38 @@ def device(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """A file path whose directory exists (checked now, so a long run does not fail at its
-    end when it writes its results)."""
+    """A file path whose directory exists and can be written (checked now, so a long run does
+    not fail at its end when it writes its results)."""
     parent = Path(text).expanduser().resolve().parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} does not exist")
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
+    try:  # writable (a temporary file, removed: the path itself is not touched)
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {str(parent)!r} "
+                                         f"({err.strerror or err})") from None
     return text
+
+
+def dir_path(text: str) -> Path:
+    """A directory path, not empty (``Path("")`` is the current directory: an unset shell
+    variable would write there)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a directory path, got {text!r}")
+    return Path(text).expanduser()
+
+
+def unwritable_dir(path) -> str:
+    """Why files cannot be written into directory ``path`` (created, with its parents, when
+    missing), or ``""``: checked before a long run that writes there at its end."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as err:
+        return str(err)
+    return ""
 
 
 def cache_storage(text: str) -> str:

@@ -35,6 +35,10 @@ def physical_cores() -> int:
 
 #: The one knob for the CPU threads kvtvm's kernels use (see :func:`set_num_threads`).
 NUM_THREADS_ENV = "KVTVM_NUM_THREADS"
+#: Most threads :func:`set_num_threads` takes: TVM starts every worker of its pool at once and
+#: they spin-wait between kernels, so a count far past the cores only stalls (100000 threads
+#: hung ``python -m kvtvm generate`` for minutes on this project's 2-core machine).
+MAX_THREADS = 1024
 
 _num_threads: int | None = None      # set_num_threads(); None: decided at first use
 _thread_state = threading.local()    # .configured: the thread count this thread's pool has
@@ -59,15 +63,18 @@ def cpu_threads() -> int:
 
 
 def set_num_threads(n: int | None) -> None:
-    """Run kvtvm's CPU kernels on ``n`` threads from now on (None: back to the default of
-    :func:`cpu_threads`). Takes effect in each thread at its next kernel call.
+    """Run kvtvm's CPU kernels on ``n`` threads (at most :data:`MAX_THREADS`) from now on
+    (None: back to the default of :func:`cpu_threads`). Takes effect in each thread at its
+    next kernel call.
 
     torch's intra-op threads and TVM's pool share the same cores: an engine that runs torch
     between kernel calls usually wants ``torch.set_num_threads`` and this to agree.
     """
     global _num_threads
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise InvalidArgumentError(describe("n", "None or an int >= 1", repr(n)))
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                          or not 1 <= n <= MAX_THREADS):
+        raise InvalidArgumentError(describe("n", f"None or an int in [1, {MAX_THREADS}]",
+                                            repr(n)))
     _num_threads = n
 
 

@@ -227,12 +227,12 @@ def main(argv=None) -> int:
                         help="with --build-only: the CUDA arch to build for (no GPU needed)")
     parser.add_argument("--max-trials", type=cliargs.positive_int, default=32)
     parser.add_argument("--repeat", type=cliargs.positive_int, default=20)
-    parser.add_argument("--log-root", type=Path, default=None,
+    parser.add_argument("--log-root", type=cliargs.dir_path, default=None,
                         help="tuning_logs directory to write (default: the package's)")
     parser.add_argument("--dry-run", action="store_true", help="search but write nothing")
-    parser.add_argument("--build-only", type=Path, metavar="DIR",
+    parser.add_argument("--build-only", type=cliargs.dir_path, metavar="DIR",
                         help="build the candidates into DIR for a later --prebuilt run")
-    parser.add_argument("--prebuilt", type=Path, metavar="DIR",
+    parser.add_argument("--prebuilt", type=cliargs.dir_path, metavar="DIR",
                         help="time the candidates a --build-only run left in DIR")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -246,6 +246,20 @@ def main(argv=None) -> int:
             cliargs.device(args.device)
         except argparse.ArgumentTypeError as err:
             parser.error(f"argument --device: {err} (--build-only DIR builds without a GPU)")
+    if args.arch and not args.build_only and not args.device.startswith("cuda"):
+        parser.error(f"--arch {args.arch}: builds for that CUDA arch with --build-only DIR; "
+                     f"this run measures on {args.device} (give --device cuda, or no --arch)")
+    # a directory that cannot be written fails now, not after the whole search
+    writes = [("--build-only", args.build_only)] if args.build_only else []
+    if not args.build_only and not args.dry_run:
+        writes.append(("--log-root", args.log_root or compiler.tuning_logs_dir()))
+    for option, path in writes:
+        why = cliargs.unwritable_dir(path)
+        if why:
+            parser.error(f"{option}: cannot write to {str(path)!r}: {why}"
+                         + (" (or --dry-run)" if option == "--log-root" else ""))
+    if args.prebuilt and not args.prebuilt.is_dir():
+        parser.error(f"--prebuilt: no such directory: {str(args.prebuilt)!r}")
     if args.prebuilt:
         specs = manifest_specs(args.prebuilt, args.op)
         if not specs:

@@ -129,7 +129,9 @@ def _hf_batch(model, prompts, new, attn):
         model.set_attn_implementation("sdpa")
     outs = [out[f"req_{i}"] for i in range(len(prompts))]
     ttft = [o.timestamps[0] - o.created_time for o in outs]
-    tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs]
+    # one new token has no time per output token after the first: 0, as Request.tpot
+    tpot = [(o.timestamps[-1] - o.timestamps[0]) / max(len(o.timestamps) - 1, 1)
+            for o in outs]
     return dict(tokens=sum(len(o.generated_tokens) for o in outs), seconds=sec,
                 ttft=float(np.mean(ttft)), tpot=float(np.mean(tpot)),
                 outputs=[list(o.generated_tokens) for o in outs])

@@ -50,8 +50,9 @@ def decode_step_us(kind: str, batch: int, context: int, page_size: int, steps: i
         mgr = PagedKVCacheManager(_params("paged", page_size, kind == "paged+prefix"),
                                   batch, max_len, 1)
     ids = mgr.claim(batch)
-    # prefill: contexts spread over a page so page crossings are spread over steps
-    lengths = context - rng.integers(0, page_size, batch)
+    # prefill: contexts spread over a page so page crossings are spread over steps (over
+    # fewer tokens for a context shorter than a page: every prompt has at least one token)
+    lengths = context - rng.integers(0, min(page_size, context), batch)
     for s, n in zip(ids, lengths):
         prompt = rng.integers(0, 32000, int(n)).tolist()
         mgr.fetch([BatchItem(s, prompt)])
@@ -140,7 +141,9 @@ def main(argv=None) -> int:
                         help="requests of the memory-efficiency workload")
     parser.add_argument("--max-batch", type=cliargs.positive_int, default=64,
                         help="running sequences of the memory-efficiency workload")
-    parser.add_argument("--max-seq-len", type=cliargs.positive_int, default=4096)
+    parser.add_argument("--max-seq-len", type=cliargs.int_at_least(2), default=4096,
+                        help="max_seq_len of the memory-efficiency workload (>= 2: a prompt "
+                        "token and a generated one)")
     parser.add_argument("--json", type=cliargs.output_file, metavar="PATH",
                         help="also write the results as JSON")
     args = parser.parse_args(argv)

@@ -172,7 +172,10 @@ def host_tier(args) -> dict:
     mgr = _manager(args, args.device)
     n = -(-args.tokens // args.page_size)
     mgr.attach_tiers(host_pages=n + 2)
-    tokens = list(range(args.tokens + 1))  # n full pages, all cached once released
+    # the tiers move whole cached pages: the sequence's n pages, its last one filled up (a
+    # partial page is never cached), and a token past them (a prompt's last token is
+    # recomputed, never cached)
+    tokens = list(range(n * args.page_size + 1))
     mgr.release(_prefill(mgr, tokens))
     P = args.page_size
     chunks = [np.asarray(tokens[i * P:(i + 1) * P], np.int64).tobytes() for i in range(n)]
@@ -235,7 +238,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", type=cliargs.device)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     parser.add_argument("--tokens", type=cliargs.positive_int, default=512,
-                        help="tokens of the sequence sent")
+                        help="tokens of the sequence sent (the host tier moves its pages, "
+                             "the last one whole)")
     parser.add_argument("--page-size", type=cliargs.positive_int, default=16)
     parser.add_argument("--layers", type=cliargs.positive_int, default=8)
     parser.add_argument("--n-kv-heads", type=cliargs.positive_int, default=8)

@@ -50,6 +50,12 @@ class _TableCache:
                     f"whole pool holds {self.mgr.num_pages}")
         return ""
 
+    def cached_prefix(self, req) -> int:
+        """Prompt tokens of the fresh ``req`` its first fetch takes from the prefix cache."""
+        if not self.params.enable_prefix_caching:
+            return 0
+        return self.mgr.cached_prefix_tokens(req.prompt)
+
     def can_admit(self, req, running) -> bool:
         """A free slot, and (paged) enough free or evictable pages for the request to reach
         its final length on top of what the running requests may still need."""
@@ -115,6 +121,9 @@ class _LinearCache:
 
     def never_fits(self, req) -> str:
         return ""
+
+    def cached_prefix(self, req) -> int:
+        return 0
 
     def can_admit(self, req, running) -> bool:
         return self.mgr.active_batch_size < self.mgr.max_batch_size

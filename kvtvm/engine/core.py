@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 import time
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, KVCacheCapacityError
+from ..errors import InvalidArgumentError, KVCacheCapacityError, describe
+from ..manager.args import parse_devices
 from ..params import KVCacheParams
 from .caches import CACHE_CHOICES, make_cache
 from .runner import ModelRunner
-from .threads import DEFAULT_TORCH_THREADS, configure_threads
+from .threads import DEFAULT_TORCH_THREADS, check_thread_count, configure_threads
 
 __all__ = ["Request", "ServeStats", "Engine", "sample"]
 
@@ -118,13 +121,43 @@ def sample(logits: torch.Tensor, reqs) -> list[int]:
     for i, r in enumerate(reqs):
         if r.temperature <= 0:
             continue
-        probs = torch.softmax(logits[i].float() / r.temperature, dim=-1)
+        # float64, max subtracted first: a temperature below float32's range (1e-40) would
+        # divide to inf - inf = nan; here it tends to greedy as it should
+        row = logits[i].double()
+        probs = torch.softmax((row - row.max()) / float(r.temperature), dim=-1)
         if r.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(0) - sorted_p < r.top_p       # always keeps the top token
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
         greedy[i] = int(torch.multinomial(probs.cpu(), 1, generator=r.generator))
     return greedy
+
+
+def _is_int(x) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _token_list(tokens) -> list | None:
+    """``tokens`` (a sequence of integer ids, a numpy array or an integer torch tensor) as a
+    list of Python ints, or None if it is not one (floats and bools are not token ids)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            return None
+        return tokens.tolist()
+    if isinstance(tokens, np.ndarray):
+        return tokens.tolist() if tokens.ndim == 1 and tokens.dtype.kind in "iu" else None
+    if isinstance(tokens, (str, bytes)):
+        return None
+    try:
+        out = list(tokens)
+    except TypeError:
+        return None
+    return [int(t) for t in out] if all(_is_int(t) for t in out) else None
+
+
+#: the seeds ``torch.Generator.manual_seed`` takes
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> None:
@@ -207,10 +240,17 @@ class Engine:
                  v_cache_dtype: str | None = None, skip_layers=()):
         if cache not in CACHE_CHOICES:
             raise InvalidArgumentError(f"cache must be one of {CACHE_CHOICES}, got {cache!r}")
-        if max_step_tokens is not None and (not isinstance(max_step_tokens, int)
+        if max_step_tokens is not None and (not _is_int(max_step_tokens)
                                             or max_step_tokens < 1):
             raise InvalidArgumentError(
                 f"max_step_tokens must be None or a positive int, got {max_step_tokens!r}")
+        check_thread_count("torch_threads", torch_threads)
+        check_thread_count("kernel_threads", kernel_threads)
+        (dev,) = parse_devices(device, name="device")
+        model_dev = next(model.parameters()).device
+        if model_dev.type != dev.type or (dev.index is not None and model_dev != dev):
+            raise InvalidArgumentError(describe("device", f"the model's device ({model_dev})",
+                                                repr(device)))
         self.hf_model = model
         self.model = ModelRunner(model)
         self.vocab_size = model.config.vocab_size
@@ -221,9 +261,12 @@ class Engine:
         if eos_token_ids is None:
             gen = getattr(model, "generation_config", None)
             eos_token_ids = getattr(gen, "eos_token_id", None)
-        if isinstance(eos_token_ids, int):
-            eos_token_ids = (eos_token_ids,)
-        self.eos_token_ids = tuple(int(t) for t in (eos_token_ids or ()))
+        eos = _token_list((eos_token_ids,) if _is_int(eos_token_ids) else
+                          () if eos_token_ids is None else eos_token_ids)
+        if eos is None:
+            raise InvalidArgumentError(describe("eos_token_ids", "None, an int or a sequence "
+                                                "of ints", repr(eos_token_ids)))
+        self.eos_token_ids = tuple(eos)
         self.params = KVCacheParams(self.model.dtype, self.model.n_kv_heads,
                                     self.model.head_dim, cache,
                                     page_size=page_size if cache == "paged" else None,
@@ -244,14 +287,18 @@ class Engine:
         self.running: list[Request] = []    # in the cache, in batch order
         self.finished: list[Request] = []   # done, rejected or aborted
         self.step_no = 0
+        self._closed = False
         self.stats = ServeStats(allocated_bytes=self.kv.allocated_bytes())
         self.log: Callable[[str], None] = _log.info
 
     # -- requests -------------------------------------------------------------------------
 
     def close(self, persist: bool = True) -> int:
-        """Finish with the prefix cache's tiers: with a disk tier, write every cached page
-        there (``persist``) and stop its writer. Returns the pages written."""
+        """Finish with the engine: with a disk tier, write every cached page there
+        (``persist``) and stop its writer. Returns the pages written. Requests submitted
+        afterwards are refused (:class:`~kvtvm.errors.InvalidArgumentError`): a closed tier
+        takes no more pages, so make a new engine (on the same directory, it starts warm)."""
+        self._closed = True
         mgr = getattr(self.kv, "mgr", None)
         if getattr(mgr, "_tiers", None) is None:
             return 0
@@ -259,8 +306,33 @@ class Engine:
         mgr.close_tiers()
         return n
 
+    def _check_fresh(self, reqs) -> None:
+        """Refuse (typed, nothing queued) a request object that was already submitted to an
+        engine: its ``output``, ``status`` and cache position belong to that run, and serving
+        it again would continue its old output over an empty cache."""
+        if self._closed:
+            raise InvalidArgumentError("engine: closed by close(); make a new Engine to serve "
+                                       "more requests")
+        seen = {id(r) for r in (*self.pending, *self.queue, *self.running)}
+        for r in reqs:
+            if not isinstance(r, Request):
+                raise InvalidArgumentError(describe("requests", "kvtvm.engine.Request objects",
+                                                    type(r).__name__))
+            if (id(r) in seen or r.status != "waiting" or r.output or r.prefilled
+                    or r.seq_id != -1):
+                raise InvalidArgumentError(
+                    f"request {r.rid!r}: already submitted (status {r.status!r}, "
+                    f"{len(r.output)} tokens out); submit a new Request for another run")
+            seen.add(id(r))
+
     def submit(self, req: Request) -> None:
-        """Queue ``req``; it arrives at engine step ``req.arrival``."""
+        """Queue ``req``; it arrives at engine step ``req.arrival`` (an int; another value
+        rejects it). A request object already submitted is refused
+        (:class:`~kvtvm.errors.InvalidArgumentError`, nothing queued)."""
+        self._check_fresh([req])
+        if not _is_int(req.arrival):
+            self._reject(req, f"arrival must be an int (an engine step), got {req.arrival!r}")
+            return
         self.pending.append(req)
         self.pending.sort(key=lambda r: r.arrival)
 
@@ -293,11 +365,8 @@ class Engine:
 
     def _validate(self, req: Request) -> str:
         """Why ``req`` can never be served, or ``""``."""
-        try:
-            prompt = [int(t) for t in req.prompt]
-        except (TypeError, ValueError):
-            return "prompt must be a sequence of integer token ids"
-        if prompt != list(req.prompt):
+        prompt = _token_list(req.prompt)
+        if prompt is None:
             return "prompt must be a sequence of integer token ids"
         n = len(prompt)
         if n == 0:
@@ -305,8 +374,7 @@ class Engine:
         if n > self.max_seq_len:
             return (f"prompt of {n} tokens is longer than max_seq_len={self.max_seq_len} "
                     "(shorten it or raise the engine's max_seq_len)")
-        if (not isinstance(req.max_new_tokens, int) or isinstance(req.max_new_tokens, bool)
-                or req.max_new_tokens < 1):
+        if not _is_int(req.max_new_tokens) or req.max_new_tokens < 1:
             return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
         if req.length > self.max_seq_len:
             return (f"prompt of {n} tokens + max_new_tokens={req.max_new_tokens} needs "
@@ -314,10 +382,19 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             return f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
-        if not (isinstance(req.temperature, (int, float)) and req.temperature >= 0):
-            return f"temperature must be a number >= 0, got {req.temperature!r}"
-        if not (isinstance(req.top_p, (int, float)) and 0 < req.top_p <= 1):
+        def real(x):
+            return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not (real(req.temperature) and req.temperature >= 0):
+            return f"temperature must be a finite number >= 0, got {req.temperature!r}"
+        if not (real(req.top_p) and 0 < req.top_p <= 1):
             return f"top_p must be in (0, 1], got {req.top_p!r}"
+        if req.seed is not None and not (_is_int(req.seed)
+                                         and _SEED_RANGE[0] <= req.seed <= _SEED_RANGE[1]):
+            return (f"seed must be None or an int in [-2**63, 2**64), got {req.seed!r}")
+        stop = req.stop_token_ids
+        if stop is not None and _token_list((stop,) if _is_int(stop) else stop) is None:
+            return f"stop_token_ids must be None, an int or a sequence of ints, got {stop!r}"
         return self.kv.never_fits(req)
 
     def _arrive(self) -> None:
@@ -328,8 +405,9 @@ class Engine:
             if why:
                 self._reject(req, why)
             else:
-                if req.stop_token_ids is None:
-                    req.stop_token_ids = self.eos_token_ids
+                stop = req.stop_token_ids
+                req.stop_token_ids = (self.eos_token_ids if stop is None else
+                                      tuple(_token_list((stop,) if _is_int(stop) else stop)))
                 if req.temperature > 0:
                     req.generator = torch.Generator().manual_seed(
                         req.seed if req.seed is not None else req.rid)
@@ -352,7 +430,9 @@ class Engine:
 
     def _chunks(self, batch) -> list[list[int]]:
         """This step's tokens per request: the last token of those generating, the next prompt
-        chunk of the others (at least one token each, within ``max_step_tokens``)."""
+        chunk of the others (at least one token each, within ``max_step_tokens``). A prompt's
+        first chunk also holds its prefix-cache hits, which cost nothing to compute (a chunk
+        shorter than them would recompute what the cache holds)."""
         budget = self.max_step_tokens or 1 << 62
         budget -= sum(1 for r in batch if r.prefilled == len(r.prompt))
         out = []
@@ -360,10 +440,21 @@ class Engine:
             if r.prefilled == len(r.prompt):
                 out.append(r.output[-1:])
                 continue
-            n = max(1, min(len(r.prompt) - r.prefilled, budget))
-            budget -= n
+            hits = self.kv.cached_prefix(r) if r.prefilled == 0 else 0
+            n = min(len(r.prompt) - r.prefilled, hits + max(1, budget))
+            budget -= n - hits
             out.append(r.prompt[r.prefilled:r.prefilled + n])
         return out
+
+    def _unadmit(self, new) -> None:
+        """Undo :meth:`_admit` of ``new`` (never fetched): their slots back, the requests
+        back at the head of the queue."""
+        if not new:
+            return
+        self.kv.remove(new)
+        for r in reversed(new):
+            r.status, r.seq_id, r.admitted_step = "waiting", -1, -1
+            self.queue.insert(0, r)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -395,16 +486,16 @@ class Engine:
                 raise
             # no room after all: the new requests go back to the head of the queue
             self.log(f"requests {[r.rid for r in new]} wait: {err}")
-            self.kv.remove(new)
-            for r in reversed(new):
-                r.status, r.seq_id, r.admitted_step = "waiting", -1, -1
-                self.queue.insert(0, r)
+            self._unadmit(new)
             new, batch = [], self.running
             if not batch:
                 self.step_no += 1
                 return
             tokens = self._chunks(batch)
             kv = self.kv.fetch(batch, tokens)
+        except BaseException:
+            self._unadmit(new)   # a failed fetch changed nothing: neither does this step
+            raise
         self.running = batch
         is_new = {id(r) for r in new}
         prefilling = [r.prefilled < len(r.prompt) for r in batch]
@@ -448,7 +539,10 @@ class Engine:
         self.step_no += 1
 
     def serve(self, requests, progress: Callable | None = None) -> list[Request]:
-        """Submit ``requests`` and step until every one is finished."""
+        """Submit ``requests`` and step until every one is finished; returns them (a list).
+        Requests already submitted to an engine are refused before any is queued."""
+        requests = list(requests)
+        self._check_fresh(requests)
         for r in requests:
             self.submit(r)
         total = len(requests)
@@ -469,7 +563,10 @@ class Engine:
         tmp = Engine(self.hf_model, self.cache, max_batch_size=2, max_seq_len=32,
                      page_size=self.params.page_size or 16, num_pages=None,
                      prefix_caching=False, device=str(self.device), eos_token_ids=(),
-                     torch_threads=self._threads[0], kernel_threads=self._threads[1])
+                     torch_threads=self._threads[0], kernel_threads=self._threads[1],
+                     k_cache_dtype=self.params.k_cache_dtype,
+                     v_cache_dtype=self.params.v_cache_dtype,
+                     skip_layers=self.params.skip_layers)
         tmp.log = lambda s: None
         tmp.serve([Request(0, [5, 6, 7], 3), Request(1, [8, 9], 2, arrival=1)])
         return time.perf_counter() - t0

@@ -17,15 +17,19 @@ import torch
 from .. import runtime
 from ..errors import InvalidArgumentError, describe
 
-__all__ = ["configure_threads", "DEFAULT_TORCH_THREADS"]
+__all__ = ["configure_threads", "check_thread_count", "DEFAULT_TORCH_THREADS"]
 
 #: torch intra-op threads the engine uses unless told otherwise.
 DEFAULT_TORCH_THREADS = 1
 
 
-def _check(name, n):
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise InvalidArgumentError(describe(name, "None or an int >= 1", repr(n)))
+def check_thread_count(name: str, n) -> None:
+    """Raise :class:`~kvtvm.errors.InvalidArgumentError` naming ``name`` unless ``n`` is None
+    or an int in ``[1, kvtvm.runtime.MAX_THREADS]``."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                          or not 1 <= n <= runtime.MAX_THREADS):
+        raise InvalidArgumentError(describe(name, f"None or an int in [1, "
+                                            f"{runtime.MAX_THREADS}]", repr(n)))
 
 
 def configure_threads(torch_threads: int | None = DEFAULT_TORCH_THREADS,
@@ -45,8 +49,8 @@ def configure_threads(torch_threads: int | None = DEFAULT_TORCH_THREADS,
     (int, int)
         The torch and kernel thread counts now in effect.
     """
-    _check("torch_threads", torch_threads)
-    _check("kernel_threads", kernel_threads)
+    check_thread_count("torch_threads", torch_threads)
+    check_thread_count("kernel_threads", kernel_threads)
     if torch_threads is not None and torch.get_num_threads() != torch_threads:
         torch.set_num_threads(torch_threads)
     if kernel_threads is not None:

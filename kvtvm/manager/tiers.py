@@ -423,6 +423,8 @@ class TierMixin:
         if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
             raise InvalidArgumentError(describe("disk_dir", "a path (str or os.PathLike)",
                                                 type(disk_dir).__name__))
+        if disk_dir is not None and not os.fspath(disk_dir):  # Path("") is the current dir
+            raise InvalidArgumentError(describe("disk_dir", "a non-empty path", "''"))
         p = self.params
         shape = (2, self.num_layers, self.page_size, p.n_kv_heads, p.head_dim) \
             if not p.quantized else (p.bytes_per_page(self.num_layers),)
@@ -481,6 +483,41 @@ class TierMixin:
         tiers = self._tiers
         if tiers is not None and tiers.disk is not None:
             tiers.disk.close()
+
+    def cached_prefix_tokens(self, tokens) -> int:
+        """Leading tokens of ``tokens`` (int sequence ``[n]``: the prompt of a fresh
+        sequence) that its first fetch would take from the prefix cache instead of computing:
+        the full pages of its cached chain in the device pool, then in the lower tiers (by
+        hash: "probably"; the fetch checks the tokens). The last token never counts (it is
+        always recomputed); 0 without prefix caching. A fetch of only the first ``k`` tokens
+        can hit ``(k - 1) // page_size`` pages at most: an engine sizes a prompt's first
+        chunk with this so chunked prefill does not recompute what the cache holds."""
+        try:
+            toks = None if isinstance(tokens, (str, bytes)) else np.array(
+                tokens if isinstance(tokens, list) else list(tokens))
+        except (TypeError, ValueError):
+            toks = None
+        if toks is None or toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):
+            raise InvalidArgumentError(describe("tokens", "a flat sequence of int token ids",
+                                                repr(tokens)[:80]))
+        if not self.prefix_caching:
+            return 0
+        toks = toks.astype(np.int64, copy=False)
+        P = self.page_size
+        chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(max(0, toks.size - 1) // P)]
+        with self._lock:
+            held, kids = self._prefix.lookup(chunks)
+            n = len(held)
+            chain = None
+            if self._tiers is not None and n < len(chunks):
+                chain = self._chain_of(kids[-1]) if kids else self._root_chain()
+            if chain is not None:
+                h, hashes = chain[0], []
+                for chunk in chunks[n:]:
+                    h = chain_hash(h, chunk, self.hash_bits)
+                    hashes.append(h)
+                n += self._tiers.count_prefix(hashes)
+        return n * P
 
     def _promote(self, chunks: list, keep=()) -> int:
         """Bring back from the tiers the pages of ``chunks`` (token bytes of full pages, from

@@ -171,3 +171,36 @@ def test_bench_e2e_toy_serves_every_way(tmp_path):
     assert 0 < rows["engine"]["kernel_share"] < 1
     assert "engine / best transformers path" in proc.stdout
     assert "generate_batch on kvtvm / on sdpa" in proc.stdout
+
+
+def test_bench_manager_context_shorter_than_a_page():
+    """``--context`` below ``--page-size`` drew prompts of zero or negative length (numpy
+    ValueError: negative dimensions) instead of measuring."""
+    from kvtvm.bench.manager import decode_step_us
+
+    for context in (1, 5, 15):
+        for kind in ("paged", "paged+prefix", "continuous"):
+            res = decode_step_us(kind, 3, context, 16, 2)
+            assert res["median_us"] > 0
+
+
+def test_bench_e2e_one_new_token(capsys):
+    """``--new-tokens 1``: generate_batch's time per output token divided by zero
+    (ZeroDivisionError) -- one token has no time after the first: 0, as ``Request.tpot``."""
+    from kvtvm.bench.e2e import main
+
+    assert main(["--model", "toy", "--requests", "1", "--prompt-lens", "3", "--new-tokens",
+                 "1", "--repeat", "1", "--ways", "engine,hf-batch-sdpa"]) == 0
+    out = capsys.readouterr().out
+    assert "hf-batch-sdpa" in out and "TPOT    0.0 ms" in out
+
+
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_bench_transfer_host_tier_tokens_off_the_page_grid(tokens, capsys):
+    """``--tokens`` not one less than a multiple of the page size left the last page partial,
+    never cached: AssertionError 'the sequence's pages are not all cached'."""
+    from kvtvm.bench.transfer import main
+
+    assert main(["--tokens", str(tokens), "--layers", "1", "--n-kv-heads", "1", "--head-dim",
+                 "16", "--repeat", "1", "--warmup", "0", "--skip", "transfer"]) == 0
+    assert f"host tier: {tokens} tokens" in capsys.readouterr().out

@@ -36,6 +36,34 @@ CASES = [
       "--skip-layers", "9"], "skip_layers"),
     (["generate", "--model", "toy", "--prompt", "5 6", "--cache-dtype", "int8",
       "--v-cache-dtype", "bfloat16"], "v_cache_dtype"),
+    # off the grid: a huge thread count (hung), a non-finite temperature (sampled
+    # uniformly), a seed torch cannot take and an empty disk-tier path (the current
+    # directory) (the last two were a traceback / taken)
+    (["generate", "--model", "toy", "--prompt", "5 6", "--kernel-threads", "100000"],
+     "--kernel-threads"),
+    (["generate", "--model", "toy", "--prompt", "5 6", "--torch-threads", "5000"],
+     "--torch-threads"),
+    (["generate", "--model", "toy", "--prompt", "5 6", "--temperature", "inf"],
+     "temperature"),
+    (["generate", "--model", "toy", "--prompt", "5 6", "--temperature", "1", "--seed",
+      str(1 << 70)], "seed"),
+    (["generate", "--model", "toy", "--prompt", "5 6", "--disk-tier-dir", ""], "disk_dir"),
+    # an --out that cannot be written: one line before any kernel is built (it was one
+    # FAILED line per kernel, each after its compile, and exit 1)
+    (["build", "--target", "llvm", "--out", "/proc/kvtvm-x", "--ops", "copy", "--dtypes",
+      "float32", "--head-dims", "16"], "--out"),
+    (["bench", "manager", "--max-seq-len", "1"], "--max-seq-len"),
+    (["build", "--target", "llvm", "--out", "", "--ops", "copy"], "--out"),
+    # tune: directories it writes at the end of a search are checked before it (a traceback
+    # after the search before), a missing --prebuilt is a usage error, --arch on a CPU run
+    # tuned CUDA knobs on the CPU (every candidate failed)
+    (["tune", "--op", "copy", "--dtype", "float32", "--head-dim", "16", "--max-trials", "1",
+      "--log-root", "/proc/kvtvm-x"], "--log-root"),
+    (["tune", "--op", "copy", "--log-root", "", "--dry-run"], "--log-root"),
+    (["tune", "--op", "copy", "--arch", "sm_90a", "--build-only", "/proc/kvtvm-x"],
+     "--build-only"),
+    (["tune", "--prebuilt", "/nonexistent/kvtvm-dir"], "--prebuilt"),
+    (["tune", "--op", "decode", "--arch", "sm_90a", "--dry-run"], "--arch"),
     (["build", "--target", "llvm", "--out", "unused", "--head-dims", "0"], "--head-dims"),
     (["build", "--target", "llvm", "--out", "unused", "--dtypes", "float64"], "--dtypes"),
     (["build", "--target", "llvm", "--out", "unused", "--ops", "attention"], "--ops"),
@@ -50,6 +78,9 @@ CASES = [
     (["bench", "copy", "--dtype", "float64"], "--dtype"),
     (["bench", "decode", "--cases", "4y100"], "--cases"),
     (["bench", "decode", "--json", "/nonexistent/dir/out.json"], "--json"),
+    # a directory that exists but cannot be written: the run failed at its end (traceback)
+    (["bench", "decode", "--json", "/proc/kvtvm-out.json"], "--json"),
+    (["bench", "append", "--plot", "/proc/kvtvm-out.png"], "--plot"),
     (["bench", "prefill", "--cases", "1:2"], "--cases"),
     (["bench", "prefill", "--skip", "dense,nosuch"], "--skip"),
     (["bench", "manager", "--batches", "0"], "--batches"),

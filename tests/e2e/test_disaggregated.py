@@ -74,3 +74,18 @@ def test_dead_peer_is_a_timeout_and_leaks_nothing(tmp_path):
                           timeout=120)
     out = proc.stdout
     assert "timeout: transport: peer silent" in out and "no lease left" in out
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--requests", "0"], "--requests"), (["--layers", "0"], "--layers"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"), (["--num-pages", "-1"], "--num-pages"),
+    (["--timeout", "0"], "--timeout"), (["--timeout", "nan"], "--timeout"),
+    (["--num-pages", "2"], "--num-pages 2"), (["--max-new-tokens", "250"], "--max-new-tokens")])
+def test_bad_options_are_one_line_before_any_process_starts(argv, names, capsys):
+    """These were a traceback from a worker process (a capacity error, transformers'
+    max_new_tokens check, num_layers 0) or, for --requests 0, 'tokens DIFFER' and exit 1."""
+    with pytest.raises(SystemExit) as ex:
+        disaggregated.run(["--model", "toy", "--layers", "1", *argv])
+    assert ex.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert names in last, last

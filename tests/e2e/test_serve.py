@@ -270,6 +270,15 @@ def test_cli_refuses_non_positive_sizes(flag, capsys):
     assert f"{flag}: expected a positive int, got 0" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_missing_kernel_directory(capsys, tmp_path):
+    """A mistyped --kernels was added to the search path silently (on a runtime-only install
+    it would only show as a missing kernel)."""
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--model", "toy", "--kernels", str(tmp_path / "nope")])
+    assert exc.value.code == 2
+    assert "--kernels: no such directory" in capsys.readouterr().err
+
+
 def test_cli_toy_takes_max_new_tokens_and_fails_when_nothing_is_served(monkeypatch, capsys,
                                                                       model):
     """--max-new-tokens applies to the toy's requests too (it was ignored); a run where every

@@ -268,6 +268,9 @@ def _paged_cases(mgr, ids, inp):
     for v in ["x", None, 5, [None], ["a"], [1.5], [True]]:
         cases.append((f"held_prefix_pages-{v!r}", "held_prefix_pages", (v,), {},
                       ("block_hashes",)))
+    for v in ["x", None, 5, [1.5], [True], [[1, 2]], [None], np.zeros(3, np.float32)]:
+        cases.append((f"cached_prefix_tokens-{v!r}", "cached_prefix_tokens", (v,), {},
+                      ("tokens",)))
     for kw, word in [({"host_pages": -1}, "host_pages"), ({"host_pages": "x"}, "host_pages"),
                      ({"host_pages": True}, "host_pages"), ({"host_pages": NAN}, "host_pages"),
                      ({"disk_bytes": -5, "disk_dir": "/nonexistent/x"}, "disk_bytes"),

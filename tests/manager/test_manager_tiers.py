@@ -325,3 +325,31 @@ def test_import_without_room_promotes_nothing():
     assert before[:3] == after[:3]
     assert all(torch.equal(x, y) for x, y in zip(before[3], after[3]))
     b.check_invariants()
+
+
+def test_cached_prefix_tokens_is_what_the_first_fetch_hits(tmp_path):
+    """``cached_prefix_tokens`` (the engine sizes a prompt's first chunk with it) equals the
+    ``num_cached_tokens`` of a fetch of the whole prompt, in the device pool and through the
+    host tier; the prompt's last token never counts, nothing changes in the manager."""
+    mgr = make(pages=6)
+    assert mgr.cached_prefix_tokens(SYS + [1]) == 0
+    serve(mgr, SYS + [1, 2])                               # 3 full pages cached
+    for toks, want in [(SYS + [7], 12), (SYS, 8), (SYS[:9], 8), (SYS[:5], 4), (SYS[:4], 0),
+                       ([], 0), ([3] + SYS, 0), (SYS[:4] + [0] * 8, 4)]:
+        before = mgr.stats()
+        assert mgr.cached_prefix_tokens(toks) == want, toks
+        assert mgr.stats() == before
+        if toks:
+            (s,) = mgr.claim(1)
+            assert int(mgr.fetch([BatchItem(s, toks)])[0].num_cached_tokens[0]) == want
+            mgr.release(s)
+            mgr.check_invariants()
+    tiered = make(pages=4)
+    tiered.attach_tiers(host_pages=8)
+    serve(tiered, SYS + [1])
+    serve(tiered, [9] * 13)                                 # evicts SYS's pages to the host
+    assert tiered.stats().tiers["host"]["entries"] == 3
+    assert tiered.cached_prefix_tokens(SYS + [2]) == 12
+    assert serve(tiered, SYS + [2])[0] == 12
+    off = PagedKVCacheManager(KVCacheParams("float32", H, D, "paged", page_size=P), 2, 32, L)
+    assert off.cached_prefix_tokens(SYS + [1]) == 0

@@ -1,0 +1,281 @@
+"""kvtvm.engine off the usual grid: request fields of the wrong type or range, a request object
+served twice, tiny temperatures, bad engine arguments, and a tight page pool shared by
+prompts that are prefixes of each other. Each bad value is refused by name and changes
+nothing; every request that is served gives transformers' tokens; no page or slot leaks."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm.engine import Engine, Request, build_toy_model, check_against_reference, \
+    reference_tokens
+from kvtvm.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return build_toy_model(num_layers=2)
+
+
+def _rand(rng, n):
+    return rng.integers(3, 1000, n).tolist()
+
+
+def _engine(model, cache="paged", **kw):
+    kw = {"max_batch_size": 3, "max_seq_len": 64, "page_size": 8, **kw}
+    e = Engine(model, cache, **kw)
+    e.log = lambda s: None
+    return e
+
+
+def _assert_clean(e):
+    """Nothing left in the engine, every slot and page back in the pool."""
+    assert e.idle
+    mgr = e.kv.mgr
+    if hasattr(mgr, "check_invariants"):
+        mgr.check_invariants()
+        assert mgr.stats().pages_used == 0
+    if hasattr(mgr, "slots_remaining"):
+        assert len(mgr.slots_remaining) == mgr.max_batch_size
+    else:
+        assert mgr.active_batch_size == 0
+
+
+@pytest.mark.parametrize("cache", ["paged", "linear"])
+def test_bad_request_fields_are_rejected_and_the_rest_served(toy, cache):
+    """A bad seed, stop list, temperature, arrival or float prompt used to raise out of
+    ``step`` (TypeError/RuntimeError/ValueError) with the request half admitted."""
+    rng = np.random.default_rng(0)
+    p = _rand(rng, 9)
+    bad = {
+        "seed str": Request(0, p, 3, temperature=0.5, seed="abc"),
+        "seed float": Request(1, p, 3, temperature=0.5, seed=1.5),
+        "seed bool": Request(2, p, 3, temperature=0.5, seed=True),
+        "seed 2**64": Request(3, p, 3, temperature=0.5, seed=1 << 64),
+        "stop str": Request(4, p, 3, stop_token_ids=("x",)),
+        "stop None": Request(5, p, 3, stop_token_ids=(None,)),
+        "temperature inf": Request(6, p, 3, temperature=float("inf")),
+        "temperature bool": Request(7, p, 3, temperature=True),
+        "float prompt": Request(8, [float(t) for t in p], 3),
+        "bool prompt": Request(9, [True, False], 3),
+        "arrival None": Request(10, p, 3, arrival=None),
+        "arrival str": Request(11, p, 3, arrival="1"),
+    }
+    good = [Request(20, p, 4), Request(21, _rand(rng, 13), 3, arrival=1)]
+    e = _engine(toy, cache, max_step_tokens=5)
+    e.serve([*bad.values(), *good])
+    for name, r in bad.items():
+        assert r.status == "rejected" and r.error, name
+        assert r.output == [], name
+    words = {"seed": "seed", "stop": "stop_token_ids", "temperature": "temperature",
+             "float": "prompt", "bool": "prompt", "arrival": "arrival"}
+    for name, r in bad.items():
+        assert words[name.split()[0]] in r.error, (name, r.error)
+    assert [r.status for r in good] == ["done", "done"]
+    assert check_against_reference(toy, good) == []
+    _assert_clean(e)
+
+
+def test_stop_token_given_as_an_int(toy):
+    """``stop_token_ids=5`` (an int, as ``eos_token_ids`` takes) used to raise TypeError after
+    the step's forward pass."""
+    rng = np.random.default_rng(1)
+    prompt = _rand(rng, 10)
+    free = reference_tokens(toy, prompt, 8)
+    req = Request(0, prompt, 8, stop_token_ids=free[2])
+    e = _engine(toy)
+    e.serve([req])
+    assert req.output == free[:free.index(free[2]) + 1] and req.finish_reason == "stop"
+    assert req.stop_token_ids == (free[2],)
+    _assert_clean(e)
+
+
+@pytest.mark.parametrize("cache", ["paged", "continuous", "linear"])
+def test_a_request_served_twice_is_refused(toy, cache):
+    """Re-serving a finished Request continued its old output over an empty cache (5 tokens
+    for max_new_tokens=4, the fifth from a cache without the prompt); the same object twice in
+    one serve() raised out of fetch and leaked a slot."""
+    rng = np.random.default_rng(2)
+    e = _engine(toy, cache)
+    r = Request(0, _rand(rng, 10), 4)
+    e.serve([r])
+    out = list(r.output)
+    with pytest.raises(InvalidArgumentError, match="already submitted"):
+        e.serve([r])
+    assert r.output == out and r.status == "done" and e.idle
+    fresh = Request(1, _rand(rng, 7), 3)
+    with pytest.raises(InvalidArgumentError, match="already submitted"):
+        e.serve([fresh, fresh])
+    assert e.idle and fresh.status == "waiting"   # nothing queued, not even the first
+    with pytest.raises(InvalidArgumentError, match="requests"):
+        e.serve([("not", "a request")])
+    again = Request(0, r.prompt, 4)
+    e.serve(iter([again, fresh]))                   # any iterable of requests
+    assert again.output == out
+    assert check_against_reference(toy, [again, fresh]) == []
+    _assert_clean(e)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_tiny_temperature_samples_the_greedy_token(toy, temperature):
+    """``logits / T`` in float32 overflowed to inf for T below ~1e-38 and torch.multinomial
+    raised on the NaN probabilities, out of ``step``."""
+    rng = np.random.default_rng(3)
+    prompt = _rand(rng, 8)
+    req = Request(0, prompt, 5, temperature=temperature, seed=7)
+    e = _engine(toy)
+    e.serve([req])
+    assert req.status == "done"
+    assert req.output == reference_tokens(toy, prompt, 5)
+    _assert_clean(e)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(torch_threads=0), "torch_threads"), (dict(kernel_threads=-1), "kernel_threads"),
+    (dict(kernel_threads=100000), "kernel_threads"), (dict(max_step_tokens=True),
+                                                      "max_step_tokens"),
+    (dict(device="tpu"), "device"), (dict(eos_token_ids="x"), "eos_token_ids"),
+    (dict(eos_token_ids=[1.5]), "eos_token_ids"),
+    (dict(disk_tier_dir=""), "disk_dir")])
+def test_bad_engine_arguments_are_refused_by_name(toy, kw, name):
+    """These were taken (threads failed at the first step, a float stop id was truncated to
+    an int, an empty disk-tier path meant the current directory) or raised untyped errors."""
+    with pytest.raises(InvalidArgumentError, match=name):
+        _engine(toy, **kw)
+
+
+def test_stop_ids_as_arrays(toy):
+    """An array of stop ids (numpy or torch, as a generation config may hold) is taken (a
+    2-element numpy array was 'truth value ambiguous')."""
+    assert _engine(toy, eos_token_ids=np.array([5, 6])).eos_token_ids == (5, 6)
+    assert _engine(toy, eos_token_ids=torch.tensor([7, 8])).eos_token_ids == (7, 8)
+    assert _engine(toy, eos_token_ids=np.int64(9)).eos_token_ids == (9,)
+    assert _engine(toy, eos_token_ids=[]).eos_token_ids == ()
+
+
+def test_a_failed_fetch_leaves_the_engine_as_it_was(toy, tmp_path):
+    """Serving after close() raised out of the fetch (the closed disk tier refuses pages) with
+    the step's new request holding a slot: the slot leaked and the request was lost. Now
+    close() refuses later requests by name, and a fetch that raises undoes the admission."""
+    rng = np.random.default_rng(6)
+    base = _rand(rng, 16)
+    e = _engine(toy, page_size=4, num_pages=8, max_seq_len=30, disk_tier_dir=tmp_path)
+    first = [Request(i, base + _rand(rng, 2), 3, arrival=i) for i in range(3)]
+    e.serve(first)
+    assert e.close() > 0
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        e.serve([Request(9, base, 3)])
+    assert e.idle and len(e.kv.mgr.slots_remaining) == 3
+    e = _engine(toy, "linear")
+    reqs = [Request(i, _rand(rng, 6 + i), 4, arrival=i) for i in range(3)]
+    for r in reqs:
+        e.submit(r)
+    e.step()
+    fetch, calls = e.kv.fetch, []
+
+    def flaky(batch, tokens):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise InvalidArgumentError("fetch: injected")
+        return fetch(batch, tokens)
+    e.kv.fetch = flaky
+    with pytest.raises(InvalidArgumentError, match="injected"):
+        e.step()                                       # request 1 arrives, fetch fails
+    assert [r.status for r in reqs] == ["running", "waiting", "waiting"]
+    assert e.kv.mgr.active_batch_size == 1 and e.queue == [reqs[1]]
+    e.serve([])
+    assert check_against_reference(toy, reqs) == []
+    _assert_clean(e)
+
+
+def test_warmup_loads_the_8bit_cache_kernels(toy, monkeypatch):
+    """warmup() served its throwaway engine over a full-precision cache, so an 8-bit engine
+    still loaded (or built) its quantized kernels at its first real step."""
+    import kvtvm.engine.core as core
+
+    seen = []
+    make = core.make_cache
+    monkeypatch.setattr(core, "make_cache", lambda *a: seen.append(a[1]) or make(*a))
+    e = _engine(toy, k_cache_dtype="int8", skip_layers=(-1,))
+    e.warmup()
+    assert len(seen) == 2 and seen[1].k_cache_dtype == "int8" == seen[0].k_cache_dtype
+    assert seen[1].skip_layers == seen[0].skip_layers
+
+
+@pytest.mark.parametrize("page_size, num_pages", [(3, 9), (5, 7), (4, 6)])
+def test_tight_pool_prefixes_and_aborts_match_transformers(toy, page_size, num_pages):
+    """Off-grid pages (3, 5), a pool holding one or two requests, prompts that are prefixes of
+    each other (prefix hits while the pool is full), lengths of 1 and page +- 1, chunks of 7,
+    and aborts mid-prefill, mid-decode and of unknown ids: served tokens equal transformers'
+    and the page bookkeeping holds after every step."""
+    rng = np.random.default_rng(page_size)
+    base = _rand(rng, 3 * page_size)
+    prompts = [base, base[:page_size + 1], base[:page_size - 1], base[:1], base + [7],
+               base[:2 * page_size], _rand(rng, page_size), base]
+    cap = num_pages * page_size
+    reqs = [Request(i, p, max(1, min(5, cap - len(p) + 1)), arrival=i // 2)
+            for i, p in enumerate(prompts)]
+    victims = [Request(90, _rand(rng, 20), 3), Request(91, base[:5], 9, arrival=1)]
+    e = _engine(toy, max_seq_len=cap, page_size=page_size, num_pages=num_pages,
+                max_step_tokens=7, max_batch_size=2)
+    for r in victims + reqs:
+        e.submit(r)
+    aborts = {1: [90, 12345], 3: [91]}
+    while not e.idle:
+        for rid in aborts.get(e.step_no, []):
+            assert e.abort(rid) == (rid != 12345)
+        e.step()
+        e.kv.mgr.check_invariants()
+    assert [v.status for v in victims] == ["aborted", "aborted"]
+    assert all(r.status == "done" for r in reqs), [(r.rid, r.error) for r in reqs]
+    assert check_against_reference(toy, reqs) == []
+    assert sum(r.prefix_hit_tokens for r in reqs) > 0
+    _assert_clean(e)
+
+
+def test_chunked_prefill_keeps_the_prefix_hits(toy):
+    """A prompt admitted when the step budget was nearly spent got a one-token first chunk;
+    prefix hits are looked up at a sequence's first fetch only, so a prompt whose first
+    21 tokens were cached computed all of them again (0 hits). The first chunk now holds the
+    cached prefix (free) plus the budget."""
+    rng = np.random.default_rng(5)
+    a, b = _rand(rng, 30), _rand(rng, 35)
+    reqs = [Request(0, a, 10), Request(1, b, 12, arrival=1),
+            Request(2, a[:27], 6, arrival=1), Request(3, a, 5, arrival=2)]
+    e = _engine(toy, max_seq_len=64, page_size=7, max_step_tokens=13)
+    e.serve(reqs)
+    assert [r.prefix_hit_tokens for r in reqs] == [0, 0, 21, 28]
+    assert e.stats.prefill_tokens == sum(len(r.prompt) for r in reqs) - 49
+    assert check_against_reference(toy, reqs) == []
+    _assert_clean(e)
+
+
+def test_prompt_of_max_seq_len_and_one_token_in_every_cache(toy):
+    """A prompt exactly ``max_seq_len`` long (one new token), a one-token prompt and a
+    request whose final length is ``max_seq_len``, through every cache; one token more is
+    rejected by name."""
+    rng = np.random.default_rng(4)
+    for cache in ("paged", "continuous", "linear"):
+        reqs = [Request(0, _rand(rng, 40), 1), Request(1, _rand(rng, 1), 6),
+                Request(2, _rand(rng, 33), 8)]
+        over = [Request(3, _rand(rng, 41), 1), Request(4, _rand(rng, 40), 2)]
+        e = _engine(toy, cache, max_seq_len=40, page_size=7, max_step_tokens=9)
+        e.serve(reqs + over)
+        assert [r.status for r in reqs] == ["done"] * 3, cache
+        assert all(r.status == "rejected" and "max_seq_len" in r.error for r in over)
+        assert check_against_reference(toy, reqs) == [], cache
+        _assert_clean(e)
+
+
+def test_cli_kernel_threads_bounded():
+    """``--kernel-threads 100000`` hung the toy generate for minutes (TVM starts every
+    worker)."""
+    from kvtvm import cli, runtime
+
+    with pytest.raises(SystemExit) as ex:
+        cli.main(["generate", "--model", "toy", "--prompt", "5", "--kernel-threads", "100000"])
+    assert ex.value.code == 2
+    with pytest.raises(InvalidArgumentError, match="n"):
+        runtime.set_num_threads(runtime.MAX_THREADS + 1)
