@@ -139,3 +139,8 @@ def random_page_table(rng, lengths, page_size, spare=2):
         table[b, :n] = perm[cursor:cursor + n]
         cursor += n
     return table, num_pages
+
+
+def random_prompt(rng, n):
+    """``n`` random token ids in [3, 1000) (clear of the toy model's special ids)."""
+    return rng.integers(3, 1000, n).tolist()

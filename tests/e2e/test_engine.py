@@ -4,22 +4,14 @@ bad models, each checked against transformers (toy Llama; SmolLM2 on a few short
 import numpy as np
 import pytest
 import torch
+from helpers import random_prompt
 
-from kvtvm.engine import (Engine, ModelRunner, Request, UnsupportedModelError, build_toy_model,
+from kvtvm.engine import (Engine, ModelRunner, Request, UnsupportedModelError,
                           check_against_reference, check_supported, configure_threads,
                           load_model, reference_tokens)
 from kvtvm.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def toy():
-    return build_toy_model(num_layers=2)
-
-
-def _rand(rng, n):
-    return rng.integers(3, 1000, n).tolist()
 
 
 def _engine(model, cache="paged", **kw):
@@ -32,7 +24,7 @@ def _engine(model, cache="paged", **kw):
 def test_chunked_prefill_matches_transformers(toy, cache):
     """Prompts longer than the step budget are computed in chunks, mixed with decodes."""
     rng = np.random.default_rng(0)
-    reqs = [Request(i, _rand(rng, 30 + 11 * i), 6, arrival=i) for i in range(3)]
+    reqs = [Request(i, random_prompt(rng, 30 + 11 * i), 6, arrival=i) for i in range(3)]
     e = _engine(toy, cache, max_step_tokens=16)
     e.serve(reqs)
     assert all(r.status == "done" for r in reqs)
@@ -42,7 +34,7 @@ def test_chunked_prefill_matches_transformers(toy, cache):
 
 def test_stop_token_ends_request_like_generate(toy):
     rng = np.random.default_rng(1)
-    prompt = _rand(rng, 12)
+    prompt = random_prompt(rng, 12)
     free = reference_tokens(toy, prompt, 10)
     stop = free[4]                        # the 5th greedy token becomes a stop token
     req = Request(0, prompt, 10, stop_token_ids=(stop,))
@@ -56,7 +48,7 @@ def test_stop_token_ends_request_like_generate(toy):
 
 def test_sampling_is_seeded_and_differs_from_greedy(toy):
     rng = np.random.default_rng(2)
-    prompt = _rand(rng, 10)
+    prompt = random_prompt(rng, 10)
 
     def run(seed, temperature):
         r = Request(0, prompt, 12, temperature=temperature, top_p=0.9, seed=seed)
@@ -73,7 +65,7 @@ def test_sampling_is_seeded_and_differs_from_greedy(toy):
 
 def test_abort_releases(toy):
     rng = np.random.default_rng(3)
-    reqs = [Request(i, _rand(rng, 20), 30) for i in range(3)]
+    reqs = [Request(i, random_prompt(rng, 20), 30) for i in range(3)]
     e = _engine(toy)
     for r in reqs:
         e.submit(r)
@@ -147,7 +139,7 @@ def test_smollm3_layers_without_rope_match_transformers():
     torch.manual_seed(0)
     model = SmolLM3ForCausalLM(cfg).eval()
     rng = np.random.default_rng(7)
-    reqs = [Request(i, _rand(rng, 9 + 4 * i), 6) for i in range(2)]
+    reqs = [Request(i, random_prompt(rng, 9 + 4 * i), 6) for i in range(2)]
     _engine(model).serve(reqs)
     assert check_against_reference(model, reqs) == []
 
@@ -178,13 +170,13 @@ def test_second_engine_served_warm_from_the_disk_tier(toy, tmp_path):
     same directory (a restart) reads the shared system prompt from disk, and both generate
     what transformers does."""
     rng = np.random.default_rng(7)
-    system = _rand(rng, 48)  # 3 full pages
-    first = [Request(0, system + _rand(rng, 5), 4)]
+    system = random_prompt(rng, 48)  # 3 full pages
+    first = [Request(0, system + random_prompt(rng, 5), 4)]
     a = _engine(toy, host_tier_pages=4, disk_tier_dir=tmp_path / "kv")
     a.serve(first)
     assert a.close() >= 3
     assert len(list((tmp_path / "kv").glob("*.kvp"))) >= 3
-    second = [Request(1, system + _rand(rng, 7), 4)]
+    second = [Request(1, system + random_prompt(rng, 7), 4)]
     b = _engine(toy, disk_tier_dir=tmp_path / "kv")
     b.serve(second)
     assert second[0].prefix_hit_tokens == 48 and b.stats.prefix_hit_tokens == 48

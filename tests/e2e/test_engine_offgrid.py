@@ -6,21 +6,13 @@ nothing; every request that is served gives transformers' tokens; no page or slo
 import numpy as np
 import pytest
 import torch
+from helpers import random_prompt
 
-from kvtvm.engine import Engine, Request, build_toy_model, check_against_reference, \
+from kvtvm.engine import Engine, Request, check_against_reference, \
     reference_tokens
 from kvtvm.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def toy():
-    return build_toy_model(num_layers=2)
-
-
-def _rand(rng, n):
-    return rng.integers(3, 1000, n).tolist()
 
 
 def _engine(model, cache="paged", **kw):
@@ -48,7 +40,7 @@ def test_bad_request_fields_are_rejected_and_the_rest_served(toy, cache):
     """A bad seed, stop list, temperature, arrival or float prompt used to raise out of
     ``step`` (TypeError/RuntimeError/ValueError) with the request half admitted."""
     rng = np.random.default_rng(0)
-    p = _rand(rng, 9)
+    p = random_prompt(rng, 9)
     bad = {
         "seed str": Request(0, p, 3, temperature=0.5, seed="abc"),
         "seed float": Request(1, p, 3, temperature=0.5, seed=1.5),
@@ -63,7 +55,7 @@ def test_bad_request_fields_are_rejected_and_the_rest_served(toy, cache):
         "arrival None": Request(10, p, 3, arrival=None),
         "arrival str": Request(11, p, 3, arrival="1"),
     }
-    good = [Request(20, p, 4), Request(21, _rand(rng, 13), 3, arrival=1)]
+    good = [Request(20, p, 4), Request(21, random_prompt(rng, 13), 3, arrival=1)]
     e = _engine(toy, cache, max_step_tokens=5)
     e.serve([*bad.values(), *good])
     for name, r in bad.items():
@@ -82,7 +74,7 @@ def test_stop_token_given_as_an_int(toy):
     """``stop_token_ids=5`` (an int, as ``eos_token_ids`` takes) used to raise TypeError after
     the step's forward pass."""
     rng = np.random.default_rng(1)
-    prompt = _rand(rng, 10)
+    prompt = random_prompt(rng, 10)
     free = reference_tokens(toy, prompt, 8)
     req = Request(0, prompt, 8, stop_token_ids=free[2])
     e = _engine(toy)
@@ -99,13 +91,13 @@ def test_a_request_served_twice_is_refused(toy, cache):
     one serve() raised out of fetch and leaked a slot."""
     rng = np.random.default_rng(2)
     e = _engine(toy, cache)
-    r = Request(0, _rand(rng, 10), 4)
+    r = Request(0, random_prompt(rng, 10), 4)
     e.serve([r])
     out = list(r.output)
     with pytest.raises(InvalidArgumentError, match="already submitted"):
         e.serve([r])
     assert r.output == out and r.status == "done" and e.idle
-    fresh = Request(1, _rand(rng, 7), 3)
+    fresh = Request(1, random_prompt(rng, 7), 3)
     with pytest.raises(InvalidArgumentError, match="already submitted"):
         e.serve([fresh, fresh])
     assert e.idle and fresh.status == "waiting"   # nothing queued, not even the first
@@ -123,7 +115,7 @@ def test_tiny_temperature_samples_the_greedy_token(toy, temperature):
     """``logits / T`` in float32 overflowed to inf for T below ~1e-38 and torch.multinomial
     raised on the NaN probabilities, out of ``step``."""
     rng = np.random.default_rng(3)
-    prompt = _rand(rng, 8)
+    prompt = random_prompt(rng, 8)
     req = Request(0, prompt, 5, temperature=temperature, seed=7)
     e = _engine(toy)
     e.serve([req])
@@ -160,16 +152,16 @@ def test_a_failed_fetch_leaves_the_engine_as_it_was(toy, tmp_path):
     the step's new request holding a slot: the slot leaked and the request was lost. Now
     close() refuses later requests by name, and a fetch that raises undoes the admission."""
     rng = np.random.default_rng(6)
-    base = _rand(rng, 16)
+    base = random_prompt(rng, 16)
     e = _engine(toy, page_size=4, num_pages=8, max_seq_len=30, disk_tier_dir=tmp_path)
-    first = [Request(i, base + _rand(rng, 2), 3, arrival=i) for i in range(3)]
+    first = [Request(i, base + random_prompt(rng, 2), 3, arrival=i) for i in range(3)]
     e.serve(first)
     assert e.close() > 0
     with pytest.raises(InvalidArgumentError, match="closed"):
         e.serve([Request(9, base, 3)])
     assert e.idle and len(e.kv.mgr.slots_remaining) == 3
     e = _engine(toy, "linear")
-    reqs = [Request(i, _rand(rng, 6 + i), 4, arrival=i) for i in range(3)]
+    reqs = [Request(i, random_prompt(rng, 6 + i), 4, arrival=i) for i in range(3)]
     for r in reqs:
         e.submit(r)
     e.step()
@@ -211,13 +203,13 @@ def test_tight_pool_prefixes_and_aborts_match_transformers(toy, page_size, num_p
     and aborts mid-prefill, mid-decode and of unknown ids: served tokens equal transformers'
     and the page bookkeeping holds after every step."""
     rng = np.random.default_rng(page_size)
-    base = _rand(rng, 3 * page_size)
+    base = random_prompt(rng, 3 * page_size)
     prompts = [base, base[:page_size + 1], base[:page_size - 1], base[:1], base + [7],
-               base[:2 * page_size], _rand(rng, page_size), base]
+               base[:2 * page_size], random_prompt(rng, page_size), base]
     cap = num_pages * page_size
     reqs = [Request(i, p, max(1, min(5, cap - len(p) + 1)), arrival=i // 2)
             for i, p in enumerate(prompts)]
-    victims = [Request(90, _rand(rng, 20), 3), Request(91, base[:5], 9, arrival=1)]
+    victims = [Request(90, random_prompt(rng, 20), 3), Request(91, base[:5], 9, arrival=1)]
     e = _engine(toy, max_seq_len=cap, page_size=page_size, num_pages=num_pages,
                 max_step_tokens=7, max_batch_size=2)
     for r in victims + reqs:
@@ -241,7 +233,7 @@ def test_chunked_prefill_keeps_the_prefix_hits(toy):
     21 tokens were cached computed all of them again (0 hits). The first chunk now holds the
     cached prefix (free) plus the budget."""
     rng = np.random.default_rng(5)
-    a, b = _rand(rng, 30), _rand(rng, 35)
+    a, b = random_prompt(rng, 30), random_prompt(rng, 35)
     reqs = [Request(0, a, 10), Request(1, b, 12, arrival=1),
             Request(2, a[:27], 6, arrival=1), Request(3, a, 5, arrival=2)]
     e = _engine(toy, max_seq_len=64, page_size=7, max_step_tokens=13)
@@ -258,9 +250,9 @@ def test_prompt_of_max_seq_len_and_one_token_in_every_cache(toy):
     rejected by name."""
     rng = np.random.default_rng(4)
     for cache in ("paged", "continuous", "linear"):
-        reqs = [Request(0, _rand(rng, 40), 1), Request(1, _rand(rng, 1), 6),
-                Request(2, _rand(rng, 33), 8)]
-        over = [Request(3, _rand(rng, 41), 1), Request(4, _rand(rng, 40), 2)]
+        reqs = [Request(0, random_prompt(rng, 40), 1), Request(1, random_prompt(rng, 1), 6),
+                Request(2, random_prompt(rng, 33), 8)]
+        over = [Request(3, random_prompt(rng, 41), 1), Request(4, random_prompt(rng, 40), 2)]
         e = _engine(toy, cache, max_seq_len=40, page_size=7, max_step_tokens=9)
         e.serve(reqs + over)
         assert [r.status for r in reqs] == ["done"] * 3, cache
