@@ -104,11 +104,9 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} does not exist")
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
-    try:  # writable (a temporary file, removed: the path itself is not touched)
-        tempfile.TemporaryFile(dir=parent).close()
-    except OSError as err:
-        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {str(parent)!r} "
-                                         f"({err.strerror or err})") from None
+    why = unwritable_dir(parent)  # a temporary file, removed: the path itself is untouched
+    if why:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {str(parent)!r} ({why})")
     return text
 
 
@@ -127,7 +125,7 @@ def unwritable_dir(path) -> str:
         Path(path).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
     except OSError as err:
-        return str(err)
+        return err.strerror or str(err)
     return ""
 
 
