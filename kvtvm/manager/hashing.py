@@ -61,10 +61,12 @@ def block_hashes(tokens, page_size: int, bits: int = DEFAULT_HASH_BITS,
                  parent: int = HASH_SEED) -> list[int]:
     """Chained hashes of the full pages of ``tokens`` (int sequence ``[n]``); the partial
     last page (``n % page_size`` tokens) has none."""
-    toks = np.asarray(tokens, dtype=np.int64)
-    out = []
-    for i in range(toks.size // page_size):
-        parent = chain_hash(parent, toks[i * page_size:(i + 1) * page_size].tobytes(), bits)
+    raw = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1).tobytes()
+    width, out = 8 * page_size, []
+    pack, mask = _PACK.pack, (1 << bits) - 1
+    digest = xxhash.xxh3_64_intdigest if xxhash is not None else _h64
+    for i in range(0, len(raw) - width + 1, width):  # chain_hash, inlined (hot: every page)
+        parent = digest(pack(parent & 0xFFFFFFFFFFFFFFFF) + raw[i:i + width]) & mask
         out.append(parent)
     return out
 

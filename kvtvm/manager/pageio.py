@@ -166,7 +166,7 @@ class PageIOMixin(PageLayoutMixin):
         hit = memo.get(kid)
         if hit is not None:
             return hit
-        by_id = self._by_id()
+        by_id = self._prefix.by_id
         chain = []
         while kid != root and kid not in memo:
             key = by_id.get(kid)
@@ -179,38 +179,53 @@ class PageIOMixin(PageLayoutMixin):
             h, fp = chain_hash(h, chunk, self.hash_bits), fingerprint(fp, chunk)
             memo[k] = (h, fp)
         if len(memo) > 4 * self.num_pages + 64:  # forget keys no longer cached
-            live = {v[0] for v in self._prefix.table.values()}
-            for k in [k for k in memo if k not in live]:
+            for k in [k for k in memo if k not in by_id]:
                 del memo[k]
         return h, fp
 
-    def _by_id(self) -> dict:
-        """``{key id: key}`` of the prefix cache (rebuilt only when it changed)."""
-        p = self._prefix
-        version = (p.next_id, len(p.table), p.evictions, id(p.table))
-        cached = getattr(self, "_by_id_cache", None)
-        if cached is None or cached[0] != version or cached[2] is not p.table:
-            cached = self._by_id_cache = (version, {v[0]: k for k, v in p.table.items()},
-                                          p.table)
-        return cached[1]
-
     def _hash_index(self) -> dict:
-        """``{hash: (key id, page, token bytes, parent key id)}`` of every reachable cached
-        page (one entry per hash: with a narrow hash, a collision keeps one of them); rebuilt
-        only when the prefix cache changed."""
+        """``{(parent key id, hash): (key id, page, token bytes)}``: the cached pages by the
+        key id of their parent (the root for page 0) and their chained hash (with a narrow
+        hash, of two siblings sharing one the newest is kept: the other is a miss).
+
+        Kept up to date, not rebuilt per lookup: a call indexes the keys inserted since the
+        last one (key ids only grow and ``by_id`` holds them in order, so a parent comes
+        before its children); an entry whose key was evicted since is dropped when a lookup
+        meets it (:meth:`_child_by_hash`). It is built again from scratch when it remembers
+        twice as many keys as are cached (amortized: one eviction is one stale entry), when
+        the hash width changed or a transaction restored the cache."""
         p = self._prefix
-        version = (p.next_id, len(p.table), p.evictions, self.hash_bits, id(p.table))
-        cached = getattr(self, "_index_cache", None)
-        if cached is not None and cached[0] == version and cached[2] is p.table:
-            return cached[1]
-        out = {}
-        for (parent, chunk), (kid, page) in sorted(self._prefix.table.items(),
-                                                   key=lambda kv: kv[1][0]):
-            hf = self._chain_of(kid)
-            if hf is not None:
-                out[hf[0]] = (kid, page, chunk, parent)
-        self._index_cache = (version, out, p.table)
-        return out
+        state = getattr(self, "_index_cache", None)
+        by_id, bits = p.by_id, self.hash_bits
+        if state is None or state[0] is not by_id or state[1] != bits \
+                or len(state[4]) > 2 * len(by_id) + 64:
+            index, hashes, new = {}, {}, list(by_id)
+        else:
+            index, hashes, new, seen = state[3], state[4], [], state[2]
+            for kid in reversed(by_id):
+                if kid < seen:
+                    break
+                new.append(kid)
+            new.reverse()
+        table, root, root_hash = p.table, p.root, self._root_chain()[0]
+        for kid in new:
+            key = by_id[kid]
+            parent_hash = root_hash if key[0] == root else hashes.get(key[0])
+            if parent_hash is None:  # its parent is gone: unreachable
+                continue
+            h = hashes[kid] = chain_hash(parent_hash, key[1], bits)
+            index[(key[0], h)] = (kid, table[key][1], key[1])
+        self._index_cache = (by_id, bits, p.next_id, index, hashes)
+        return index
+
+    def _child_by_hash(self, index: dict, parent, h: int):
+        """The cached page chained to ``parent`` (a key id, or the root) whose hash is ``h``:
+        ``(key id, page, token bytes)``, or None."""
+        hit = index.get((parent, h))
+        if hit is not None and hit[0] not in self._prefix.by_id:  # evicted since indexed
+            del index[(parent, h)]
+            return None
+        return hit
 
     def held_prefix_pages(self, block_hashes) -> int:
         """How many leading pages of ``block_hashes`` this cache holds (device pool, then the
@@ -221,8 +236,8 @@ class PageIOMixin(PageLayoutMixin):
             index = self._hash_index()
             parent, n = self._prefix.root, 0
             for h in block_hashes:
-                hit = index.get(int(h))
-                if hit is None or hit[3] != parent:
+                hit = self._child_by_hash(index, parent, int(h))
+                if hit is None:
                     break
                 parent, n = hit[0], n + 1
             tiers = getattr(self, "_tiers", None)
@@ -316,8 +331,8 @@ class PageIOMixin(PageLayoutMixin):
                 index = self._hash_index()
                 parent, all_pages, chunks = self._prefix.root, [], []
                 for i, h in enumerate(block_hashes):
-                    hit = index.get(int(h))
-                    if hit is None or hit[3] != parent:
+                    hit = self._child_by_hash(index, parent, int(h))
+                    if hit is None:
                         raise InvalidArgumentError(describe(
                             f"export_pages: block_hashes[{i}]", "a cached page chained to the "
                             "previous hash", f"{int(h):#x} (not cached)"))

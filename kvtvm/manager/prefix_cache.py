@@ -75,6 +75,7 @@ class PrefixCache:
         self.root = root
         self.table: dict[tuple, tuple[int, int]] = {}    # key -> (key id, page)
         self.page_key: dict[int, tuple] = {}               # cached page -> its key
+        self.by_id: dict[int, tuple] = {}                  # key id -> key, ids ascending
         self.lru: OrderedDict[int, None] = OrderedDict()   # refcount-0 cached pages, oldest first
         self.next_id = 0
         self.queries = 0
@@ -110,27 +111,30 @@ class PrefixCache:
             return kid  # a fresh id nobody holds: this page's children are never reached
         self.table[key] = (kid, page)
         self.page_key[page] = key
+        self.by_id[kid] = key
         return kid
 
     def unregister(self, page: int) -> None:
         """Drop ``page``'s key (it is about to be overwritten or reused)."""
         key = self.page_key.pop(page)
-        del self.table[key]
+        del self.by_id[self.table.pop(key)[0]]
         self.lru.pop(page, None)
 
     def evict_one(self) -> int:
         """Evict the least recently used unreferenced cached page; returns it."""
         page, _ = self.lru.popitem(last=False)
         key = self.page_key.pop(page)
-        del self.table[key]
+        del self.by_id[self.table.pop(key)[0]]
         self.evictions += 1
         return page
 
     # -- transactions -------------------------------------------------------------------------
     def snapshot(self):
-        return (dict(self.table), dict(self.page_key), OrderedDict(self.lru), self.next_id,
+        return (dict(self.table), dict(self.page_key), OrderedDict(self.lru), dict(self.by_id),
                 self.queries, self.query_tokens, self.hit_tokens, self.evictions)
 
     def restore(self, snap) -> None:
-        (self.table, self.page_key, self.lru, self.next_id, self.queries,
+        """Back to ``snap``; ``next_id`` is not rolled back: an id handed out once (and
+        memoized with its hash) never names another key."""
+        (self.table, self.page_key, self.lru, self.by_id, self.queries,
          self.query_tokens, self.hit_tokens, self.evictions) = snap

@@ -236,3 +236,22 @@ def test_host_checksums_of_a_run_equal_each_page_hashed_alone(dtype):
             assert page_checksums(pages, HOST) == [checksum(p) for p in pages]
     assert page_checksums(torch.empty((3, 0), dtype=dtype), HOST) == \
         [checksum(p) for p in torch.empty((3, 0), dtype=dtype)]
+
+
+@pytest.mark.parametrize("bits", [3, 20, 64])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_block_hashes_chain_chain_hash_over_full_pages(bits, page_size):
+    """block_hashes (the inlined loop every export and lookup runs) is chain_hash applied
+    page after page from the seed; the partial last page has no hash."""
+    from kvtvm.manager.hashing import HASH_SEED, block_hashes, chain_hash
+
+    rng = np.random.default_rng(bits * 100 + page_size)
+    for n in (0, page_size - 1, page_size, 3 * page_size + 2):
+        toks = rng.integers(-2**40, 2**40, n)
+        want, h = [], HASH_SEED
+        for i in range(n // page_size):
+            h = chain_hash(h, toks[i * page_size:(i + 1) * page_size].astype(np.int64).tobytes(),
+                           bits)
+            want.append(h)
+        assert block_hashes(list(toks), page_size, bits) == want
+        assert all(0 <= x < 2**bits for x in want)

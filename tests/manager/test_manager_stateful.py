@@ -31,6 +31,7 @@ from kvtvm.errors import (KVCacheCapacityError, SequenceStateError, SequenceTooL
                           StaleInputsError, UnknownSequenceError)
 from kvtvm.inputs import BatchItem, TokenBatch
 from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+from kvtvm.manager.hashing import block_hashes
 
 H, D, L, P = 2, 8, 2, 4
 MB, MAX_LEN, PAGES = 5, 24, 14
@@ -366,6 +367,40 @@ class PagedMachine(ManagerMachine):
         for pages, saved in getattr(self, "leases", {}).values():
             for blocks, want in zip(self.mgr.blocks, saved):
                 assert torch.equal(blocks[pages], want)
+
+    @invariant()
+    def hashes_find_what_tokens_find(self):
+        """The peer-facing lookup by chained hashes (an index kept up to date as pages are
+        cached and evicted) answers what the prefix cache's token lookup answers."""
+        mgr = self.mgr
+        if not self.prefix:
+            return
+        probes = [toks for toks in self.shadow.values() if toks] + FAMILIES
+        for toks in probes:
+            full = len(toks) // P
+            chunks = [np.asarray(toks[i * P:(i + 1) * P], np.int64).tobytes()
+                      for i in range(full)]
+            pages, _ = mgr._prefix.lookup(chunks)
+            hashes = block_hashes(toks, P, mgr.hash_bits, mgr._root_chain()[0])
+            assert mgr.held_prefix_pages(hashes) == len(pages)
+
+    @rule(data=st.data())
+    def export_by_hashes(self, data):
+        """Export the cached chain of a prompt named by its hashes: the pages its tokens
+        find (a lease the lease rules end)."""
+        mgr = self.mgr
+        if not self.prefix:
+            return
+        toks = data.draw(st.sampled_from([t for t in self.shadow.values() if t] + FAMILIES))
+        hashes = block_hashes(toks, P, mgr.hash_bits, mgr._root_chain()[0])
+        n = mgr.held_prefix_pages(hashes)
+        if not n:
+            return
+        ex = mgr.export_pages(block_hashes=hashes[:n])
+        chunks = [np.asarray(toks[i * P:(i + 1) * P], np.int64).tobytes() for i in range(n)]
+        assert ex.pages == mgr._prefix.lookup(chunks)[0]
+        self.leases = getattr(self, "leases", {})
+        self.leases[ex.lease_id] = (ex.pages, [b[ex.pages].clone() for b in mgr.blocks])
 
     # -- leases (export / import): issue 17 -------------------------------------------------
     @rule(data=st.data())
