@@ -80,6 +80,15 @@ class PageHeader:
         """Element type of the page data: ``dtype``, or ``uint8`` for a quantized cache."""
         return self.dtype if self.storage == STORAGE else "uint8"
 
+    def token_array(self) -> np.ndarray:
+        """``tokens`` as a read-only int64 array ``[len(tokens)]`` (made once per header)."""
+        arr = self.__dict__.get("_token_array")
+        if arr is None:
+            arr = np.asarray(self.tokens, dtype=np.int64)
+            arr.setflags(write=False)
+            object.__setattr__(self, "_token_array", arr)
+        return arr
+
     @property
     def n_pages(self) -> int:
         return -(-len(self.tokens) // self.page_size)
@@ -107,7 +116,7 @@ class PageHeader:
                 d[f"n_{name}"] = -1
                 continue
             try:
-                arr = np.asarray(value, dtype=dt)
+                arr = self.token_array() if name == "tokens" else np.asarray(value, dtype=dt)
             except (TypeError, ValueError, OverflowError) as err:
                 raise CorruptTransferError(f"page header field {name}: not encodable as "
                                            f"{np.dtype(dt).name} ({err})") from None
@@ -128,7 +137,13 @@ class PageHeader:
         if len(sums) != self.n_carried:
             raise CorruptTransferError(f"page header: {len(sums)} checksums for "
                                        f"{self.n_carried} pages")
-        return replace(self, checksums=sums)
+        return self._replace_checksums(sums)
+
+    def _replace_checksums(self, sums) -> "PageHeader":
+        out = replace(self, checksums=sums)
+        if "_token_array" in self.__dict__:  # the same tokens: keep their array
+            object.__setattr__(out, "_token_array", self.__dict__["_token_array"])
+        return out
 
     def check(self, deferred: bool = False) -> "PageHeader":
         """Raise :class:`CorruptTransferError` naming the first field of the wrong type or
@@ -191,7 +206,7 @@ class PageHeader:
             d = json.loads(raw[_HEAD.size:_HEAD.size + n].decode())
             if not isinstance(d, dict):
                 raise ValueError(f"fields are {type(d).__name__}, not an object")
-            at = _HEAD.size + n
+            at, arrays = _HEAD.size + n, {}
             for name, dt in _ARRAYS:
                 count = d.pop(f"n_{name}")
                 if type(count) is not int or count < -1:
@@ -203,7 +218,8 @@ class PageHeader:
                 if at + size > len(raw):
                     raise ValueError(f"{name}: {count} values announced, "
                                      f"{(len(raw) - at) // 8} sent")
-                d[name] = tuple(np.frombuffer(raw, dt, count, at).tolist())
+                arrays[name] = np.frombuffer(raw, dt, count, at)  # read-only
+                d[name] = tuple(arrays[name].tolist())
                 at += size
             if at != len(raw):
                 raise ValueError(f"{len(raw) - at} bytes past the header")
@@ -211,6 +227,10 @@ class PageHeader:
             # the three arrays were int64 / uint64 on the wire: exact ints in range, so
             # check() (here and on import) skips their per-element type scan
             object.__setattr__(hdr, "_typed_arrays", True)
+            if "tokens" in arrays:
+                toks = arrays["tokens"].astype(np.int64, copy=False)
+                toks.setflags(write=False)
+                object.__setattr__(hdr, "_token_array", toks)
         except (ValueError, TypeError, KeyError, UnicodeDecodeError, AttributeError,
                 struct.error) as err:
             raise CorruptTransferError(f"page header: unreadable ({err})") from None
@@ -240,7 +260,7 @@ class PageExport:
                  alive=None):
         self.lease_id, self.pages, self._alive = lease_id, pages, alive
         self._blocks, self._gather, self._data = blocks, gather, None
-        self._wire = replace(header, checksums=None) if sums is not None else header
+        self._wire = header._replace_checksums(None) if sums is not None else header
         self._full = None if sums is not None else header
         self._sums, self._known = sums, {}
 

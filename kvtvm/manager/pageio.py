@@ -262,7 +262,7 @@ class PageIOMixin(PageLayoutMixin):
         P = self.page_size
         toks = np.asarray(tokens, dtype=np.int64)
         hashes = _block_hashes(toks, P, self.hash_bits, self._root_chain()[0])
-        return PageHeader(
+        hdr = PageHeader(
             version=FORMAT_VERSION, dtype=self.params.dtype, storage=self.storage_name(),
             layout=LAYOUT, page_bytes=self.params.bytes_per_page(self.num_layers),
             page_size=P, n_kv_heads=self.params.n_kv_heads, head_range=tuple(heads),
@@ -270,6 +270,9 @@ class PageIOMixin(PageLayoutMixin):
             tokens=tuple(toks.tolist()), first_page=int(first_page),
             block_hashes=tuple(hashes), hash_bits=self.hash_bits,
             checksum=self.checksum_algorithm, checksums=None)
+        toks.setflags(write=False)
+        object.__setattr__(hdr, "_token_array", toks)  # what token_array() would make
+        return hdr
 
     def export_pages(self, seq_id: int | None = None, *, block_hashes=None, first_page: int = 0,
                      heads=None, timeout: float | None = None,
@@ -438,7 +441,7 @@ class PageIOMixin(PageLayoutMixin):
                 if self._lengths[sid] or self._npages[sid]:
                     raise SequenceStateError(f"import: seq_id {sid} already holds tokens")
             P = self.page_size
-            toks = np.asarray(header.tokens, dtype=np.int64)
+            toks = header.token_array()
             chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(toks.size // P)]
             if getattr(self, "_tiers", None) is not None:  # room first: a page promoted
                 self._import_room(header, self._prefix.lookup(chunks)[0])  # costs one it saves
@@ -564,7 +567,7 @@ class PageIOMixin(PageLayoutMixin):
         start = hdr.n_pages - len(new_pages)
         if new_pages and data is not None:  # else: received in place
             self._scatter(new_pages, data)
-        toks = np.asarray(hdr.tokens, dtype=np.int64)
+        toks = hdr.token_array()
         kids = list(lease.held_kids)
         parent = kids[-1] if kids else self._prefix.root
         for i in range(start, toks.size // P):

@@ -404,7 +404,15 @@ def test_header_wire_encoding_round_trips_and_refuses_damage():
     assert len(hdr.checksums) == hdr.n_carried
     for h, deferred in ((hdr, False), (dataclasses.replace(hdr, checksums=None), True)):
         raw = h.to_bytes()
-        assert PageHeader.from_bytes(raw, deferred=deferred) == h
+        back = PageHeader.from_bytes(raw, deferred=deferred)
+        assert back == h
+        # the tokens' int64 array (kept from the wire, and through with_checksums) is
+        # theirs exactly, and read-only: the header stays immutable
+        for arr in (back.token_array(), h.token_array(),
+                    back.with_checksums(hdr.checksums).token_array()):
+            assert arr.dtype == np.int64 and arr.tolist() == list(hdr.tokens)
+            with pytest.raises(ValueError):
+                arr[0] = 1
     raw = hdr.to_bytes()
     (jlen,) = struct.unpack_from("<I", raw, 4)
     damaged = [raw[:-8], raw + b"\0" * 8, b"XXXX" + raw[4:], raw[:6], b"",
