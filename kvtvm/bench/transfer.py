@@ -23,6 +23,7 @@ import statistics
 import time
 
 from .. import cliargs
+from ..errors import KVCacheError
 from .common import log
 
 __all__ = ["main"]
@@ -32,7 +33,8 @@ def _params(args):
     from ..params import KVCacheParams
 
     return KVCacheParams(args.dtype, args.n_kv_heads, args.head_dim, "paged",
-                         page_size=args.page_size, enable_prefix_caching=True)
+                         page_size=args.page_size, enable_prefix_caching=True,
+                         **args.cache_storage)
 
 
 def _manager(args, device):
@@ -245,6 +247,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n-kv-heads", type=cliargs.positive_int, default=8)
     parser.add_argument("--head-dim", type=cliargs.positive_int, default=128)
     parser.add_argument("--dtype", default="float16", type=cliargs.float_dtype)
+    cliargs.add_cache_storage_options(parser)
     parser.add_argument("--repeat", type=cliargs.positive_int, default=10)
     parser.add_argument("--warmup", type=cliargs.nonnegative_int, default=2)
     parser.add_argument("--threads", type=cliargs.positive_int, default=1,
@@ -256,6 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=cliargs.output_file, metavar="PATH",
                         help="also write the results as JSON")
     args = parser.parse_args(argv)
+    args.cache_storage = cliargs.cache_storage_kwargs(parser, args)
     skip = {s for s in args.skip.split(",") if s}
     if skip - {"transfer", "host"}:
         parser.error(f"--skip: unknown {sorted(skip - {'transfer', 'host'})}; "
@@ -268,8 +272,13 @@ def main(argv=None) -> int:
         if not dist.is_nccl_available():
             parser.error("--backend nccl: this torch build has no NCCL")
     res = {"args": vars(args)}
+    try:
+        params = _params(args)
+        params.resolve_skip_layers(args.layers)
+    except KVCacheError as err:  # e.g. --skip-layers past --layers: a usage error
+        parser.error(str(err))
     shape = (f"{args.tokens} tokens, pages of {args.page_size}, {args.layers} layers, "
-             f"{args.n_kv_heads} kv heads x {args.head_dim}, {args.dtype}, {args.device}")
+             f"{params.summary()}, {args.device}")
     if "transfer" not in skip:
         log.info("transfer: two processes over %s, %d repeats", args.backend, args.repeat)
         load0 = os.getloadavg()[0]

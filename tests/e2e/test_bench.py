@@ -204,3 +204,25 @@ def test_bench_transfer_host_tier_tokens_off_the_page_grid(tokens, capsys):
     assert main(["--tokens", str(tokens), "--layers", "1", "--n-kv-heads", "1", "--head-dim",
                  "16", "--repeat", "1", "--warmup", "0", "--skip", "transfer"]) == 0
     assert f"host tier: {tokens} tokens" in capsys.readouterr().out
+
+
+def test_bench_transfer_moves_8bit_pages(tmp_path, capsys):
+    """``--cache-dtype`` / ``--k-cache-dtype`` / ``--skip-layers``: the pages moved are the
+    8-bit cache's byte rows (fewer bytes than the float16 cache's), both ways measured."""
+    from kvtvm.bench.transfer import main
+
+    base = ["--tokens", "40", "--layers", "2", "--n-kv-heads", "2", "--head-dim", "64",
+            "--repeat", "1", "--warmup", "0"]  # a 64-wide int8 row and its scale: 80 bytes
+    sizes = {}
+    for extra in ([], ["--cache-dtype", "int8"], ["--k-cache-dtype", "float8_e4m3fn"],
+                  ["--cache-dtype", "int8", "--skip-layers", "-1"]):
+        out = tmp_path / "r.json"
+        assert main(base + extra + ["--json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["transfer"]["kvtvm_s"] > 0 and res["host"]["promote_s"] > 0
+        sizes[" ".join(extra)] = res["transfer"]["nbytes"]
+    text = capsys.readouterr().out
+    assert "int8 K/V" in text and "K float8_e4m3fn V float16" in text
+    assert sizes["--cache-dtype int8"] < sizes["--cache-dtype int8 --skip-layers -1"] \
+        < sizes[""]
+    assert sizes["--cache-dtype int8"] < sizes["--k-cache-dtype float8_e4m3fn"] < sizes[""]

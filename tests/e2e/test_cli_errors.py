@@ -93,6 +93,9 @@ CASES = [
     (["bench", "transfer", "--dtype", "floot32"], "--dtype"),
     (["bench", "transfer", "--backend", "nccl"], "--backend nccl"),
     (["bench", "transfer", "--skip", "nosuch"], "--skip"),
+    (["bench", "transfer", "--skip-layers", "0"], "--skip-layers"),
+    (["bench", "transfer", "--cache-dtype", "int4"], "--cache-dtype"),
+    (["bench", "transfer", "--cache-dtype", "int8", "--skip-layers", "9"], "skip_layers"),
 ]
 if NO_CUDA:
     CASES += [(["generate", "--model", "toy", "--prompt", "5 6", "--device", "cuda"], "CUDA"),
