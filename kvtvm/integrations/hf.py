@@ -490,9 +490,23 @@ def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dro
     if dropout:
         raise InvalidArgumentError("kvtvm attention: dropout (training) is not supported")
     cache = getattr(_active, "cache", None)
-    if cache is None:
-        raise InvalidArgumentError("kvtvm attention needs past_key_values=KVTVMCache(...)")
-    return cache.attention(module.layer_idx, query, attention_mask, scaling, sliding_window)
+    if cache is None or module.layer_idx not in cache._kv:
+        # no KVTVMCache took this forward's K/V (``_active`` may name the cache of an earlier
+        # forward that stopped with an error: it must not be appended to)
+        _active.cache = None
+        raise InvalidArgumentError(
+            "kvtvm attention needs a KVTVMCache: generate(..., cache=KVTVMCache(model, "
+            "max_seq_len)) (past_key_values= in older code); use_cache=False and options that "
+            "run the model on a cache of their own (guidance_scale) are not supported on "
+            "kvtvm attention: model.set_attn_implementation('sdpa') for them")
+    try:
+        return cache.attention(module.layer_idx, query, attention_mask, scaling,
+                               sliding_window)
+    except BaseException:
+        # a refused or failed forward leaves nothing a later forward could pick up
+        _active.cache = None
+        cache._kv.clear()
+        raise
 
 
 def _padding_mask(*args, attention_mask=None, **kwargs):
