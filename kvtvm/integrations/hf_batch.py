@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, describe
 from ..ops import decode_attention, prefill_attention
 from ..ops.append import append_kv
 
@@ -330,14 +330,15 @@ def cb_config(max_prompt_len: int, max_new_tokens: int, num_requests: int,
     ----------
     max_prompt_len, max_new_tokens, num_requests : int
     page_size : int
-        Tokens per page of transformers' cache.
+        Tokens per page of transformers' cache (transformers takes 4 or more).
     max_batch_tokens : int, optional
         Tokens one forward pass takes at most; default every prompt at once (capped at 8192).
 
     Raises
     ------
     InvalidArgumentError
-        Naming the argument: a size that is not a positive int (``max_new_tokens`` may be 0).
+        Naming the argument: a size that is not a positive int (``max_new_tokens`` may be 0),
+        a ``page_size`` below transformers' least (4).
     """
     from transformers import ContinuousBatchingConfig
 
@@ -346,6 +347,10 @@ def cb_config(max_prompt_len: int, max_new_tokens: int, num_requests: int,
     for name, value in (("max_prompt_len", max_prompt_len), ("num_requests", num_requests),
                         ("page_size", page_size)):
         check_positive_int(name, value)
+    least = _cb_init.BOUNDS["page_size"][0] if hasattr(_cb_init, "BOUNDS") else 4
+    if page_size < least:       # transformers refuses it only when generate_batch starts
+        raise InvalidArgumentError(describe(
+            "page_size", f"at least {least} (transformers' continuous batching)", page_size))
     check_positive_int("max_new_tokens", max_new_tokens, allow_zero=True)
     if max_batch_tokens is not None:
         check_positive_int("max_batch_tokens", max_batch_tokens)

@@ -117,6 +117,7 @@ def test_refusals_change_nothing():
 
 
 @pytest.mark.parametrize("bad", [dict(page_size=0), dict(page_size=-1), dict(page_size=2.5),
+                                 dict(page_size=1), dict(page_size=3),   # transformers: >= 4
                                  dict(num_requests=0), dict(max_prompt_len=-5),
                                  dict(max_new_tokens=True), dict(max_batch_tokens=0)])
 def test_cb_config_refuses_bad_sizes(bad):
