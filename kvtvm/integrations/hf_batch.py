@@ -313,7 +313,14 @@ AttentionMaskInterface.register(KVTVM_FLASH, ALL_MASK_ATTENTION_FUNCTIONS["flash
 
 def use_kvtvm_batch(model):
     """Switch ``model`` to kvtvm's flash-style attention (``"kvtvm_flash"``), which
-    ``generate_batch`` accepts (and plain ``generate`` too)."""
+    ``generate_batch`` accepts (and plain ``generate`` too).
+
+    Raises :class:`kvtvm.errors.InvalidArgumentError` (``UnsupportedModelError``) naming
+    ``model`` if it is not a transformers model kvtvm supports (as
+    :func:`kvtvm.integrations.hf.use_kvtvm`); the model is unchanged then."""
+    from .hf import _text_config
+
+    _text_config(model)
     _seed_lazy_import()
     model.set_attn_implementation(KVTVM_FLASH)
     return model
