@@ -39,6 +39,7 @@ import torch
 from ..errors import InvalidArgumentError, describe
 from ..ops import decode_attention, prefill_attention
 from ..ops.append import append_kv
+from .hf_autograd import no_backward
 
 try:
     import transformers
@@ -283,7 +284,8 @@ def kvtvm_flash_attention(module, query, key, value, attention_mask, **kwargs):
     flash-attn functions behind it (re-seeded if another flash implementation was loaded
     since)."""
     _seed_lazy_import()
-    return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out, weights = flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return no_backward(out, query, key, value), weights
 
 
 AttentionInterface.register(KVTVM_FLASH, kvtvm_flash_attention)
