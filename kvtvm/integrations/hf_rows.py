@@ -126,7 +126,9 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
         b = int(torch.nonzero(right)[0, 0])
         raise InvalidArgumentError(describe(
             f"attention_mask row {b}{where}", "a token (1) last: pads (0) only before the "
-            f"row's tokens; {_LEFT_ONLY}", fresh[b].int().tolist()))
+            f"row's tokens; {_LEFT_ONLY}; a hole inside the tokens is fine unless a forward "
+            "ends in it (generate(prefill_chunk_size=n) whose chunk ends inside a hole: take "
+            "an n that does not)", fresh[b].int().tolist()))
     if sliding_window is not None:
         seen = fresh.cummax(dim=1).values               # a token of the row at or before
         if past:
