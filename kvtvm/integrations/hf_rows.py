@@ -216,13 +216,17 @@ def regather(mgr, seq_ids: list[int], src: list[int]) -> list[int]:
 
 def _copy_sequence(mgr, seq_id: int) -> int:
     """A new sequence holding ``seq_id``'s tokens (fork on a paged manager; on a continuous
-    one, a block copy committed as that many tokens)."""
+    one, a block copy committed as that many tokens; none while it holds none -- a row of
+    pads only)."""
     if isinstance(mgr, PagedKVCacheManager):
         return mgr.fork(seq_id)
     from ..ops import copy_pages
 
+    held = mgr.cache_length(seq_id)
     (new,) = mgr.claim(1)
-    item = [BatchItem(new, [0] * mgr.cache_length(seq_id))]
+    if not held:                    # nothing to copy (a fetch of no tokens is refused)
+        return new
+    item = [BatchItem(new, [0] * held)]
     mgr.fetch(item)
     # a continuous manager's sequence s owns block s for its whole life
     src = torch.tensor([seq_id], dtype=torch.int32)

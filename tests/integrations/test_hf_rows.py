@@ -123,6 +123,21 @@ def test_beam_search_equals_dynamic_cache(toy, cache, beams, returns):
         assert kv.mgr.stats().pages_used == 0
 
 
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+def test_beam_search_with_a_row_of_pads_only_equals_dynamic_cache(toy, cache):
+    """A row with no token (mask all 0, supported) under beam search: its beams hold nothing
+    when transformers first reorders them. The continuous cache's copy of such a row once
+    fetched zero tokens and the manager refused it mid-generate."""
+    _, ids, mask = _left_padded([5, 5], seed=13)
+    mask[1] = 0
+    kw = dict(num_beams=2, num_return_sequences=2, max_new_tokens=3)
+    want = toy.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kw)
+    kv = hf.KVTVMCache(toy, max_seq_len=12, cache=cache, max_batch_size=4)
+    got = on_kvtvm(toy, lambda: toy.generate(ids, attention_mask=mask, cache=kv,
+                                              do_sample=False, pad_token_id=0, **kw))
+    assert torch.equal(got, want)
+
+
 def test_sampled_num_return_sequences_equals_sdpa(toy):
     _, ids, mask = _left_padded([4, 7], seed=13)
     kw = dict(do_sample=True, num_return_sequences=3, top_k=0)
