@@ -49,7 +49,8 @@ Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the 
 whose new positions end with a pad after a token of the row (right padding), a mask whose
 cached part differs from the rows' token masks, a pad after a row's first token when the model
 has a sliding window (transformers' window counts pad positions, kvtvm's counts tokens), a
-prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, more tokens than
+prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, a backward through the
+attention (:mod:`~kvtvm.integrations.hf_autograd`), more tokens than
 ``max_seq_len`` (:class:`~kvtvm.errors.SequenceTooLongError`), a ``crop`` argument that is
 positive, not an int, or past the positions held, bad re-indexing arguments, a forward on kvtvm
 attention without a ``KVTVMCache``, a ``KVTVMCache`` on a model whose attention is not kvtvm
@@ -77,6 +78,7 @@ from ..inputs import BatchItem
 from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from ..params import KVCacheParams
 from ..plan import plan_step
+from .hf_autograd import no_backward
 from .hf_rows import (PaddingMask, check_room, copy_sequences, regather, row_indices,
                       step_rows)
 
@@ -490,9 +492,24 @@ def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dro
     if dropout:
         raise InvalidArgumentError("kvtvm attention: dropout (training) is not supported")
     cache = getattr(_active, "cache", None)
-    if cache is None:
-        raise InvalidArgumentError("kvtvm attention needs past_key_values=KVTVMCache(...)")
-    return cache.attention(module.layer_idx, query, attention_mask, scaling, sliding_window)
+    if cache is None or module.layer_idx not in cache._kv:
+        # no KVTVMCache took this forward's K/V (``_active`` may name the cache of an earlier
+        # forward that stopped with an error: it must not be appended to)
+        _active.cache = None
+        raise InvalidArgumentError(
+            "kvtvm attention needs a KVTVMCache: generate(..., cache=KVTVMCache(model, "
+            "max_seq_len)) (past_key_values= in older code); use_cache=False and options that "
+            "run the model on a cache of their own (guidance_scale) are not supported on "
+            "kvtvm attention: model.set_attn_implementation('sdpa') for them")
+    try:
+        out, weights = cache.attention(module.layer_idx, query, attention_mask, scaling,
+                                       sliding_window)
+        return no_backward(out, query, key, value), weights
+    except BaseException:
+        # a refused or failed forward leaves nothing a later forward could pick up
+        _active.cache = None
+        cache._kv.clear()
+        raise
 
 
 def _padding_mask(*args, attention_mask=None, **kwargs):

@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, describe
 from ..ops import decode_attention, prefill_attention
 from ..ops.append import append_kv
+from .hf_autograd import no_backward
 
 try:
     import transformers
@@ -283,7 +284,8 @@ def kvtvm_flash_attention(module, query, key, value, attention_mask, **kwargs):
     flash-attn functions behind it (re-seeded if another flash implementation was loaded
     since)."""
     _seed_lazy_import()
-    return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out, weights = flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return no_backward(out, query, key, value), weights
 
 
 AttentionInterface.register(KVTVM_FLASH, kvtvm_flash_attention)
@@ -313,7 +315,14 @@ AttentionMaskInterface.register(KVTVM_FLASH, ALL_MASK_ATTENTION_FUNCTIONS["flash
 
 def use_kvtvm_batch(model):
     """Switch ``model`` to kvtvm's flash-style attention (``"kvtvm_flash"``), which
-    ``generate_batch`` accepts (and plain ``generate`` too)."""
+    ``generate_batch`` accepts (and plain ``generate`` too).
+
+    Raises :class:`kvtvm.errors.InvalidArgumentError` (``UnsupportedModelError``) naming
+    ``model`` if it is not a transformers model kvtvm supports (as
+    :func:`kvtvm.integrations.hf.use_kvtvm`); the model is unchanged then."""
+    from .hf import _text_config
+
+    _text_config(model)
     _seed_lazy_import()
     model.set_attn_implementation(KVTVM_FLASH)
     return model
@@ -330,14 +339,15 @@ def cb_config(max_prompt_len: int, max_new_tokens: int, num_requests: int,
     ----------
     max_prompt_len, max_new_tokens, num_requests : int
     page_size : int
-        Tokens per page of transformers' cache.
+        Tokens per page of transformers' cache (transformers takes 4 or more).
     max_batch_tokens : int, optional
         Tokens one forward pass takes at most; default every prompt at once (capped at 8192).
 
     Raises
     ------
     InvalidArgumentError
-        Naming the argument: a size that is not a positive int (``max_new_tokens`` may be 0).
+        Naming the argument: a size that is not a positive int (``max_new_tokens`` may be 0),
+        a ``page_size`` below transformers' least (4).
     """
     from transformers import ContinuousBatchingConfig
 
@@ -346,6 +356,10 @@ def cb_config(max_prompt_len: int, max_new_tokens: int, num_requests: int,
     for name, value in (("max_prompt_len", max_prompt_len), ("num_requests", num_requests),
                         ("page_size", page_size)):
         check_positive_int(name, value)
+    least = _cb_init.BOUNDS["page_size"][0] if hasattr(_cb_init, "BOUNDS") else 4
+    if page_size < least:       # transformers refuses it only when generate_batch starts
+        raise InvalidArgumentError(describe(
+            "page_size", f"at least {least} (transformers' continuous batching)", page_size))
     check_positive_int("max_new_tokens", max_new_tokens, allow_zero=True)
     if max_batch_tokens is not None:
         check_positive_int("max_batch_tokens", max_batch_tokens)

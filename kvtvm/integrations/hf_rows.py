@@ -126,7 +126,9 @@ def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | N
         b = int(torch.nonzero(right)[0, 0])
         raise InvalidArgumentError(describe(
             f"attention_mask row {b}{where}", "a token (1) last: pads (0) only before the "
-            f"row's tokens; {_LEFT_ONLY}", fresh[b].int().tolist()))
+            f"row's tokens; {_LEFT_ONLY}; a hole inside the tokens is fine unless a forward "
+            "ends in it (generate(prefill_chunk_size=n) whose chunk ends inside a hole: take "
+            "an n that does not)", fresh[b].int().tolist()))
     if sliding_window is not None:
         seen = fresh.cummax(dim=1).values               # a token of the row at or before
         if past:
@@ -214,13 +216,17 @@ def regather(mgr, seq_ids: list[int], src: list[int]) -> list[int]:
 
 def _copy_sequence(mgr, seq_id: int) -> int:
     """A new sequence holding ``seq_id``'s tokens (fork on a paged manager; on a continuous
-    one, a block copy committed as that many tokens)."""
+    one, a block copy committed as that many tokens; none while it holds none -- a row of
+    pads only)."""
     if isinstance(mgr, PagedKVCacheManager):
         return mgr.fork(seq_id)
     from ..ops import copy_pages
 
+    held = mgr.cache_length(seq_id)
     (new,) = mgr.claim(1)
-    item = [BatchItem(new, [0] * mgr.cache_length(seq_id))]
+    if not held:                    # nothing to copy (a fetch of no tokens is refused)
+        return new
+    item = [BatchItem(new, [0] * held)]
     mgr.fetch(item)
     # a continuous manager's sequence s owns block s for its whole life
     src = torch.tensor([seq_id], dtype=torch.int32)

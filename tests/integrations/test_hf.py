@@ -153,6 +153,28 @@ def test_not_a_supported_model_refused(toy):
     assert gpt2.config._attn_implementation != hf.ATTN_NAME
 
 
+@pytest.mark.parametrize("attn", ["kvtvm", "kvtvm_flash"])
+def test_backward_through_kvtvm_attention_refused(toy, attn):
+    """kvtvm's kernels have no backward: a forward with grad enabled (no torch.no_grad) gives
+    sdpa's logits, and ``loss.backward()`` raises a typed error instead of silently leaving
+    every q/k/v projection without a gradient (q_proj.weight.grad stayed None)."""
+    from kvtvm.integrations.hf_batch import use_kvtvm_batch
+
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = toy(ids).logits
+    (use_kvtvm_batch if attn == "kvtvm_flash" else hf.use_kvtvm)(toy)
+    try:
+        kw = {"cache": hf.KVTVMCache(toy, 16)} if attn == "kvtvm" else {"use_cache": False}
+        out = toy(ids, labels=ids, **kw)
+        torch.testing.assert_close(out.logits.detach(), want, rtol=1e-4, atol=1e-4)
+        with pytest.raises(InvalidArgumentError, match="no backward"):
+            out.loss.backward()
+    finally:
+        toy.set_attn_implementation("sdpa")
+        toy.zero_grad(set_to_none=True)
+
+
 def test_softcap_refused():
     with pytest.raises(InvalidArgumentError, match="softcap"):
         hf.kvtvm_attention(None, None, None, None, None, softcap=30.0)

@@ -117,6 +117,7 @@ def test_refusals_change_nothing():
 
 
 @pytest.mark.parametrize("bad", [dict(page_size=0), dict(page_size=-1), dict(page_size=2.5),
+                                 dict(page_size=1), dict(page_size=3),   # transformers: >= 4
                                  dict(num_requests=0), dict(max_prompt_len=-5),
                                  dict(max_new_tokens=True), dict(max_batch_tokens=0)])
 def test_cb_config_refuses_bad_sizes(bad):
@@ -124,6 +125,21 @@ def test_cb_config_refuses_bad_sizes(bad):
     args = {**dict(max_prompt_len=10, max_new_tokens=5, num_requests=2), **bad}
     with pytest.raises(InvalidArgumentError, match=f"^{name}: expected a"):
         hfb.cb_config(**args)
+
+
+def test_use_kvtvm_batch_refuses_what_it_does_not_support():
+    """``use_kvtvm_batch`` checks its model as ``use_kvtvm`` does: not a transformers model, or
+    not a supported one (GPT-2: transformers' flash path dies on its Conv1D layers, and
+    generate_batch only logs the failed requests) -> typed, naming ``model``, unchanged."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    for bad in (None, "smollm2", torch.nn.Linear(2, 2)):
+        with pytest.raises(InvalidArgumentError, match="model: expected a transformers model"):
+            hfb.use_kvtvm_batch(bad)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(InvalidArgumentError, match="model_type 'gpt2'"):
+        hfb.use_kvtvm_batch(gpt2)
+    assert gpt2.config._attn_implementation != hfb.KVTVM_FLASH
 
 
 def test_transformers_change_fails_loudly(monkeypatch):

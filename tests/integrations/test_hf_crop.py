@@ -284,9 +284,32 @@ def test_a_forward_without_the_cache_never_touches_it(toy, draft):
     before = _state(kv)
     for cache in (None, "dynamic"):
         kw = {"use_cache": False} if cache is None else {}
-        with pytest.raises(InvalidArgumentError, match="needs past_key_values=KVTVMCache"):
+        with pytest.raises(InvalidArgumentError, match=r"needs a KVTVMCache.*cache="):
             on_kvtvm(draft, lambda: draft(ids[:, :3], **kw))
         assert _state(kv) == before
+
+
+@pytest.mark.parametrize("refused", ["4-D mask", "too long"])
+def test_a_forward_after_a_refused_one_never_touches_its_cache(toy, refused):
+    """A forward refused inside the kvtvm attention (a prepared 4-D mask, more tokens than
+    max_seq_len) leaves nothing behind: a later forward without a KVTVMCache (use_cache=False,
+    a draft's own cache) is refused with the cure, and the refused forward's cache is
+    unchanged. (It once picked up the refused forward's K/V, fetched into that cache and died
+    in a reshape.)"""
+    ids = _random_ids(15, 1, 6)
+    kv = hf.KVTVMCache(toy, 9)
+    on_kvtvm(toy, lambda: toy(ids, cache=kv))
+    kv._settle()
+    before = _state(kv)
+    bad = (dict(attention_mask=torch.zeros(1, 1, 2, 8)) if refused == "4-D mask"
+           else dict(input_ids=_random_ids(16, 1, 4)))
+    with pytest.raises(InvalidArgumentError):
+        on_kvtvm(toy, lambda: toy(**{"input_ids": ids[:, :2], **bad}, cache=kv))
+    for kw in ({"use_cache": False}, {}):
+        with pytest.raises(InvalidArgumentError, match=r"needs a KVTVMCache.*cache="):
+            on_kvtvm(toy, lambda: toy(ids[:, :3], **kw))
+    kv._settle()
+    assert _state(kv) == before
 
 
 @pytest.mark.parametrize("cache", ["paged", "continuous"])

@@ -123,6 +123,21 @@ def test_beam_search_equals_dynamic_cache(toy, cache, beams, returns):
         assert kv.mgr.stats().pages_used == 0
 
 
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+def test_beam_search_with_a_row_of_pads_only_equals_dynamic_cache(toy, cache):
+    """A row with no token (mask all 0, supported) under beam search: its beams hold nothing
+    when transformers first reorders them. The continuous cache's copy of such a row once
+    fetched zero tokens and the manager refused it mid-generate."""
+    _, ids, mask = _left_padded([5, 5], seed=13)
+    mask[1] = 0
+    kw = dict(num_beams=2, num_return_sequences=2, max_new_tokens=3)
+    want = toy.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kw)
+    kv = hf.KVTVMCache(toy, max_seq_len=12, cache=cache, max_batch_size=4)
+    got = on_kvtvm(toy, lambda: toy.generate(ids, attention_mask=mask, cache=kv,
+                                              do_sample=False, pad_token_id=0, **kw))
+    assert torch.equal(got, want)
+
+
 def test_sampled_num_return_sequences_equals_sdpa(toy):
     _, ids, mask = _left_padded([4, 7], seed=13)
     kw = dict(do_sample=True, num_return_sequences=3, top_k=0)
@@ -247,3 +262,21 @@ def test_bad_reorder_refused_before_any_change(toy):
     kv.reorder_cache(torch.tensor([1, 1]))
     assert kv.pads.tolist() == [0, 0] and len(set(kv.seq_ids)) == 2
     assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [6, 6]
+
+
+def test_a_prefill_chunk_ending_inside_a_hole_refused_naming_the_chunk_size(toy):
+    """A prompt with a hole (``[1, 1, 0, 1]``, supported) under ``prefill_chunk_size``: a
+    chunk boundary after the hole gives sdpa's tokens; one inside it makes a forward end with
+    a pad after a token (its output there would be read as the logits of a right-padded row),
+    refused before anything changes -- naming prefill_chunk_size, not only right padding."""
+    ids = torch.randint(3, 1000, (1, 4), generator=torch.Generator().manual_seed(12))
+    mask = torch.tensor([[1, 1, 0, 1]])
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = toy.generate(ids, **kw)
+    kv = hf.KVTVMCache(toy, 16)
+    got = on_kvtvm(toy, lambda: toy.generate(ids, cache=kv, prefill_chunk_size=2, **kw))
+    assert torch.equal(got, want)
+    kv = hf.KVTVMCache(toy, 16)
+    with pytest.raises(InvalidArgumentError, match=r"attention_mask row 0.*prefill_chunk_size"):
+        on_kvtvm(toy, lambda: toy.generate(ids, cache=kv, prefill_chunk_size=3, **kw))
+    assert kv.get_seq_length() == 0 and kv.seq_ids == []
