@@ -363,6 +363,10 @@ class DistributedTransport(PageTransport):
         self._send_msg(peer, ACK, 0, _ack_payload(status, n, err), "acknowledgement")
 
     def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
+        """See :meth:`PageTransport.handle`; ``timeout`` bounds the wait for the message,
+        the transport's own timeout each wait after it. The import's lease has no deadline
+        (:meth:`expire_leases` leaves it alone while its pages receive data in place); it
+        ends when the import is done, refused or failed."""
         import torch
 
         mgr = self._need()
@@ -394,7 +398,10 @@ class DistributedTransport(PageTransport):
         later = header.checksums is None  # a SUMS message follows the data
         try:
             seq_id = seq_for(header, tag) if seq_for is not None else None
-            lid, first_row = mgr.begin_import(header, seq_id, timeout=self.timeout)
+            # no deadline: expire_leases must not end this lease while runs are landing in
+            # its pages (they would be freed, handed out, then overwritten by the late runs);
+            # every wait here is bounded and every failure ends the lease
+            lid, first_row = mgr.begin_import(header, seq_id, timeout=None)
         except Exception as err:  # refused (format, room, a busy or unknown seq_id...), or
             # seq_for failed: take the data (and checksums) off the wire all the same (the
             # wire stays in step), then say why

@@ -198,6 +198,46 @@ else:
     out(**res)
 '''
 
+EXPIRED_IMPORT = r'''
+import threading
+T.CHUNK_BYTES = 512
+m = make(pages=16 if rank == 1 else 64)
+tr = T.DistributedTransport(timeout=10.0)
+tr.register(m)
+if rank == 0:
+    s = seq(m, list(range(41)))  # 11 pages, one message each
+    real, calls = dist.isend, [0]
+    def late(*a, **k):  # the lookup (1), the header (2), then every run comes late
+        calls[0] += 1
+        if calls[0] == 3:
+            time.sleep(1.5)
+        return real(*a, **k)
+    tr.dist = type("D", (), {"isend": staticmethod(late), "irecv": staticmethod(dist.irecv)})()
+    try:
+        sent = T.send_sequence(tr, 1, s, timeout=10)
+    except Exception as e:
+        sent = err(e)
+    out(sent=sent, kv=kv(m, s))
+else:
+    box = {}
+    def meddle():  # while the runs are due: a reaper ends leases, a request takes pages
+        time.sleep(0.7)
+        box["expired"] = m.expire_leases(now=time.monotonic() + 1000)
+        other = seq(m, list(range(700, 720)))  # 5 pages
+        m.blocks[0][m.pages_of(other)] = 0
+        box["other"] = other
+    th = threading.Thread(target=meddle)
+    th.start()
+    assert tr.handle(0, None, timeout=30).kind == "lookup"
+    claimed = []
+    msg = tr.handle(0, lambda h, t: claimed.append(m.claim(1)[0]) or claimed[-1], timeout=30)
+    th.join()
+    other = box["other"]
+    out(error=None if msg.error is None else err(msg.error), expired=box["expired"],
+        kv=None if msg.error is not None else kv(m, msg.seq_id),
+        other_nonzero=int((m.blocks[0][m.pages_of(other)] != 0).sum()))
+'''
+
 
 def run_pair(tmp_path, scenario: str, body: str, timeout: float = 90) -> dict:
     """Run ``body`` in two processes (ranks 0 and 1); returns {rank: RESULT dict or None}
@@ -273,3 +313,15 @@ def test_refusals_in_flight_other_formats_expired_leases_and_lengths(tmp_path):
     for i, (_, total) in enumerate(snd["lengths"]):
         assert rcv["received"][str(10 + i)][0] == total
     assert snd["conserved"] and rcv["conserved"] and "leak_after" not in rcv
+
+
+def test_import_lease_is_not_reaped_while_its_pages_receive(tmp_path):
+    """Was: handle() gave the import lease a deadline, so a reaper's expire_leases() ended it
+    while the runs were still due: its pages went back to the free list, another sequence
+    took them, and the late runs overwrote that sequence's K/V (2560 values here)."""
+    res, codes = run_pair(tmp_path, "expired_import", EXPIRED_IMPORT)
+    assert codes == {0: 0, 1: 0}, res
+    assert "other_nonzero" in res[1], res
+    assert res[1]["other_nonzero"] == 0  # nobody else's K/V was written
+    assert res[1]["expired"] == [] and res[1]["error"] is None
+    assert res[0]["sent"] == 11 and res[1]["kv"] == res[0]["kv"]
