@@ -138,6 +138,9 @@ class DiskTier:
             fp, token_bytes, meta, raw = self._pending[h]
         try:
             blob = json.dumps(dict(meta, sum=checksum(raw))).encode()
+            # the directory again (it may have been removed -- filelock would recreate it
+            # 0755 -- or replaced by one others can write, who could plant entries)
+            self._private("writing entry")
             with self._lock:
                 fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.dir)  # mode 0600
                 try:
@@ -155,12 +158,20 @@ class DiskTier:
                     raise
                 self.counters["demotions"] += 1
                 self._trim()
-        except OSError as err:
+        except (OSError, InvalidArgumentError) as err:
             log.warning("disk tier: writing entry %016x failed: %s", h, err)
             self.counters["write_errors"] += 1
         finally:
             with self._guard:
                 self._pending.pop(h, None)
+
+    def _private(self, doing: str) -> None:
+        """Raise InvalidArgumentError unless the directory is still private (see
+        :func:`check_private_dir`; recreated 0700 if it was removed)."""
+        try:
+            check_private_dir(self.dir)
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(f"disk tier: {doing}: {err}") from None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued entry is written (or failed); False on timeout."""
@@ -254,6 +265,11 @@ class DiskTier:
             return torch.from_numpy(raw.copy()).view(getattr(torch, meta["dtype"])).view(
                 *meta["shape"])
         path = self._path(h)
+        try:  # entries in a directory others can write could be planted: not read
+            self._private("reading")
+        except InvalidArgumentError as err:
+            self._miss(path, str(err), drop=False)
+            return None
         limit = None
         if page_shape is not None and dtype is not None:  # an entry of this format's size
             limit = len(_MAGIC) + _LEN.size + _META_MAX + int(np.prod(page_shape)) \

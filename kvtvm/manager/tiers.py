@@ -16,7 +16,8 @@ then ``os.replace``-d, so a process killed mid-write leaves only complete entrie
 checksum is verified on every read and a corrupt or truncated entry is a logged miss (and
 removed), as is one that is not a regular file (a symlink is never followed; a FIFO or device
 never read) or larger than an entry can be. The directory is created 0700; one owned by
-someone else, group/other-writable or not writable is refused. A ``filelock`` serialises
+someone else, group/other-writable or not writable is refused -- at attach and again before
+every read and write (one removed meanwhile is recreated 0700). A ``filelock`` serialises
 writers of a shared directory; LRU order is the files' mtimes (touched on a hit), so it
 survives restarts too. The disk tier lives in :mod:`.disktier`.
 """

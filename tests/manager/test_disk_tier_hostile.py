@@ -1,11 +1,13 @@
 """The disk tier under hostile and careless conditions: entries replaced (while the process
 runs) by a FIFO, a symlink, a directory or a file of another layout; a disk that refuses
-writes; two processes sharing one directory at once. Always a logged miss or a typed answer,
+writes; the directory removed or opened to others while the process runs; two processes
+sharing one directory at once. Always a logged miss or a typed answer,
 never a hang, a crash in a fetch or wrong KV."""
 
 import errno
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -189,3 +191,33 @@ def test_two_processes_share_one_directory(tmp_path):
         assert int(bad) == 0
         assert int(hits) > 0 and int(disk_hits) > 0
     assert not list(tmp_path.glob(".tmp-*"))  # every write finished or was removed
+
+
+def test_directory_removed_while_running_comes_back_private(tmp_path):
+    """Was: filelock recreated a removed directory 0755 and the entries went there."""
+    disk = tmp_path / "kv"
+    mgr = make()
+    mgr.attach_tiers(disk_dir=disk, disk_bytes=1 << 20)
+    serve(mgr, SYS + [1])
+    shutil.rmtree(disk)
+    assert mgr.persist_prefix_cache() == 3
+    assert oct(disk.stat().st_mode & 0o777) == "0o700"
+    mgr.close_tiers()
+
+
+def test_directory_opened_to_others_while_running_is_not_trusted(tmp_path, caplog):
+    """Was: a directory made group/other-writable after attach_tiers (where anyone could
+    plant an entry with the right tokens and a valid checksum) was still read -- the planted
+    page rose as a hit, wrong K/V -- and written to."""
+    mgr, files, want = _fresh(tmp_path)
+    _rewrite_meta(files[0], lambda meta, raw: np.zeros_like(raw))  # planted: zeros
+    os.chmod(tmp_path, 0o777)
+    try:
+        with caplog.at_level("WARNING", logger="kvtvm.manager.tiers"):
+            hit, got = serve(mgr, SYS + [3])
+            assert hit == 0  # never the planted page
+            assert "group or others" in caplog.text
+            assert mgr.persist_prefix_cache() == 0  # nor written to
+    finally:
+        os.chmod(tmp_path, 0o700)
+    mgr.close_tiers()
