@@ -182,6 +182,11 @@ class DiskTier:
             time.sleep(0.001)
         return True
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or the interpreter is exiting): puts are refused."""
+        return not self._finalizer.alive
+
     def close(self) -> None:
         """Flush and stop the writer thread (later puts are refused)."""
         self._finalizer()

@@ -49,8 +49,8 @@ class TierStore:
         (:meth:`HostTier.put_many`); the disk tier queues those it lacks, from the host tier's
         slots (or, for pages the host tier did not keep, one more gather to the host)."""
         placed = self.host.put_many(items, rows_of) if self.host is not None else {}
-        if self.disk is None:
-            return
+        if self.disk is None or self.disk.closed:  # closed (close_tiers, exit): the pages
+            return                                 # are evicted without a disk copy
         todo = [i for i, it in enumerate(items) if it[0] not in self.disk]
         rest = [i for i in todo if i not in placed]
         rows = rows_of([items[i][3] for i in rest]).cpu() if rest else None
@@ -192,6 +192,9 @@ class TierMixin:
             disk = self._tiers.disk if self._tiers is not None else None
             if disk is None:
                 return 0
+            if disk.closed:
+                raise InvalidArgumentError(describe("persist_prefix_cache: disk tier", "open",
+                                                    "closed (close_tiers)"))
             todo = []
             for key, (kid, page) in sorted(self._prefix.table.items(), key=lambda kv: kv[1][0]):
                 chain = self._chain_of(kid)
@@ -210,7 +213,9 @@ class TierMixin:
         return tiers is None or tiers.disk is None or tiers.disk.flush(timeout)
 
     def close_tiers(self) -> None:
-        """Flush the disk tier and stop its writer thread (also done at interpreter exit)."""
+        """Flush the disk tier and stop its writer thread (also done at interpreter exit).
+        The cache goes on: evicted pages then skip the disk (the host tier, if any, still
+        takes them), hits are still read from it; :meth:`persist_prefix_cache` is refused."""
         tiers = self._tiers
         if tiers is not None and tiers.disk is not None:
             tiers.disk.close()

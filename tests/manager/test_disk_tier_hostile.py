@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtvm.errors import InvalidArgumentError
 from kvtvm.manager import disktier
 from kvtvm.manager.hashing import checksum
 
@@ -221,3 +222,20 @@ def test_directory_opened_to_others_while_running_is_not_trusted(tmp_path, caplo
     finally:
         os.chmod(tmp_path, 0o700)
     mgr.close_tiers()
+
+
+def test_cache_goes_on_after_close_tiers(tmp_path):
+    """Was: once close_tiers() had run (or the interpreter's exit hook), every fetch that had
+    to evict a cached page failed with 'disk tier: expected open, got closed'."""
+    mgr = make(pages=4)
+    mgr.attach_tiers(host_pages=4, disk_dir=tmp_path, disk_bytes=1 << 20)
+    _, want = serve(mgr, SYS + [1])
+    assert mgr.persist_prefix_cache() == 3
+    mgr.close_tiers()
+    serve(mgr, list(range(900, 913)))  # evicts the system prompt: host tier only
+    assert mgr.stats().tiers["host"]["demotions"] == 3
+    hit, got = serve(mgr, SYS + [2])  # rises again (host tier, or the files on disk)
+    assert hit == 12 and torch.equal(got, want)
+    mgr.check_invariants()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        mgr.persist_prefix_cache()
