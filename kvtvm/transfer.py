@@ -235,6 +235,15 @@ class DistributedTransport(PageTransport):
             payload += rest.cpu().numpy().tobytes()
         return kind, tag, payload
 
+    def _values(self, payload: bytes, dtype, what: str, n: int | None = None) -> list:
+        """The ``n`` (any number if None) values of ``dtype`` a message carries; a payload
+        of another size is a message out of step (:class:`CorruptTransferError`)."""
+        size = np.dtype(dtype).itemsize
+        if len(payload) % size or (n is not None and len(payload) != n * size):
+            raise self._desync(f"{what}: {len(payload)} bytes, expected "
+                               f"{'a multiple of ' if n is None else ''}{size * (n or 1)}")
+        return np.frombuffer(payload, dtype).tolist()
+
     def _expect(self, peer: int, kind: int, what: str) -> tuple[int, bytes]:
         got, tag, payload = self._recv_msg(peer, what)
         if got != kind:
@@ -248,7 +257,10 @@ class DistributedTransport(PageTransport):
         self._usable()
         self._send_msg(peer, LOOKUP, 0, hashes.tobytes(), "lookup")
         _, payload = self._expect(peer, ANSWER, "lookup answer")
-        return int(np.frombuffer(payload, np.int64)[0])
+        (count,) = self._values(payload, np.int64, "lookup answer", 1)
+        if not 0 <= count <= len(hashes):
+            raise self._desync(f"lookup answer {count} for {len(hashes)} hashes")
+        return int(count)
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
         """Start sending ``export`` (see :meth:`PageTransport.send`). If this raises, the
@@ -347,10 +359,7 @@ class DistributedTransport(PageTransport):
     def recv_ints(self, peer: int, n: int) -> list[int]:
         """Receive the ``n`` int64 values sent with :meth:`send_ints`."""
         _, payload = self._expect(peer, INTS, "ints")
-        out = np.frombuffer(payload, np.int64).tolist()
-        if len(out) != n:
-            raise CorruptTransferError(f"transport: expected {n} ints, got {len(out)}")
-        return out
+        return self._values(payload, np.int64, "ints", n)
 
     def close(self, peer: int) -> None:
         """Tell the peer's :meth:`handle` loop that nothing more comes."""
@@ -374,7 +383,7 @@ class DistributedTransport(PageTransport):
         if kind == CLOSE:
             return Received("close")
         if kind == LOOKUP:
-            hashes = np.frombuffer(payload, np.uint64).tolist()
+            hashes = self._values(payload, np.uint64, "lookup")
             count = mgr.held_prefix_pages(hashes)
             self._ints_msg(peer, ANSWER, [count], "lookup answer")
             return Received("lookup", tag, lookup_count=count)

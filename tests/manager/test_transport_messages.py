@@ -1,0 +1,87 @@
+"""DistributedTransport reading malformed control messages (a peer of another version, a
+corrupt wire), in one process: torch.distributed's point-to-point calls are replaced by a
+scripted peer. A malformed message is a CorruptTransferError, after which the transport says
+it is unusable -- never an IndexError / ValueError from numpy."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm import KVCacheParams
+from kvtvm.errors import CorruptTransferError, TransferError
+from kvtvm.manager import PagedKVCacheManager
+from kvtvm.transfer import ANSWER, INTS, LOOKUP, MSG_BYTES, DistributedTransport
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return True
+
+
+class ScriptedPeer:
+    """``isend`` swallows; ``irecv`` fills the buffer with the next scripted message."""
+
+    def __init__(self, messages):
+        self.messages = list(messages)
+
+    def isend(self, tensor, peer, group=None):
+        return _Done()
+
+    def irecv(self, tensor, peer, group=None):
+        kind, payload = self.messages.pop(0)
+        raw = struct.pack("<qqq", kind, len(payload), 0) + payload
+        tensor.zero_()
+        tensor[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return _Done()
+
+
+def transport(messages):
+    tr = DistributedTransport.__new__(DistributedTransport)  # no process group needed
+    tr.dist, tr.group, tr.timeout = ScriptedPeer(messages), None, 1.0
+    tr.device, tr._early_ack, tr._broken = torch.device("cpu"), True, None
+    tr._pool = tr._stage = None
+    tr._out = torch.zeros(MSG_BYTES, dtype=torch.uint8)
+    tr._in = torch.zeros(MSG_BYTES, dtype=torch.uint8)
+    tr.register(PagedKVCacheManager(KVCacheParams("float32", 2, 4, "paged", page_size=4,
+                                                  enable_prefix_caching=True), 2, 32, 2,
+                                    num_pages=8))
+    return tr
+
+
+def ints(*values):
+    return np.asarray(values, np.int64).tobytes()
+
+
+@pytest.mark.parametrize("payload, why", [
+    (b"", "0 bytes"),                      # was IndexError
+    (ints(5), "answer 5 for 2 hashes"),    # more pages than were asked about
+    (ints(-1), "answer -1"),
+    (b"abc", "3 bytes")], ids=["empty", "too many", "negative", "odd size"])
+def test_bad_lookup_answer(payload, why):
+    tr = transport([(ANSWER, payload)])
+    with pytest.raises(CorruptTransferError, match=why):
+        tr.lookup(1, [11, 12])
+    with pytest.raises(TransferError, match="unusable"):
+        tr.lookup(1, [11, 12])
+
+
+def test_good_lookup_answer_and_ints():
+    tr = transport([(ANSWER, ints(2)), (INTS, ints(7, 8, 9))])
+    assert tr.lookup(1, [11, 12]) == 2
+    assert tr.recv_ints(1, 3) == [7, 8, 9]
+
+
+def test_bad_ints_and_lookup_payloads():
+    tr = transport([(INTS, b"\0" * 12)])  # was ValueError (not a multiple of 8)
+    with pytest.raises(CorruptTransferError, match="ints: 12 bytes"):
+        tr.recv_ints(1, 1)
+    tr = transport([(INTS, ints(1, 2))])
+    with pytest.raises(CorruptTransferError, match="ints: 16 bytes, expected 8"):
+        tr.recv_ints(1, 1)
+    tr = transport([(LOOKUP, b"\0" * 5)])  # was ValueError out of handle()
+    with pytest.raises(CorruptTransferError, match="lookup: 5 bytes"):
+        tr.handle(1)
+    with pytest.raises(TransferError, match="unusable"):
+        tr.handle(1)
