@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .errors import (InvalidArgumentError, KVCacheError, TransferError, TransferTimeoutError,
                      describe)
+from .manager.args import check_seconds
 from .manager.pageformat import check_export
 from .manager.pageio import PageExport, PageHeader
 
@@ -42,6 +43,7 @@ class Transfer:
         return self.done
 
     def wait(self, timeout: float | None = None) -> int:
+        timeout = check_seconds("timeout", timeout)  # NaN would wait for ever
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._block is not None and not self.done:
             try:

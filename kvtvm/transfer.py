@@ -49,9 +49,9 @@ from concurrent.futures import wait as futures_wait
 
 import numpy as np
 
-from .errors import (CorruptTransferError, FormatMismatchError, KVCacheError, TransferError,
-                     TransferTimeoutError)
-from .manager.args import check_hashes
+from .errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
+                     KVCacheError, TransferError, TransferTimeoutError, describe)
+from .manager.args import check_hashes, check_seconds
 from .manager.checksums import DEVICE, page_checksums
 from .manager.pageformat import check_export
 from .manager.pageio import PageExport, PageHeader
@@ -118,9 +118,12 @@ class DistributedTransport(PageTransport):
         import torch
         import torch.distributed as dist
 
+        timeout = check_seconds("timeout", timeout, allow_none=False)
+        if timeout == 0:  # every wait would fail at once (and a failed wait ends the wire)
+            raise InvalidArgumentError(describe("timeout", "seconds > 0", 0.0))
         if not dist.is_initialized():
             raise TransferError("DistributedTransport: torch.distributed is not initialized")
-        self.dist, self.group, self.timeout = dist, group, float(timeout)
+        self.dist, self.group, self.timeout = dist, group, timeout
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
@@ -379,6 +382,7 @@ class DistributedTransport(PageTransport):
         import torch
 
         mgr = self._need()
+        timeout = check_seconds("timeout", timeout)
         kind, tag, payload = self._recv_msg(peer, "next message", timeout)
         if kind == CLOSE:
             return Received("close")

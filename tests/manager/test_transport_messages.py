@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtvm import KVCacheParams
-from kvtvm.errors import CorruptTransferError, TransferError
+from kvtvm.errors import CorruptTransferError, InvalidArgumentError, TransferError
 from kvtvm.manager import PagedKVCacheManager
 from kvtvm.transfer import ANSWER, INTS, LOOKUP, MSG_BYTES, DistributedTransport
 
@@ -85,3 +85,19 @@ def test_bad_ints_and_lookup_payloads():
         tr.handle(1)
     with pytest.raises(TransferError, match="unusable"):
         tr.handle(1)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), 0, True, "5"])
+def test_bad_timeouts_are_refused_by_name(bad):
+    """Were accepted: a NaN or negative timeout failed inside gloo's wait (an untyped error
+    that also ends the connection), 0 made every wait fail; Transfer.wait(nan) spun for
+    ever."""
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        DistributedTransport(timeout=bad)
+    tr = transport([])
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        tr.handle(1, timeout=bad if bad != 0 else -0.5)
+    assert tr._broken is None and tr.dist.messages == []  # nothing was received
+    from kvtvm.transfer import Transfer
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        Transfer(export=None, _step=lambda: False).wait(bad if bad != 0 else -0.5)
