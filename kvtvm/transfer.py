@@ -304,11 +304,11 @@ class DistributedTransport(PageTransport):
         ack_buf = torch.empty(MSG_BYTES, dtype=torch.uint8, device=self.device)
         ack = [self._irecv(ack_buf, peer, what)] if self._early_ack else []
 
-        def take_ack(timeout: float | None = None) -> bytes:
+        def take_ack() -> bytes:
             if not ack:
                 ack.append(self._irecv(ack_buf, peer, what))
-            self._wait(ack[0], what, timeout)
-            kind, _, payload = self._read_msg(peer, what, timeout, ack_buf)
+            self._wait(ack[0], what)
+            kind, _, payload = self._read_msg(peer, what, None, ack_buf)
             if kind != ACK:
                 raise self._desync(f"expected {what} (kind {ACK}), got kind {kind}")
             return payload
@@ -346,10 +346,16 @@ class DistributedTransport(PageTransport):
             return True
 
         def block(timeout):
-            if "future" in state:
-                futures_wait([state["future"]], timeout=timeout)
-            elif "payload" not in state:  # nobody polled: no thread hop
-                state["payload"] = take_ack(timeout)
+            if "payload" in state:
+                return
+            if "future" not in state and (timeout is None or timeout >= self.timeout):
+                state["payload"] = take_ack()  # nobody polled: no thread hop
+                return
+            # a shorter wait than the transport's: on the helper thread, so running out of
+            # time leaves the transfer in flight (a failed gloo wait would end the wire)
+            if "future" not in state:
+                state["future"] = self._waiter().submit(take_ack)
+            futures_wait([state["future"]], timeout=timeout)
 
         transfer._step, transfer._block = step, block
         return transfer

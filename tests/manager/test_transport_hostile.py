@@ -238,6 +238,37 @@ else:
         other_nonzero=int((m.blocks[0][m.pages_of(other)] != 0).sum()))
 '''
 
+SLOW_ACK = r'''
+m = make()
+tr = T.DistributedTransport(timeout=10.0)
+tr.register(m)
+if rank == 0:
+    s = seq(m, list(range(41)))
+    t = tr.send(1, m.export_pages(s, defer_checksums=True), tag=1)
+    t0 = time.monotonic()
+    try:
+        first = t.wait(0.3)
+    except Exception as e:
+        first = err(e)
+    took = time.monotonic() - t0
+    leased = m.stats().pages_leased  # still in flight: the lease holds
+    second = t.wait(10)
+    again = tr.lookup(1, m.block_hashes_of(s))  # the wire is in step
+    m.release(s)
+    out(first=first, took=took, leased=leased, second=second, again=again,
+        conserved=conserved(m))
+else:
+    finish = m.finish_import
+    def slow(*a, **k):  # the import takes a while: the acknowledgement comes late
+        time.sleep(1.5)
+        return finish(*a, **k)
+    m.finish_import = slow
+    msg = tr.handle(0, None, timeout=30)
+    assert msg.error is None, msg.error
+    tr.handle(0, None, timeout=30)
+    out(ok=True)
+'''
+
 
 def run_pair(tmp_path, scenario: str, body: str, timeout: float = 90) -> dict:
     """Run ``body`` in two processes (ranks 0 and 1); returns {rank: RESULT dict or None}
@@ -325,3 +356,15 @@ def test_import_lease_is_not_reaped_while_its_pages_receive(tmp_path):
     assert res[1]["other_nonzero"] == 0  # nobody else's K/V was written
     assert res[1]["expired"] == [] and res[1]["error"] is None
     assert res[0]["sent"] == 11 and res[1]["kv"] == res[0]["kv"]
+
+
+def test_wait_shorter_than_the_transport_timeout(tmp_path):
+    """Transfer.wait(0.3) on a transport with a 10 s timeout blocked until the late
+    acknowledgement (1.5 s) instead of raising after 0.3 s; the transfer stays in flight (its
+    lease held) and a later wait gets the answer, the wire in step."""
+    res, codes = run_pair(tmp_path, "slow_ack", SLOW_ACK)
+    assert codes == {0: 0, 1: 0}, res
+    got = res[0]
+    assert isinstance(got["first"], list) and got["first"][0] == "TransferTimeoutError", got
+    assert got["took"] < 1.2 and got["leased"] == 11
+    assert got["second"] == 11 and got["again"] == 10 and got["conserved"]
