@@ -155,7 +155,7 @@ system = list(range(500, 512))
 prompts = [system + [int(x)] for x in range(3)] + \
     [rng.integers(0, 40, size=int(rng.integers(5, 14))).tolist() for _ in range(6)]
 hits = bad = 0
-for rnd in range(12):
+for rnd in range(6):
     for toks in prompts:
         (s,) = mgr.claim(1)
         (inp,) = mgr.fetch([BatchItem(s, toks)])[:1]
@@ -168,7 +168,7 @@ for rnd in range(12):
         mgr.step([BatchItem(s, toks)])
         mgr.release(s)
         hits += hit
-    if rnd % 4 == 3:
+    if rnd % 2 == 1:
         mgr.persist_prefix_cache()
 mgr.close_tiers()
 print("RESULT", hits, bad, mgr.stats().tiers["disk"]["hits"], flush=True)
