@@ -5,6 +5,7 @@ content-checked; a bad entry is a logged miss."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -32,6 +33,10 @@ _MAGIC = b"KVTVMPG1"
 _LEN = struct.Struct("<I")
 #: Bytes an entry's JSON meta may take at most (tokens of one page, a few numbers).
 _META_MAX = 1 << 20
+#: Seconds a write waits for the directory's lock (another process writing or trimming);
+#: then it fails (a write error), and so do the writes of the next as many seconds at once,
+#: so a process stopped while it holds the lock does not stall this one's queue for good.
+LOCK_TIMEOUT = 10.0
 
 
 def check_private_dir(path) -> Path:
@@ -84,6 +89,7 @@ class DiskTier:
         self.dir = check_private_dir(directory)
         self.capacity = int(capacity_bytes)
         self._lock = FileLock(str(self.dir / ".lock"), mode=0o600)
+        self._lock_busy_until = 0.0  # monotonic time: writes fail at once until then
         self.counters = _counters(self.capacity, "bytes")
         self.counters.update(dropped=0, write_errors=0)
         for tmp in self.dir.glob(".tmp-*"):  # a writer killed mid-write; never visible
@@ -141,7 +147,7 @@ class DiskTier:
             # the directory again (it may have been removed -- filelock would recreate it
             # 0755 -- or replaced by one others can write, who could plant entries)
             self._private("writing entry")
-            with self._lock:
+            with self._locked():
                 fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.dir)  # mode 0600
                 try:
                     with os.fdopen(fd, "wb") as f:
@@ -164,6 +170,20 @@ class DiskTier:
         finally:
             with self._guard:
                 self._pending.pop(h, None)
+
+    def _locked(self):
+        """The directory's lock, acquired within :data:`LOCK_TIMEOUT` (else OSError)."""
+        from filelock import Timeout
+
+        if time.monotonic() < self._lock_busy_until:
+            raise OSError(errno.EBUSY, "the directory's lock is held by another process "
+                          f"(waited {LOCK_TIMEOUT} s for it moments ago)")
+        try:
+            return self._lock.acquire(timeout=LOCK_TIMEOUT)
+        except Timeout:
+            self._lock_busy_until = time.monotonic() + LOCK_TIMEOUT
+            raise OSError(errno.EBUSY, f"the directory's lock is held by another process "
+                          f"(waited {LOCK_TIMEOUT} s)") from None
 
     def _private(self, doing: str) -> None:
         """Raise InvalidArgumentError unless the directory is still private (see

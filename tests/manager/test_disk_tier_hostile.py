@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -239,3 +240,38 @@ def test_cache_goes_on_after_close_tiers(tmp_path):
     mgr.check_invariants()
     with pytest.raises(InvalidArgumentError, match="closed"):
         mgr.persist_prefix_cache()
+
+
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)  # what filelock takes: a process stuck while holding it
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_lock_held_by_a_stuck_process_fails_writes_instead_of_hanging(tmp_path, monkeypatch):
+    """Was: the writer waited for the directory's lock for ever, so persist_prefix_cache()
+    (and Engine.close) hung while another process sharing the directory held it."""
+    monkeypatch.setattr(disktier, "LOCK_TIMEOUT", 0.3)
+    mgr = make()
+    mgr.attach_tiers(disk_dir=tmp_path, disk_bytes=1 << 20)
+    serve(mgr, SYS + [1])
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        box = {}
+        t = threading.Thread(target=lambda: box.update(n=mgr.persist_prefix_cache()),
+                             daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "persist_prefix_cache hung on the lock"
+        assert box["n"] == 0 and mgr.stats().tiers["disk"]["write_errors"] == 3
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.35)  # past the fail-fast window; the dead holder's lock is gone
+    assert mgr.persist_prefix_cache() == 3
+    mgr.close_tiers()
