@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import queue
 import stat
@@ -297,7 +298,7 @@ class DiskTier:
             return None
         limit = None
         if page_shape is not None and dtype is not None:  # an entry of this format's size
-            limit = len(_MAGIC) + _LEN.size + _META_MAX + int(np.prod(page_shape)) \
+            limit = len(_MAGIC) + _LEN.size + _META_MAX + math.prod(page_shape) \
                 * torch.empty((), dtype=getattr(torch, dtype)).element_size()
         try:
             blob = self._read_entry(path, limit)
@@ -324,7 +325,7 @@ class DiskTier:
             tdtype = getattr(torch, meta["dtype"])
             if not isinstance(tdtype, torch.dtype) or toks.ndim != 1 \
                     or not all(type(d) is int and d >= 0 for d in shape) \
-                    or int(np.prod(shape)) * tdtype.itemsize != raw.nbytes:
+                    or math.prod(shape) * tdtype.itemsize != raw.nbytes:
                 raise ValueError(f"meta shape {shape} / dtype {meta['dtype']} do not match "
                                  f"its {raw.nbytes} bytes")
         except (ValueError, KeyError, struct.error, TypeError, OverflowError,
