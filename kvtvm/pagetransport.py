@@ -93,7 +93,8 @@ class PageTransport(abc.ABC):
 
     @abc.abstractmethod
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        """Start sending ``export``; the returned transfer ends its lease when done."""
+        """Start sending ``export``; the returned transfer ends its lease when done (if
+        ``send`` raises, the lease has ended)."""
 
     @abc.abstractmethod
     def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
@@ -131,14 +132,18 @@ class InProcessTransport(PageTransport):
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
         check_export(export)
-        self._need()
-        transfer = Transfer(export, self.manager)
+        mgr = self._need()
+        transfer = Transfer(export, mgr)
         box = {}
-        # the bytes travel now (a copy, as a wire would); the ack comes when the peer handles
-        self.peer_ep.inbox.append((PageHeader.from_bytes(export.header.to_bytes()),
-                                   export.data.clone(), tag, box))
-        if self.peer_ep.auto:
-            self.peer_ep.handle(0, self.peer_ep.seq_for)
+        try:  # the bytes travel now (a copy, as a wire would); the ack comes when the peer
+            # handles them (at once with auto: its seq_for may raise)
+            self.peer_ep.inbox.append((PageHeader.from_bytes(export.header.to_bytes()),
+                                       export.data.clone(), tag, box))
+            if self.peer_ep.auto:
+                self.peer_ep.handle(0, self.peer_ep.seq_for)
+        except BaseException:
+            mgr.end_lease(export.lease_id)
+            raise
 
         def step():
             if "error" in box:

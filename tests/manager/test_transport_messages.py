@@ -1,7 +1,8 @@
 """DistributedTransport reading malformed control messages (a peer of another version, a
 corrupt wire), in one process: torch.distributed's point-to-point calls are replaced by a
 scripted peer. A malformed message is a CorruptTransferError, after which the transport says
-it is unusable -- never an IndexError / ValueError from numpy."""
+it is unusable -- never an IndexError / ValueError from numpy. Bad timeouts are refused by
+name; an InProcessTransport send that raises ends its lease."""
 
 import struct
 
@@ -101,3 +102,28 @@ def test_bad_timeouts_are_refused_by_name(bad):
     from kvtvm.transfer import Transfer
     with pytest.raises(InvalidArgumentError, match="timeout"):
         Transfer(export=None, _step=lambda: False).wait(bad if bad != 0 else -0.5)
+
+
+def test_in_process_send_that_raises_ends_its_lease():
+    """InProcessTransport (auto): a peer whose seq_for raised made send() raise with the
+    export's lease left open (its pages leased for good)."""
+    from kvtvm.manager import BatchItem
+    from kvtvm.transfer import InProcessTransport
+
+    def make():
+        return PagedKVCacheManager(KVCacheParams("float32", 2, 4, "paged", page_size=4,
+                                                 enable_prefix_caching=True), 2, 32, 2,
+                                   num_pages=8)
+
+    a, b = make(), make()
+
+    def seq_for(header, tag):
+        raise RuntimeError("application bug")
+
+    ta, _ = InProcessTransport.pair(a, b, auto=True, seq_for=seq_for)
+    (s,) = a.claim(1)
+    a.fetch([BatchItem(s, list(range(9)))])
+    a.step([BatchItem(s, list(range(9)))])
+    with pytest.raises(RuntimeError, match="application bug"):
+        ta.send(1, a.export_pages(s))
+    assert a.active_leases() == {} and a.stats().pages_leased == 0
