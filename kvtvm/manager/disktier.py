@@ -308,6 +308,7 @@ class DiskTier:
         except (OSError, ValueError) as err:  # a symlink (ELOOP), a FIFO, too big...
             self._miss(path, f"unreadable ({err})", drop=not isinstance(err, PermissionError))
             return None
+        foreign = False
         try:
             if blob[:len(_MAGIC)] != _MAGIC:
                 raise ValueError("bad magic")
@@ -317,6 +318,10 @@ class DiskTier:
                 raise ValueError(f"meta of {n} bytes")
             meta = json.loads(blob[off:off + n])
             raw = np.frombuffer(blob, dtype=np.uint8, offset=off + n)
+            if meta["checksum"] != CHECKSUM_NAME:  # another process's algorithm (no xxhash
+                foreign = True                     # there): not checkable here, not corrupt
+                raise ValueError(f"checksum {meta['checksum']!r}, this process checks "
+                                 f"{CHECKSUM_NAME!r}")
             if raw.nbytes != meta["nbytes"] or checksum(raw) != meta["sum"]:
                 raise ValueError("truncated or checksum mismatch")
             # the checksum covers the bytes only: a damaged meta must be a miss, not a crash
@@ -330,7 +335,7 @@ class DiskTier:
                                  f"its {raw.nbytes} bytes")
         except (ValueError, KeyError, struct.error, TypeError, OverflowError,
                 AttributeError) as err:
-            self._miss(path, str(err)[:200], drop=True)
+            self._miss(path, str(err)[:200], drop=not foreign)
             return None
         if toks.tobytes() != token_bytes or meta["fp"] != fp:
             self._miss(path, "tokens differ (hash collision or stale entry)", drop=False)

@@ -5,6 +5,7 @@ sharing one directory at once. Always a logged miss or a typed answer,
 never a hang, a crash in a fetch or wrong KV."""
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -75,8 +76,12 @@ def _odd_dtype(meta, raw):
     return raw
 
 
+def _other_checksum(meta, raw):  # written where xxhash was missing (blake2b_64)
+    return raw
+
+
 @pytest.mark.parametrize("damage", ["fifo", "symlink", "directory", "short bytes",
-                                    "huge token", "odd dtype"])
+                                    "huge token", "odd dtype", "other checksum"])
 def test_replaced_entry_is_a_logged_miss(tmp_path, caplog, damage):
     """Was: a FIFO under an entry's name hung the fetch for good (the manager's lock held);
     a meta whose shape needs more bytes than the entry has, or a token past int64, raised
@@ -94,7 +99,16 @@ def test_replaced_entry_is_a_logged_miss(tmp_path, caplog, damage):
         victim.mkdir()
     else:
         _rewrite_meta(victim, {"short bytes": _short_bytes, "huge token": _huge_token,
-                               "odd dtype": _odd_dtype}[damage])
+                               "odd dtype": _odd_dtype, "other checksum": _other_checksum}[damage])
+        if damage == "other checksum":  # its sum by the other algorithm, named in the meta
+            blob = victim.read_bytes()
+            (n,) = struct.unpack_from("<I", blob, 8)
+            meta = json.loads(blob[12:12 + n])
+            raw = blob[12 + n:]
+            meta["checksum"] = "blake2b_64"
+            meta["sum"] = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+            text = json.dumps(meta).encode()
+            victim.write_bytes(blob[:8] + struct.pack("<I", len(text)) + text + raw)
     try:
         with caplog.at_level("WARNING", logger="kvtvm.manager.tiers"):
             hit, got = _serve_bounded(mgr, SYS + [3])
@@ -110,6 +124,8 @@ def test_replaced_entry_is_a_logged_miss(tmp_path, caplog, damage):
     assert disk["rejected"] == 1 and disk["hits"] == 1
     if damage in ("fifo", "symlink"):  # the odd entry is gone, its target untouched
         assert not os.path.lexists(victim) and files[0].is_file()
+    if damage == "other checksum":  # kept: the other process can read it (was deleted)
+        assert victim.is_file()
     mgr.check_invariants()
     st = mgr.stats()
     assert st.pages_free + st.pages_used + st.pages_cached + st.pages_leased == st.pages_total
