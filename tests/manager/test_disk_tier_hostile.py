@@ -172,7 +172,7 @@ system = list(range(500, 512))
 prompts = [system + [int(x)] for x in range(3)] + \
     [rng.integers(0, 40, size=int(rng.integers(5, 14))).tolist() for _ in range(6)]
 hits = bad = 0
-for rnd in range(6):
+for rnd in range(int(sys.argv[5])):
     for toks in prompts:
         (s,) = mgr.claim(1)
         (inp,) = mgr.fetch([BatchItem(s, toks)])[:1]
@@ -187,19 +187,33 @@ for rnd in range(6):
         hits += hit
     if rnd % 2 == 1:
         mgr.persist_prefix_cache()
+    print("round", rnd, flush=True)
 mgr.close_tiers()
 print("RESULT", hits, bad, mgr.stats().tiers["disk"]["hits"], flush=True)
 """
 
 
-def test_two_processes_share_one_directory(tmp_path):
-    """Two processes demote, persist, trim (a 24-entry bound) and promote in one directory
-    at once: every page that rises holds the K/V of its tokens."""
+def test_processes_share_one_directory_one_killed_mid_write(tmp_path):
+    """Three processes demote, persist, trim (a 24-entry bound) and promote in one directory
+    at once, one of them SIGKILLed while it writes: every page that rises in the two others
+    (from their own entries, each other's, or the killed one's) holds the K/V of its
+    tokens."""
     here = os.path.dirname(os.path.abspath(__file__))
     entry = 2 * 2 * P * 2 * 4 * 4 + 300  # bytes of one file, about
-    procs = [subprocess.Popen([sys.executable, "-c", SHARER, str(tmp_path), str(24 * entry),
-                               here, str(seed)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+
+    def start(seed, rounds):
+        return subprocess.Popen([sys.executable, "-c", SHARER, str(tmp_path), str(24 * entry),
+                                 here, str(seed), str(rounds)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    procs = [start(seed, 3) for seed in (1, 2, 3)]
+    victim = procs.pop()
+    try:
+        assert victim.stdout.readline().startswith("round")  # it has written: kill it
+        time.sleep(0.05)
+        victim.kill()
+    finally:
+        victim.communicate(timeout=60)
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
@@ -208,7 +222,6 @@ def test_two_processes_share_one_directory(tmp_path):
     for _, hits, bad, disk_hits in outs:
         assert int(bad) == 0
         assert int(hits) > 0 and int(disk_hits) > 0
-    assert not list(tmp_path.glob(".tmp-*"))  # every write finished or was removed
 
 
 def test_directory_removed_while_running_comes_back_private(tmp_path):
