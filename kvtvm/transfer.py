@@ -30,30 +30,32 @@ in PAGES and sends no SUMS.)
 
 ``status`` 0 is success, 1 "resend from an earlier page" (the peer lacks the prefix the
 sender thought it held -- e.g. a hash collision in the lookup), 2 a refused import
-(format, capacity, corruption; the sender gets :class:`~kvtvm.errors.TransferError`). Every
-wait polls with a deadline: a dead or silent peer is a
-:class:`~kvtvm.errors.TransferTimeoutError` and the leases are ended, no page is leaked.
+(format, capacity, corruption). ACK carries the peer's reason after the two ints: the sender
+raises :class:`~kvtvm.errors.FormatMismatchError` or
+:class:`~kvtvm.errors.CorruptTransferError` when the peer's error was one (naming the field),
+else :class:`~kvtvm.errors.TransferError`. Each send receives its ACK into a buffer of its
+own, so several sends may be in flight. Every wait polls with a deadline: a dead or silent
+peer is a :class:`~kvtvm.errors.TransferTimeoutError` and the leases are ended, no page is
+leaked. After that (or a message out of step) the wire is unusable: every later call raises
+:class:`~kvtvm.errors.TransferError` saying so (gloo closes the connection on a timeout).
 """
 
 from __future__ import annotations
 
-import abc
 import datetime
 import logging
 import struct
-import time
-from collections import deque
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import (CorruptTransferError, InvalidArgumentError, KVCacheError, TransferError,
-                     TransferTimeoutError, describe)
-from .manager.args import check_hashes
+from .errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
+                     KVCacheError, TransferError, TransferTimeoutError, describe)
+from .manager.args import check_hashes, check_seconds
 from .manager.checksums import DEVICE, page_checksums
 from .manager.pageformat import check_export
 from .manager.pageio import PageExport, PageHeader
+from .pagetransport import InProcessTransport, PageTransport, Received, Transfer
 
 __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
            "InProcessTransport", "send_sequence"]
@@ -73,92 +75,6 @@ _LEN = struct.Struct("<q")
 CHUNK_BYTES = 2 << 20
 
 
-@dataclass
-class Transfer:
-    """A send in flight: ``poll()`` is True once done; ``wait()`` returns the pages the peer
-    wrote or raises the transfer's error."""
-
-    export: PageExport
-    manager: object = None          # the exporter: its lease ends when the transfer does
-    _step: object = None            # callable advancing the protocol, True when finished
-    _block: object = None           # optional callable(timeout) sleeping until _step may be
-    done: bool = False
-    pages_written: int = 0
-    error: BaseException | None = None
-
-    def poll(self) -> bool:
-        if not self.done and self._step is not None:
-            try:
-                self.done = bool(self._step())
-            except BaseException as err:  # noqa: BLE001 - kept and re-raised by wait()
-                self.error, self.done = err, True
-        if self.done and self.manager is not None:
-            self.manager.end_lease(self.export.lease_id)  # exactly once: later calls no-op
-        return self.done
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._block is not None and not self.done:
-            try:
-                self._block(timeout)
-            except BaseException as err:  # noqa: BLE001 - ends the lease in poll, re-raised
-                self.error, self.done = err, True
-        while not self.poll():
-            if deadline is not None and time.monotonic() > deadline:
-                raise TransferTimeoutError(f"transfer: not done after {timeout} s")
-            if self._block is not None:  # sleep on the completion instead of spinning
-                self._block(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            else:
-                time.sleep(0.0005)
-        if self.error is not None:
-            raise self.error
-        return self.pages_written
-
-
-@dataclass
-class Received:
-    """What :meth:`PageTransport.handle` processed: a lookup or an import."""
-
-    kind: str                      # "lookup", "pages" or "close"
-    tag: int = 0
-    header: PageHeader | None = None
-    seq_id: int | None = None
-    pages_written: int = 0
-    lookup_count: int = 0
-    error: BaseException | None = field(default=None, repr=False)
-
-
-class PageTransport(abc.ABC):
-    """Moves exported pages to a peer's cache (see the module docstring)."""
-
-    manager = None
-
-    def register(self, manager) -> None:
-        """The paged manager (prefix caching on) this endpoint exports from / imports into."""
-        if not hasattr(manager, "export_pages") or not getattr(manager, "prefix_caching", 0):
-            raise InvalidArgumentError(describe("manager", "a PagedKVCacheManager with prefix "
-                                                "caching", type(manager).__name__))
-        self.manager = manager
-
-    @abc.abstractmethod
-    def lookup(self, peer: int, block_hashes) -> int:
-        """Leading pages of ``block_hashes`` the peer's cache holds."""
-
-    @abc.abstractmethod
-    def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        """Start sending ``export``; the returned transfer ends its lease when done."""
-
-    @abc.abstractmethod
-    def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
-        """Process one incoming message from ``peer``: answer a lookup, or import pages.
-        ``seq_for(header, tag)`` may return a claimed empty ``seq_id`` to import into."""
-
-    def _need(self):
-        if self.manager is None:
-            raise TransferError("transport: register() a cache first")
-        return self.manager
-
-
 def _import_status(err: BaseException) -> int:
     return RESEND if type(err) is TransferError else REFUSED
 
@@ -173,9 +89,8 @@ def send_sequence(transport: PageTransport, peer: int, seq_id: int, tag: int = 0
     for first in (have, 0):
         export = mgr.export_pages(seq_id, first_page=first, timeout=timeout,
                                   defer_checksums=True)
-        transfer = transport.send(peer, export, tag)
-        try:
-            return transfer.wait(timeout)
+        try:  # a send that raises has its lease ended here too (any transport)
+            return transport.send(peer, export, tag).wait(timeout)
         except TransferError as err:
             if not getattr(err, "resend", False) or first == 0:
                 raise
@@ -203,13 +118,17 @@ class DistributedTransport(PageTransport):
         import torch
         import torch.distributed as dist
 
+        timeout = check_seconds("timeout", timeout, allow_none=False)
+        if timeout == 0:  # every wait would fail at once (and a failed wait ends the wire)
+            raise InvalidArgumentError(describe("timeout", "seconds > 0", 0.0))
         if not dist.is_initialized():
             raise TransferError("DistributedTransport: torch.distributed is not initialized")
-        self.dist, self.group, self.timeout = dist, group, float(timeout)
+        self.dist, self.group, self.timeout = dist, group, timeout
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
         self._early_ack = backend == "gloo"
+        self._broken = None  # why the wire is unusable (a peer gone, a message out of step)
         self._pool = None
         self._stage = None
         self._out = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
@@ -223,14 +142,46 @@ class DistributedTransport(PageTransport):
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtvm-transfer")
         return self._pool
 
+    def _usable(self) -> None:
+        """Raise :class:`TransferError` if an earlier failure left the wire unusable."""
+        if self._broken is not None:
+            raise TransferError(f"transport: unusable since an earlier failure ({self._broken})"
+                                ": messages may be out of step; start a new process group")
+
+    def _desync(self, why: str) -> CorruptTransferError:
+        """A message out of step: the wire is unusable from now on (returns the error)."""
+        self._broken = self._broken or why
+        return CorruptTransferError(f"transport: {why}")
+
+    def _gone(self, what: str, err: BaseException, seconds=None) -> TransferTimeoutError:
+        """The peer is gone or silent (a failed wait or post): the wire is unusable."""
+        text = f"{what}: {str(err).splitlines()[0][:200] if str(err) else type(err).__name__}"
+        self._broken = self._broken or f"peer silent or gone ({text})"
+        when = f"for {seconds} s " if seconds is not None else ""
+        return TransferTimeoutError(f"transport: peer silent or gone {when}({text})")
+
+    def _isend(self, tensor, peer: int, what: str):
+        self._usable()
+        try:
+            return self.dist.isend(tensor, peer, group=self.group)
+        except RuntimeError as err:  # a connection the peer closed (killed, exited)
+            raise self._gone(what, err) from None
+
+    def _irecv(self, tensor, peer: int, what: str):
+        self._usable()
+        try:
+            return self.dist.irecv(tensor, peer, group=self.group)
+        except RuntimeError as err:
+            raise self._gone(what, err) from None
+
     def _wait(self, work, what: str, timeout: float | None = None) -> None:
-        # gloo's receive work never reports is_completed() before wait(): wait with a timeout
+        # gloo's receive work never reports is_completed() before wait(): wait with a timeout.
+        # A failed wait leaves the wire unusable (gloo closes the connection on a timeout)
         seconds = self.timeout if timeout is None else timeout
         try:
             work.wait(timeout=datetime.timedelta(seconds=seconds))
         except RuntimeError as err:  # DistBackendError derives from it
-            raise TransferTimeoutError(f"transport: peer silent or gone for {seconds} s "
-                                       f"({what}): {str(err).splitlines()[0][:200]}") from None
+            raise self._gone(what, err, seconds) from None
 
     def _staging(self, shape, dtype):
         """A reused receive buffer (fresh memory per message would cost page faults)."""
@@ -255,11 +206,11 @@ class DistributedTransport(PageTransport):
         buf = self._out if wait else torch.zeros(MSG_BYTES, dtype=torch.uint8,
                                                  device=self.device)
         buf[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.device)
-        works = [self.dist.isend(buf, peer, group=self.group)]
+        works = [self._isend(buf, peer, what)]
         rest = payload[MSG_BYTES - _FRAME.size:]
         if rest:
             t = torch.frombuffer(bytearray(rest), dtype=torch.uint8).to(self.device)
-            works.append(self.dist.isend(t, peer, group=self.group))
+            works.append(self._isend(t, peer, what))
         if wait:
             for work in works:
                 self._wait(work, what)
@@ -268,43 +219,71 @@ class DistributedTransport(PageTransport):
 
     def _recv_msg(self, peer: int, what: str, timeout: float | None = None):
         """``(kind, tag, payload bytes)`` of the next control message."""
-        buf = self._in
-        self._wait(self.dist.irecv(buf, peer, group=self.group), what, timeout)
+        self._wait(self._irecv(self._in, peer, what), what, timeout)
         return self._read_msg(peer, what, timeout)
 
-    def _read_msg(self, peer: int, what: str, timeout: float | None = None):
-        """Parse the control message received into ``self._in`` (and its continuation)."""
+    def _read_msg(self, peer: int, what: str, timeout: float | None = None, buf=None):
+        """Parse the control message received into ``buf`` (default ``self._in``) and its
+        continuation."""
         import torch
 
-        raw = self._in.cpu().numpy().tobytes()
+        raw = (self._in if buf is None else buf).cpu().numpy().tobytes()
         kind, n, tag = _FRAME.unpack_from(raw)
         if n < 0 or n > 1 << 31:
-            raise CorruptTransferError(f"transport: bad message length {n}")
+            raise self._desync(f"bad message length {n} ({what})")
         payload = raw[_FRAME.size:_FRAME.size + n]
         if n > len(payload):
             rest = torch.empty(n - len(payload), dtype=torch.uint8, device=self.device)
-            self._wait(self.dist.irecv(rest, peer, group=self.group), what, timeout)
+            self._wait(self._irecv(rest, peer, what), what, timeout)
             payload += rest.cpu().numpy().tobytes()
         return kind, tag, payload
+
+    def _values(self, payload: bytes, dtype, what: str, n: int | None = None) -> list:
+        """The ``n`` (any number if None) values of ``dtype`` a message carries; a payload
+        of another size is a message out of step (:class:`CorruptTransferError`)."""
+        size = np.dtype(dtype).itemsize
+        if len(payload) % size or (n is not None and len(payload) != n * size):
+            raise self._desync(f"{what}: {len(payload)} bytes, expected "
+                               f"{'a multiple of ' if n is None else ''}{size * (n or 1)}")
+        return np.frombuffer(payload, dtype).tolist()
 
     def _expect(self, peer: int, kind: int, what: str) -> tuple[int, bytes]:
         got, tag, payload = self._recv_msg(peer, what)
         if got != kind:
-            raise CorruptTransferError(f"transport: expected {what} (kind {kind}), got kind "
-                                       f"{got}")
+            raise self._desync(f"expected {what} (kind {kind}), got kind {got}")
         return tag, payload
 
     # -- interface ------------------------------------------------------------------------------
     def lookup(self, peer: int, block_hashes) -> int:
         hashes = np.asarray([h & _MASK for h in check_hashes("block_hashes", block_hashes)],
                             dtype=np.uint64)
+        self._usable()
         self._send_msg(peer, LOOKUP, 0, hashes.tobytes(), "lookup")
         _, payload = self._expect(peer, ANSWER, "lookup answer")
-        return int(np.frombuffer(payload, np.int64)[0])
+        (count,) = self._values(payload, np.int64, "lookup answer", 1)
+        if not 0 <= count <= len(hashes):
+            raise self._desync(f"lookup answer {count} for {len(hashes)} hashes")
+        return int(count)
 
     def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
+        """Start sending ``export`` (see :meth:`PageTransport.send`). If this raises, the
+        export's lease has ended; an export whose lease already ended is refused before
+        anything goes on the wire (:class:`TransferError`: its pages may have been reused)."""
         check_export(export)
-        self._need()
+        mgr = self._need()
+        try:
+            self._usable()
+            if export.lease_id not in mgr.active_leases():
+                raise TransferError(f"transport: the lease of the export ({export.lease_id}) "
+                                    "ended before the send: its pages may have been reused")
+            return self._send(peer, export, tag)
+        except BaseException:
+            mgr.end_lease(export.lease_id)  # a no-op if it ended
+            raise
+
+    def _send(self, peer: int, export: PageExport, tag: int) -> Transfer:
+        import torch
+
         # one round trip: the header and the run lengths, the runs (views of the cache pages,
         # zero copy), their checksums (computed while the runs are on the wire), then the
         # peer's acknowledgement
@@ -319,24 +298,26 @@ class DistributedTransport(PageTransport):
         # "ready to receive" notice from this side when it comes. Not on NCCL: its p2p ops to
         # one peer run in order on one stream, a receive posted first would wait for the
         # peer's answer before the data it answers leaves (a deadlock)
+        # The acknowledgement lands in a buffer of this send's own: with several sends in
+        # flight each reads its own answer (one shared buffer held the latest one)
         what = f"acknowledgement from rank {peer}"
-        ack = [self.dist.irecv(self._in, peer, group=self.group)] if self._early_ack else []
+        ack_buf = torch.empty(MSG_BYTES, dtype=torch.uint8, device=self.device)
+        ack = [self._irecv(ack_buf, peer, what)] if self._early_ack else []
 
         def take_ack() -> bytes:
             if not ack:
-                ack.append(self.dist.irecv(self._in, peer, group=self.group))
+                ack.append(self._irecv(ack_buf, peer, what))
             self._wait(ack[0], what)
-            kind, _, payload = self._read_msg(peer, what)
+            kind, _, payload = self._read_msg(peer, what, None, ack_buf)
             if kind != ACK:
-                raise CorruptTransferError(f"transport: expected {what} (kind {ACK}), got "
-                                           f"kind {kind}")
+                raise self._desync(f"expected {what} (kind {ACK}), got kind {kind}")
             return payload
 
         works = self._send_msg(peer, PAGES, tag, _LEN.pack(len(raw)) + raw
                                + lengths.tobytes(), "page header", wait=False)
         # every run posted before any is hashed: hashing each run just before posting it
         # was slower (median 9.4-10.6 ms against 8.0-9.4 per 16 MiB, docs/PERF.md)
-        works += [self.dist.isend(v.to(self.device), peer, group=self.group) for _, v in runs]
+        works += [self._isend(v.to(self.device), peer, "page data") for _, v in runs]
         failed = None
         if later:
             try:
@@ -348,8 +329,7 @@ class DistributedTransport(PageTransport):
         for work in works:
             self._wait(work, "page data")
         if failed is not None:
-            take_ack()
-            self.manager.end_lease(export.lease_id)
+            take_ack()  # the peer's refusal (send() ends the lease)
             raise failed
         transfer = Transfer(export, self.manager)
         state = {}  # "future": the ack awaited on a helper thread (poll never blocks);
@@ -362,20 +342,20 @@ class DistributedTransport(PageTransport):
                 if not state["future"].done():
                     return False
                 state["payload"] = state["future"].result()
-            st, n = np.frombuffer(state["payload"], np.int64).tolist()
-            if st != OK:
-                err = TransferError(f"transport: the peer did not import the pages "
-                                    f"({_CODES[st]}; it holds {n} leading pages)")
-                err.resend = st == RESEND
-                raise err
-            transfer.pages_written = n
+            transfer.pages_written = _read_ack(state["payload"])
             return True
 
         def block(timeout):
-            if "future" in state:
-                futures_wait([state["future"]], timeout=timeout)
-            elif "payload" not in state:  # nobody polled: no thread hop
-                state["payload"] = take_ack()
+            if "payload" in state:
+                return
+            if "future" not in state and (timeout is None or timeout >= self.timeout):
+                state["payload"] = take_ack()  # nobody polled: no thread hop
+                return
+            # a shorter wait than the transport's: on the helper thread, so running out of
+            # time leaves the transfer in flight (a failed gloo wait would end the wire)
+            if "future" not in state:
+                state["future"] = self._waiter().submit(take_ack)
+            futures_wait([state["future"]], timeout=timeout)
 
         transfer._step, transfer._block = step, block
         return transfer
@@ -388,10 +368,7 @@ class DistributedTransport(PageTransport):
     def recv_ints(self, peer: int, n: int) -> list[int]:
         """Receive the ``n`` int64 values sent with :meth:`send_ints`."""
         _, payload = self._expect(peer, INTS, "ints")
-        out = np.frombuffer(payload, np.int64).tolist()
-        if len(out) != n:
-            raise CorruptTransferError(f"transport: expected {n} ints, got {len(out)}")
-        return out
+        return self._values(payload, np.int64, "ints", n)
 
     def close(self, peer: int) -> None:
         """Tell the peer's :meth:`handle` loop that nothing more comes."""
@@ -400,20 +377,28 @@ class DistributedTransport(PageTransport):
     def _ints_msg(self, peer, kind, values, what):
         self._send_msg(peer, kind, 0, np.asarray(values, np.int64).tobytes(), what)
 
+    def _ack(self, peer, status: int, n: int, err: BaseException | None = None) -> None:
+        self._send_msg(peer, ACK, 0, _ack_payload(status, n, err), "acknowledgement")
+
     def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
+        """See :meth:`PageTransport.handle`; ``timeout`` bounds the wait for the message,
+        the transport's own timeout each wait after it. The import's lease has no deadline
+        (:meth:`expire_leases` leaves it alone while its pages receive data in place); it
+        ends when the import is done, refused or failed."""
         import torch
 
         mgr = self._need()
+        timeout = check_seconds("timeout", timeout)
         kind, tag, payload = self._recv_msg(peer, "next message", timeout)
         if kind == CLOSE:
             return Received("close")
         if kind == LOOKUP:
-            hashes = np.frombuffer(payload, np.uint64).tolist()
+            hashes = self._values(payload, np.uint64, "lookup")
             count = mgr.held_prefix_pages(hashes)
             self._ints_msg(peer, ANSWER, [count], "lookup answer")
             return Received("lookup", tag, lookup_count=count)
         if kind != PAGES:
-            raise CorruptTransferError(f"transport: unexpected message kind {kind}")
+            raise self._desync(f"unexpected message kind {kind}")
         header, seq_id, lid = None, None, None
         try:
             (hlen,) = _LEN.unpack_from(payload)
@@ -422,19 +407,29 @@ class DistributedTransport(PageTransport):
             if sum(lengths) != header.n_carried or min(lengths, default=1) < 1:
                 raise CorruptTransferError(f"transport: runs {lengths} announced for "
                                            f"{header.n_carried} pages")
-        except (struct.error, ValueError) as err:
-            raise CorruptTransferError(f"transport: unreadable page message ({err})") from None
-        dtype = getattr(torch, header.tensor_dtype)
+        except (struct.error, ValueError) as err:  # the runs that follow cannot be drained
+            raise self._desync(f"unreadable page message ({err})") from None
+        dtype = getattr(torch, header.tensor_dtype, None)
+        if not isinstance(dtype, torch.dtype):  # a type this torch lacks: refused below,
+            dtype, shape = torch.uint8, (header.page_bytes,)  # its data drained as bytes
+        else:
+            shape = header.page_shape
         later = header.checksums is None  # a SUMS message follows the data
         try:
             seq_id = seq_for(header, tag) if seq_for is not None else None
-            lid, first_row = mgr.begin_import(header, seq_id, timeout=self.timeout)
-        except KVCacheError as err:  # refused (format, room, a busy or unknown seq_id...):
-            # take the data (and checksums) off the wire all the same, then say why
-            self._drain(peer, lengths, header.page_shape, dtype, later)
+            # no deadline: expire_leases must not end this lease while runs are landing in
+            # its pages (they would be freed, handed out, then overwritten by the late runs);
+            # every wait here is bounded and every failure ends the lease
+            lid, first_row = mgr.begin_import(header, seq_id, timeout=None)
+        except Exception as err:  # refused (format, room, a busy or unknown seq_id...), or
+            # seq_for failed: take the data (and checksums) off the wire all the same (the
+            # wire stays in step), then say why
+            self._drain(peer, lengths, shape, dtype, later)
             held = mgr.held_prefix_pages(header.block_hashes) if type(err) is TransferError \
                 else 0
-            self._ints_msg(peer, ACK, [_import_status(err), held], "acknowledgement")
+            self._ack(peer, _import_status(err), held, err)
+            if not isinstance(err, KVCacheError):
+                raise  # the application's own error (from seq_for)
             return Received("pages", tag, header=header, error=err)
         try:
             targets, fixups = self._targets(mgr.import_runs(lid), lengths, first_row,
@@ -447,8 +442,8 @@ class DistributedTransport(PageTransport):
                     r += n
             else:
                 data = None
-            works = [self.dist.irecv(t, peer, group=self.group) for t in targets]
-            sums_work = self.dist.irecv(self._in, peer, group=self.group) if later else None
+            works = [self._irecv(t, peer, "page data") for t in targets]
+            sums_work = self._irecv(self._in, peer, "checksums") if later else None
             # verify each run while the next ones arrive (the checksums leave the critical
             # path) -- unless the device checksum would run on a host buffer bound for a
             # CUDA cache: then finish_import checks the pages on the device
@@ -465,8 +460,7 @@ class DistributedTransport(PageTransport):
                 self._wait(sums_work, "checksums")
                 kind, _, raw = self._read_msg(peer, "checksums")
                 if kind != SUMS:
-                    raise CorruptTransferError(f"transport: expected checksums (kind {SUMS}), "
-                                               f"got kind {kind}")
+                    raise self._desync(f"expected checksums (kind {SUMS}), got kind {kind}")
                 header = header.with_checksums(np.frombuffer(raw, np.uint64).tolist())
             if inline:
                 bad = next((i for i in range(first_row, len(got))
@@ -481,11 +475,11 @@ class DistributedTransport(PageTransport):
                                         verified=inline, checksums=header.checksums)
         except BaseException as err:
             mgr.end_lease(lid)  # no-op if finish_import ended it
-            if isinstance(err, TransferTimeoutError):
+            if isinstance(err, TransferTimeoutError) or self._broken is not None:
                 raise
-            self._ints_msg(peer, ACK, [REFUSED, 0], "acknowledgement")
+            self._ack(peer, REFUSED, 0, err)
             return Received("pages", tag, header=header, error=err)
-        self._ints_msg(peer, ACK, [OK, written], "acknowledgement")
+        self._ack(peer, OK, written)
         return Received("pages", tag, header=header, seq_id=seq_id, pages_written=written)
 
     def _targets(self, dest, lengths, first_row, page_shape, dtype):
@@ -527,73 +521,39 @@ class DistributedTransport(PageTransport):
         if lengths:
             buf = self._staging((max(lengths), *page_shape), dtype)
             for n in lengths:
-                self._wait(self.dist.irecv(buf[:n], peer, group=self.group), "page data")
+                self._wait(self._irecv(buf[:n], peer, "page data"), "page data")
         if sums:
             self._recv_msg(peer, "checksums")
 
 
 _CODES = {OK: "ok", RESEND: "missing prefix, resend", REFUSED: "refused"}
+#: Errors of a refused import the sender raises as their own type (else TransferError).
+_PEER_ERRORS = {cls.__name__: cls for cls in (FormatMismatchError, CorruptTransferError)}
+_ACK = struct.Struct("<qq")  # status, pages written or held; the peer's reason follows
 
 
-class InProcessTransport(PageTransport):
-    """Two endpoints in one process (tests): :meth:`pair` links them; a send is queued on the
-    peer and done once the peer's :meth:`handle` imported it -- at once when the peer was
-    made with ``auto=True`` (then ``peer.seq_for`` picks the sequence to import into)."""
+def _ack_payload(status: int, n: int, err: BaseException | None = None) -> bytes:
+    """An acknowledgement: status, pages, and why the import was refused (short: the whole
+    message fits one control buffer)."""
+    why = f"{type(err).__name__}: {err}" if err is not None else ""
+    return _ACK.pack(status, n) + why.encode("utf-8", "replace")[:2048]
 
-    def __init__(self, auto: bool = False, seq_for=None):
-        self.peer_ep: InProcessTransport | None = None
-        self.inbox: deque = deque()
-        self.auto, self.seq_for = auto, seq_for
 
-    @classmethod
-    def pair(cls, mgr_a, mgr_b, auto: bool = False,
-             seq_for=None) -> tuple["InProcessTransport", "InProcessTransport"]:
-        """Endpoints of ``mgr_a`` and ``mgr_b``; ``auto``/``seq_for`` apply to ``mgr_b``'s."""
-        a, b = cls(), cls(auto, seq_for)
-        a.register(mgr_a)
-        b.register(mgr_b)
-        a.peer_ep, b.peer_ep = b, a
-        return a, b
-
-    def lookup(self, peer: int, block_hashes) -> int:
-        return self.peer_ep._need().held_prefix_pages(block_hashes)
-
-    def send(self, peer: int, export: PageExport, tag: int = 0) -> Transfer:
-        check_export(export)
-        self._need()
-        transfer = Transfer(export, self.manager)
-        box = {}
-        # the bytes travel now (a copy, as a wire would); the ack comes when the peer handles
-        self.peer_ep.inbox.append((PageHeader.from_bytes(export.header.to_bytes()),
-                                   export.data.clone(), tag, box))
-        if self.peer_ep.auto:
-            self.peer_ep.handle(0, self.peer_ep.seq_for)
-
-        def step():
-            if "error" in box:
-                err = box["error"]
-                if type(err) is TransferError:
-                    err.resend = True
-                raise err
-            if "written" in box:
-                transfer.pages_written = box["written"]
-                return True
-            return False
-
-        transfer._step = step
-        return transfer
-
-    def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
-        mgr = self._need()
-        if not self.inbox:
-            raise TransferTimeoutError("in-process transport: nothing to handle")
-        header, data, tag, box = self.inbox.popleft()
-        seq_id = None
-        try:
-            seq_id = seq_for(header, tag) if seq_for is not None else None
-            box["written"] = mgr.import_pages(header, data, seq_id)
-        except KVCacheError as err:  # refused: the sender's wait raises it
-            box["error"] = err
-            return Received("pages", tag, header=header, error=err)
-        return Received("pages", tag, header=header, seq_id=seq_id,
-                        pages_written=box["written"])
+def _read_ack(payload: bytes) -> int:
+    """The pages the peer wrote, or raise its refusal: a :class:`FormatMismatchError` or
+    :class:`CorruptTransferError` as the peer named it, else :class:`TransferError`
+    (``resend`` set when the peer lacks the prefix)."""
+    try:
+        st, n = _ACK.unpack_from(payload)
+    except struct.error:
+        raise CorruptTransferError(f"transport: acknowledgement of {len(payload)} bytes "
+                                   "(unreadable)") from None
+    if st == OK:
+        return n
+    why = payload[_ACK.size:].decode("utf-8", "replace")
+    cls = TransferError if st == RESEND else _PEER_ERRORS.get(why.partition(":")[0],
+                                                              TransferError)
+    err = cls(f"transport: the peer did not import the pages ({_CODES.get(st, st)}; it holds "
+              f"{n} leading pages)" + (f": {why}" if why else ""))
+    err.resend = st == RESEND
+    raise err

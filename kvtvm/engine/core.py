@@ -297,7 +297,10 @@ class Engine:
         """Finish with the engine: with a disk tier, write every cached page there
         (``persist``) and stop its writer. Returns the pages written. Requests submitted
         afterwards are refused (:class:`~kvtvm.errors.InvalidArgumentError`): a closed tier
-        takes no more pages, so make a new engine (on the same directory, it starts warm)."""
+        takes no more pages, so make a new engine (on the same directory, it starts warm).
+        A second call does nothing (returns 0)."""
+        if self._closed:
+            return 0
         self._closed = True
         mgr = getattr(self.kv, "mgr", None)
         if getattr(mgr, "_tiers", None) is None:

@@ -14,298 +14,27 @@ Disk entries: one file per hash, ``<hash>.kvp`` = magic, JSON meta (tokens, fing
 dtype, shape, checksum), raw bytes. Written to a temp name in the same directory (mode 0600)
 then ``os.replace``-d, so a process killed mid-write leaves only complete entries visible; the
 checksum is verified on every read and a corrupt or truncated entry is a logged miss (and
-removed). The directory is created 0700; one owned by someone else, group/other-writable or
-not writable is refused. A ``filelock`` serialises writers of a shared directory; LRU order is
-the files' mtimes (touched on a hit), so it survives restarts too.
+removed), as is one that is not a regular file (a symlink is never followed; a FIFO or device
+never read) or larger than an entry can be. The directory is created 0700; one owned by
+someone else, group/other-writable or not writable is refused -- at attach and again before
+every read and write (one removed meanwhile is recreated 0700). A ``filelock`` serialises
+writers of a shared directory; LRU order is the files' mtimes (touched on a hit), so it
+survives restarts too. The disk tier lives in :mod:`.disktier`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import stat
-import struct
-import queue
-import tempfile
-import threading
-import time
-import weakref
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import InvalidArgumentError, describe
 from .args import INT32_MAX, check_seconds
-from .hashing import CHECKSUM_NAME, chain_hash, checksum, fingerprint
-from .hosttier import HostTier, counters as _counters
+from .disktier import DiskTier, check_private_dir  # noqa: F401 - re-exported
+from .hashing import chain_hash, fingerprint
+from .hosttier import HostTier
 
 __all__ = ["HostTier", "DiskTier", "TierStore", "TierMixin"]
-
-log = logging.getLogger(__name__)
-
-_MAGIC = b"KVTVMPG1"
-_LEN = struct.Struct("<I")
-
-
-def check_private_dir(path) -> Path:
-    """``path`` as a directory only this user can write: created 0700 if missing; refused
-    (InvalidArgumentError naming ``disk_dir``) if owned by someone else, group/other-writable
-    or not writable."""
-    path = Path(path)
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = path.stat()
-    except OSError as err:
-        raise InvalidArgumentError(describe("disk_dir", "a directory that can be created",
-                                            f"{path} ({err})")) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise InvalidArgumentError(describe("disk_dir", "a directory", str(path)))
-    if st.st_uid != os.getuid():
-        raise InvalidArgumentError(describe("disk_dir", f"a directory owned by uid "
-                                            f"{os.getuid()}", f"{path} owned by {st.st_uid}"))
-    if st.st_mode & 0o022:
-        raise InvalidArgumentError(describe("disk_dir", "a directory not writable by group or "
-                                            "others", f"{path} mode {oct(st.st_mode & 0o777)}"))
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise InvalidArgumentError(describe("disk_dir", "a writable directory", str(path)))
-    return path
-
-
-class DiskTier:
-    """Pages in a directory, at most ``capacity_bytes`` of entries, LRU by mtime.
-
-    Writes happen on one background thread (a demotion under the manager's lock only copies
-    the page into a bounded queue): until its file is in place a queued entry is served from
-    the queue (complete, content-checked like a file), so a read sees the complete entry or a
-    miss, never a partial file. :meth:`flush` waits for the queue; :meth:`close` (also run at
-    interpreter exit) flushes and stops the thread. A full queue drops the demotion (counted
-    as ``dropped``: the disk tier is a cache).
-
-    Parameters
-    ----------
-    directory : str or Path
-        Created 0700 if missing; see :func:`check_private_dir`.
-    capacity_bytes : int
-        Bound on the entries' total size; the oldest are removed past it.
-    max_pending : int
-        Pages queued for writing at most.
-    """
-
-    def __init__(self, directory, capacity_bytes: int, max_pending: int = 256):
-        from filelock import FileLock
-
-        self.dir = check_private_dir(directory)
-        self.capacity = int(capacity_bytes)
-        self._lock = FileLock(str(self.dir / ".lock"), mode=0o600)
-        self.counters = _counters(self.capacity, "bytes")
-        self.counters.update(dropped=0, write_errors=0)
-        for tmp in self.dir.glob(".tmp-*"):  # a writer killed mid-write; never visible
-            try:
-                if tmp.stat().st_mtime < time.time() - 60:
-                    tmp.unlink()
-            except OSError:
-                pass
-        self._pending: dict[int, tuple] = {}  # hash -> (fp, token bytes, meta, raw)
-        self._guard = threading.Lock()
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(max_pending)))
-        self._thread = threading.Thread(target=_writer,
-                                        args=(self._queue, weakref.WeakMethod(self._write)),
-                                        name="kvtvm-disk-tier", daemon=True)
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop, self._queue, self._thread)
-
-    def _path(self, h: int) -> Path:
-        return self.dir / f"{h:016x}.kvp"
-
-    def __contains__(self, h: int) -> bool:
-        return h in self._pending or self._path(h).exists()
-
-    def put(self, h: int, fp: int, token_bytes: bytes, data, block: bool = False) -> bool:
-        """Queue the page under ``h`` for writing (a copy of its bytes; the file is written to
-        a temp name then renamed, then the tier is trimmed to capacity, on the writer).
-        ``block``: wait for room in the queue instead of dropping. True if queued."""
-        import torch
-
-        if self._finalizer.alive is False:
-            raise InvalidArgumentError(describe("disk tier", "open", "closed"))
-        raw = data.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().copy()
-        meta = {"tokens": np.frombuffer(token_bytes, np.int64).tolist(), "fp": fp,
-                "dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
-                "checksum": CHECKSUM_NAME, "nbytes": raw.nbytes}
-        with self._guard:
-            if h in self._pending:
-                return False
-            self._pending[h] = (fp, token_bytes, meta, raw)
-        try:
-            self._queue.put(h, block=block)
-        except queue.Full:
-            with self._guard:
-                self._pending.pop(h, None)
-            self.counters["dropped"] += 1
-            return False
-        return True
-
-    def _write(self, h: int) -> None:
-        """On the writer thread: the file of queued entry ``h``, then it leaves the queue."""
-        with self._guard:
-            fp, token_bytes, meta, raw = self._pending[h]
-        try:
-            blob = json.dumps(dict(meta, sum=checksum(raw))).encode()
-            with self._lock:
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.dir)  # mode 0600
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(_MAGIC + _LEN.pack(len(blob)) + blob)
-                        f.write(memoryview(raw))
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, self._path(h))
-                except BaseException:
-                    try:
-                        os.unlink(tmp)
-                    except OSError:
-                        pass
-                    raise
-                self.counters["demotions"] += 1
-                self._trim()
-        except OSError as err:
-            log.warning("disk tier: writing entry %016x failed: %s", h, err)
-            self.counters["write_errors"] += 1
-        finally:
-            with self._guard:
-                self._pending.pop(h, None)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued entry is written (or failed); False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._pending:
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
-        return True
-
-    def close(self) -> None:
-        """Flush and stop the writer thread (later puts are refused)."""
-        self._finalizer()
-
-    def _entries(self):
-        out = []
-        for p in self.dir.glob("*.kvp"):
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            out.append((st.st_mtime_ns, p, st.st_size))
-        return sorted(out)
-
-    def _trim(self) -> None:
-        entries = self._entries()
-        total = sum(e[2] for e in entries)
-        for _, p, size in entries:
-            if total <= self.capacity:
-                break
-            try:
-                p.unlink()
-                total -= size
-                self.counters["evictions"] += 1
-            except OSError:
-                pass
-
-    def _miss(self, path: Path, why: str, drop: bool) -> None:
-        log.warning("disk tier: entry %s is a miss: %s", path.name, why)
-        self.counters["misses"] += 1
-        self.counters["rejected"] += 1
-        if drop:
-            try:
-                path.unlink()
-            except OSError:
-                pass
-
-    def get(self, h: int, fp: int, token_bytes: bytes, page_shape=None, dtype=None):
-        """The page under ``h`` (a CPU tensor) if it reads back whole, its checksum holds and
-        its tokens and fingerprint match; else None (logged when the entry is bad)."""
-        import torch
-
-        with self._guard:
-            queued = self._pending.get(h)
-        if queued is not None:  # not on disk yet: the complete entry from the queue
-            efp, toks, meta, raw = queued
-            if toks != token_bytes or efp != fp:
-                self.counters["misses"] += 1
-                self.counters["rejected"] += 1
-                return None
-            self.counters["hits"] += 1
-            return torch.from_numpy(raw.copy()).view(getattr(torch, meta["dtype"])).view(
-                *meta["shape"])
-        path = self._path(h)
-        try:
-            blob = path.read_bytes()
-        except OSError:
-            self.counters["misses"] += 1
-            return None
-        try:
-            if blob[:len(_MAGIC)] != _MAGIC:
-                raise ValueError("bad magic")
-            (n,) = _LEN.unpack_from(blob, len(_MAGIC))
-            off = len(_MAGIC) + _LEN.size
-            meta = json.loads(blob[off:off + n])
-            raw = np.frombuffer(blob, dtype=np.uint8, offset=off + n)
-            if raw.nbytes != meta["nbytes"] or checksum(raw) != meta["sum"]:
-                raise ValueError("truncated or checksum mismatch")
-        except (ValueError, KeyError, struct.error, TypeError) as err:
-            self._miss(path, str(err), drop=True)
-            return None
-        if np.asarray(meta["tokens"], np.int64).tobytes() != token_bytes or meta["fp"] != fp:
-            self._miss(path, "tokens differ (hash collision or stale entry)", drop=False)
-            return None
-        if (page_shape is not None and tuple(meta["shape"]) != tuple(page_shape)) or \
-                (dtype is not None and meta["dtype"] != dtype):
-            self._miss(path, f"shape/dtype {meta['shape']} {meta['dtype']} differ", drop=False)
-            return None
-        try:
-            os.utime(path)  # most recently used
-        except OSError:
-            pass
-        self.counters["hits"] += 1
-        t = torch.from_numpy(raw.copy()).view(getattr(torch, meta["dtype"]))
-        return t.view(*meta["shape"])
-
-    def stats(self) -> dict:
-        c = dict(self.counters)
-        c["pending"] = len(self._pending)
-        entries = self._entries()
-        c["entries"], c["bytes"] = len(entries), sum(e[2] for e in entries)
-        return c
-
-
-def _writer(q, write_ref) -> None:
-    """The disk tier's writer thread: entries in queue order until a None (or the tier is
-    gone)."""
-    while True:
-        h = q.get()
-        try:
-            write = write_ref()
-            if h is None or write is None:
-                return
-            write(h)
-            del write
-        except BaseException as err:  # noqa: BLE001 - the thread must keep serving
-            log.error("disk tier: writer: %s", err)
-        finally:
-            q.task_done()
-
-
-def _stop(q, thread) -> None:
-    """Flush and stop a disk tier's writer (close(), garbage collection or exit)."""
-    if thread is threading.current_thread():  # collected on the writer itself: it stops
-        try:                                   # at its next item (the tier is gone)
-            q.put_nowait(None)
-        except queue.Full:
-            pass
-        return
-    q.put(None)
-    thread.join()
 
 
 class TierStore:
@@ -320,8 +49,8 @@ class TierStore:
         (:meth:`HostTier.put_many`); the disk tier queues those it lacks, from the host tier's
         slots (or, for pages the host tier did not keep, one more gather to the host)."""
         placed = self.host.put_many(items, rows_of) if self.host is not None else {}
-        if self.disk is None:
-            return
+        if self.disk is None or self.disk.closed:  # closed (close_tiers, exit): the pages
+            return                                 # are evicted without a disk copy
         todo = [i for i, it in enumerate(items) if it[0] not in self.disk]
         rest = [i for i in todo if i not in placed]
         rows = rows_of([items[i][3] for i in rest]).cpu() if rest else None
@@ -456,21 +185,26 @@ class TierMixin:
 
     def persist_prefix_cache(self) -> int:
         """Write every cached device page the disk tier lacks (so a restart finds it);
-        returns the pages written."""
+        returns the pages written: whose files are in place when it returns (a write that
+        failed -- a full or unwritable disk -- is counted in ``stats().tiers["disk"]
+        ["write_errors"]``, not here)."""
         with self._lock:
             disk = self._tiers.disk if self._tiers is not None else None
             if disk is None:
                 return 0
+            if disk.closed:
+                raise InvalidArgumentError(describe("persist_prefix_cache: disk tier", "open",
+                                                    "closed (close_tiers)"))
             todo = []
             for key, (kid, page) in sorted(self._prefix.table.items(), key=lambda kv: kv[1][0]):
                 chain = self._chain_of(kid)
                 if chain is not None and chain[0] not in disk:
                     todo.append((chain[0], chain[1], key[1], page))
             rows = self._page_rows([it[3] for it in todo]).cpu() if todo else None
-            n = sum(disk.put(h, fp, toks, rows[i], block=True)
-                    for i, (h, fp, toks, _) in enumerate(todo))
+            queued = [h for i, (h, fp, toks, _) in enumerate(todo)
+                      if disk.put(h, fp, toks, rows[i], block=True)]
         disk.flush()  # on disk when this returns (the lock is not held while waiting)
-        return n
+        return sum(disk.on_disk(h) for h in queued)
 
     def flush_tiers(self, timeout: float | None = None) -> bool:
         """Wait until the disk tier's queued writes are on disk; False on timeout."""
@@ -479,7 +213,9 @@ class TierMixin:
         return tiers is None or tiers.disk is None or tiers.disk.flush(timeout)
 
     def close_tiers(self) -> None:
-        """Flush the disk tier and stop its writer thread (also done at interpreter exit)."""
+        """Flush the disk tier and stop its writer thread (also done at interpreter exit).
+        The cache goes on: evicted pages then skip the disk (the host tier, if any, still
+        takes them), hits are still read from it; :meth:`persist_prefix_cache` is refused."""
         tiers = self._tiers
         if tiers is not None and tiers.disk is not None:
             tiers.disk.close()

@@ -1,0 +1,129 @@
+"""DistributedTransport reading malformed control messages (a peer of another version, a
+corrupt wire), in one process: torch.distributed's point-to-point calls are replaced by a
+scripted peer. A malformed message is a CorruptTransferError, after which the transport says
+it is unusable -- never an IndexError / ValueError from numpy. Bad timeouts are refused by
+name; an InProcessTransport send that raises ends its lease."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm import KVCacheParams
+from kvtvm.errors import CorruptTransferError, InvalidArgumentError, TransferError
+from kvtvm.manager import PagedKVCacheManager
+from kvtvm.transfer import ANSWER, INTS, LOOKUP, MSG_BYTES, DistributedTransport
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return True
+
+
+class ScriptedPeer:
+    """``isend`` swallows; ``irecv`` fills the buffer with the next scripted message."""
+
+    def __init__(self, messages):
+        self.messages = list(messages)
+
+    def isend(self, tensor, peer, group=None):
+        return _Done()
+
+    def irecv(self, tensor, peer, group=None):
+        kind, payload = self.messages.pop(0)
+        raw = struct.pack("<qqq", kind, len(payload), 0) + payload
+        tensor.zero_()
+        tensor[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return _Done()
+
+
+def transport(messages):
+    tr = DistributedTransport.__new__(DistributedTransport)  # no process group needed
+    tr.dist, tr.group, tr.timeout = ScriptedPeer(messages), None, 1.0
+    tr.device, tr._early_ack, tr._broken = torch.device("cpu"), True, None
+    tr._pool = tr._stage = None
+    tr._out = torch.zeros(MSG_BYTES, dtype=torch.uint8)
+    tr._in = torch.zeros(MSG_BYTES, dtype=torch.uint8)
+    tr.register(PagedKVCacheManager(KVCacheParams("float32", 2, 4, "paged", page_size=4,
+                                                  enable_prefix_caching=True), 2, 32, 2,
+                                    num_pages=8))
+    return tr
+
+
+def ints(*values):
+    return np.asarray(values, np.int64).tobytes()
+
+
+@pytest.mark.parametrize("payload, why", [
+    (b"", "0 bytes"),                      # was IndexError
+    (ints(5), "answer 5 for 2 hashes"),    # more pages than were asked about
+    (ints(-1), "answer -1"),
+    (b"abc", "3 bytes")], ids=["empty", "too many", "negative", "odd size"])
+def test_bad_lookup_answer(payload, why):
+    tr = transport([(ANSWER, payload)])
+    with pytest.raises(CorruptTransferError, match=why):
+        tr.lookup(1, [11, 12])
+    with pytest.raises(TransferError, match="unusable"):
+        tr.lookup(1, [11, 12])
+
+
+def test_good_lookup_answer_and_ints():
+    tr = transport([(ANSWER, ints(2)), (INTS, ints(7, 8, 9))])
+    assert tr.lookup(1, [11, 12]) == 2
+    assert tr.recv_ints(1, 3) == [7, 8, 9]
+
+
+def test_bad_ints_and_lookup_payloads():
+    tr = transport([(INTS, b"\0" * 12)])  # was ValueError (not a multiple of 8)
+    with pytest.raises(CorruptTransferError, match="ints: 12 bytes"):
+        tr.recv_ints(1, 1)
+    tr = transport([(INTS, ints(1, 2))])
+    with pytest.raises(CorruptTransferError, match="ints: 16 bytes, expected 8"):
+        tr.recv_ints(1, 1)
+    tr = transport([(LOOKUP, b"\0" * 5)])  # was ValueError out of handle()
+    with pytest.raises(CorruptTransferError, match="lookup: 5 bytes"):
+        tr.handle(1)
+    with pytest.raises(TransferError, match="unusable"):
+        tr.handle(1)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), 0, True, "5"])
+def test_bad_timeouts_are_refused_by_name(bad):
+    """Were accepted: a NaN or negative timeout failed inside gloo's wait (an untyped error
+    that also ends the connection), 0 made every wait fail; Transfer.wait(nan) spun for
+    ever."""
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        DistributedTransport(timeout=bad)
+    tr = transport([])
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        tr.handle(1, timeout=bad if bad != 0 else -0.5)
+    assert tr._broken is None and tr.dist.messages == []  # nothing was received
+    from kvtvm.transfer import Transfer
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        Transfer(export=None, _step=lambda: False).wait(bad if bad != 0 else -0.5)
+
+
+def test_in_process_send_that_raises_ends_its_lease():
+    """InProcessTransport (auto): a peer whose seq_for raised made send() raise with the
+    export's lease left open (its pages leased for good)."""
+    from kvtvm.manager import BatchItem
+    from kvtvm.transfer import InProcessTransport
+
+    def make():
+        return PagedKVCacheManager(KVCacheParams("float32", 2, 4, "paged", page_size=4,
+                                                 enable_prefix_caching=True), 2, 32, 2,
+                                   num_pages=8)
+
+    a, b = make(), make()
+
+    def seq_for(header, tag):
+        raise RuntimeError("application bug")
+
+    ta, _ = InProcessTransport.pair(a, b, auto=True, seq_for=seq_for)
+    (s,) = a.claim(1)
+    a.fetch([BatchItem(s, list(range(9)))])
+    a.step([BatchItem(s, list(range(9)))])
+    with pytest.raises(RuntimeError, match="application bug"):
+        ta.send(1, a.export_pages(s))
+    assert a.active_leases() == {} and a.stats().pages_leased == 0
