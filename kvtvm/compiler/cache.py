@@ -5,10 +5,12 @@ or stale spec into the cache when TVM's compiler is present.
 A module is found by its spec's file name (spec URI + variant + target key + explicit knobs),
 then its manifest decides:
 
-- compiler present: fresh (this TVM, the current source digest) -> load; otherwise rebuild
-  into the cache (a prebuilt directory is never written);
+- compiler present: fresh (built for this very spec, by this TVM, from the current source
+  digest) -> load; otherwise rebuild into the cache (a prebuilt directory is never written);
 - runtime only: built by this kvtvm and TVM -> load; another version, or no readable
-  manifest -> :class:`~kvtvm.errors.KernelVersionError` naming the file and the versions.
+  manifest -> :class:`~kvtvm.errors.KernelVersionError` naming the file and the versions; a
+  manifest of another spec (a file renamed or copied to this name) or bytes that differ from
+  its sha256 -> :class:`~kvtvm.errors.CorruptKernelError` naming the file.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 from .. import runtime
 from ..errors import CompilerUnavailableError, CorruptKernelError, KernelVersionError
 from . import build as _build
-from .manifest import is_fresh, manifest_path, read_manifest, version_mismatch
+from .manifest import is_fresh, manifest_path, read_manifest, spec_mismatch, version_mismatch
 from .trust import (check_digest, check_trusted, check_trusted_tree, corrupt,
                     secure_cache_dir)
 from .spec import KernelSpec, tvm_version
@@ -88,6 +90,8 @@ def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[
         if not path.exists():
             continue
         check_trusted_tree(d, "kernel directory")  # raises: never load another user's code
+        if path.parent != d:  # the <target_tag>/ folder between them, as every parent
+            check_trusted(path.parent, "kernel directory")
         check_trusted(path)
         if manifest_path(path).exists():
             check_trusted(manifest_path(path), "kernel manifest")
@@ -98,7 +102,8 @@ def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[
         else:
             why = version_mismatch(path)
             if why is None:
-                bad = check_digest(path, read_manifest(path))
+                bad = (spec_mismatch(path, spec)
+                       or check_digest(path, read_manifest(path)))
                 if bad is None:
                     return path, rejected
                 raise corrupt(path, bad)
@@ -120,7 +125,8 @@ def get_kernel(spec: KernelSpec):
         A kernel directory or file is another user's or writable by group/others.
     CorruptKernelError
         Runtime only, and the module's bytes differ from its manifest's sha256 (truncated,
-        modified), or TVM cannot load it.
+        modified), its manifest describes another spec (renamed or copied), or TVM cannot
+        load it.
     DeviceUnavailableError
         A CUDA spec is requested on a machine that cannot run CUDA.
     """
