@@ -28,7 +28,7 @@ from pathlib import Path
 from . import cliargs, compiler, runtime
 from .bench.common import device_name, median_seconds
 from .compiler.spec import QUANT_FAMILIES
-from .compiler.trust import check_trusted, check_trusted_tree
+from .compiler.trust import check_trusted, check_trusted_tree, write_file
 from .kernels.errflag import ERR_SLOTS
 
 log = logging.getLogger(__name__)
@@ -101,9 +101,8 @@ def build_candidates(spec, max_trials: int, root: Path) -> Path:
         except Exception as err:  # recorded; the device run reports it as a failed trial
             listed.append({"knobs": knobs, "error": str(err).splitlines()[-1][:200]})
     out = manifest_path(spec, root)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"spec": {f: getattr(spec, f) for f in SPEC_FIELDS},
-                               "candidates": listed}, indent=1) + "\n")
+    write_file(out, json.dumps({"spec": {f: getattr(spec, f) for f in SPEC_FIELDS},
+                                "candidates": listed}, indent=1) + "\n")
     return out
 
 
@@ -202,9 +201,8 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
              "date": date.today().isoformat(), "device": device_name(device),
              "trials": trials}
     if write:
-        path = compiler.tuning_log_path(spec, log_root)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(entry, indent=1) + "\n")
+        path = compiler.tuning_log_path(spec, log_root)  # 0644 in 0755 dirs, as builds
+        write_file(path, json.dumps(entry, indent=1) + "\n")  # trust them (any umask)
         entry["path"] = str(path)
     return entry
 

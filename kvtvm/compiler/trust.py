@@ -3,8 +3,8 @@ write, binaries whose sha256 matches their manifest, written with explicit modes
 
 Like ssh with its keys, kvtvm refuses (:class:`~kvtvm.errors.UntrustedKernelError`, naming the
 path and the reason) to load code from a directory or file owned by another user, or that group
-or others can write. The user cache is created ``0700``; built files are made ``0644`` and
-directories kvtvm creates ``0700`` (cache) whatever the umask. Each module's manifest records
+or others can write. The user cache is created ``0700``; built files and tuning logs are made
+``0644`` and the other directories kvtvm creates ``0755``, whatever the umask. Each module's manifest records
 its sha256, checked before ``dlopen``: a truncated or corrupt module is rebuilt when the
 compiler is present and is a :class:`~kvtvm.errors.CorruptKernelError` naming the file when it
 is not (never a SIGBUS).
@@ -23,13 +23,14 @@ import hashlib
 import logging
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from ..errors import CorruptKernelError, UntrustedKernelError
 
 __all__ = ["FILE_MODE", "CACHE_DIR_MODE", "check_trusted", "check_trusted_parents",
            "check_trusted_tree", "secure_cache_dir", "sha256_of", "set_file_mode",
-           "check_digest"]
+           "check_digest", "DIR_MODE", "make_dirs", "write_file"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 FILE_MODE = 0o644
 #: Mode of the user cache directories kvtvm creates.
 CACHE_DIR_MODE = 0o700
+#: Mode of the other directories kvtvm creates for what it writes (kernel directories, their
+#: ``<target>/`` folders, tuning logs): never group/other-writable, which the checks refuse.
+DIR_MODE = 0o755
 
 
 def _trusted_owner(uid: int) -> bool:
@@ -131,6 +135,44 @@ def secure_cache_dir(path: Path) -> Path:
             os.chmod(d, CACHE_DIR_MODE)
         check_trusted(d, "kernel cache directory")
     check_trusted_parents(path.parent, "kernel cache directory")
+    return path
+
+
+def make_dirs(path: str | os.PathLike, mode: int = DIR_MODE) -> Path:
+    """Create the directory ``path`` and its missing parents, each with ``mode`` whatever the
+    umask (a umask of 002 would make them group-writable, and then refused); directories that
+    exist are left as they are."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p.parent != p:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode)
+        except FileExistsError:  # another process made it meanwhile
+            continue
+        os.chmod(d, mode)
+    path.mkdir(exist_ok=True)  # raises when it is a file (or a dangling link)
+    return path
+
+
+def write_file(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (a temporary file in its directory, renamed) with
+    mode :data:`FILE_MODE` whatever the umask; missing directories are made by
+    :func:`make_dirs`."""
+    path = Path(path)
+    make_dirs(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        set_file_mode(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -221,3 +221,32 @@ def test_a_cache_under_a_parent_of_another_user_is_refused(tmp_path, monkeypatch
     _fake_owner(monkeypatch, tmp_path / "theirs", 12345)
     with pytest.raises(UntrustedKernelError, match="owned by uid 12345"):
         compiler.get_kernel(SPEC)
+
+
+def test_what_build_and_tune_write_under_a_umask_of_002_loads(tmp_path, cache, monkeypatch):
+    """A umask of 002 (user-private groups) once made `python -m kvtvm build --out`'s folders
+    and `python -m kvtvm tune`'s log group-writable, which the loader then refused."""
+    from kvtvm import cli, tune
+
+    out, logs = tmp_path / "new" / "kernels", tmp_path / "new" / "logs"
+    old = os.umask(0o002)
+    try:
+        assert cli.main(["build", "--target", "llvm", "--out", str(out), "--ops", "append",
+                         "--dtypes", "float32", "--head-dims", "16", "--kv-heads", "2",
+                         "--layouts", "nhd", "--no-progress"]) == 0
+        assert tune.main(["--op", "copy", "--dtype", "float32", "--head-dim", "16",
+                          "--max-trials", "1", "--repeat", "1", "--log-root", str(logs),
+                          "--no-progress"]) == 0
+    finally:
+        os.umask(old)
+    built = out / SPEC.file_name()
+    for d in (tmp_path / "new", out, built.parent, logs, logs / "llvm"):
+        assert _mode(d) == 0o755, d
+    copy = compiler.KernelSpec(op="copy", dtype="float32", head_dim=16, n_kv_heads=1)
+    log_path = compiler.tuning_log_path(copy, logs)
+    assert _mode(log_path) == 0o644
+    assert [p.name for p in log_path.parent.iterdir()] == [log_path.name]  # no temp left
+    monkeypatch.setenv("KVTVM_KERNEL_PATH", str(out))
+    monkeypatch.setenv("KVTVM_TUNING_LOGS", str(logs))
+    compiler.get_kernel(SPEC)
+    assert compiler.tuned_knobs(copy) == json.loads(log_path.read_text())["knobs"]
