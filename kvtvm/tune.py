@@ -28,7 +28,9 @@ from pathlib import Path
 from . import cliargs, compiler, runtime
 from .bench.common import device_name, median_seconds
 from .compiler.spec import QUANT_FAMILIES
-from .compiler.trust import check_trusted, check_trusted_tree, write_file
+from .compiler.manifest import read_manifest, spec_mismatch
+from .compiler.trust import check_digest, check_trusted, check_trusted_tree, write_file
+from .errors import CorruptKernelError, KVCacheError
 from .kernels.errflag import ERR_SLOTS
 
 log = logging.getLogger(__name__)
@@ -106,13 +108,36 @@ def build_candidates(spec, max_trials: int, root: Path) -> Path:
     return out
 
 
+def _read_candidates(path: Path) -> dict:
+    """A ``--build-only`` manifest (this user's, not group/other-writable), checked for shape.
+
+    Raises
+    ------
+    CorruptKernelError
+        It is not JSON, or lacks its ``spec`` or ``candidates``.
+    """
+    check_trusted(path, "candidates list")
+    try:
+        data = json.loads(path.read_text())
+        fields, listed = data["spec"], data["candidates"]
+        fields["features"] = tuple(fields["features"])
+        if not isinstance(listed, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("knobs"), dict)
+                and isinstance(c.get("file", c.get("error")), str) for c in listed):
+            raise ValueError("a candidate without knobs and a file or an error")
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise CorruptKernelError(f"candidates list {path} is unreadable or corrupt "
+                                 f"({type(err).__name__}: {err}); build it again with "
+                                 "--build-only") from None
+    return data
+
+
 def manifest_specs(root: Path, op: str | None = None) -> list:
     """The specs whose candidates ``root`` holds (``--build-only`` manifests), of ``op`` only
     when given."""
     specs = []
     for path in sorted(Path(root).glob("*/*.candidates.json")):
-        fields = json.loads(path.read_text())["spec"]
-        fields["features"] = tuple(fields["features"])
+        fields = _read_candidates(path)["spec"]
         if op is None or fields["op"] == op:
             specs.append(compiler.KernelSpec(**fields))
     return specs
@@ -125,7 +150,18 @@ def prebuilt_candidates(spec, root: Path) -> list[tuple[dict, Path | str]]:
         raise SystemExit(f"no candidates of {spec.uri} for {spec.target_tag} in {root} "
                          f"(build them with --build-only)")
     return [(c["knobs"], Path(root) / c["file"] if "file" in c else c["error"])
-            for c in json.loads(path.read_text())["candidates"]]
+            for c in _read_candidates(path)["candidates"]]
+
+
+def check_candidate(spec, path: Path) -> None:
+    """Refuse (:class:`~kvtvm.errors.CorruptKernelError`, naming the file) a prebuilt
+    candidate module whose manifest describes another spec or whose bytes differ from the
+    manifest's sha256 (truncated, modified): it is never loaded (a truncated module crashed
+    the tuner with SIGBUS)."""
+    why = spec_mismatch(path, spec) or check_digest(path, read_manifest(path))
+    if why is not None:
+        raise CorruptKernelError(f"prebuilt candidate {path}: {why}; build the candidates "
+                                 "again with --build-only")
 
 
 #: Show tqdm progress bars: None = on a terminal only, False = never (``--no-progress``).
@@ -160,11 +196,13 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
     with tempfile.TemporaryDirectory(prefix="kvtvm-tune-") as tmp:
         cands = (prebuilt_candidates(spec, prebuilt) if prebuilt is not None
                  else [(knobs, None) for knobs in candidates(spec, max_trials)])
-        for _, path in cands:
+        for knobs, path in cands:  # all of them before any is loaded
             if isinstance(path, Path):
                 check_trusted(path.parent, "prebuilt candidates directory")
                 if path.exists():
                     check_trusted(path, "prebuilt candidate")
+                    check_candidate(compiler.KernelSpec(**{**spec.__dict__, "knobs": knobs}),
+                                    path)
         bar = _bar(cands, f"tune {spec.uri}")
         for knobs, path in bar:
             bar.set_postfix_str(str(knobs), refresh=False)
@@ -234,6 +272,14 @@ def main(argv=None) -> int:
                         help="time the candidates a --build-only run left in DIR")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    try:
+        return _run(parser, args)
+    except KVCacheError as err:  # a spec kvtvm refuses, an untrusted or corrupt file
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(parser, args) -> int:
     global SHOW_PROGRESS
     if args.no_progress:
         SHOW_PROGRESS = False

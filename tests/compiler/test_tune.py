@@ -90,3 +90,47 @@ def test_a_quantized_spec_tunes_over_its_storage(tmp_path):
     assert cliargs.storage_pair("float8_e4m3fn") == ("float8_e4m3fn", "float8_e4m3fn")
     with pytest.raises(Exception, match="K/V pair"):
         cliargs.storage_pair("int4")
+
+
+@pytest.mark.parametrize("tamper", ["truncated", "renamed"])
+def test_prebuilt_refuses_a_tampered_candidate_before_loading_any(tmp_path, tamper):
+    """A truncated candidate module crashed the tuner with SIGBUS at dlopen; a module of
+    another candidate copied to a listed name was timed as that one."""
+    import shutil
+
+    from kvtvm.errors import CorruptKernelError
+
+    spec = _copy_spec()
+    listed = json.loads(tune.build_candidates(spec, 2, tmp_path).read_text())["candidates"]
+    first, second = (tmp_path / c["file"] for c in listed)
+    if tamper == "truncated":
+        second.write_bytes(second.read_bytes()[:4096])
+    else:
+        shutil.copy(first, second)
+        shutil.copy(compiler.manifest_path(first), compiler.manifest_path(second))
+    loaded = []
+    real = tune.runtime.load_module
+    tune.runtime.load_module = lambda *a, **k: loaded.append(a) or real(*a, **k)
+    try:
+        with pytest.raises(CorruptKernelError,
+                           match="sha256" if tamper == "truncated" else "another kernel") as info:
+            tune.tune(spec, "cpu", repeat=1, warmup=0, write=False, prebuilt=tmp_path)
+    finally:
+        tune.runtime.load_module = real
+    assert str(second) in str(info.value) and loaded == []
+
+
+def test_tune_command_line_errors_are_one_line_not_a_traceback(tmp_path, capsys):
+    spec = _copy_spec()
+    manifest = tune.build_candidates(spec, 1, tmp_path)
+    manifest.write_text(manifest.read_text()[:40])  # truncated
+    assert tune.main(["--prebuilt", str(tmp_path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert str(manifest) in err and "corrupt" in err and "Traceback" not in err
+    # a size the CUDA kernel cannot take, named before anything is built
+    out = tmp_path / "cuda"
+    assert tune.main(["--op", "decode", "--head-dim", "112", "--group-size", "4", "--arch",
+                      "sm_90a", "--build-only", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error: head_dim" in err and "Traceback" not in err
+    assert not list(out.glob("*/*"))
