@@ -87,10 +87,31 @@ def tuned_knobs(spec: KernelSpec) -> dict:
         knobs = data.get("knobs", {}) if isinstance(data, dict) else None
         if not isinstance(knobs, dict):
             raise ValueError(f"'knobs' is {type(knobs).__name__}, not an object")
+        for field, want in (("uri", spec.uri), ("target", spec.target_tag)):
+            if data.get(field, want) != want:  # tuned for another kernel or target
+                raise ValueError(f"it was tuned for {field} {data[field]!r}, not {want!r}")
     except (OSError, ValueError, UnicodeDecodeError) as err:
         raise CorruptKernelError(f"tuning log {path} is unreadable or corrupt ({err}); "
                                  "delete it or re-run `python -m kvtvm.tune`") from None
     return dict(knobs)
+
+
+def _check_tuned(spec: KernelSpec, tuned: dict, defaults: dict) -> None:
+    """Refuse tuned knobs the schedule does not have, or of another type than its defaults
+    (a log of another kvtvm version or target): :class:`CorruptKernelError` naming the log."""
+    for name, value in tuned.items():
+        why = None
+        if name not in defaults:
+            why = f"knob {name!r} is not one of this schedule's ({', '.join(sorted(defaults))})"
+        else:
+            want = type(defaults[name])
+            if not (type(value) is want or (want is float and type(value) is int)):
+                why = (f"knob {name!r} is {value!r}, expected {want.__name__} like the "
+                       f"default {defaults[name]!r}")
+        if why:
+            raise CorruptKernelError(
+                f"tuning log {tuning_log_path(spec)}: {why}; was it written by another kvtvm "
+                "version or for another target? delete it or re-run `python -m kvtvm.tune`")
 
 
 def default_knobs(spec: KernelSpec) -> dict:
@@ -100,11 +121,20 @@ def default_knobs(spec: KernelSpec) -> dict:
 
 def resolve_knobs(spec: KernelSpec) -> dict:
     """Schedule defaults, overridden by the tuning log (unless the spec's variant is
-    :data:`~kvtvm.kernels.variants.UNTUNED`), by the spec's variant, then by ``spec.knobs``."""
+    :data:`~kvtvm.kernels.variants.UNTUNED`), by the spec's variant, then by ``spec.knobs``.
+
+    Raises
+    ------
+    CorruptKernelError
+        The tuning log is unreadable, was tuned for another uri or target, or names a knob
+        the schedule does not have or a value of another type than its default.
+    """
     knobs = default_knobs(spec)
     variant = spec.variant_knobs
     if not variant.pop(UNTUNED, False):
-        knobs.update(tuned_knobs(spec))
+        tuned = tuned_knobs(spec)
+        _check_tuned(spec, tuned, knobs)
+        knobs.update(tuned)
     knobs.update(variant)
     knobs.update(dict(spec.knobs))
     return knobs

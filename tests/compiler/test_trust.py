@@ -126,6 +126,31 @@ def test_a_corrupt_tuning_log_is_named(tmp_path, cache, monkeypatch):
         compiler.resolve_knobs(SPEC)
 
 
+@pytest.mark.parametrize("log, why", [
+    ({"knobs": {"threads": 128}}, "knob 'threads' is not one of"),  # a CUDA log
+    ({"knobs": {"vector_bytes": "32"}}, "knob 'vector_bytes' is '32', expected int"),
+    ({"knobs": {"parallel": "no"}}, "knob 'parallel' is 'no', expected bool"),
+    ({"knobs": {"vector_bytes": 16}, "target": "sm_90a"}, "tuned for target 'sm_90a'"),
+    ({"knobs": {"vector_bytes": 16}, "uri": "append_float32_h2_g1_d32_nhd"}, "tuned for uri"),
+])
+def test_a_tuning_log_of_another_version_or_target_is_named(tmp_path, cache, monkeypatch, log,
+                                                            why):
+    """Such knobs were silently ignored (unknown names), built with a truthy string, or
+    failed deep in the schedule with a bare TypeError."""
+    logs = tmp_path / "logs"
+    path = compiler.tuning_log_path(SPEC, logs)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(log))
+    monkeypatch.setenv("KVTVM_TUNING_LOGS", str(logs))
+    with pytest.raises(CorruptKernelError, match=why) as info:
+        compiler.get_kernel(SPEC)
+    assert str(path) in str(info.value)
+    assert not (compiler.cache_dir() / SPEC.file_name()).exists()
+    path.write_text(json.dumps({"knobs": {"vector_bytes": 16}, "uri": SPEC.uri,
+                                "target": "llvm"}))
+    assert compiler.resolve_knobs(SPEC)["vector_bytes"] == 16
+
+
 # -- tuning logs and parent directories (as ssh: every directory up to home) -----------------
 
 def _tuning_log(root):

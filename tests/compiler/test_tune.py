@@ -134,3 +134,21 @@ def test_tune_command_line_errors_are_one_line_not_a_traceback(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "error: head_dim" in err and "Traceback" not in err
     assert not list(out.glob("*/*"))
+
+
+@pytest.mark.parametrize("target, arch", [("llvm", None), ("cuda", "sm_90a"), ("cuda", "sm_80")])
+def test_every_knob_space_searches_knobs_its_schedule_has(target, arch):
+    """What tune writes must be a log the build accepts (knob names and types of the
+    schedule's defaults); the CUDA quantizing append searched ``vector_bytes``, a knob its
+    schedule does not read (every candidate the same kernel)."""
+    from kvtvm.compiler.knobs import _check_tuned
+
+    for op in compiler.KERNEL_FAMILIES:
+        for ks in ("", "int8") if op != "copy" else ("",):
+            spec = compiler.KernelSpec(op=op, dtype="float16", head_dim=128,
+                                       n_kv_heads=1 if op == "copy" else 8,
+                                       group_size=4 if op in ("decode", "prefill") else 1,
+                                       target=target, arch=arch, k_storage=ks, v_storage=ks)
+            defaults = compiler.default_knobs(spec)
+            for cand in tune.candidates(spec, 10_000):
+                _check_tuned(spec, cand, defaults)  # raises CorruptKernelError
