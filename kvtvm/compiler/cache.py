@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import runtime
-from ..errors import CompilerUnavailableError, CorruptKernelError, KernelVersionError
+from ..errors import (CompilerUnavailableError, CorruptKernelError, KernelCacheError,
+                      KernelVersionError, KVCacheError)
 from . import build as _build
 from .manifest import is_fresh, manifest_path, read_manifest, spec_mismatch, version_mismatch
 from .trust import (check_digest, check_trusted, check_trusted_tree, corrupt,
@@ -111,6 +112,22 @@ def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[
     return None, rejected
 
 
+def _build_into_cache(spec: KernelSpec) -> Path:
+    """Build ``spec`` into the user cache; a cache that cannot be made or written is a
+    :class:`KernelCacheError` naming it (not a bare ``OSError`` from deep in the build)."""
+    where = cache_dir()
+    try:
+        return _build.build_spec(spec, secure_cache_dir(where))
+    except OSError as err:
+        if isinstance(err, KVCacheError):  # UntrustedKernelError is a PermissionError
+            raise
+        raise KernelCacheError(
+            f"cannot build kernel {spec.uri} into the kernel cache {where}: "
+            f"{err.strerror or err} ({err.filename or where}); point KVTVM_CACHE_DIR at a "
+            "writable directory, or build the kernels ahead of time (`python -m kvtvm build "
+            "--out DIR`) and set KVTVM_KERNEL_PATH=DIR") from None
+
+
 def get_kernel(spec: KernelSpec):
     """The callable entry function of ``spec``, loading or building it once per process.
 
@@ -129,6 +146,8 @@ def get_kernel(spec: KernelSpec):
         load it.
     DeviceUnavailableError
         A CUDA spec is requested on a machine that cannot run CUDA.
+    KernelCacheError
+        The spec must be built but the cache directory cannot be created or written.
     """
     key = (spec, search_key())
     with _load_lock:
@@ -148,7 +167,7 @@ def get_kernel(spec: KernelSpec):
                     f"kernel {spec.uri} for {spec.target_tag} is not built in any of "
                     f"{[str(d) for d in kernel_dirs()]} and the TVM compiler is not available "
                     "(runtime-only mode); build it ahead of time with `python -m kvtvm build`")
-            path = _build.build_spec(spec, secure_cache_dir(cache_dir()))
+            path = _build_into_cache(spec)
         try:
             module = runtime.load_module(str(path), needs_cuda=spec.is_cuda)
         except Exception as err:  # digest matched: a module TVM cannot load is still corrupt

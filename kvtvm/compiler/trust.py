@@ -121,6 +121,8 @@ def secure_cache_dir(path: Path) -> Path:
     while not p.exists():
         missing.append(p)
         p = p.parent
+    if missing:  # refused before anything is made inside another user's tree
+        check_trusted_parents(missing[-1], "kernel cache directory")
     for d in reversed(missing):
         try:
             d.mkdir(mode=CACHE_DIR_MODE)

@@ -275,3 +275,27 @@ def test_what_build_and_tune_write_under_a_umask_of_002_loads(tmp_path, cache, m
     monkeypatch.setenv("KVTVM_TUNING_LOGS", str(logs))
     compiler.get_kernel(SPEC)
     assert compiler.tuned_knobs(copy) == json.loads(log_path.read_text())["knobs"]
+
+
+def test_a_cache_that_cannot_be_made_is_a_typed_error_naming_it(tmp_path, monkeypatch):
+    """It was a bare NotADirectoryError / PermissionError / FileNotFoundError from mkdir."""
+    from kvtvm.errors import KernelCacheError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.delenv("KVTVM_KERNEL_PATH", raising=False)
+    with pytest.raises(KernelCacheError, match="KVTVM_CACHE_DIR") as info:
+        compiler.get_kernel(SPEC)
+    assert str(blocker / "cache") in str(info.value) and isinstance(info.value, OSError)
+
+
+def test_a_cache_refused_for_its_parent_creates_nothing(tmp_path, monkeypatch):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(theirs / "cache"))
+    monkeypatch.delenv("KVTVM_KERNEL_PATH", raising=False)
+    _fake_owner(monkeypatch, theirs, 12345)
+    with pytest.raises(UntrustedKernelError, match="owned by uid 12345"):
+        compiler.get_kernel(SPEC)
+    assert list(theirs.iterdir()) == []  # nothing made inside another user's directory
