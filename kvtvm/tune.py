@@ -308,6 +308,12 @@ def _run(parser, args) -> int:
         specs = manifest_specs(args.prebuilt, args.op)
         if not specs:
             raise SystemExit(f"no --build-only manifests in {args.prebuilt}")
+        cuda = args.device.startswith("cuda")
+        other = [s for s in specs if s.is_cuda != cuda]
+        if other:  # each would fail to load, one trial at a time
+            parser.error(f"--device {args.device}: the candidates of {other[0].uri} in "
+                         f"{str(args.prebuilt)!r} are built for {other[0].target_tag} "
+                         f"(give --device {'cuda' if other[0].is_cuda else 'cpu'}, or --op)")
     else:
         if args.op is None:
             parser.error("--op is required (except with --prebuilt)")

@@ -152,3 +152,24 @@ def test_every_knob_space_searches_knobs_its_schedule_has(target, arch):
             defaults = compiler.default_knobs(spec)
             for cand in tune.candidates(spec, 10_000):
                 _check_tuned(spec, cand, defaults)  # raises CorruptKernelError
+
+
+def test_prebuilt_candidates_of_another_target_name_the_device(tmp_path, capsys):
+    """CUDA candidates timed with --device cpu failed one trial at a time and ended in a
+    SystemExit listing every trial's error."""
+    spec = _copy_spec()
+    tune.build_candidates(spec, 1, tmp_path)
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--prebuilt", str(tmp_path), "--device", "cuda:0", "--dry-run"])
+    assert info.value.code == 2  # argparse: no GPU here, or the candidates are for llvm
+    assert "--device" in capsys.readouterr().err
+    listed = tmp_path / "llvm" / f"{spec.uri}.candidates.json"
+    data = json.loads(listed.read_text())
+    data["spec"].update(target="cuda", arch="sm_90a")
+    (tmp_path / "sm_90a").mkdir()
+    (tmp_path / "sm_90a" / listed.name).write_text(json.dumps(data))
+    listed.unlink()
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--prebuilt", str(tmp_path), "--dry-run"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--device cpu" in err and "sm_90a" in err, err
