@@ -177,3 +177,23 @@ def test_the_digested_schedules_are_the_ones_the_build_imports(tmp_path):
     kv, imported_dir, digested = out.split()
     assert kv.startswith(str(other)), out
     assert imported_dir == digested, out
+
+
+def test_a_spec_refuses_what_its_file_name_would_misstate():
+    """head_dim=True named files "_dTrue"; an unknown feature, or one of a family without it,
+    was built as the plain kernel under a name saying it had it; a string was split into
+    letters. numpy ints are sizes like any other."""
+    import numpy as np
+
+    base = dict(op="decode", dtype="float32", head_dim=16, n_kv_heads=2)
+    for bad, name in ((dict(head_dim=True), "head_dim"), (dict(n_kv_heads=False), "n_kv_heads"),
+                      (dict(features=("foo",)), "features"),
+                      (dict(features="sliding_window"), "features"),
+                      (dict(op="append", features=("sliding_window",)), "features")):
+        with pytest.raises(InvalidArgumentError, match=name):
+            compiler.KernelSpec(**{**base, **bad})
+    spec = compiler.KernelSpec(**{**base, "head_dim": np.int64(16),
+                                  "features": ["sliding_window", "sliding_window"]})
+    assert type(spec.head_dim) is int and spec.features == ("sliding_window",)
+    assert spec == compiler.KernelSpec(**base, features=("sliding_window",))
+    assert compiler.KernelSpec(**base, features=None).features == ()
