@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import runtime
-from ..errors import (CompilerUnavailableError, CorruptKernelError, KernelCacheError,
-                      KernelVersionError, KVCacheError)
+from ..errors import (CompilerUnavailableError, CorruptKernelError, InvalidArgumentError,
+                      KernelCacheError, KernelVersionError, KVCacheError, describe)
 from . import build as _build
 from .manifest import is_fresh, manifest_path, read_manifest, spec_mismatch, version_mismatch
 from .trust import (check_digest, check_trusted, check_trusted_tree, corrupt,
@@ -48,7 +48,16 @@ def cache_dir() -> Path:
 
 
 def add_kernel_dir(path: str | os.PathLike) -> None:
-    """Search ``path`` (a ``python -m kvtvm build --out`` directory) for built kernels."""
+    """Search ``path`` (a ``python -m kvtvm build --out`` directory) for built kernels.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``path`` is not a path, or is empty (``Path("")`` would search the current
+        directory).
+    """
+    if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
+        raise InvalidArgumentError(describe("path", "a directory path", repr(path)))
     path = Path(path)
     if path not in _extra_dirs:
         _extra_dirs.append(path)

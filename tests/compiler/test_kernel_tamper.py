@@ -84,3 +84,14 @@ def test_a_writable_target_folder_inside_a_kernel_directory_is_refused(tmp_path,
     with pytest.raises(UntrustedKernelError, match="writable by group or others") as info:
         compiler.get_kernel(SPEC)
     assert str(path.parent) in str(info.value)
+
+
+def test_add_kernel_dir_refuses_what_is_not_a_directory_path():
+    """"" searched the current directory (Path("") is "."); None was a bare TypeError."""
+    from kvtvm.errors import InvalidArgumentError
+
+    before = compiler.kernel_dirs()
+    for bad in ("", "  ", None, 3):
+        with pytest.raises(InvalidArgumentError, match="path"):
+            compiler.add_kernel_dir(bad)
+    assert compiler.kernel_dirs() == before
