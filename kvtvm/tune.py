@@ -37,13 +37,15 @@ log = logging.getLogger(__name__)
 
 
 def append_workload(spec, device: str):
-    """Inputs of one append: 32 sequences adding 64 tokens each, page 16."""
+    """Inputs of one append: 32 sequences adding 64 tokens each, page 16, K and V stored as
+    the spec says (a quantized side: its rows as the ``int8`` view the ops hand over)."""
     from .bench.append import make_case
+    from .bench.quant_cases import kernel_cache_arg
 
     case = make_case(64, 32, spec.n_kv_heads, spec.head_dim, 16, spec.dtype, device)
-    kc, vc = case["cache"][:, 0, 0], case["cache"][:, 1, 0]
-    if spec.layout == "hnd":  # a strided [pages, H, page_size, D] view of the same memory
-        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    # hnd: a strided [pages, H, page_size, ...] view of the same memory
+    kc = kernel_cache_arg(case["cache"][:, 0, 0], spec.k_storage, spec.layout)
+    vc = kernel_cache_arg(case["cache"][:, 1, 0], spec.v_storage, spec.layout)
     args = (kc, vc, case["k"], case["v"], case["indptr"], case["lengths"], case["table"])
     return args, (kc, vc)
 

@@ -173,3 +173,19 @@ def test_prebuilt_candidates_of_another_target_name_the_device(tmp_path, capsys)
         tune.main(["--prebuilt", str(tmp_path), "--dry-run"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "--device cpu" in err and "sm_90a" in err, err
+
+
+@pytest.mark.parametrize("storage", [("int8", "int8"), ("float8_e4m3fn", "")])
+def test_a_quantized_append_tunes_over_its_storage(storage):
+    """The append workload handed the quantizing append full-precision caches: every trial
+    failed ('expected int8') and `tune --op append --cache-dtype int8` found no candidate."""
+    from kvtvm.quant import quant_row_bytes
+
+    ks, vs = storage
+    spec = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=1,
+                               layout="hnd", k_storage=ks, v_storage=vs)
+    args, (kc, vc) = tune.workload(spec, "cpu")
+    assert str(kc.dtype) == "torch.int8" and kc.shape[-1] == quant_row_bytes(16)
+    assert str(vc.dtype) == ("torch.int8" if vs else "torch.float32")
+    entry = tune.tune(spec, "cpu", max_trials=2, repeat=1, warmup=0, write=False)
+    assert [("median_ms" in t) for t in entry["trials"]] == [True, True], entry["trials"]
