@@ -63,6 +63,12 @@ def available_ops() -> list[str]:
 
 
 def cmd_build(args) -> int:
+    from . import runtime
+
+    if not runtime.compiler_available():  # once, not as every kernel's failure
+        print("error: building kernels needs TVM's compiler; this is the TVM runtime alone "
+              "(TVM_USE_RUNTIME_LIB=1 or no libtvm_compiler.so)", file=sys.stderr)
+        return 2
     arch = args.arch if args.target == "cuda" else None
     ops = args.ops or available_ops()
     for option, given, known in (("--ops", ops, available_ops()),

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import CorruptKernelError
+from ..errors import CompilerUnavailableError, CorruptKernelError
 from ..kernels.variants import UNTUNED
 from .spec import KernelSpec
 from .trust import check_trusted, check_trusted_parents
@@ -33,7 +33,22 @@ def schedule_module_name(spec: KernelSpec) -> str:
 
 def schedule_module(spec: KernelSpec):
     """The schedule module of ``spec`` (``kvtvm.schedules.<family>.<cpu|cuda>``; from a source
-    tree that is not installed, ``schedules.<family>.<cpu|cuda>``). Needs the compiler."""
+    tree that is not installed, ``schedules.<family>.<cpu|cuda>``).
+
+    Raises
+    ------
+    CompilerUnavailableError
+        TVM's compiler is absent (runtime only): schedules, their knobs and builds need it
+        (importing a schedule there failed with an ImportError from deep inside TVM).
+    """
+    from .. import runtime
+
+    if not runtime.compiler_available():
+        raise CompilerUnavailableError(
+            f"scheduling or building {spec.uri} needs TVM's compiler, and this is the TVM "
+            "runtime alone (TVM_USE_RUNTIME_LIB=1 or no libtvm_compiler.so): build kernels "
+            "where the compiler is (`python -m kvtvm build`, `python -m kvtvm tune "
+            "--build-only`) and load them here")
     try:
         return importlib.import_module(f"kvtvm.schedules.{schedule_module_name(spec)}")
     except ModuleNotFoundError:  # running from a source tree that is not installed
