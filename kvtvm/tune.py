@@ -140,8 +140,13 @@ def manifest_specs(root: Path, op: str | None = None) -> list:
     specs = []
     for path in sorted(Path(root).glob("*/*.candidates.json")):
         fields = _read_candidates(path)["spec"]
-        if op is None or fields["op"] == op:
-            specs.append(compiler.KernelSpec(**fields))
+        try:
+            spec = compiler.KernelSpec(**fields)
+        except TypeError as err:  # fields of another kvtvm version
+            raise CorruptKernelError(f"candidates list {path} names a spec this kvtvm cannot "
+                                     f"make ({err}); build it again with --build-only") from None
+        if op is None or spec.op == op:
+            specs.append(spec)
     return specs
 
 

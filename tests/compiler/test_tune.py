@@ -127,6 +127,14 @@ def test_tune_command_line_errors_are_one_line_not_a_traceback(tmp_path, capsys)
     assert tune.main(["--prebuilt", str(tmp_path), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert str(manifest) in err and "corrupt" in err and "Traceback" not in err
+    # a list of another kvtvm version: a spec field this one does not have
+    tune.build_candidates(spec, 1, tmp_path)
+    listed = json.loads(manifest.read_text())
+    listed["spec"]["page_size"] = 16
+    manifest.write_text(json.dumps(listed))
+    assert tune.main(["--prebuilt", str(tmp_path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert str(manifest) in err and "page_size" in err and "Traceback" not in err
     # a size the CUDA kernel cannot take, named before anything is built
     out = tmp_path / "cuda"
     assert tune.main(["--op", "decode", "--head-dim", "112", "--group-size", "4", "--arch",
