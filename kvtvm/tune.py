@@ -28,6 +28,7 @@ from pathlib import Path
 from . import cliargs, compiler, runtime
 from .bench.common import device_name, median_seconds
 from .compiler.spec import QUANT_FAMILIES
+from .compiler.manifest import manifest_path as manifest_path_of
 from .compiler.manifest import read_manifest, spec_mismatch
 from .compiler.trust import check_digest, check_trusted, check_trusted_tree, write_file
 from .errors import CorruptKernelError, KVCacheError
@@ -165,6 +166,8 @@ def check_candidate(spec, path: Path) -> None:
     candidate module whose manifest describes another spec or whose bytes differ from the
     manifest's sha256 (truncated, modified): it is never loaded (a truncated module crashed
     the tuner with SIGBUS)."""
+    if manifest_path_of(path).exists():  # as the kernel cache: this user's, not writable
+        check_trusted(manifest_path_of(path), "prebuilt candidate manifest")
     why = spec_mismatch(path, spec) or check_digest(path, read_manifest(path))
     if why is not None:
         raise CorruptKernelError(f"prebuilt candidate {path}: {why}; build the candidates "

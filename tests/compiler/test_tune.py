@@ -92,7 +92,7 @@ def test_a_quantized_spec_tunes_over_its_storage(tmp_path):
         cliargs.storage_pair("int4")
 
 
-@pytest.mark.parametrize("tamper", ["truncated", "renamed"])
+@pytest.mark.parametrize("tamper", ["truncated", "renamed", "writable_manifest"])
 def test_prebuilt_refuses_a_tampered_candidate_before_loading_any(tmp_path, tamper):
     """A truncated candidate module crashed the tuner with SIGBUS at dlopen; a module of
     another candidate copied to a listed name was timed as that one."""
@@ -105,19 +105,27 @@ def test_prebuilt_refuses_a_tampered_candidate_before_loading_any(tmp_path, tamp
     first, second = (tmp_path / c["file"] for c in listed)
     if tamper == "truncated":
         second.write_bytes(second.read_bytes()[:4096])
+    elif tamper == "writable_manifest":
+        import os
+
+        os.chmod(compiler.manifest_path(second), 0o666)
     else:
         shutil.copy(first, second)
         shutil.copy(compiler.manifest_path(first), compiler.manifest_path(second))
+    from kvtvm.errors import UntrustedKernelError
+
+    error, match = {"truncated": (CorruptKernelError, "sha256"),
+                    "renamed": (CorruptKernelError, "another kernel"),
+                    "writable_manifest": (UntrustedKernelError, "writable")}[tamper]
     loaded = []
     real = tune.runtime.load_module
     tune.runtime.load_module = lambda *a, **k: loaded.append(a) or real(*a, **k)
     try:
-        with pytest.raises(CorruptKernelError,
-                           match="sha256" if tamper == "truncated" else "another kernel") as info:
+        with pytest.raises(error, match=match) as info:
             tune.tune(spec, "cpu", repeat=1, warmup=0, write=False, prebuilt=tmp_path)
     finally:
         tune.runtime.load_module = real
-    assert str(second) in str(info.value) and loaded == []
+    assert str(second.with_suffix("")) in str(info.value) and loaded == []
 
 
 def test_tune_command_line_errors_are_one_line_not_a_traceback(tmp_path, capsys):
