@@ -66,7 +66,9 @@ def _refusal(st: os.stat_result, parent: bool) -> str | None:
 
 def check_trusted(path: str | os.PathLike, what: str = "kernel file") -> None:
     """Raise :class:`UntrustedKernelError` when ``path`` (a file or directory; symlinks
-    followed) is owned by another user than this one or root, or group/others can write it."""
+    followed) is owned by another user than this one or root, or group/others can write it;
+    for a symlink, also when a directory above its target is
+    (:func:`check_trusted_parents`: another user could swap the target)."""
     path = Path(path)
     try:
         st = _stat(path)
@@ -76,6 +78,8 @@ def check_trusted(path: str | os.PathLike, what: str = "kernel file") -> None:
     if why is not None:
         fix = f"; run `chmod go-w {path}`" if "writable" in why else ""
         raise UntrustedKernelError(f"{what} {path}: {why}{fix}")
+    if path.is_symlink():  # the directories the link leads into, as those above any path
+        check_trusted_parents(path, what)
 
 
 def check_trusted_parents(path: str | os.PathLike, what: str = "kernel directory") -> None:

@@ -95,3 +95,23 @@ def test_add_kernel_dir_refuses_what_is_not_a_directory_path():
         with pytest.raises(InvalidArgumentError, match="path"):
             compiler.add_kernel_dir(bad)
     assert compiler.kernel_dirs() == before
+
+
+def test_a_symlinked_module_into_a_writable_directory_is_refused(tmp_path, monkeypatch):
+    """The link's target was checked (this user's, 0644) but not the directories above it:
+    anyone could swap the file the link leads to."""
+    kernels = tmp_path / "kernels"
+    path = compiler.build_spec(SPEC, kernels)
+    elsewhere = tmp_path / "open"
+    elsewhere.mkdir()
+    os.chmod(elsewhere, 0o777)
+    moved = elsewhere / path.name
+    shutil.move(path, moved)
+    path.symlink_to(moved)
+    monkeypatch.setenv("KVTVM_KERNEL_PATH", str(kernels))
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(UntrustedKernelError, match="parent directory") as info:
+        compiler.get_kernel(SPEC)
+    assert str(elsewhere) in str(info.value)
+    os.chmod(elsewhere, 0o755)  # a link into a safe directory loads
+    compiler.get_kernel(SPEC)
