@@ -44,7 +44,7 @@ def cache_dir() -> Path:
         import platformdirs
 
         base = platformdirs.user_cache_dir("kvtvm")
-    return Path(base) / f"tvm-{tvm_version()}"
+    return Path(base).expanduser() / f"tvm-{tvm_version()}"  # "~/x" from Docker's ENV too
 
 
 def add_kernel_dir(path: str | os.PathLike) -> None:
@@ -58,7 +58,7 @@ def add_kernel_dir(path: str | os.PathLike) -> None:
     """
     if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
         raise InvalidArgumentError(describe("path", "a directory path", repr(path)))
-    path = Path(path)
+    path = Path(path).expanduser()
     if path not in _extra_dirs:
         _extra_dirs.append(path)
 
@@ -71,7 +71,7 @@ def search_key() -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def _kernel_dirs(key: tuple) -> tuple:
-    env = [Path(p) for p in key[0].split(os.pathsep) if p]
+    env = [Path(p).expanduser() for p in key[0].split(os.pathsep) if p.strip()]
     return tuple(env + list(key[3]) + [cache_dir()])
 
 

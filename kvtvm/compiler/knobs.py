@@ -75,7 +75,7 @@ def tuning_logs_dir() -> Path:
     """Root of the tuning logs builds read: ``KVTVM_TUNING_LOGS`` if set, else the package's
     ``tuning_logs/``."""
     if os.environ.get("KVTVM_TUNING_LOGS"):
-        return Path(os.environ["KVTVM_TUNING_LOGS"])
+        return Path(os.environ["KVTVM_TUNING_LOGS"]).expanduser()
     installed = _PKG / "tuning_logs"
     return installed if installed.is_dir() else _REPO / "tuning_logs"
 

@@ -115,3 +115,15 @@ def test_a_symlinked_module_into_a_writable_directory_is_refused(tmp_path, monke
     assert str(elsewhere) in str(info.value)
     os.chmod(elsewhere, 0o755)  # a link into a safe directory loads
     compiler.get_kernel(SPEC)
+
+
+def test_paths_from_the_environment_expand_the_home_directory(tmp_path, monkeypatch):
+    """A "~/..." that no shell expanded (Docker's ENV, systemd) was a folder named "~" in the
+    current directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KVTVM_CACHE_DIR", "~/cache")
+    monkeypatch.setenv("KVTVM_KERNEL_PATH", "~/kernels" + os.pathsep + " ")
+    monkeypatch.setenv("KVTVM_TUNING_LOGS", "~/logs")
+    dirs = compiler.kernel_dirs()
+    assert dirs[0] == tmp_path / "kernels" and dirs[-1].parent == tmp_path / "cache"
+    assert len(dirs) == 2 and compiler.tuning_logs_dir() == tmp_path / "logs"
