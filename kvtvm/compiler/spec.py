@@ -128,7 +128,14 @@ class KernelSpec:
         else:
             raise InvalidArgumentError(describe("target", ("llvm", "cuda"), repr(self.target)))
         knobs = self.knobs.items() if isinstance(self.knobs, dict) else self.knobs
-        object.__setattr__(self, "knobs", tuple(sorted((str(k), v) for k, v in knobs)))
+        knobs = tuple(sorted((str(k), v) for k, v in knobs))
+        for k, v in knobs:  # the spec is a dict key (loaded kernels): a list failed there
+            try:
+                hash(v)
+            except TypeError:
+                raise InvalidArgumentError(describe(f"knobs[{k!r}]", "a hashable value such "
+                                                    "as an int, bool or str", repr(v))) from None
+        object.__setattr__(self, "knobs", knobs)
         features = () if self.features is None else self.features
         if isinstance(features, str) or not isinstance(features, (tuple, list, set, frozenset)) \
                 or not all(isinstance(f, str) for f in features):

@@ -197,3 +197,5 @@ def test_a_spec_refuses_what_its_file_name_would_misstate():
     assert type(spec.head_dim) is int and spec.features == ("sliding_window",)
     assert spec == compiler.KernelSpec(**base, features=("sliding_window",))
     assert compiler.KernelSpec(**base, features=None).features == ()
+    with pytest.raises(InvalidArgumentError, match="knobs"):  # was a TypeError at load time
+        compiler.KernelSpec(**base, knobs={"tile_tokens": [16, 32]})
