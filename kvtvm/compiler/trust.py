@@ -86,13 +86,17 @@ def check_trusted_parents(path: str | os.PathLike, what: str = "kernel directory
     """Raise :class:`UntrustedKernelError` naming the directory when one above ``path``
     (resolved), up to the user's home directory or the filesystem root, is owned by another
     user than this one or root, or group/others can write it (a root-owned sticky directory
-    such as ``/tmp`` passes)."""
+    such as ``/tmp`` passes). Without a home directory (no ``HOME`` and no passwd entry, as a
+    container run under an arbitrary uid) the walk goes up to the root."""
     path = Path(path)
     try:
         p = path.resolve().parent
-        home = Path.home().resolve()
     except (OSError, RuntimeError) as err:
         raise UntrustedKernelError(f"{what} {path}: cannot be checked ({err})") from None
+    try:
+        home = Path.home().resolve()
+    except (OSError, RuntimeError, KeyError):  # every kernel was refused: "cannot be checked"
+        home = None
     while True:
         try:
             st = _stat(p)

@@ -299,3 +299,25 @@ def test_a_cache_refused_for_its_parent_creates_nothing(tmp_path, monkeypatch):
     with pytest.raises(UntrustedKernelError, match="owned by uid 12345"):
         compiler.get_kernel(SPEC)
     assert list(theirs.iterdir()) == []  # nothing made inside another user's directory
+
+
+def test_without_a_home_directory_the_walk_goes_to_the_root(tmp_path, cache, monkeypatch):
+    """A container under an arbitrary uid (no HOME, no passwd entry): Path.home() raised and
+    every kernel directory was refused as 'cannot be checked'."""
+    from pathlib import Path
+
+    kernels = tmp_path / "kernels"
+    compiler.build_spec(SPEC, kernels)
+    monkeypatch.setenv("KVTVM_KERNEL_PATH", str(kernels))
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    compiler.get_kernel(SPEC)
+    os.chmod(tmp_path, 0o777)  # still walked: a writable parent is refused
+    try:
+        with pytest.raises(UntrustedKernelError, match="parent directory"):
+            compiler.get_kernel(compiler.KernelSpec(op="append", dtype="float32", head_dim=16,
+                                                    n_kv_heads=2, variant="serial"))
+    finally:
+        os.chmod(tmp_path, 0o700)
