@@ -17,7 +17,10 @@ from .quant import QUANT_DTYPES
 
 def _csv(kind):
     def parse(text):
-        return [kind(x) for x in text.split(",") if x]
+        values = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:  # `--dtypes=$UNSET` built nothing (or, for --ops, everything), exit 0
+            raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+        return values
     return parse
 
 

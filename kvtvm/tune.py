@@ -303,15 +303,6 @@ def _run(parser, args) -> int:
     if args.arch and not args.build_only and not args.device.startswith("cuda"):
         parser.error(f"--arch {args.arch}: builds for that CUDA arch with --build-only DIR; "
                      f"this run measures on {args.device} (give --device cuda, or no --arch)")
-    # a directory that cannot be written fails now, not after the whole search
-    writes = [("--build-only", args.build_only)] if args.build_only else []
-    if not args.build_only and not args.dry_run:
-        writes.append(("--log-root", args.log_root or compiler.tuning_logs_dir()))
-    for option, path in writes:
-        why = cliargs.unwritable_dir(path)
-        if why:
-            parser.error(f"{option}: cannot write to {str(path)!r}: {why}"
-                         + (" (or --dry-run)" if option == "--log-root" else ""))
     if args.prebuilt and not args.prebuilt.is_dir():
         parser.error(f"--prebuilt: no such directory: {str(args.prebuilt)!r}")
     if args.prebuilt:
@@ -327,7 +318,16 @@ def _run(parser, args) -> int:
     else:
         if args.op is None:
             parser.error("--op is required (except with --prebuilt)")
-        specs = [command_line_spec(args)]
+        specs = [command_line_spec(args)]  # a spec kvtvm refuses: before any directory is made
+    # a directory that cannot be written fails now, not after the whole search
+    writes = [("--build-only", args.build_only)] if args.build_only else []
+    if not args.build_only and not args.dry_run:
+        writes.append(("--log-root", args.log_root or compiler.tuning_logs_dir()))
+    for option, path in writes:
+        why = cliargs.unwritable_dir(path)
+        if why:
+            parser.error(f"{option}: cannot write to {str(path)!r}: {why}"
+                         + (" (or --dry-run)" if option == "--log-root" else ""))
     for spec in specs:
         if args.build_only:
             print(f"{spec.uri} for {spec.target_tag}: candidates listed in "
