@@ -238,13 +238,29 @@ class KernelSpec:
         return f"{self.target_tag}/{'-'.join(parts)}.so"
 
     def tvm_target(self):
-        """The ``tvm.target.Target`` of this spec (needs the compiler)."""
+        """The ``tvm.target.Target`` of this spec (needs the compiler).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``KVTVM_LLVM_MCPU`` names a CPU LLVM does not know (LLVM would print errors and
+            build generic code, under the file name of that CPU).
+        """
         import tvm
 
         if self.target == "llvm":
             target = {"kind": "llvm", "num-cores": os.cpu_count() or 1}
-            if llvm_mcpu():  # without it LLVM emits generic x86-64 (SSE2) code
-                target["mcpu"] = llvm_mcpu()
+            mcpu = llvm_mcpu()
+            if mcpu and "KVTVM_LLVM_MCPU" in os.environ:
+                from tvm.target import codegen
+
+                triple = codegen.llvm_get_system_triple()
+                if not codegen.llvm_is_valid_cpu(mcpu, triple):
+                    raise InvalidArgumentError(describe(
+                        "KVTVM_LLVM_MCPU", f"a CPU LLVM knows for {triple} (this host: "
+                        f"{_host_cpu() or 'generic'}), or unset", repr(mcpu)))
+            if mcpu:  # without it LLVM emits generic x86-64 (SSE2) code
+                target["mcpu"] = mcpu
             return tvm.target.Target(target)
         return tvm.target.Target({"kind": "cuda", "arch": self.arch})
 
@@ -254,6 +270,11 @@ def llvm_mcpu() -> str:
     LLVM names it (e.g. ``"znver4"``); "" for generic code."""
     if "KVTVM_LLVM_MCPU" in os.environ:
         return os.environ["KVTVM_LLVM_MCPU"]
+    return _host_cpu()
+
+
+def _host_cpu() -> str:
+    """The build host's CPU as LLVM names it ("" when it cannot tell)."""
     global _HOST_CPU
     if _HOST_CPU is None:
         try:

@@ -199,3 +199,15 @@ def test_a_spec_refuses_what_its_file_name_would_misstate():
     assert compiler.KernelSpec(**base, features=None).features == ()
     with pytest.raises(InvalidArgumentError, match="knobs"):  # was a TypeError at load time
         compiler.KernelSpec(**base, knobs={"tile_tokens": [16, 32]})
+
+
+def test_an_unknown_kvtvm_llvm_mcpu_is_named_before_building(tmp_path, monkeypatch):
+    """LLVM printed 'Error: ... using default -mcpu=generic' and the generic build was filed
+    under the name of the CPU asked for (`...-cpu-notacpu.so`)."""
+    monkeypatch.setenv("KVTVM_LLVM_MCPU", "notacpu")
+    with pytest.raises(InvalidArgumentError, match="KVTVM_LLVM_MCPU") as info:
+        compiler.build_spec(SPEC, tmp_path)
+    assert "'notacpu'" in str(info.value)
+    assert not list(tmp_path.glob("*/*.so"))
+    monkeypatch.setenv("KVTVM_LLVM_MCPU", "x86-64-v2")
+    assert "x86-64-v2" in str(SPEC.tvm_target())
