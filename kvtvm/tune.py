@@ -315,6 +315,15 @@ def _run(parser, args) -> int:
             parser.error(f"--device {args.device}: the candidates of {other[0].uri} in "
                          f"{str(args.prebuilt)!r} are built for {other[0].target_tag} "
                          f"(give --device {'cuda' if other[0].is_cuda else 'cpu'}, or --op)")
+        if cuda:  # sm_90a candidates timed on an A100 would write an sm_90a log from it
+            import torch
+
+            arch = compiler.target_for_device(torch.device(args.device)).arch
+            other = [s for s in specs if s.arch != arch]
+            if other:
+                parser.error(f"--device {args.device}: it runs {arch} kernels, and the "
+                             f"candidates of {other[0].uri} in {str(args.prebuilt)!r} are "
+                             f"built for {other[0].arch} (give --op, or build for {arch})")
     else:
         if args.op is None:
             parser.error("--op is required (except with --prebuilt)")

@@ -205,3 +205,23 @@ def test_a_quantized_append_tunes_over_its_storage(storage):
     assert str(vc.dtype) == ("torch.int8" if vs else "torch.float32")
     entry = tune.tune(spec, "cpu", max_trials=2, repeat=1, warmup=0, write=False)
     assert [("median_ms" in t) for t in entry["trials"]] == [True, True], entry["trials"]
+
+
+def test_prebuilt_candidates_of_another_cuda_arch_name_the_device(tmp_path, capsys,
+                                                                   monkeypatch):
+    """sm_90a candidates timed on an sm_80 GPU ran its sm_80 code and wrote the times into
+    tuning_logs/sm_90a/ (a GPU is faked: the check runs before anything is loaded)."""
+    from kvtvm import cliargs
+
+    spec = compiler.KernelSpec(op="copy", dtype="float16", head_dim=64, n_kv_heads=1,
+                               target="cuda", arch="sm_90a")
+    (tmp_path / "sm_90a").mkdir()
+    tune.manifest_path(spec, tmp_path).write_text(json.dumps(
+        {"spec": {f: getattr(spec, f) for f in tune.SPEC_FIELDS}, "candidates": []}))
+    monkeypatch.setattr(cliargs, "device", lambda text: text)
+    monkeypatch.setattr(compiler, "target_for_device",
+                        lambda device: compiler.Target("cuda", "sm_80"))
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--prebuilt", str(tmp_path), "--device", "cuda", "--dry-run"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--device cuda" in err and "sm_80" in err, err
