@@ -126,7 +126,8 @@ def _build_into_cache(spec: KernelSpec) -> Path:
     :class:`KernelCacheError` naming it (not a bare ``OSError`` from deep in the build)."""
     where = cache_dir()
     try:
-        return _build.build_spec(spec, secure_cache_dir(where))
+        own_base = not os.environ.get("KVTVM_CACHE_DIR")  # ~/.cache/kvtvm is kvtvm's own
+        return _build.build_spec(spec, secure_cache_dir(where, own_base))
     except OSError as err:
         if isinstance(err, KVCacheError):  # UntrustedKernelError is a PermissionError
             raise

@@ -119,11 +119,14 @@ def check_trusted_tree(path: str | os.PathLike, what: str = "kernel directory") 
     check_trusted_parents(path, what)
 
 
-def secure_cache_dir(path: Path) -> Path:
+def secure_cache_dir(path: Path, own_base: bool = True) -> Path:
     """Create the user cache directory ``path`` (``<base>/tvm-<version>``, missing parents
-    included) with mode 0700 whatever the umask. ``path`` and its base that this user owns
-    are tightened to 0700 (a cache made by an older kvtvm); one owned by another user, or
-    that group/others can write and that is not ours, is refused."""
+    included) with mode 0700 whatever the umask. ``path`` that this user owns is tightened to
+    0700 (a cache made by an older kvtvm), and so is its base when it is kvtvm's own folder
+    (``own_base``: the default ``~/.cache/kvtvm``, not a ``KVTVM_CACHE_DIR`` such as ``/tmp``
+    or a home directory, whose mode is the user's: it was made 0700, sticky bit dropped).
+    A ``path`` owned by another user or that group/others can write is refused, and so is a
+    base that is, unless root owns it with the sticky bit (``/tmp``)."""
     missing = []
     p = path
     while not p.exists():
@@ -137,14 +140,14 @@ def secure_cache_dir(path: Path) -> Path:
         except FileExistsError:  # another process made it meanwhile
             pass
         os.chmod(d, CACHE_DIR_MODE)
-    for d in (path.parent, path):
+    for d in ((path.parent, path) if own_base else (path,)):
         st = d.stat()
         if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
             log.warning("kvtvm cache directory %s had mode %o: tightened to 0700", d,
                         stat.S_IMODE(st.st_mode))
             os.chmod(d, CACHE_DIR_MODE)
-        check_trusted(d, "kernel cache directory")
-    check_trusted_parents(path.parent, "kernel cache directory")
+    check_trusted(path, "kernel cache directory")
+    check_trusted_parents(path, "kernel cache directory")  # the base first, as a parent
     return path
 
 

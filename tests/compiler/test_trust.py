@@ -321,3 +321,21 @@ def test_without_a_home_directory_the_walk_goes_to_the_root(tmp_path, cache, mon
                                                     n_kv_heads=2, variant="serial"))
     finally:
         os.chmod(tmp_path, 0o700)
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o755])
+def test_kvtvm_cache_dir_itself_keeps_its_mode(tmp_path, monkeypatch, mode):
+    """KVTVM_CACHE_DIR=/tmp (as root: a container) was chmod-ed to 0700, sticky bit dropped,
+    and KVTVM_CACHE_DIR=$HOME likewise: only kvtvm's own folders are tightened."""
+    base = tmp_path / "shared"
+    base.mkdir()
+    os.chmod(base, mode)
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(base))
+    monkeypatch.delenv("KVTVM_KERNEL_PATH", raising=False)
+    if mode & 0o002 and os.geteuid() != 0:  # a sticky dir of ours, not root's: refused
+        with pytest.raises(UntrustedKernelError, match="writable by group or others"):
+            compiler.get_kernel(SPEC)
+    else:
+        compiler.get_kernel(SPEC)
+        assert _mode(compiler.cache_dir()) == 0o700
+    assert stat.S_IMODE(os.stat(base).st_mode) == mode
