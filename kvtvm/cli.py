@@ -17,7 +17,10 @@ from .quant import QUANT_DTYPES
 
 def _csv(kind):
     def parse(text):
-        return [kind(x) for x in text.split(",") if x]
+        values = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:  # `--dtypes=$UNSET` built nothing (or, for --ops, everything), exit 0
+            raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+        return values
     return parse
 
 
@@ -63,6 +66,12 @@ def available_ops() -> list[str]:
 
 
 def cmd_build(args) -> int:
+    from . import runtime
+
+    if not runtime.compiler_available():  # once, not as every kernel's failure
+        print("error: building kernels needs TVM's compiler; this is the TVM runtime alone "
+              "(TVM_USE_RUNTIME_LIB=1 or no libtvm_compiler.so)", file=sys.stderr)
+        return 2
     arch = args.arch if args.target == "cuda" else None
     ops = args.ops or available_ops()
     for option, given, known in (("--ops", ops, available_ops()),

@@ -120,9 +120,12 @@ def dir_path(text: str) -> Path:
 
 def unwritable_dir(path) -> str:
     """Why files cannot be written into directory ``path`` (created, with its parents, when
-    missing), or ``""``: checked before a long run that writes there at its end."""
+    missing: mode 0755 whatever the umask, as kvtvm's trust checks want), or ``""``: checked
+    before a long run that writes there at its end."""
+    from .compiler.trust import make_dirs
+
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
+        make_dirs(path)
         tempfile.TemporaryFile(dir=path).close()
     except OSError as err:
         return err.strerror or str(err)

@@ -79,6 +79,11 @@ class CorruptKernelError(KVCacheError, RuntimeError):
     manifest's, or it cannot be read or loaded -- and cannot be rebuilt here."""
 
 
+class KernelCacheError(KVCacheError, OSError):
+    """A kernel must be built on demand but the kernel cache directory (``KVTVM_CACHE_DIR`` or
+    the user cache) cannot be created or written (read-only, not a directory, no room)."""
+
+
 class TransferError(KVCacheError, RuntimeError):
     """Moving pages between caches or processes failed (export, import, transport)."""
 

@@ -48,17 +48,29 @@ def cpu_threads() -> int:
     """Threads TVM's thread pool runs kvtvm's CPU kernels on.
 
     In order: :func:`set_num_threads`, ``KVTVM_NUM_THREADS``, TVM's own ``TVM_NUM_THREADS``,
-    else the physical cores this process may run on. (TVM's default is half the logical
+    else the physical cores this process may run on. ``KVTVM_NUM_THREADS`` outside
+    ``[1, MAX_THREADS]`` (or not an int) is an :class:`~kvtvm.errors.InvalidArgumentError`
+    naming it (it was clamped to 1, ignored, or taken as is: 100000 threads hang). (TVM's default is half the logical
     CPUs on x86 -- a guess that hyper-threads come in pairs; on machines without them, most
     VMs, it leaves half the cores idle.)
     """
     if _num_threads is not None:
         return _num_threads
-    for name in (NUM_THREADS_ENV, "TVM_NUM_THREADS"):
+    text = os.environ.get(NUM_THREADS_ENV, "").strip()
+    if text:  # the same range as set_num_threads: never a silent clamp or a runaway pool
         try:
-            return max(1, int(os.environ[name]))
-        except (KeyError, ValueError):
-            pass
+            n = int(text)
+        except ValueError:
+            n = 0
+        if not 1 <= n <= MAX_THREADS:
+            raise InvalidArgumentError(describe(
+                NUM_THREADS_ENV, f"an int in [1, {MAX_THREADS}] (environment variable)",
+                repr(os.environ[NUM_THREADS_ENV])))
+        return n
+    try:
+        return max(1, int(os.environ["TVM_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        pass
     return physical_cores()
 
 

@@ -28,20 +28,25 @@ from pathlib import Path
 from . import cliargs, compiler, runtime
 from .bench.common import device_name, median_seconds
 from .compiler.spec import QUANT_FAMILIES
-from .compiler.trust import check_trusted, check_trusted_tree
+from .compiler.manifest import manifest_path as manifest_path_of
+from .compiler.manifest import read_manifest, spec_mismatch
+from .compiler.trust import check_digest, check_trusted, check_trusted_tree, write_file
+from .errors import CorruptKernelError, KVCacheError
 from .kernels.errflag import ERR_SLOTS
 
 log = logging.getLogger(__name__)
 
 
 def append_workload(spec, device: str):
-    """Inputs of one append: 32 sequences adding 64 tokens each, page 16."""
+    """Inputs of one append: 32 sequences adding 64 tokens each, page 16, K and V stored as
+    the spec says (a quantized side: its rows as the ``int8`` view the ops hand over)."""
     from .bench.append import make_case
+    from .bench.quant_cases import kernel_cache_arg
 
     case = make_case(64, 32, spec.n_kv_heads, spec.head_dim, 16, spec.dtype, device)
-    kc, vc = case["cache"][:, 0, 0], case["cache"][:, 1, 0]
-    if spec.layout == "hnd":  # a strided [pages, H, page_size, D] view of the same memory
-        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    # hnd: a strided [pages, H, page_size, ...] view of the same memory
+    kc = kernel_cache_arg(case["cache"][:, 0, 0], spec.k_storage, spec.layout)
+    vc = kernel_cache_arg(case["cache"][:, 1, 0], spec.v_storage, spec.layout)
     args = (kc, vc, case["k"], case["v"], case["indptr"], case["lengths"], case["table"])
     return args, (kc, vc)
 
@@ -101,10 +106,33 @@ def build_candidates(spec, max_trials: int, root: Path) -> Path:
         except Exception as err:  # recorded; the device run reports it as a failed trial
             listed.append({"knobs": knobs, "error": str(err).splitlines()[-1][:200]})
     out = manifest_path(spec, root)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"spec": {f: getattr(spec, f) for f in SPEC_FIELDS},
-                               "candidates": listed}, indent=1) + "\n")
+    write_file(out, json.dumps({"spec": {f: getattr(spec, f) for f in SPEC_FIELDS},
+                                "candidates": listed}, indent=1) + "\n")
     return out
+
+
+def _read_candidates(path: Path) -> dict:
+    """A ``--build-only`` manifest (this user's, not group/other-writable), checked for shape.
+
+    Raises
+    ------
+    CorruptKernelError
+        It is not JSON, or lacks its ``spec`` or ``candidates``.
+    """
+    check_trusted(path, "candidates list")
+    try:
+        data = json.loads(path.read_text())
+        fields, listed = data["spec"], data["candidates"]
+        fields["features"] = tuple(fields["features"])
+        if not isinstance(listed, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("knobs"), dict)
+                and isinstance(c.get("file", c.get("error")), str) for c in listed):
+            raise ValueError("a candidate without knobs and a file or an error")
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise CorruptKernelError(f"candidates list {path} is unreadable or corrupt "
+                                 f"({type(err).__name__}: {err}); build it again with "
+                                 "--build-only") from None
+    return data
 
 
 def manifest_specs(root: Path, op: str | None = None) -> list:
@@ -112,10 +140,14 @@ def manifest_specs(root: Path, op: str | None = None) -> list:
     when given."""
     specs = []
     for path in sorted(Path(root).glob("*/*.candidates.json")):
-        fields = json.loads(path.read_text())["spec"]
-        fields["features"] = tuple(fields["features"])
-        if op is None or fields["op"] == op:
-            specs.append(compiler.KernelSpec(**fields))
+        fields = _read_candidates(path)["spec"]
+        try:
+            spec = compiler.KernelSpec(**fields)
+        except TypeError as err:  # fields of another kvtvm version
+            raise CorruptKernelError(f"candidates list {path} names a spec this kvtvm cannot "
+                                     f"make ({err}); build it again with --build-only") from None
+        if op is None or spec.op == op:
+            specs.append(spec)
     return specs
 
 
@@ -126,7 +158,20 @@ def prebuilt_candidates(spec, root: Path) -> list[tuple[dict, Path | str]]:
         raise SystemExit(f"no candidates of {spec.uri} for {spec.target_tag} in {root} "
                          f"(build them with --build-only)")
     return [(c["knobs"], Path(root) / c["file"] if "file" in c else c["error"])
-            for c in json.loads(path.read_text())["candidates"]]
+            for c in _read_candidates(path)["candidates"]]
+
+
+def check_candidate(spec, path: Path) -> None:
+    """Refuse (:class:`~kvtvm.errors.CorruptKernelError`, naming the file) a prebuilt
+    candidate module whose manifest describes another spec or whose bytes differ from the
+    manifest's sha256 (truncated, modified): it is never loaded (a truncated module crashed
+    the tuner with SIGBUS)."""
+    if manifest_path_of(path).exists():  # as the kernel cache: this user's, not writable
+        check_trusted(manifest_path_of(path), "prebuilt candidate manifest")
+    why = spec_mismatch(path, spec) or check_digest(path, read_manifest(path))
+    if why is not None:
+        raise CorruptKernelError(f"prebuilt candidate {path}: {why}; build the candidates "
+                                 "again with --build-only")
 
 
 #: Show tqdm progress bars: None = on a terminal only, False = never (``--no-progress``).
@@ -161,11 +206,13 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
     with tempfile.TemporaryDirectory(prefix="kvtvm-tune-") as tmp:
         cands = (prebuilt_candidates(spec, prebuilt) if prebuilt is not None
                  else [(knobs, None) for knobs in candidates(spec, max_trials)])
-        for _, path in cands:
+        for knobs, path in cands:  # all of them before any is loaded
             if isinstance(path, Path):
                 check_trusted(path.parent, "prebuilt candidates directory")
                 if path.exists():
                     check_trusted(path, "prebuilt candidate")
+                    check_candidate(compiler.KernelSpec(**{**spec.__dict__, "knobs": knobs}),
+                                    path)
         bar = _bar(cands, f"tune {spec.uri}")
         for knobs, path in bar:
             bar.set_postfix_str(str(knobs), refresh=False)
@@ -202,9 +249,8 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
              "date": date.today().isoformat(), "device": device_name(device),
              "trials": trials}
     if write:
-        path = compiler.tuning_log_path(spec, log_root)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(entry, indent=1) + "\n")
+        path = compiler.tuning_log_path(spec, log_root)  # 0644 in 0755 dirs, as builds
+        write_file(path, json.dumps(entry, indent=1) + "\n")  # trust them (any umask)
         entry["path"] = str(path)
     return entry
 
@@ -236,6 +282,14 @@ def main(argv=None) -> int:
                         help="time the candidates a --build-only run left in DIR")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    try:
+        return _run(parser, args)
+    except KVCacheError as err:  # a spec kvtvm refuses, an untrusted or corrupt file
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(parser, args) -> int:
     global SHOW_PROGRESS
     if args.no_progress:
         SHOW_PROGRESS = False
@@ -249,6 +303,31 @@ def main(argv=None) -> int:
     if args.arch and not args.build_only and not args.device.startswith("cuda"):
         parser.error(f"--arch {args.arch}: builds for that CUDA arch with --build-only DIR; "
                      f"this run measures on {args.device} (give --device cuda, or no --arch)")
+    if args.prebuilt and not args.prebuilt.is_dir():
+        parser.error(f"--prebuilt: no such directory: {str(args.prebuilt)!r}")
+    if args.prebuilt:
+        specs = manifest_specs(args.prebuilt, args.op)
+        if not specs:
+            raise SystemExit(f"no --build-only manifests in {args.prebuilt}")
+        cuda = args.device.startswith("cuda")
+        other = [s for s in specs if s.is_cuda != cuda]
+        if other:  # each would fail to load, one trial at a time
+            parser.error(f"--device {args.device}: the candidates of {other[0].uri} in "
+                         f"{str(args.prebuilt)!r} are built for {other[0].target_tag} "
+                         f"(give --device {'cuda' if other[0].is_cuda else 'cpu'}, or --op)")
+        if cuda:  # sm_90a candidates timed on an A100 would write an sm_90a log from it
+            import torch
+
+            arch = compiler.target_for_device(torch.device(args.device)).arch
+            other = [s for s in specs if s.arch != arch]
+            if other:
+                parser.error(f"--device {args.device}: it runs {arch} kernels, and the "
+                             f"candidates of {other[0].uri} in {str(args.prebuilt)!r} are "
+                             f"built for {other[0].arch} (give --op, or build for {arch})")
+    else:
+        if args.op is None:
+            parser.error("--op is required (except with --prebuilt)")
+        specs = [command_line_spec(args)]  # a spec kvtvm refuses: before any directory is made
     # a directory that cannot be written fails now, not after the whole search
     writes = [("--build-only", args.build_only)] if args.build_only else []
     if not args.build_only and not args.dry_run:
@@ -258,16 +337,6 @@ def main(argv=None) -> int:
         if why:
             parser.error(f"{option}: cannot write to {str(path)!r}: {why}"
                          + (" (or --dry-run)" if option == "--log-root" else ""))
-    if args.prebuilt and not args.prebuilt.is_dir():
-        parser.error(f"--prebuilt: no such directory: {str(args.prebuilt)!r}")
-    if args.prebuilt:
-        specs = manifest_specs(args.prebuilt, args.op)
-        if not specs:
-            raise SystemExit(f"no --build-only manifests in {args.prebuilt}")
-    else:
-        if args.op is None:
-            parser.error("--op is required (except with --prebuilt)")
-        specs = [command_line_spec(args)]
     for spec in specs:
         if args.build_only:
             print(f"{spec.uri} for {spec.target_tag}: candidates listed in "

@@ -30,7 +30,7 @@ from .fatbin import fatbin_archs, fatbin_packer
 from .knobs import resolve_knobs, schedule_module
 from .manifest import is_fresh, write_manifest
 from .nvcc import nvcc_fatbin
-from .trust import set_file_mode
+from .trust import make_dirs, set_file_mode
 from .spec import KernelSpec
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def build_spec(spec: KernelSpec, out_dir: str | os.PathLike) -> Path:
     from filelock import FileLock
 
     out = Path(out_dir) / spec.file_name()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out.parent)  # 0755 whatever the umask: the loader refuses group-writable
     with FileLock(str(out.parent / f".{out.name}.lock")):  # hidden, beside the module
         if out.exists() and is_fresh(out, spec):
             log.debug("%s is already built", out)
@@ -99,7 +99,7 @@ def export_built(module, out: Path, arch: str | None = None) -> Path:
     the results are renamed into place (concurrent readers never see a partial file).
     """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(out.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.stem}.build-", dir=out.parent))
     try:
         tmp_out = tmp / out.name

@@ -5,10 +5,12 @@ or stale spec into the cache when TVM's compiler is present.
 A module is found by its spec's file name (spec URI + variant + target key + explicit knobs),
 then its manifest decides:
 
-- compiler present: fresh (this TVM, the current source digest) -> load; otherwise rebuild
-  into the cache (a prebuilt directory is never written);
+- compiler present: fresh (built for this very spec, by this TVM, from the current source
+  digest) -> load; otherwise rebuild into the cache (a prebuilt directory is never written);
 - runtime only: built by this kvtvm and TVM -> load; another version, or no readable
-  manifest -> :class:`~kvtvm.errors.KernelVersionError` naming the file and the versions.
+  manifest -> :class:`~kvtvm.errors.KernelVersionError` naming the file and the versions; a
+  manifest of another spec (a file renamed or copied to this name) or bytes that differ from
+  its sha256 -> :class:`~kvtvm.errors.CorruptKernelError` naming the file.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import runtime
-from ..errors import CompilerUnavailableError, CorruptKernelError, KernelVersionError
+from ..errors import (CompilerUnavailableError, CorruptKernelError, InvalidArgumentError,
+                      KernelCacheError, KernelVersionError, KVCacheError, describe)
 from . import build as _build
-from .manifest import is_fresh, manifest_path, read_manifest, version_mismatch
+from .manifest import is_fresh, manifest_path, read_manifest, spec_mismatch, version_mismatch
 from .trust import (check_digest, check_trusted, check_trusted_tree, corrupt,
                     secure_cache_dir)
 from .spec import KernelSpec, tvm_version
@@ -41,12 +44,21 @@ def cache_dir() -> Path:
         import platformdirs
 
         base = platformdirs.user_cache_dir("kvtvm")
-    return Path(base) / f"tvm-{tvm_version()}"
+    return Path(base).expanduser() / f"tvm-{tvm_version()}"  # "~/x" from Docker's ENV too
 
 
 def add_kernel_dir(path: str | os.PathLike) -> None:
-    """Search ``path`` (a ``python -m kvtvm build --out`` directory) for built kernels."""
-    path = Path(path)
+    """Search ``path`` (a ``python -m kvtvm build --out`` directory) for built kernels.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``path`` is not a path, or is empty (``Path("")`` would search the current
+        directory).
+    """
+    if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
+        raise InvalidArgumentError(describe("path", "a directory path", repr(path)))
+    path = Path(path).expanduser()
     if path not in _extra_dirs:
         _extra_dirs.append(path)
 
@@ -59,7 +71,7 @@ def search_key() -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def _kernel_dirs(key: tuple) -> tuple:
-    env = [Path(p) for p in key[0].split(os.pathsep) if p]
+    env = [Path(p).expanduser() for p in key[0].split(os.pathsep) if p.strip()]
     return tuple(env + list(key[3]) + [cache_dir()])
 
 
@@ -88,6 +100,8 @@ def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[
         if not path.exists():
             continue
         check_trusted_tree(d, "kernel directory")  # raises: never load another user's code
+        if path.parent != d:  # the <target_tag>/ folder between them, as every parent
+            check_trusted(path.parent, "kernel directory")
         check_trusted(path)
         if manifest_path(path).exists():
             check_trusted(manifest_path(path), "kernel manifest")
@@ -98,12 +112,30 @@ def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[
         else:
             why = version_mismatch(path)
             if why is None:
-                bad = check_digest(path, read_manifest(path))
+                bad = (spec_mismatch(path, spec)
+                       or check_digest(path, read_manifest(path)))
                 if bad is None:
                     return path, rejected
                 raise corrupt(path, bad)
             rejected.append((path, why))
     return None, rejected
+
+
+def _build_into_cache(spec: KernelSpec) -> Path:
+    """Build ``spec`` into the user cache; a cache that cannot be made or written is a
+    :class:`KernelCacheError` naming it (not a bare ``OSError`` from deep in the build)."""
+    where = cache_dir()
+    try:
+        own_base = not os.environ.get("KVTVM_CACHE_DIR")  # ~/.cache/kvtvm is kvtvm's own
+        return _build.build_spec(spec, secure_cache_dir(where, own_base))
+    except OSError as err:
+        if isinstance(err, KVCacheError):  # UntrustedKernelError is a PermissionError
+            raise
+        raise KernelCacheError(
+            f"cannot build kernel {spec.uri} into the kernel cache {where}: "
+            f"{err.strerror or err} ({err.filename or where}); point KVTVM_CACHE_DIR at a "
+            "writable directory, or build the kernels ahead of time (`python -m kvtvm build "
+            "--out DIR`) and set KVTVM_KERNEL_PATH=DIR") from None
 
 
 def get_kernel(spec: KernelSpec):
@@ -120,9 +152,12 @@ def get_kernel(spec: KernelSpec):
         A kernel directory or file is another user's or writable by group/others.
     CorruptKernelError
         Runtime only, and the module's bytes differ from its manifest's sha256 (truncated,
-        modified), or TVM cannot load it.
+        modified), its manifest describes another spec (renamed or copied), or TVM cannot
+        load it.
     DeviceUnavailableError
         A CUDA spec is requested on a machine that cannot run CUDA.
+    KernelCacheError
+        The spec must be built but the cache directory cannot be created or written.
     """
     key = (spec, search_key())
     with _load_lock:
@@ -142,7 +177,7 @@ def get_kernel(spec: KernelSpec):
                     f"kernel {spec.uri} for {spec.target_tag} is not built in any of "
                     f"{[str(d) for d in kernel_dirs()]} and the TVM compiler is not available "
                     "(runtime-only mode); build it ahead of time with `python -m kvtvm build`")
-            path = _build.build_spec(spec, secure_cache_dir(cache_dir()))
+            path = _build_into_cache(spec)
         try:
             module = runtime.load_module(str(path), needs_cuda=spec.is_cuda)
         except Exception as err:  # digest matched: a module TVM cannot load is still corrupt

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from ..errors import CorruptKernelError
+from ..errors import CompilerUnavailableError, CorruptKernelError
 from ..kernels.variants import UNTUNED
 from .spec import KernelSpec
 from .trust import check_trusted, check_trusted_parents
@@ -33,7 +33,22 @@ def schedule_module_name(spec: KernelSpec) -> str:
 
 def schedule_module(spec: KernelSpec):
     """The schedule module of ``spec`` (``kvtvm.schedules.<family>.<cpu|cuda>``; from a source
-    tree that is not installed, ``schedules.<family>.<cpu|cuda>``). Needs the compiler."""
+    tree that is not installed, ``schedules.<family>.<cpu|cuda>``).
+
+    Raises
+    ------
+    CompilerUnavailableError
+        TVM's compiler is absent (runtime only): schedules, their knobs and builds need it
+        (importing a schedule there failed with an ImportError from deep inside TVM).
+    """
+    from .. import runtime
+
+    if not runtime.compiler_available():
+        raise CompilerUnavailableError(
+            f"scheduling or building {spec.uri} needs TVM's compiler, and this is the TVM "
+            "runtime alone (TVM_USE_RUNTIME_LIB=1 or no libtvm_compiler.so): build kernels "
+            "where the compiler is (`python -m kvtvm build`, `python -m kvtvm tune "
+            "--build-only`) and load them here")
     try:
         return importlib.import_module(f"kvtvm.schedules.{schedule_module_name(spec)}")
     except ModuleNotFoundError:  # running from a source tree that is not installed
@@ -60,7 +75,7 @@ def tuning_logs_dir() -> Path:
     """Root of the tuning logs builds read: ``KVTVM_TUNING_LOGS`` if set, else the package's
     ``tuning_logs/``."""
     if os.environ.get("KVTVM_TUNING_LOGS"):
-        return Path(os.environ["KVTVM_TUNING_LOGS"])
+        return Path(os.environ["KVTVM_TUNING_LOGS"]).expanduser()
     installed = _PKG / "tuning_logs"
     return installed if installed.is_dir() else _REPO / "tuning_logs"
 
@@ -87,10 +102,31 @@ def tuned_knobs(spec: KernelSpec) -> dict:
         knobs = data.get("knobs", {}) if isinstance(data, dict) else None
         if not isinstance(knobs, dict):
             raise ValueError(f"'knobs' is {type(knobs).__name__}, not an object")
+        for field, want in (("uri", spec.uri), ("target", spec.target_tag)):
+            if data.get(field, want) != want:  # tuned for another kernel or target
+                raise ValueError(f"it was tuned for {field} {data[field]!r}, not {want!r}")
     except (OSError, ValueError, UnicodeDecodeError) as err:
         raise CorruptKernelError(f"tuning log {path} is unreadable or corrupt ({err}); "
                                  "delete it or re-run `python -m kvtvm.tune`") from None
     return dict(knobs)
+
+
+def _check_tuned(spec: KernelSpec, tuned: dict, defaults: dict) -> None:
+    """Refuse tuned knobs the schedule does not have, or of another type than its defaults
+    (a log of another kvtvm version or target): :class:`CorruptKernelError` naming the log."""
+    for name, value in tuned.items():
+        why = None
+        if name not in defaults:
+            why = f"knob {name!r} is not one of this schedule's ({', '.join(sorted(defaults))})"
+        else:
+            want = type(defaults[name])
+            if not (type(value) is want or (want is float and type(value) is int)):
+                why = (f"knob {name!r} is {value!r}, expected {want.__name__} like the "
+                       f"default {defaults[name]!r}")
+        if why:
+            raise CorruptKernelError(
+                f"tuning log {tuning_log_path(spec)}: {why}; was it written by another kvtvm "
+                "version or for another target? delete it or re-run `python -m kvtvm.tune`")
 
 
 def default_knobs(spec: KernelSpec) -> dict:
@@ -100,11 +136,20 @@ def default_knobs(spec: KernelSpec) -> dict:
 
 def resolve_knobs(spec: KernelSpec) -> dict:
     """Schedule defaults, overridden by the tuning log (unless the spec's variant is
-    :data:`~kvtvm.kernels.variants.UNTUNED`), by the spec's variant, then by ``spec.knobs``."""
+    :data:`~kvtvm.kernels.variants.UNTUNED`), by the spec's variant, then by ``spec.knobs``.
+
+    Raises
+    ------
+    CorruptKernelError
+        The tuning log is unreadable, was tuned for another uri or target, or names a knob
+        the schedule does not have or a value of another type than its default.
+    """
     knobs = default_knobs(spec)
     variant = spec.variant_knobs
     if not variant.pop(UNTUNED, False):
-        knobs.update(tuned_knobs(spec))
+        tuned = tuned_knobs(spec)
+        _check_tuned(spec, tuned, knobs)
+        knobs.update(tuned)
     knobs.update(variant)
     knobs.update(dict(spec.knobs))
     return knobs

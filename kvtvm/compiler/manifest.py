@@ -116,11 +116,37 @@ def read_manifest(module_path: str | os.PathLike) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def spec_mismatch(module_path: Path, spec: KernelSpec, data: dict | None = None) -> str | None:
+    """Why the manifest of ``module_path`` describes another kernel than ``spec`` (another
+    spec, variant, knobs or CPU target: a file renamed or copied to ``spec``'s name), or None
+    when it describes ``spec``."""
+    data = read_manifest(module_path) if data is None else data
+    if data is None:
+        return f"it has no readable manifest ({manifest_path(module_path).name})"
+
+    def norm(value):
+        return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+    want, got = norm(spec_fields(spec)), norm(data.get("spec"))
+    if got != want:
+        fields = sorted(k for k in want if not isinstance(got, dict) or got.get(k) != want[k])
+        return (f"its manifest describes another kernel ({', '.join(fields) or 'spec'}: "
+                f"{[got.get(k) if isinstance(got, dict) else got for k in fields]}, expected "
+                f"{[want[k] for k in fields]}); it was renamed or copied to this name")
+    key = target_key() if spec.target == "llvm" else spec.arch
+    if data.get("target_key") != key:
+        return (f"its manifest says it was built for {data.get('target_key')!r}, not for "
+                f"{key!r}; it was renamed or copied to this name")
+    return None
+
+
 def is_fresh(module_path: Path, spec: KernelSpec) -> bool:
-    """Whether the module at ``module_path`` was built by this TVM from the current sources,
-    and its bytes are the ones its manifest's sha256 names."""
+    """Whether the module at ``module_path`` was built for ``spec`` (the spec its manifest
+    records) by this TVM from the current sources, and its bytes are the ones its manifest's
+    sha256 names."""
     data = read_manifest(module_path)
     return (data is not None and data.get("tvm") == tvm_version()
+            and spec_mismatch(module_path, spec, data) is None
             and data.get("source_digest") == source_digest(spec)
             and check_digest(Path(module_path), data) is None)
 

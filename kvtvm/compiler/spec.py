@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import operator
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,9 @@ QUANT_FAMILIES = ("append", "decode", "prefill")
 #: ``kvtvm.kernels.<op>_quant`` (the quantizing append); decode and prefill are defined once for
 #: every storage type (their loads dequantize, :mod:`kvtvm.kernels.quant_access`).
 QUANT_MODULES = ("append",)
+#: Compile-time features (``KernelSpec.features``) and the families that have them.
+FEATURES = ("sliding_window",)
+FEATURE_FAMILIES = ("decode", "prefill")
 #: How a storage type is spelled in a quantized spec's uri ("" = full precision).
 _STORAGE_TAGS = {"": "full", "int8": "i8", "float8_e4m3fn": "e4m3"}
 
@@ -59,7 +63,8 @@ class KernelSpec:
     arch : str, optional
         CUDA architecture (``"sm_90a"``, ``"sm_80"``); None for llvm.
     features : tuple of str
-        Compile-time features that are on (e.g. ``"sliding_window"``).
+        Compile-time features that are on: names from :data:`FEATURES`
+        (``"sliding_window"``, decode and prefill only).
     knobs : tuple of (str, value)
         Schedule knob overrides; a dict is accepted and frozen.
     variant : str
@@ -78,7 +83,8 @@ class KernelSpec:
     Raises
     ------
     InvalidArgumentError
-        An unknown family, layout, target, arch, variant or storage, a non-positive size, or
+        An unknown family, layout, target, arch, variant, feature or storage, a size that is
+        not a positive int, or
         a head_dim the CUDA kernel of the family cannot take (:mod:`kvtvm.cuda_limits`).
     """
 
@@ -104,8 +110,14 @@ class KernelSpec:
             raise InvalidArgumentError(describe("layout", LAYOUTS, repr(self.layout)))
         for name in ("head_dim", "n_kv_heads", "group_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(describe(name, "a positive int", repr(value)))
+            try:  # a bool is no size (it named files "_dTrue"); numpy ints are
+                value = None if isinstance(value, bool) else operator.index(value)
+            except TypeError:
+                value = None
+            if value is None or value <= 0:
+                raise InvalidArgumentError(describe(name, "a positive int",
+                                                    repr(getattr(self, name))))
+            object.__setattr__(self, name, value)
         if self.target == "llvm":
             if self.arch is not None:
                 raise InvalidArgumentError(describe("arch", "None for the llvm target",
@@ -116,8 +128,26 @@ class KernelSpec:
         else:
             raise InvalidArgumentError(describe("target", ("llvm", "cuda"), repr(self.target)))
         knobs = self.knobs.items() if isinstance(self.knobs, dict) else self.knobs
-        object.__setattr__(self, "knobs", tuple(sorted((str(k), v) for k, v in knobs)))
-        object.__setattr__(self, "features", tuple(sorted(self.features)))
+        knobs = tuple(sorted((str(k), v) for k, v in knobs))
+        for k, v in knobs:  # the spec is a dict key (loaded kernels): a list failed there
+            try:
+                hash(v)
+            except TypeError:
+                raise InvalidArgumentError(describe(f"knobs[{k!r}]", "a hashable value such "
+                                                    "as an int, bool or str", repr(v))) from None
+        object.__setattr__(self, "knobs", knobs)
+        features = () if self.features is None else self.features
+        if isinstance(features, str) or not isinstance(features, (tuple, list, set, frozenset)) \
+                or not all(isinstance(f, str) for f in features):
+            raise InvalidArgumentError(describe("features", f"a tuple of names from {FEATURES}",
+                                                repr(features)))
+        features = tuple(sorted(set(features)))
+        unknown = [f for f in features if f not in FEATURES or self.op not in FEATURE_FAMILIES]
+        if unknown:  # a kernel built without it, under a name that says it has it
+            raise InvalidArgumentError(describe(
+                "features", f"names from {FEATURES} (of {', '.join(FEATURE_FAMILIES)} only)",
+                f"{unknown} for {self.op}"))
+        object.__setattr__(self, "features", features)
         object.__setattr__(self, "variant", str(self.variant or ""))
         for name in ("k_storage", "v_storage"):
             value = str(getattr(self, name) or "")
@@ -208,13 +238,29 @@ class KernelSpec:
         return f"{self.target_tag}/{'-'.join(parts)}.so"
 
     def tvm_target(self):
-        """The ``tvm.target.Target`` of this spec (needs the compiler)."""
+        """The ``tvm.target.Target`` of this spec (needs the compiler).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``KVTVM_LLVM_MCPU`` names a CPU LLVM does not know (LLVM would print errors and
+            build generic code, under the file name of that CPU).
+        """
         import tvm
 
         if self.target == "llvm":
             target = {"kind": "llvm", "num-cores": os.cpu_count() or 1}
-            if llvm_mcpu():  # without it LLVM emits generic x86-64 (SSE2) code
-                target["mcpu"] = llvm_mcpu()
+            mcpu = llvm_mcpu()
+            if mcpu and "KVTVM_LLVM_MCPU" in os.environ:
+                from tvm.target import codegen
+
+                triple = codegen.llvm_get_system_triple()
+                if not codegen.llvm_is_valid_cpu(mcpu, triple):
+                    raise InvalidArgumentError(describe(
+                        "KVTVM_LLVM_MCPU", f"a CPU LLVM knows for {triple} (this host: "
+                        f"{_host_cpu() or 'generic'}), or unset", repr(mcpu)))
+            if mcpu:  # without it LLVM emits generic x86-64 (SSE2) code
+                target["mcpu"] = mcpu
             return tvm.target.Target(target)
         return tvm.target.Target({"kind": "cuda", "arch": self.arch})
 
@@ -224,6 +270,11 @@ def llvm_mcpu() -> str:
     LLVM names it (e.g. ``"znver4"``); "" for generic code."""
     if "KVTVM_LLVM_MCPU" in os.environ:
         return os.environ["KVTVM_LLVM_MCPU"]
+    return _host_cpu()
+
+
+def _host_cpu() -> str:
+    """The build host's CPU as LLVM names it ("" when it cannot tell)."""
     global _HOST_CPU
     if _HOST_CPU is None:
         try:

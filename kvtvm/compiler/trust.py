@@ -3,8 +3,8 @@ write, binaries whose sha256 matches their manifest, written with explicit modes
 
 Like ssh with its keys, kvtvm refuses (:class:`~kvtvm.errors.UntrustedKernelError`, naming the
 path and the reason) to load code from a directory or file owned by another user, or that group
-or others can write. The user cache is created ``0700``; built files are made ``0644`` and
-directories kvtvm creates ``0700`` (cache) whatever the umask. Each module's manifest records
+or others can write. The user cache is created ``0700``; built files and tuning logs are made
+``0644`` and the other directories kvtvm creates ``0755``, whatever the umask. Each module's manifest records
 its sha256, checked before ``dlopen``: a truncated or corrupt module is rebuilt when the
 compiler is present and is a :class:`~kvtvm.errors.CorruptKernelError` naming the file when it
 is not (never a SIGBUS).
@@ -23,13 +23,14 @@ import hashlib
 import logging
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from ..errors import CorruptKernelError, UntrustedKernelError
 
 __all__ = ["FILE_MODE", "CACHE_DIR_MODE", "check_trusted", "check_trusted_parents",
            "check_trusted_tree", "secure_cache_dir", "sha256_of", "set_file_mode",
-           "check_digest"]
+           "check_digest", "DIR_MODE", "make_dirs", "write_file"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 FILE_MODE = 0o644
 #: Mode of the user cache directories kvtvm creates.
 CACHE_DIR_MODE = 0o700
+#: Mode of the other directories kvtvm creates for what it writes (kernel directories, their
+#: ``<target>/`` folders, tuning logs): never group/other-writable, which the checks refuse.
+DIR_MODE = 0o755
 
 
 def _trusted_owner(uid: int) -> bool:
@@ -62,7 +66,9 @@ def _refusal(st: os.stat_result, parent: bool) -> str | None:
 
 def check_trusted(path: str | os.PathLike, what: str = "kernel file") -> None:
     """Raise :class:`UntrustedKernelError` when ``path`` (a file or directory; symlinks
-    followed) is owned by another user than this one or root, or group/others can write it."""
+    followed) is owned by another user than this one or root, or group/others can write it;
+    for a symlink, also when a directory above its target is
+    (:func:`check_trusted_parents`: another user could swap the target)."""
     path = Path(path)
     try:
         st = _stat(path)
@@ -72,19 +78,25 @@ def check_trusted(path: str | os.PathLike, what: str = "kernel file") -> None:
     if why is not None:
         fix = f"; run `chmod go-w {path}`" if "writable" in why else ""
         raise UntrustedKernelError(f"{what} {path}: {why}{fix}")
+    if path.is_symlink():  # the directories the link leads into, as those above any path
+        check_trusted_parents(path, what)
 
 
 def check_trusted_parents(path: str | os.PathLike, what: str = "kernel directory") -> None:
     """Raise :class:`UntrustedKernelError` naming the directory when one above ``path``
     (resolved), up to the user's home directory or the filesystem root, is owned by another
     user than this one or root, or group/others can write it (a root-owned sticky directory
-    such as ``/tmp`` passes)."""
+    such as ``/tmp`` passes). Without a home directory (no ``HOME`` and no passwd entry, as a
+    container run under an arbitrary uid) the walk goes up to the root."""
     path = Path(path)
     try:
         p = path.resolve().parent
-        home = Path.home().resolve()
     except (OSError, RuntimeError) as err:
         raise UntrustedKernelError(f"{what} {path}: cannot be checked ({err})") from None
+    try:
+        home = Path.home().resolve()
+    except (OSError, RuntimeError, KeyError):  # every kernel was refused: "cannot be checked"
+        home = None
     while True:
         try:
             st = _stat(p)
@@ -107,30 +119,73 @@ def check_trusted_tree(path: str | os.PathLike, what: str = "kernel directory") 
     check_trusted_parents(path, what)
 
 
-def secure_cache_dir(path: Path) -> Path:
+def secure_cache_dir(path: Path, own_base: bool = True) -> Path:
     """Create the user cache directory ``path`` (``<base>/tvm-<version>``, missing parents
-    included) with mode 0700 whatever the umask. ``path`` and its base that this user owns
-    are tightened to 0700 (a cache made by an older kvtvm); one owned by another user, or
-    that group/others can write and that is not ours, is refused."""
+    included) with mode 0700 whatever the umask. ``path`` that this user owns is tightened to
+    0700 (a cache made by an older kvtvm), and so is its base when it is kvtvm's own folder
+    (``own_base``: the default ``~/.cache/kvtvm``, not a ``KVTVM_CACHE_DIR`` such as ``/tmp``
+    or a home directory, whose mode is the user's: it was made 0700, sticky bit dropped).
+    A ``path`` owned by another user or that group/others can write is refused, and so is a
+    base that is, unless root owns it with the sticky bit (``/tmp``)."""
     missing = []
     p = path
     while not p.exists():
         missing.append(p)
         p = p.parent
+    if missing:  # refused before anything is made inside another user's tree
+        check_trusted_parents(missing[-1], "kernel cache directory")
     for d in reversed(missing):
         try:
             d.mkdir(mode=CACHE_DIR_MODE)
         except FileExistsError:  # another process made it meanwhile
             pass
         os.chmod(d, CACHE_DIR_MODE)
-    for d in (path.parent, path):
+    for d in ((path.parent, path) if own_base else (path,)):
         st = d.stat()
         if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
             log.warning("kvtvm cache directory %s had mode %o: tightened to 0700", d,
                         stat.S_IMODE(st.st_mode))
             os.chmod(d, CACHE_DIR_MODE)
-        check_trusted(d, "kernel cache directory")
-    check_trusted_parents(path.parent, "kernel cache directory")
+    check_trusted(path, "kernel cache directory")
+    check_trusted_parents(path, "kernel cache directory")  # the base first, as a parent
+    return path
+
+
+def make_dirs(path: str | os.PathLike, mode: int = DIR_MODE) -> Path:
+    """Create the directory ``path`` and its missing parents, each with ``mode`` whatever the
+    umask (a umask of 002 would make them group-writable, and then refused); directories that
+    exist are left as they are."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p.parent != p:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode)
+        except FileExistsError:  # another process made it meanwhile
+            continue
+        os.chmod(d, mode)
+    path.mkdir(exist_ok=True)  # raises when it is a file (or a dangling link)
+    return path
+
+
+def write_file(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (a temporary file in its directory, renamed) with
+    mode :data:`FILE_MODE` whatever the umask; missing directories are made by
+    :func:`make_dirs`."""
+    path = Path(path)
+    make_dirs(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        set_file_mode(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

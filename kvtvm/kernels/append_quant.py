@@ -34,8 +34,11 @@ _EXP_MASK = 0x7F800000
 
 
 def knob_space(spec) -> dict:
-    """The knob values ``kvtvm.tune`` searches for ``spec``."""
-    return {"vector_bytes": [16, 32, 64]}
+    """The knob values ``kvtvm.tune`` searches for ``spec`` (its target's schedule knobs: the
+    CUDA schedule has no ``vector_bytes``, its rows are 16-byte loads; it tunes the block)."""
+    if spec.target == "llvm":
+        return {"vector_bytes": [16, 32, 64]}
+    return {"threads": [64, 128, 256, 512]}
 
 
 def _f32(value):

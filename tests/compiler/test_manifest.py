@@ -177,3 +177,37 @@ def test_the_digested_schedules_are_the_ones_the_build_imports(tmp_path):
     kv, imported_dir, digested = out.split()
     assert kv.startswith(str(other)), out
     assert imported_dir == digested, out
+
+
+def test_a_spec_refuses_what_its_file_name_would_misstate():
+    """head_dim=True named files "_dTrue"; an unknown feature, or one of a family without it,
+    was built as the plain kernel under a name saying it had it; a string was split into
+    letters. numpy ints are sizes like any other."""
+    import numpy as np
+
+    base = dict(op="decode", dtype="float32", head_dim=16, n_kv_heads=2)
+    for bad, name in ((dict(head_dim=True), "head_dim"), (dict(n_kv_heads=False), "n_kv_heads"),
+                      (dict(features=("foo",)), "features"),
+                      (dict(features="sliding_window"), "features"),
+                      (dict(op="append", features=("sliding_window",)), "features")):
+        with pytest.raises(InvalidArgumentError, match=name):
+            compiler.KernelSpec(**{**base, **bad})
+    spec = compiler.KernelSpec(**{**base, "head_dim": np.int64(16),
+                                  "features": ["sliding_window", "sliding_window"]})
+    assert type(spec.head_dim) is int and spec.features == ("sliding_window",)
+    assert spec == compiler.KernelSpec(**base, features=("sliding_window",))
+    assert compiler.KernelSpec(**base, features=None).features == ()
+    with pytest.raises(InvalidArgumentError, match="knobs"):  # was a TypeError at load time
+        compiler.KernelSpec(**base, knobs={"tile_tokens": [16, 32]})
+
+
+def test_an_unknown_kvtvm_llvm_mcpu_is_named_before_building(tmp_path, monkeypatch):
+    """LLVM printed 'Error: ... using default -mcpu=generic' and the generic build was filed
+    under the name of the CPU asked for (`...-cpu-notacpu.so`)."""
+    monkeypatch.setenv("KVTVM_LLVM_MCPU", "notacpu")
+    with pytest.raises(InvalidArgumentError, match="KVTVM_LLVM_MCPU") as info:
+        compiler.build_spec(SPEC, tmp_path)
+    assert "'notacpu'" in str(info.value)
+    assert not list(tmp_path.glob("*/*.so"))
+    monkeypatch.setenv("KVTVM_LLVM_MCPU", "x86-64-v2")
+    assert "x86-64-v2" in str(SPEC.tvm_target())

@@ -83,3 +83,36 @@ def test_numpy_references_import_without_tvm():
             "assert out.shape == (1, 2, 4) and not [m for m in sys.modules if m == 'tvm' or "
             "m.startswith('tvm.')]; print('ok')")
     assert "ok" in run_python(code, timeout=120)
+
+
+BUILD_WITHOUT_COMPILER = """
+import contextlib, io, sys
+from kvtvm import cli, compiler, runtime, tune
+from kvtvm.errors import CompilerUnavailableError
+assert not runtime.compiler_available()
+spec = compiler.KernelSpec(op="copy", dtype="float32", head_dim=8, n_kv_heads=1)
+try:
+    compiler.resolve_knobs(spec)
+except CompilerUnavailableError as err:
+    print("KNOBS:", err)
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    rc_build = cli.main(["build", "--target", "llvm", "--out", sys.argv[1], "--ops", "copy",
+                         "--head-dims", "8", "--no-progress"])
+    rc_tune = tune.main(["--op", "copy", "--head-dim", "8", "--dry-run", "--no-progress"])
+print("RC", rc_build, rc_tune)
+print("ERR", err.getvalue().replace(chr(10), " | "))
+"""
+
+
+def test_building_or_tuning_without_the_compiler_is_one_typed_error(tmp_path):
+    """Runtime only, `python -m kvtvm build` failed every kernel with an ImportError from deep
+    inside TVM ('cannot import name TCol') and exited 1; `tune` and `resolve_knobs` raised
+    that ImportError."""
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", KVTVM_CACHE_DIR=str(tmp_path / "cache"))
+    out = run_python(BUILD_WITHOUT_COMPILER, str(tmp_path / "out"), env=env, timeout=120)
+    assert "KNOBS:" in out and "needs TVM's compiler" in out, out
+    assert "RC 2 2" in out, out
+    err = out.split("ERR", 1)[1]
+    assert "ImportError" not in err and "Traceback" not in err and "compiler" in err, out
+    assert not list((tmp_path / "out").glob("*/*.so"))

@@ -126,6 +126,31 @@ def test_a_corrupt_tuning_log_is_named(tmp_path, cache, monkeypatch):
         compiler.resolve_knobs(SPEC)
 
 
+@pytest.mark.parametrize("log, why", [
+    ({"knobs": {"threads": 128}}, "knob 'threads' is not one of"),  # a CUDA log
+    ({"knobs": {"vector_bytes": "32"}}, "knob 'vector_bytes' is '32', expected int"),
+    ({"knobs": {"parallel": "no"}}, "knob 'parallel' is 'no', expected bool"),
+    ({"knobs": {"vector_bytes": 16}, "target": "sm_90a"}, "tuned for target 'sm_90a'"),
+    ({"knobs": {"vector_bytes": 16}, "uri": "append_float32_h2_g1_d32_nhd"}, "tuned for uri"),
+])
+def test_a_tuning_log_of_another_version_or_target_is_named(tmp_path, cache, monkeypatch, log,
+                                                            why):
+    """Such knobs were silently ignored (unknown names), built with a truthy string, or
+    failed deep in the schedule with a bare TypeError."""
+    logs = tmp_path / "logs"
+    path = compiler.tuning_log_path(SPEC, logs)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(log))
+    monkeypatch.setenv("KVTVM_TUNING_LOGS", str(logs))
+    with pytest.raises(CorruptKernelError, match=why) as info:
+        compiler.get_kernel(SPEC)
+    assert str(path) in str(info.value)
+    assert not (compiler.cache_dir() / SPEC.file_name()).exists()
+    path.write_text(json.dumps({"knobs": {"vector_bytes": 16}, "uri": SPEC.uri,
+                                "target": "llvm"}))
+    assert compiler.resolve_knobs(SPEC)["vector_bytes"] == 16
+
+
 # -- tuning logs and parent directories (as ssh: every directory up to home) -----------------
 
 def _tuning_log(root):
@@ -221,3 +246,96 @@ def test_a_cache_under_a_parent_of_another_user_is_refused(tmp_path, monkeypatch
     _fake_owner(monkeypatch, tmp_path / "theirs", 12345)
     with pytest.raises(UntrustedKernelError, match="owned by uid 12345"):
         compiler.get_kernel(SPEC)
+
+
+def test_what_build_and_tune_write_under_a_umask_of_002_loads(tmp_path, cache, monkeypatch):
+    """A umask of 002 (user-private groups) once made `python -m kvtvm build --out`'s folders
+    and `python -m kvtvm tune`'s log group-writable, which the loader then refused."""
+    from kvtvm import cli, tune
+
+    out, logs = tmp_path / "new" / "kernels", tmp_path / "new" / "logs"
+    old = os.umask(0o002)
+    try:
+        assert cli.main(["build", "--target", "llvm", "--out", str(out), "--ops", "append",
+                         "--dtypes", "float32", "--head-dims", "16", "--kv-heads", "2",
+                         "--layouts", "nhd", "--no-progress"]) == 0
+        assert tune.main(["--op", "copy", "--dtype", "float32", "--head-dim", "16",
+                          "--max-trials", "1", "--repeat", "1", "--log-root", str(logs),
+                          "--no-progress"]) == 0
+    finally:
+        os.umask(old)
+    built = out / SPEC.file_name()
+    for d in (tmp_path / "new", out, built.parent, logs, logs / "llvm"):
+        assert _mode(d) == 0o755, d
+    copy = compiler.KernelSpec(op="copy", dtype="float32", head_dim=16, n_kv_heads=1)
+    log_path = compiler.tuning_log_path(copy, logs)
+    assert _mode(log_path) == 0o644
+    assert [p.name for p in log_path.parent.iterdir()] == [log_path.name]  # no temp left
+    monkeypatch.setenv("KVTVM_KERNEL_PATH", str(out))
+    monkeypatch.setenv("KVTVM_TUNING_LOGS", str(logs))
+    compiler.get_kernel(SPEC)
+    assert compiler.tuned_knobs(copy) == json.loads(log_path.read_text())["knobs"]
+
+
+def test_a_cache_that_cannot_be_made_is_a_typed_error_naming_it(tmp_path, monkeypatch):
+    """It was a bare NotADirectoryError / PermissionError / FileNotFoundError from mkdir."""
+    from kvtvm.errors import KernelCacheError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.delenv("KVTVM_KERNEL_PATH", raising=False)
+    with pytest.raises(KernelCacheError, match="KVTVM_CACHE_DIR") as info:
+        compiler.get_kernel(SPEC)
+    assert str(blocker / "cache") in str(info.value) and isinstance(info.value, OSError)
+
+
+def test_a_cache_refused_for_its_parent_creates_nothing(tmp_path, monkeypatch):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(theirs / "cache"))
+    monkeypatch.delenv("KVTVM_KERNEL_PATH", raising=False)
+    _fake_owner(monkeypatch, theirs, 12345)
+    with pytest.raises(UntrustedKernelError, match="owned by uid 12345"):
+        compiler.get_kernel(SPEC)
+    assert list(theirs.iterdir()) == []  # nothing made inside another user's directory
+
+
+def test_without_a_home_directory_the_walk_goes_to_the_root(tmp_path, cache, monkeypatch):
+    """A container under an arbitrary uid (no HOME, no passwd entry): Path.home() raised and
+    every kernel directory was refused as 'cannot be checked'."""
+    from pathlib import Path
+
+    kernels = tmp_path / "kernels"
+    compiler.build_spec(SPEC, kernels)
+    monkeypatch.setenv("KVTVM_KERNEL_PATH", str(kernels))
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    compiler.get_kernel(SPEC)
+    os.chmod(tmp_path, 0o777)  # still walked: a writable parent is refused
+    try:
+        with pytest.raises(UntrustedKernelError, match="parent directory"):
+            compiler.get_kernel(compiler.KernelSpec(op="append", dtype="float32", head_dim=16,
+                                                    n_kv_heads=2, variant="serial"))
+    finally:
+        os.chmod(tmp_path, 0o700)
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o755])
+def test_kvtvm_cache_dir_itself_keeps_its_mode(tmp_path, monkeypatch, mode):
+    """KVTVM_CACHE_DIR=/tmp (as root: a container) was chmod-ed to 0700, sticky bit dropped,
+    and KVTVM_CACHE_DIR=$HOME likewise: only kvtvm's own folders are tightened."""
+    base = tmp_path / "shared"
+    base.mkdir()
+    os.chmod(base, mode)
+    monkeypatch.setenv("KVTVM_CACHE_DIR", str(base))
+    monkeypatch.delenv("KVTVM_KERNEL_PATH", raising=False)
+    if mode & 0o002 and os.geteuid() != 0:  # a sticky dir of ours, not root's: refused
+        with pytest.raises(UntrustedKernelError, match="writable by group or others"):
+            compiler.get_kernel(SPEC)
+    else:
+        compiler.get_kernel(SPEC)
+        assert _mode(compiler.cache_dir()) == 0o700
+    assert stat.S_IMODE(os.stat(base).st_mode) == mode

@@ -65,6 +65,14 @@ CASES = [
     (["tune", "--prebuilt", "/nonexistent/kvtvm-dir"], "--prebuilt"),
     (["tune", "--op", "decode", "--arch", "sm_90a", "--dry-run"], "--arch"),
     (["build", "--target", "llvm", "--out", "unused", "--head-dims", "0"], "--head-dims"),
+    # an empty list (`--dtypes=$UNSET`) built nothing, or for --ops everything, and exit 0
+    (["build", "--target", "llvm", "--out", "unused", "--dtypes="], "--dtypes"),
+    (["build", "--target", "llvm", "--out", "unused", "--features", ","], "--features"),
+    (["build", "--target", "llvm", "--out", "unused", "--cache-dtypes="], "--cache-dtypes"),
+    (["build", "--target", "llvm", "--out", "unused", "--ops="], "--ops"),
+    # a size the CUDA kernel cannot take: a traceback (after making the --build-only dir)
+    (["tune", "--op", "decode", "--head-dim", "112", "--group-size", "4", "--arch", "sm_90a",
+      "--build-only", "unused-kvtvm-tune-dir"], "head_dim"),
     (["build", "--target", "llvm", "--out", "unused", "--dtypes", "float64"], "--dtypes"),
     (["build", "--target", "llvm", "--out", "unused", "--ops", "attention"], "--ops"),
     (["tune", "--op", "decode", "--dtype", "floot32"], "--dtype"),

@@ -129,3 +129,22 @@ for f in (own, shared):
 print(torch.equal(got["own"], want), torch.equal(got["shared"], want))
 """)
     assert out.split() == ["True", "True"]
+
+
+def test_kvtvm_num_threads_out_of_range_is_named(monkeypatch):
+    """The variable took any int (100000 would start 100000 spinning TVM workers), and
+    clamped 0 or ignored "abc" silently; it now follows set_num_threads' range."""
+    from kvtvm import runtime
+    from kvtvm.errors import InvalidArgumentError
+
+    monkeypatch.setattr(runtime, "_num_threads", None)
+    for bad in ("0", "-3", "abc", "1.5", str(runtime.MAX_THREADS + 1), "100000"):
+        monkeypatch.setenv("KVTVM_NUM_THREADS", bad)
+        with pytest.raises(InvalidArgumentError, match="KVTVM_NUM_THREADS") as info:
+            runtime.cpu_threads()
+        assert repr(bad) in str(info.value)
+    monkeypatch.setenv("KVTVM_NUM_THREADS", " 3 ")
+    assert runtime.cpu_threads() == 3
+    monkeypatch.setenv("KVTVM_NUM_THREADS", "")  # empty: unset
+    monkeypatch.setenv("TVM_NUM_THREADS", "2")
+    assert runtime.cpu_threads() == 2
