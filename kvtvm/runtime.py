@@ -50,9 +50,9 @@ def cpu_threads() -> int:
     In order: :func:`set_num_threads`, ``KVTVM_NUM_THREADS``, TVM's own ``TVM_NUM_THREADS``,
     else the physical cores this process may run on. ``KVTVM_NUM_THREADS`` outside
     ``[1, MAX_THREADS]`` (or not an int) is an :class:`~kvtvm.errors.InvalidArgumentError`
-    naming it (it was clamped to 1, ignored, or taken as is: 100000 threads hang). (TVM's default is half the logical
-    CPUs on x86 -- a guess that hyper-threads come in pairs; on machines without them, most
-    VMs, it leaves half the cores idle.)
+    naming it, never clamped, ignored or taken as is (100000 threads hang). (TVM's default is
+    half the logical CPUs on x86 -- a guess that hyper-threads come in pairs; on machines
+    without them, most VMs, it leaves half the cores idle.)
     """
     if _num_threads is not None:
         return _num_threads
