@@ -18,12 +18,21 @@ Wire protocol of :class:`DistributedTransport` (control messages are one fixed
 
     lookup:  A->B LOOKUP(hashes)                 B->A ANSWER(count)
     pages:   A->B PAGES(page header without the checksums, run lengths)
+                  A computes the checksums    B->A READY (gloo: B posted every receive, or
+                  meanwhile                            will drain a refused import's runs)
              A->B one message per run of consecutive cache pages (views: no copy; runs cut
                   at CHUNK_BYTES); B receives each run straight into a run of its fresh pages
                   when it fits (else into a buffer, one copy)
-             A->B SUMS(one checksum per page): A computes them while the runs are on the wire,
-                  B its own as each run lands; B compares, then registers
+             A->B SUMS(one checksum per page); B computes its own as each run lands, compares,
+                  then registers
                                                  B->A ACK(status, pages written or held)
+
+On gloo the runs leave only once B said READY: A hashes while B checks the header and takes
+pages (the link is idle then anyway), and the runs then stream into receives already posted,
+written by A's thread without A's hashing competing with both sides' socket threads for the
+cores (16 MiB on 2 cores: 10.6 -> 8.1 ms, docs/PERF.md). Not on NCCL: its p2p ops to one peer
+run in order on one stream, so B's READY would wait for the runs it announces (a deadlock);
+there A posts the runs first and hashes while they are on the wire.
 
 (An export whose checksums were already computed -- ``export.header`` was read -- carries them
 in PAGES and sends no SUMS.)
@@ -63,7 +72,7 @@ __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
 log = logging.getLogger(__name__)
 
 # message kinds, and the status of an import plan / acknowledgement
-LOOKUP, ANSWER, PAGES, ACK, INTS, CLOSE, SUMS = range(1, 8)
+LOOKUP, ANSWER, PAGES, ACK, INTS, CLOSE, SUMS, READY = range(1, 9)
 OK, RESEND, REFUSED = 0, 1, 2
 #: Bytes of the fixed buffer every control message travels in.
 MSG_BYTES = 8192
@@ -294,13 +303,16 @@ class DistributedTransport(PageTransport):
         later = hdr.checksums is None
         raw = hdr.to_bytes()
         lengths = np.asarray([v.shape[0] for _, v in runs], dtype=np.int64)
-        # gloo: the acknowledgement's receive is posted first, so the peer's answer needs no
-        # "ready to receive" notice from this side when it comes. Not on NCCL: its p2p ops to
-        # one peer run in order on one stream, a receive posted first would wait for the
-        # peer's answer before the data it answers leaves (a deadlock)
+        # gloo: the receives of READY and of the acknowledgement are posted first (in the
+        # order the peer sends them), so the peer's answers need no "ready to receive"
+        # notice from this side when they come. Not on NCCL: its p2p ops to one peer run in
+        # order on one stream, a receive posted first would wait for the peer's answer
+        # before the data it answers leaves (a deadlock)
         # The acknowledgement lands in a buffer of this send's own: with several sends in
         # flight each reads its own answer (one shared buffer held the latest one)
         what = f"acknowledgement from rank {peer}"
+        ready_buf = torch.empty(MSG_BYTES, dtype=torch.uint8, device=self.device)
+        ready = [self._irecv(ready_buf, peer, "ready")] if self._early_ack else []
         ack_buf = torch.empty(MSG_BYTES, dtype=torch.uint8, device=self.device)
         ack = [self._irecv(ack_buf, peer, what)] if self._early_ack else []
 
@@ -315,15 +327,21 @@ class DistributedTransport(PageTransport):
 
         works = self._send_msg(peer, PAGES, tag, _LEN.pack(len(raw)) + raw
                                + lengths.tobytes(), "page header", wait=False)
-        # every run posted before any is hashed: hashing each run just before posting it
-        # was slower (median 9.4-10.6 ms against 8.0-9.4 per 16 MiB, docs/PERF.md)
-        works += [self._isend(v.to(self.device), peer, "page data") for _, v in runs]
-        failed = None
+        if not ready:  # NCCL: the runs go now, hashed while on the wire (see the docstring)
+            works += [self._isend(v.to(self.device), peer, "page data") for _, v in runs]
+        failed, sums = None, []
         if later:
             try:
                 sums = [c for row, v in runs for c in export.row_checksums(row, v)]
             except TransferError as err:  # the lease ended: the peer refuses a short list
                 failed, sums = err, []
+        if ready:  # gloo: the runs once the peer's receives are posted (see the docstring)
+            self._wait(ready[0], "ready")
+            kind, _, _ = self._read_msg(peer, "ready", None, ready_buf)
+            if kind != READY:
+                raise self._desync(f"expected ready (kind {READY}), got kind {kind}")
+            works += [self._isend(v.to(self.device), peer, "page data") for _, v in runs]
+        if later:
             works += self._send_msg(peer, SUMS, tag, np.asarray(sums, np.uint64).tobytes(),
                                     "checksums", wait=False)
         for work in works:
@@ -424,6 +442,7 @@ class DistributedTransport(PageTransport):
         except Exception as err:  # refused (format, room, a busy or unknown seq_id...), or
             # seq_for failed: take the data (and checksums) off the wire all the same (the
             # wire stays in step), then say why
+            self._ready(peer, tag)
             self._drain(peer, lengths, shape, dtype, later)
             held = mgr.held_prefix_pages(header.block_hashes) if type(err) is TransferError \
                 else 0
@@ -431,6 +450,7 @@ class DistributedTransport(PageTransport):
             if not isinstance(err, KVCacheError):
                 raise  # the application's own error (from seq_for)
             return Received("pages", tag, header=header, error=err)
+        readied = False
         try:
             targets, fixups = self._targets(mgr.import_runs(lid), lengths, first_row,
                                             header.page_shape, dtype)
@@ -444,6 +464,8 @@ class DistributedTransport(PageTransport):
                 data = None
             works = [self._irecv(t, peer, "page data") for t in targets]
             sums_work = self._irecv(self._in, peer, "checksums") if later else None
+            self._ready(peer, tag)
+            readied = True
             # verify each run while the next ones arrive (the checksums leave the critical
             # path) -- unless the device checksum would run on a host buffer bound for a
             # CUDA cache: then finish_import checks the pages on the device
@@ -477,10 +499,19 @@ class DistributedTransport(PageTransport):
             mgr.end_lease(lid)  # no-op if finish_import ended it
             if isinstance(err, TransferTimeoutError) or self._broken is not None:
                 raise
+            if not readied:  # failed before a receive was posted: the runs are drained
+                self._ready(peer, tag)
+                self._drain(peer, lengths, shape, dtype, later)
             self._ack(peer, REFUSED, 0, err)
             return Received("pages", tag, header=header, error=err)
         self._ack(peer, OK, written)
         return Received("pages", tag, header=header, seq_id=seq_id, pages_written=written)
+
+    def _ready(self, peer: int, tag: int) -> None:
+        """gloo: tell the sender its runs may come (every receive is posted, or the runs of
+        a refused import will be drained); see the module docstring. NCCL: nothing."""
+        if self._early_ack:
+            self._send_msg(peer, READY, tag, b"", "ready")
 
     def _targets(self, dest, lengths, first_row, page_shape, dtype):
         """Where each of the sender's runs is received: ``(targets, fixups)``. A run that lands
