@@ -144,3 +144,21 @@ def random_page_table(rng, lengths, page_size, spare=2):
 def random_prompt(rng, n):
     """``n`` random token ids in [3, 1000) (clear of the toy model's special ids)."""
     return rng.integers(3, 1000, n).tolist()
+
+
+def runtime_only_get_kernel(error: str = "CorruptKernelError") -> str:
+    """A script for :func:`run_python` in a runtime-only process (no TVM compiler): loads the
+    float32 append kernel and prints "LOADED", or "ERROR: ..." when it is refused with the
+    kvtvm error named ``error``."""
+    return f"""
+from kvtvm import compiler, runtime
+from kvtvm.errors import {error}
+assert not runtime.compiler_available()
+spec = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
+try:
+    compiler.get_kernel(spec)
+except {error} as err:
+    print("ERROR:", err)
+else:
+    print("LOADED")
+"""

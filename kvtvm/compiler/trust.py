@@ -127,19 +127,10 @@ def secure_cache_dir(path: Path, own_base: bool = True) -> Path:
     or a home directory, whose mode is the user's: it was made 0700, sticky bit dropped).
     A ``path`` owned by another user or that group/others can write is refused, and so is a
     base that is, unless root owns it with the sticky bit (``/tmp``)."""
-    missing = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
+    missing = _missing_dirs(path)
     if missing:  # refused before anything is made inside another user's tree
         check_trusted_parents(missing[-1], "kernel cache directory")
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=CACHE_DIR_MODE)
-        except FileExistsError:  # another process made it meanwhile
-            pass
-        os.chmod(d, CACHE_DIR_MODE)
+    make_dirs(path, CACHE_DIR_MODE)
     for d in ((path.parent, path) if own_base else (path,)):
         st = d.stat()
         if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
@@ -151,17 +142,21 @@ def secure_cache_dir(path: Path, own_base: bool = True) -> Path:
     return path
 
 
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its parents that do not exist, deepest first (a dangling link exists)."""
+    missing, p = [], path
+    while not os.path.lexists(p) and p.parent != p:
+        missing.append(p)
+        p = p.parent
+    return missing
+
+
 def make_dirs(path: str | os.PathLike, mode: int = DIR_MODE) -> Path:
     """Create the directory ``path`` and its missing parents, each with ``mode`` whatever the
     umask (a umask of 002 would make them group-writable, and then refused); directories that
     exist are left as they are."""
     path = Path(path)
-    missing = []
-    p = path
-    while not os.path.lexists(p) and p.parent != p:
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
+    for d in reversed(_missing_dirs(path)):
         try:
             d.mkdir(mode=mode)
         except FileExistsError:  # another process made it meanwhile

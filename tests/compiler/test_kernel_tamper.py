@@ -5,10 +5,9 @@ another CPU target, a group-writable ``<target>/`` folder inside a kernel direct
 import json
 import os
 import shutil
-import textwrap
 
 import pytest
-from helpers import run_python
+from helpers import run_python, runtime_only_get_kernel
 
 from kvtvm import compiler
 from kvtvm.compiler import build
@@ -51,27 +50,13 @@ def test_a_module_of_another_spec_is_not_fresh_and_is_rebuilt(tmp_path, monkeypa
     assert compiler.is_fresh(compiler.cache_dir() / SPEC.file_name(), SPEC)
 
 
-RUNTIME_ONLY = textwrap.dedent("""
-    from kvtvm import compiler, runtime
-    from kvtvm.errors import CorruptKernelError
-    assert not runtime.compiler_available()
-    spec = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
-    try:
-        compiler.get_kernel(spec)
-    except CorruptKernelError as err:
-        print("ERROR:", err)
-    else:
-        print("LOADED")
-""")
-
-
 @pytest.mark.parametrize("tamper", ["renamed", "other_cpu"])
 def test_runtime_only_refuses_a_module_of_another_spec(tmp_path, tamper):
     kernels = tmp_path / "kernels"
     path = _swap(kernels, tamper)
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", KVTVM_KERNEL_PATH=str(kernels),
                KVTVM_CACHE_DIR=str(tmp_path / "empty-cache"))
-    said = run_python(RUNTIME_ONLY, env=env, timeout=120)
+    said = run_python(runtime_only_get_kernel(), env=env, timeout=120)
     assert "ERROR:" in said and str(path) in said and "renamed or copied" in said, said
 
 

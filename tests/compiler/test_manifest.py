@@ -7,7 +7,7 @@ import shutil
 import textwrap
 
 import pytest
-from helpers import run_python
+from helpers import run_python, runtime_only_get_kernel
 
 from kvtvm import compiler
 from kvtvm.compiler import build, manifest
@@ -101,21 +101,6 @@ def test_a_missing_manifest_in_the_cache_rebuilds(tmp_path, monkeypatch):
     assert compiler.is_fresh(path, SPEC)
 
 
-RUNTIME_ONLY = textwrap.dedent("""
-    import sys
-    from kvtvm import compiler, runtime
-    from kvtvm.errors import KernelVersionError
-    assert not runtime.compiler_available()
-    spec = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
-    try:
-        compiler.get_kernel(spec)
-    except KernelVersionError as err:
-        print("ERROR:", err)
-    else:
-        print("LOADED")
-""")
-
-
 def test_runtime_only_refuses_another_kvtvm_version(tmp_path):
     import os
 
@@ -123,11 +108,12 @@ def test_runtime_only_refuses_another_kvtvm_version(tmp_path):
     path = compiler.build_spec(SPEC, out)
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", KVTVM_KERNEL_PATH=str(out),
                KVTVM_CACHE_DIR=str(tmp_path / "empty-cache"))
-    assert "LOADED" in run_python(RUNTIME_ONLY, env=env, timeout=120)
+    script = runtime_only_get_kernel("KernelVersionError")
+    assert "LOADED" in run_python(script, env=env, timeout=120)
     data = json.loads(compiler.manifest_path(path).read_text())
     data["kvtvm"] = "0.0.1-other"
     compiler.manifest_path(path).write_text(json.dumps(data))
-    said = run_python(RUNTIME_ONLY, env=env, timeout=120)
+    said = run_python(script, env=env, timeout=120)
     assert "ERROR:" in said and str(path) in said and "0.0.1-other" in said, said
 
 

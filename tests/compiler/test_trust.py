@@ -5,11 +5,10 @@ typed error naming the file without the compiler), corrupt tuning logs named."""
 import json
 import os
 import stat
-import textwrap
 
 import pytest
 
-from helpers import run_python
+from helpers import run_python, runtime_only_get_kernel
 from kvtvm import compiler
 from kvtvm.errors import CorruptKernelError, UntrustedKernelError
 
@@ -89,27 +88,13 @@ def test_a_corrupt_cached_module_is_rebuilt(cache, damage):
     assert len(path.read_bytes()) == len(good)
 
 
-RUNTIME_ONLY = textwrap.dedent("""
-    from kvtvm import compiler, runtime
-    from kvtvm.errors import CorruptKernelError
-    assert not runtime.compiler_available()
-    spec = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
-    try:
-        compiler.get_kernel(spec)
-    except CorruptKernelError as err:
-        print("ERROR:", err)
-    else:
-        print("LOADED")
-""")
-
-
 def test_runtime_only_names_a_truncated_module_instead_of_crashing(tmp_path):
     out = tmp_path / "kernels"
     path = compiler.build_spec(SPEC, out)
     path.write_bytes(path.read_bytes()[:4096])
     env = dict(os.environ, TVM_USE_RUNTIME_LIB="1", KVTVM_KERNEL_PATH=str(out),
                KVTVM_CACHE_DIR=str(tmp_path / "empty-cache"))
-    said = run_python(RUNTIME_ONLY, env=env, timeout=120)
+    said = run_python(runtime_only_get_kernel(), env=env, timeout=120)
     assert "ERROR:" in said and str(path) in said and "sha256" in said, said
 
 
