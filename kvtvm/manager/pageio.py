@@ -360,7 +360,13 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
         what :meth:`finish_import` expects; None when the cache splits heads over devices
         (receive into a buffer then). After receiving into them, call
         ``finish_import(lease_id, None)``: it verifies the checksums and copies nothing; on a
-        bad checksum the pages are only ever freed, never registered or handed out."""
+        bad checksum the pages are only ever freed, never registered or handed out.
+
+        The views stay writable after the lease ends: a transport that receives into them must
+        not let :meth:`expire_leases` end the lease while a write may still land (its pages
+        would be freed, handed out and then overwritten). Begin such an import with
+        ``timeout=None`` and end it yourself (``finish_import`` or :meth:`end_lease`) once no
+        write can come, as :class:`~kvtvm.transfer.DistributedTransport` does."""
         check_int("import_runs: lease_id", lease_id)
         with self._lock:
             lease = self._leases.get(lease_id)
