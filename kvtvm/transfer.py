@@ -30,9 +30,9 @@ Wire protocol of :class:`DistributedTransport` (control messages are one fixed
 On gloo the runs leave only once B said READY: A hashes while B checks the header and takes
 pages (the link is idle then anyway), and the runs then stream into receives already posted,
 written by A's thread without A's hashing competing with both sides' socket threads for the
-cores (16 MiB on 2 cores: 10.6 -> 8.1 ms, docs/PERF.md). Not on NCCL: its p2p ops to one peer
-run in order on one stream, so B's READY would wait for the runs it announces (a deadlock);
-there A posts the runs first and hashes while they are on the wire.
+cores (16 MiB on 2 cores: 9.9-10.7 -> 7.0-7.9 ms, docs/PERF.md). Not on NCCL: its p2p ops to
+one peer run in order on one stream, so B's READY would wait for the runs it announces (a
+deadlock); there A posts the runs first and hashes while they are on the wire.
 
 (An export whose checksums were already computed -- ``export.header`` was read -- carries them
 in PAGES and sends no SUMS.)
@@ -136,7 +136,9 @@ class DistributedTransport(PageTransport):
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
-        self._early_ack = backend == "gloo"
+        # gloo: answers' receives posted early and the runs sent after READY (the module
+        # docstring); NCCL runs one peer's ops in order on one stream, so neither there
+        self._gloo_order = backend == "gloo"
         self._broken = None  # why the wire is unusable (a peer gone, a message out of step)
         self._pool = None
         self._stage = None
@@ -312,9 +314,9 @@ class DistributedTransport(PageTransport):
         # flight each reads its own answer (one shared buffer held the latest one)
         what = f"acknowledgement from rank {peer}"
         ready_buf = torch.empty(MSG_BYTES, dtype=torch.uint8, device=self.device)
-        ready = [self._irecv(ready_buf, peer, "ready")] if self._early_ack else []
+        ready = [self._irecv(ready_buf, peer, "ready")] if self._gloo_order else []
         ack_buf = torch.empty(MSG_BYTES, dtype=torch.uint8, device=self.device)
-        ack = [self._irecv(ack_buf, peer, what)] if self._early_ack else []
+        ack = [self._irecv(ack_buf, peer, what)] if self._gloo_order else []
 
         def take_ack() -> bytes:
             if not ack:
@@ -510,7 +512,7 @@ class DistributedTransport(PageTransport):
     def _ready(self, peer: int, tag: int) -> None:
         """gloo: tell the sender its runs may come (every receive is posted, or the runs of
         a refused import will be drained); see the module docstring. NCCL: nothing."""
-        if self._early_ack:
+        if self._gloo_order:
             self._send_msg(peer, READY, tag, b"", "ready")
 
     def _targets(self, dest, lengths, first_row, page_shape, dtype):

@@ -4,9 +4,9 @@
    gloo on CPU, ``--backend nccl --device cuda`` on a GPU). Side by side, on the same bytes:
    kvtvm's export + send + import of one sequence's pages (the header, the checksums on both
    sides, the page runs received straight into the receiver's pages, the acknowledgement;
-   also with the lookup by hashes first, as :func:`kvtvm.transfer.send_sequence` does) against a plain ``torch.distributed``
-   send of one contiguous tensor of the same size into a preallocated buffer, acknowledged the
-   same way. Reported: GB/s of each and kvtvm / plain (target: at least 0.8).
+   also with the lookup by hashes first, as :func:`kvtvm.transfer.send_sequence` does)
+   against a plain ``torch.distributed`` send of one contiguous tensor of the same size into a
+   preallocated buffer, acknowledged the same way. Reported: GB/s of each and kvtvm / plain (target: at least 0.8).
 2. *Host tier*: demotion (what an eviction runs: the evicted cached pages copied to the host
    pool together) and promotion (what a prefix hit on the host tier runs: content checks,
    one copy back, one scatter, register) of a whole sequence's pages, against a plain

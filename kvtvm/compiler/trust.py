@@ -4,8 +4,8 @@ write, binaries whose sha256 matches their manifest, written with explicit modes
 Like ssh with its keys, kvtvm refuses (:class:`~kvtvm.errors.UntrustedKernelError`, naming the
 path and the reason) to load code from a directory or file owned by another user, or that group
 or others can write. The user cache is created ``0700``; built files and tuning logs are made
-``0644`` and the other directories kvtvm creates ``0755``, whatever the umask. Each module's manifest records
-its sha256, checked before ``dlopen``: a truncated or corrupt module is rebuilt when the
+``0644`` and the other directories kvtvm creates ``0755``, whatever the umask. Each module's
+manifest records its sha256, checked before ``dlopen``: a truncated or corrupt module is rebuilt when the
 compiler is present and is a :class:`~kvtvm.errors.CorruptKernelError` naming the file when it
 is not (never a SIGBUS).
 

@@ -253,7 +253,8 @@ class PageExport:
 
     The checksums are computed when first needed: ``header`` computes them all;
     ``wire_header`` is the header without them (until computed) and :meth:`row_checksums`
-    computes those of a run of rows (a transport sends the run, then checksums it while it is on the wire).
+    computes those of a run of rows (a transport computes them while the peer gets ready, or
+    while the run is on the wire).
     """
 
     def __init__(self, header: PageHeader, lease_id: int, pages, blocks, gather, sums=None,

@@ -13,41 +13,31 @@ pytestmark = pytest.mark.e2e
 
 NO_CUDA = not torch.cuda.is_available()
 
+#: ``python -m kvtvm generate`` on the toy model: the start of most cases' argv
+GEN = ["generate", "--model", "toy", "--prompt", "5 6"]
+
 CASES = [
     # (argv of python -m kvtvm, what the one error line must name)
-    (["generate", "--model", "toy", "--prompt", "5 6", "--max-new-tokens", "-1"],
-     "--max-new-tokens"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--device", "tpu"], "--device"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--torch-threads", "0"],
-     "--torch-threads"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--kernel-threads", "-3"],
-     "--kernel-threads"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--host-tier-pages", "-1"],
-     "--host-tier-pages"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--disk-tier-dir", "/proc/kvtvm-x"],
-     "disk_dir"),
+    ([*GEN, "--max-new-tokens", "-1"], "--max-new-tokens"),
+    ([*GEN, "--device", "tpu"], "--device"),
+    ([*GEN, "--torch-threads", "0"], "--torch-threads"),
+    ([*GEN, "--kernel-threads", "-3"], "--kernel-threads"),
+    ([*GEN, "--host-tier-pages", "-1"], "--host-tier-pages"),
+    ([*GEN, "--disk-tier-dir", "/proc/kvtvm-x"], "disk_dir"),
     (["generate", "--model", "/nonexistent/model", "--prompt", "hi"], "--model"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--cache-dtype", "int4"],
-     "--cache-dtype"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--k-cache-dtype", "fp8"],
-     "--k-cache-dtype"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--skip-layers", "0"], "--skip-layers"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--cache-dtype", "int8",
-      "--skip-layers", "9"], "skip_layers"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--cache-dtype", "int8",
-      "--v-cache-dtype", "bfloat16"], "v_cache_dtype"),
+    ([*GEN, "--cache-dtype", "int4"], "--cache-dtype"),
+    ([*GEN, "--k-cache-dtype", "fp8"], "--k-cache-dtype"),
+    ([*GEN, "--skip-layers", "0"], "--skip-layers"),
+    ([*GEN, "--cache-dtype", "int8", "--skip-layers", "9"], "skip_layers"),
+    ([*GEN, "--cache-dtype", "int8", "--v-cache-dtype", "bfloat16"], "v_cache_dtype"),
     # off the grid: a huge thread count (hung), a non-finite temperature (sampled
     # uniformly), a seed torch cannot take and an empty disk-tier path (the current
     # directory) (the last two were a traceback / taken)
-    (["generate", "--model", "toy", "--prompt", "5 6", "--kernel-threads", "100000"],
-     "--kernel-threads"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--torch-threads", "5000"],
-     "--torch-threads"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--temperature", "inf"],
-     "temperature"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--temperature", "1", "--seed",
-      str(1 << 70)], "seed"),
-    (["generate", "--model", "toy", "--prompt", "5 6", "--disk-tier-dir", ""], "disk_dir"),
+    ([*GEN, "--kernel-threads", "100000"], "--kernel-threads"),
+    ([*GEN, "--torch-threads", "5000"], "--torch-threads"),
+    ([*GEN, "--temperature", "inf"], "temperature"),
+    ([*GEN, "--temperature", "1", "--seed", str(1 << 70)], "seed"),
+    ([*GEN, "--disk-tier-dir", ""], "disk_dir"),
     # an --out that cannot be written: one line before any kernel is built (it was one
     # FAILED line per kernel, each after its compile, and exit 1)
     (["build", "--target", "llvm", "--out", "/proc/kvtvm-x", "--ops", "copy", "--dtypes",
@@ -106,7 +96,7 @@ CASES = [
     (["bench", "transfer", "--cache-dtype", "int8", "--skip-layers", "9"], "skip_layers"),
 ]
 if NO_CUDA:
-    CASES += [(["generate", "--model", "toy", "--prompt", "5 6", "--device", "cuda"], "CUDA"),
+    CASES += [([*GEN, "--device", "cuda"], "CUDA"),
               (["bench", "decode", "--device", "cuda"], "CUDA"),
               (["tune", "--op", "decode", "--device", "cuda"], "CUDA")]
 

@@ -41,7 +41,7 @@ class ScriptedPeer:
 def transport(messages):
     tr = DistributedTransport.__new__(DistributedTransport)  # no process group needed
     tr.dist, tr.group, tr.timeout = ScriptedPeer(messages), None, 1.0
-    tr.device, tr._early_ack, tr._broken = torch.device("cpu"), True, None
+    tr.device, tr._gloo_order, tr._broken = torch.device("cpu"), True, None
     tr._pool = tr._stage = None
     tr._out = torch.zeros(MSG_BYTES, dtype=torch.uint8)
     tr._in = torch.zeros(MSG_BYTES, dtype=torch.uint8)
