@@ -44,6 +44,9 @@ import torch
 
 import kvtvm.relax as kr
 from kvtvm import KVCacheParams
+from kvtvm.compiler.trust import (check_digest, check_trusted, check_trusted_tree, sha256_of,
+                                  write_file)
+from kvtvm.errors import CorruptKernelError
 from kvtvm.manager import BatchItem, PagedKVCacheManager
 
 
@@ -277,9 +280,10 @@ def export_relax(cfg: Config, path) -> Path:
     executable, names = compile_relax(cfg, make_manager(dataclasses.replace(cfg, device="cpu")))
     path = Path(path)
     compiler.export_built(executable.mod, path, cfg.arch if cfg.device == "cuda" else None)
-    meta = {"params": names, "config": {k: v for k, v in dataclasses.asdict(cfg).items()
-                                        if k not in ("requests", "new_tokens")}}
-    Path(str(path) + ".json").write_text(json.dumps(meta, indent=1))
+    meta = {"params": names, "sha256": sha256_of(path),
+            "config": {k: v for k, v in dataclasses.asdict(cfg).items()
+                       if k not in ("requests", "new_tokens")}}
+    write_file(Path(str(path) + ".json"), json.dumps(meta, indent=1))
     return path
 
 
@@ -291,7 +295,15 @@ def load_relax(cfg: Config, path):
 
     from kvtvm import runtime
 
-    meta = json.loads(Path(str(path) + ".json").read_text())
+    path, meta_path = Path(path), Path(str(path) + ".json")
+    # nothing runs unless kvtvm wrote it: the module and its record are this user's (or root's),
+    # no one else can write them or a directory above them, and the bytes are those exported
+    check_trusted_tree(path, "exported Relax module")
+    check_trusted(meta_path, "exported Relax module's record")
+    meta = json.loads(meta_path.read_text())
+    why = check_digest(path, meta)
+    if why is not None:
+        raise CorruptKernelError(f"exported Relax module {path}: {why}; export it again")
     theirs = {k: v for k, v in meta["config"].items() if k != "arch"}  # (any arch loads)
     mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k in theirs}
     if mine != theirs:

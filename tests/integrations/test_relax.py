@@ -425,6 +425,32 @@ def test_example_exported_then_run_with_the_runtime_only(tmp_path):
         ex.load_relax(other, path)
 
 
+def test_example_load_refuses_what_kvtvm_did_not_write(tmp_path):
+    """--load runs only the bytes --export wrote, from files no one else can write: a
+    modified module and a group-writable one are refused before anything is loaded."""
+    from kvtvm.errors import CorruptKernelError, UntrustedKernelError
+
+    ex = _example()
+    cfg = ex.Config(**{**_SMALL, "requests": tuple(map(tuple, _SMALL["requests"]))})
+    path = ex.export_relax(cfg, tmp_path / "llama.so")
+    meta = Path(str(path) + ".json")
+    assert oct(meta.stat().st_mode & 0o777) == "0o644"
+    vm, names = ex.load_relax(cfg, path)         # as exported: loads
+    assert names and vm is not None
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(CorruptKernelError, match="sha256"):
+        ex.load_relax(cfg, path)
+    path.write_bytes(good)
+    path.chmod(0o666)
+    with pytest.raises(UntrustedKernelError, match="writable"):
+        ex.load_relax(cfg, path)
+    path.chmod(0o644)
+    meta.chmod(0o666)
+    with pytest.raises(UntrustedKernelError, match="record"):
+        ex.load_relax(cfg, path)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_example_exports_for_cuda(tmp_path):
     """The whole Relax Llama (TVM's default GPU schedules for the model, kvtvm's kernels for
