@@ -31,7 +31,7 @@ from .compiler.spec import QUANT_FAMILIES
 from .compiler.manifest import manifest_path as manifest_path_of
 from .compiler.manifest import read_manifest, spec_mismatch
 from .compiler.trust import check_digest, check_trusted, check_trusted_tree, write_file
-from .errors import CorruptKernelError, KVCacheError
+from .errors import CorruptKernelError, InvalidArgumentError, KVCacheError
 from .kernels.errflag import ERR_SLOTS
 
 log = logging.getLogger(__name__)
@@ -366,6 +366,15 @@ def command_line_spec(args):
         target, arch = "llvm", None
     if args.op == "copy":  # the copy op always loads the copy kernel this way
         args.kv_heads, args.group_size, args.layout = 1, 1, "nhd"
+        if any(args.cache_dtype):
+            # an 8-bit cache's pages are bytes, which the copy op moves as float32 words, four
+            # to a 16-byte row (kvtvm.ops.copy): that kernel, whatever --dtype/--head-dim say
+            if not all(args.cache_dtype):
+                raise InvalidArgumentError(
+                    "--cache-dtype: copy moves K and V buffers with separate kernels; tune "
+                    "the 8-bit side with --cache-dtype int8 (or float8_e4m3fn) and the "
+                    "full-precision side with --cache-dtype none")
+            args.dtype, args.head_dim = "float32", 4
     k_storage, v_storage = args.cache_dtype if args.op in QUANT_FAMILIES else ("", "")
     return compiler.KernelSpec(op=args.op, dtype=args.dtype, head_dim=args.head_dim,
                                n_kv_heads=args.kv_heads, group_size=args.group_size,

@@ -225,3 +225,27 @@ def test_prebuilt_candidates_of_another_cuda_arch_name_the_device(tmp_path, caps
         tune.main(["--prebuilt", str(tmp_path), "--device", "cuda", "--dry-run"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "--device cuda" in err and "sm_80" in err, err
+
+
+def test_tune_copy_of_an_8bit_cache_tunes_the_kernel_its_pages_use(monkeypatch, capsys):
+    """An 8-bit cache's pages are bytes the copy op moves as float32 words, four to a row:
+    ``--op copy --cache-dtype int8`` tunes that kernel (it ignored the cache dtype, tuning
+    the float16 rows no 8-bit page uses); a K-only pair is refused, naming both ways."""
+    seen = []
+
+    def fake_tune(spec, device, *args, **kwargs):
+        seen.append(spec)
+        return {"device": device, "knobs": {}, "median_ms": 1.0, "default_ms": 1.0}
+
+    monkeypatch.setattr(tune, "tune", fake_tune)
+    for cache_dtype in ("int8", "float8_e4m3fn", "int8/float8_e4m3fn"):
+        assert tune.main(["--op", "copy", "--cache-dtype", cache_dtype, "--dry-run"]) == 0
+    assert [(s.op, s.dtype, s.head_dim, s.k_storage) for s in seen] == \
+        [("copy", "float32", 4, "")] * 3
+    assert tune.main(["--op", "copy", "--dtype", "float16", "--head-dim", "96", "--dry-run"]) == 0
+    assert (seen[-1].dtype, seen[-1].head_dim) == ("float16", 96)
+    capsys.readouterr()
+    assert tune.main(["--op", "copy", "--cache-dtype", "int8/none", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--cache-dtype" in err and "none" in err and "Traceback" not in err
+    assert len(seen) == 4
