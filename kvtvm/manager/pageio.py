@@ -30,6 +30,7 @@ the header's head range (resharding).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -43,6 +44,11 @@ from .hashing import block_hashes as _block_hashes
 from .pagelayout import PageLayoutMixin
 from .pageformat import FORMAT_VERSION, LAYOUT, STORAGE, PageExport, PageHeader
 from .prefixhashes import PrefixHashMixin
+
+#: Lease ids are unique in the process, not per manager: an id handed to another manager's
+#: ``end_lease`` / ``finish_import`` / ``import_runs`` is never one of its open leases (with
+#: per-manager counters, ending export 0 of one manager ended lease 0 of another).
+_LEASE_IDS = itertools.count()
 
 __all__ = ["FORMAT_VERSION", "PageHeader", "PageExport", "PageIOMixin"]
 
@@ -86,7 +92,6 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
     def _init_pageio(self) -> None:
         self._leased = np.zeros(self.num_pages, dtype=np.int32)
         self._leases: dict[int, _Lease] = {}
-        self._next_lease = 0
         self._init_prefix_hashes()
 
     # -- leases -------------------------------------------------------------------------------
@@ -109,8 +114,7 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
 
     def _new_lease(self, lease: _Lease) -> int:
         self._lease_pages(lease.pages)
-        lid = self._next_lease
-        self._next_lease += 1
+        lid = next(_LEASE_IDS)
         self._leases[lid] = lease
         return lid
 

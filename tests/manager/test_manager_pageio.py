@@ -164,10 +164,10 @@ def test_header_built_inconsistently_is_refused_by_name_and_changes_nothing(fiel
     b.import_pages(first.header, first.data)  # b holds page 0: the header starts at page 1
     hdr = dataclasses.replace(ex.header, **{field: value})
     (t,) = b.claim(1)
-    before, leases, blocks = stats(b), b._next_lease, [x.clone() for x in b.blocks]
+    before, leases, blocks = stats(b), b.active_leases(), [x.clone() for x in b.blocks]
     with pytest.raises(CorruptTransferError, match=field):
         b.import_pages(hdr, ex.data, seq_id=t)
-    assert stats(b) == before and b._next_lease == leases and b.cache_length(t) == 0
+    assert stats(b) == before and b.active_leases() == leases and b.cache_length(t) == 0
     assert all(torch.equal(x, y) for x, y in zip(blocks, b.blocks))
     conserved(b)
     assert b.import_pages(ex.header, ex.data, seq_id=t) == 3  # the consistent one imports
@@ -424,3 +424,17 @@ def test_header_wire_encoding_round_trips_and_refuses_damage():
             PageHeader.from_bytes(bad)
     with pytest.raises(CorruptTransferError, match="block_hashes"):
         dataclasses.replace(hdr, block_hashes=(-1,) + hdr.block_hashes[1:]).to_bytes()
+
+
+def test_a_lease_id_means_nothing_to_another_manager():
+    """Lease ids are unique in the process: ending another manager's export lease here is a
+    no-op (False), not the end of this manager's lease with the same number."""
+    a, b = make(), make()
+    ex_a = a.export_pages(run_prompt(a, list(range(9))))
+    ex_b = b.export_pages(run_prompt(b, list(range(9))))
+    assert ex_a.lease_id != ex_b.lease_id
+    assert b.end_lease(ex_a.lease_id) is False
+    assert b.active_leases() == {ex_b.lease_id: "export"} and a.active_leases() == {ex_a.lease_id: "export"}
+    with pytest.raises(SequenceStateError, match="not an open"):
+        b.import_runs(ex_a.lease_id)
+    assert a.end_lease(ex_a.lease_id) and b.end_lease(ex_b.lease_id)
