@@ -1,0 +1,205 @@
+"""transformers on kvtvm beyond the Llama family: tiny random models (seeded, float32, 2-3
+layers) of every family :data:`kvtvm.integrations.hf_support.VERIFIED_MODEL_TYPES` adds give
+transformers' own tokens (sdpa; eager for Gemma2) under ``generate`` (left-padded greedy batch, sampling, beam search;
+paged and continuous caches) and ``generate_batch``; their logits match sdpa's; the families
+kvtvm cannot serve exactly are refused up front, naming what, with the model unchanged."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm.errors import InvalidArgumentError
+
+hf = pytest.importorskip("kvtvm.integrations.hf")
+import transformers  # noqa: E402
+
+from kvtvm.integrations import hf_batch, hf_support  # noqa: E402
+
+VOCAB = 256
+# 8 query heads, 2 KV heads of 32 (the toy Llama's kernels); hidden 64 where the config takes a
+# head_dim of its own, else 256 (= 8 x 32)
+_GQA = dict(vocab_size=VOCAB, num_attention_heads=8, num_key_value_heads=2,
+            intermediate_size=64, max_position_embeddings=256, initializer_range=0.15,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+_OWN_HEAD_DIM = dict(_GQA, hidden_size=64, head_dim=32)
+_WIDE = dict(_GQA, hidden_size=256)
+
+#: kind -> (config class, model class, config kwargs): each family's distinguishing features
+FAMILIES = {
+    # q/k RMSNorm per head; layer 1 windowed (layer_types), a window shorter than the prompts
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        _OWN_HEAD_DIM, num_hidden_layers=2, use_sliding_window=True, sliding_window=6,
+        max_window_layers=1)),
+    # embeddings scaled by sqrt(hidden), GeGLU, (1 + w) RMSNorm
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_OWN_HEAD_DIM, num_hidden_layers=2)),
+    # query_pre_attn_scalar scaling, alternating windowed/full layers, final logit softcap
+    # (on the LM head: transformers'), no attention softcap
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        _OWN_HEAD_DIM, num_hidden_layers=2, query_pre_attn_scalar=20, sliding_window=6,
+        attn_logit_softcapping=None, final_logit_softcapping=30.0)),
+    # query_pre_attn_scalar scaling, q/k norms, windowed and full layers mixed (layer_types),
+    # a RoPE of its own per layer type
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        _OWN_HEAD_DIM, num_hidden_layers=3, query_pre_attn_scalar=20, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # fused qkv projection, a window on every layer
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_WIDE, num_hidden_layers=2,
+                                                   sliding_window=6)),
+    # q/k RMSNorm over the whole projection, norms after attention and MLP
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_WIDE, num_hidden_layers=2)),
+    # attention_multiplier as the softmax scale, embedding/residual/logit multipliers
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        _WIDE, num_hidden_layers=2, attention_multiplier=0.09, embedding_multiplier=2.0,
+        residual_multiplier=0.5, logits_scaling=2.0)),
+    # biases everywhere, LayerNorm, a window on every layer
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
+        _WIDE, num_hidden_layers=2, sliding_window=6, use_bias=True)),
+    # parallel attention + MLP, LayerNorm, interleaved RoPE, q/k norms, logit scale
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(_WIDE, num_hidden_layers=2,
+                                                         use_qk_norm=True, logit_scale=0.5)),
+    # o_proj maps heads x head_dim back assuming it is the hidden size
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict(_WIDE, head_dim=32, num_hidden_layers=2)),
+    # partial, interleaved RoPE; fused gate/up
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(_OWN_HEAD_DIM, num_hidden_layers=2)),
+}
+
+_models: dict = {}
+
+
+def tiny(kind: str):
+    """The seeded tiny random model of ``kind`` (float32, eval, on sdpa), built once."""
+    if kind not in _models:
+        config_cls, model_cls, kw = FAMILIES[kind]
+        config = getattr(transformers, config_cls)(**kw)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(config).eval()
+        model.generation_config.eos_token_id = None          # a fixed number of tokens
+        model.set_attn_implementation(_reference(model))
+        _models[kind] = model
+    return _models[kind]
+
+
+def _reference(model) -> str:
+    """transformers' attention to compare with: sdpa, or eager where the family has no sdpa
+    path (Gemma2)."""
+    return "sdpa" if model._supports_sdpa else "eager"
+
+
+def on_kvtvm(model, fn):
+    """``fn()`` with ``model`` on kvtvm attention, on its reference attention afterwards."""
+    hf.use_kvtvm(model)
+    try:
+        return fn()
+    finally:
+        model.set_attn_implementation(_reference(model))
+
+
+def _left_padded(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.zeros(len(lengths), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, T - n:], mask[b, T - n:] = torch.randint(3, VOCAB, (n,), generator=g), 1
+    return ids, mask
+
+
+def _gen(model, ids, mask, cache=None, seed=None, **kw):
+    if cache is not None:
+        kw["cache"] = cache
+    if seed is not None:
+        torch.manual_seed(seed)
+    kw.setdefault("do_sample", False)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, **kw)
+
+
+def test_every_family_here_is_verified_and_vice_versa():
+    """The list hf_support accepts is the list this file (and test_hf*.py for the Llama
+    family) verifies."""
+    llama_family = {"llama", "mistral", "qwen2", "smollm3"}
+    assert set(hf_support.VERIFIED_MODEL_TYPES) == llama_family | set(FAMILIES)
+    for kind in FAMILIES:
+        assert tiny(kind).config.model_type == kind
+
+
+@pytest.mark.parametrize("cache", ["paged", "continuous"])
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_left_padded_greedy_batch_and_logits_equal_sdpa(kind, cache):
+    """Three prompts of different lengths (longer than the 6-token windows), left-padded:
+    the prompt's logits at real positions and 8 greedy tokens equal sdpa's; each row's
+    sequence holds only its real tokens."""
+    model = tiny(kind)
+    lengths = [5, 13, 9]
+    ids, mask = _left_padded(lengths, seed=11)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want_logits = model(ids, attention_mask=mask, position_ids=pos).logits
+    want = _gen(model, ids, mask)
+    kv = hf.KVTVMCache(model, max_seq_len=24, cache=cache, max_batch_size=3, page_size=4)
+
+    def run():
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, position_ids=pos,
+                           cache=hf.KVTVMCache(model, 24, cache=cache, max_batch_size=3)).logits
+        return logits, _gen(model, ids, mask, kv)
+
+    got_logits, got = on_kvtvm(model, run)
+    real = mask.bool()
+    torch.testing.assert_close(got_logits[real], want_logits[real], rtol=1e-4, atol=1e-4)
+    assert torch.equal(got, want), kind
+    assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [n + 6 for n in lengths]  # last token in flight
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_sampling_equals_sdpa(kind):
+    """Seeded sampling, two return sequences per prompt (batch expansion), paged cache for
+    half the families and continuous for the others."""
+    model = tiny(kind)
+    ids, mask = _left_padded([4, 10], seed=13)
+    kw = dict(do_sample=True, num_return_sequences=2, top_k=0, temperature=1.5, seed=5)
+    want = _gen(model, ids, mask, **kw)
+    cache = "paged" if sorted(FAMILIES).index(kind) % 2 else "continuous"
+    got = on_kvtvm(model, lambda: _gen(model, ids, mask, hf.KVTVMCache(
+        model, max_seq_len=18, cache=cache), **kw))
+    assert torch.equal(got, want), kind
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_beam_search_equals_sdpa(kind):
+    model = tiny(kind)
+    ids, mask = _left_padded([6, 11], seed=12)
+    kw = dict(num_beams=3, num_return_sequences=2)
+    want = _gen(model, ids, mask, **kw)
+    cache = "continuous" if sorted(FAMILIES).index(kind) % 2 else "paged"
+    kv = hf.KVTVMCache(model, max_seq_len=19, cache=cache, max_batch_size=2)
+    got = on_kvtvm(model, lambda: _gen(model, ids, mask, kv, **kw))
+    assert torch.equal(got, want), kind
+    assert len(kv.seq_ids) == 6
+
+
+def _batch(model, prompts, n, attn):
+    from transformers import GenerationConfig
+
+    if attn == "kvtvm":
+        hf_batch.use_kvtvm_batch(model)
+    gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cfg = hf_batch.cb_config(max(map(len, prompts)), n, len(prompts), page_size=4)
+    try:
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cfg,
+                                   warmup=False, progress_bar=False)
+    finally:
+        model.set_attn_implementation(_reference(model))
+    return [list(out[f"req_{i}"].generated_tokens) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_generate_batch_equals_sdpa(kind):
+    """transformers' continuous batching with the "kvtvm_flash" attention."""
+    model = tiny(kind)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 14, 9)]
+    want = _batch(model, prompts, 8, "sdpa")
+    hf_batch.KERNEL_CALLS.reset()
+    got = _batch(model, prompts, 8, "kvtvm")
+    assert hf_batch.KERNEL_CALLS.varlen + hf_batch.KERNEL_CALLS.kvcache > 0
+    assert got == want, kind
