@@ -118,7 +118,7 @@ def check_model(model):
 
     def refuse(why: str):
         raise UnsupportedModelError(f"model_type {kind!r} is not supported on kvtvm attention: "
-                                    f"{why}; use transformers' own attention (sdpa) for it")
+                                    f"{why}; use transformers' own attention (sdpa, eager)")
 
     if getattr(top, "is_encoder_decoder", False) or getattr(config, "add_cross_attention",
                                                             False) \
@@ -132,7 +132,8 @@ def check_model(model):
     cls = type(model)
     if not getattr(cls, "_supports_attention_backend", False) or \
             not cls._can_set_attn_implementation():
-        refuse("its attention does not run through transformers' AttentionInterface")
+        refuse("its attention does not run through transformers' AttentionInterface "
+               "(transformers' _supports_attention_backend / _can_set_attn_implementation)")
     if kind not in VERIFIED_MODEL_TYPES:
         refuse(f"not among the families verified on kvtvm attention "
                f"({', '.join(VERIFIED_MODEL_TYPES)})")

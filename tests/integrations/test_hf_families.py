@@ -203,3 +203,71 @@ def test_generate_batch_equals_sdpa(kind):
     got = _batch(model, prompts, 8, "kvtvm")
     assert hf_batch.KERNEL_CALLS.varlen + hf_batch.KERNEL_CALLS.kvcache > 0
     assert got == want, kind
+
+
+_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2)
+_MOE = dict(num_experts_per_tok=1, moe_intermediate_size=16)
+
+#: (config class, model class, config kwargs, what the refusal names)
+REFUSED = {
+    "gemma2_softcap": ("Gemma2Config", "Gemma2ForCausalLM", dict(_SMALL, head_dim=8),
+                       r"'gemma2'.*attn_logit_softcapping=50.0"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(_SMALL, head_dim=8, num_local_experts=2, num_experts_per_tok=1),
+                "attention sinks"),
+    "falcon_alibi": ("FalconConfig", "FalconForCausalLM",
+                     dict(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, alibi=True), "ALiBi"),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=64, hidden_size=32, n_layer=1,
+                                                      n_head=4), "ALiBi"),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(_SMALL, head_dim=8, attention_chunk_size=8, num_local_experts=2,
+                    intermediate_size_mlp=32), r"chunked attention \(attention_chunk_size=8\)"),
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM",
+                dict(_SMALL, head_dim=8, num_kv_shared_layers=1, vocab_size_per_layer_input=64,
+                     hidden_size_per_layer_input=8, laurel_rank=4, altup_num_inputs=2),
+                r"KV shared between layers \(num_kv_shared_layers=1\)"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(_SMALL, **_MOE, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=2,
+                         first_k_dense_replace=2), "multi-head latent attention"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(_SMALL, **_MOE, head_dim=8, num_experts=2,
+                        shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                        linear_num_value_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8), r"layer_types \['linear_attention'\]"),
+    "jamba": ("JambaConfig", "JambaForCausalLM",
+              dict(_SMALL, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
+                   attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                   use_mamba_kernels=False, mamba_d_state=4, mamba_expand=1),
+              "not recurrent or hybrid"),
+    "t5": ("T5Config", "T5ForConditionalGeneration",
+           dict(vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=4),
+           "encoder-decoder"),
+    "gemma3_bidirectional": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                             dict(_SMALL, head_dim=8, use_bidirectional_attention=True),
+                             "bidirectional attention"),
+    "falcon": ("FalconConfig", "FalconForCausalLM",
+               dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4),
+               "does not run through transformers' AttentionInterface"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64),
+             r"'gpt2'.*not among the families verified"),
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_what_kvtvm_cannot_serve_exactly_is_refused_up_front(kind):
+    """Each refusal is an UnsupportedModelError (an InvalidArgumentError) naming the model type
+    and what is unsupported, from use_kvtvm, use_kvtvm_batch and KVTVMCache alike, and the
+    model keeps its attention."""
+    config_cls, model_cls, kw, match = REFUSED[kind]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kw))
+    before = model.config._attn_implementation
+    for call in (hf.use_kvtvm, hf_batch.use_kvtvm_batch, lambda m: hf.KVTVMCache(m, 16)):
+        with pytest.raises(hf_support.UnsupportedModelError, match=match) as err:
+            call(model)
+        assert isinstance(err.value, InvalidArgumentError)
+        assert "model_type" in str(err.value)
+        assert model.config._attn_implementation == before
