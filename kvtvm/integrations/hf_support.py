@@ -40,9 +40,10 @@ __all__ = ["VERIFIED_MODEL_TYPES", "check_model", "UnsupportedModelError"]
 #: ``config.model_type`` values verified token for token against transformers' sdpa (see the
 #: module docstring); any of them is still refused when a property below says so (Gemma2 with
 #: its default ``attn_logit_softcapping=50.0``).
-VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm3", "qwen3", "gemma", "gemma2",
-                        "gemma3_text", "phi3", "olmo2", "granite", "starcoder2", "cohere",
-                        "helium", "glm")
+VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm3", "qwen3", "qwen3_moe", "gemma",
+                        "gemma2", "gemma3_text", "phi", "phi3", "olmo", "olmo2", "olmo3",
+                        "granite", "starcoder2", "cohere", "cohere2", "helium", "glm", "glm4",
+                        "gpt_neox", "exaone4", "ministral", "mixtral")
 
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 #: config attributes of recurrent (Mamba / linear-attention / short-conv) hybrids
