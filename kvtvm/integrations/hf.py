@@ -16,11 +16,17 @@ Three pieces, all registered with transformers' public extension points:
     out = model.generate(**batch, cache=KVTVMCache(model, max_seq_len=1024),
                          max_new_tokens=32, do_sample=False)
 
-Supported: Llama-family decoders (:func:`kvtvm.engine.runner.check_supported`: Llama, Mistral,
-Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
+Supported: decoder-only transformers models whose attention runs through ``AttentionInterface``
+with ``cache.update`` per layer and plain causal softmax attention (full or windowed), verified
+family by family against transformers' own attention (:mod:`~kvtvm.integrations.hf_support`:
+``VERIFIED_MODEL_TYPES`` -- Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
+SmolLM3, Gemma, Gemma2 without attention softcap, Gemma3 text, Phi, Phi-3, OLMo, OLMo2,
+OLMo3, Granite, StarCoder2, Cohere, Cohere2, Helium, GLM, GLM-4, GPT-NeoX, EXAONE 4), GQA or
+multi-head, a ``head_dim`` of its own, greedy or sampled generation,
 ``num_return_sequences``, beam search, sliding windows (from the config, per layer: full and
-windowed layers may mix, as ``layer_types`` says), the model's
-``scaling``, and
+windowed layers may mix, as ``layer_types`` says), the model's own ``scaling`` (passed by its
+attention: ``head_dim**-0.5``, Gemma's ``query_pre_attn_scalar**-0.5``, Granite's
+``attention_multiplier``), and
 
 * **padding**: a row's pads are never appended -- its sequence holds only its real tokens (a
   ragged prefill), so each row decodes at its own length; the attention output at a pad
@@ -55,7 +61,12 @@ attention (:mod:`~kvtvm.integrations.hf_autograd`), more tokens than
 positive, not an int, or past the positions held, bad re-indexing arguments, a forward on kvtvm
 attention without a ``KVTVMCache``, a ``KVTVMCache`` on a model whose attention is not kvtvm
 (``use_kvtvm`` forgotten: its own attention would see no history), a ``model`` that is not a
-supported transformers model (``UnsupportedModelError``, an ``InvalidArgumentError``);
+transformers model; a model kvtvm cannot serve exactly is refused up front by ``use_kvtvm`` and
+``KVTVMCache`` with ``UnsupportedModelError`` (an ``InvalidArgumentError``) naming its
+``model_type`` and what is unsupported -- attention logit softcap, attention sinks, ALiBi,
+chunked attention, KV shared between layers, cross-attention / encoder-decoder, recurrent or
+linear-attention layers, MLA / K and V head dims that differ, bidirectional attention, an
+attention outside ``AttentionInterface``, a family not verified -- and the model is unchanged;
 re-indexing into more rows than the manager's ``max_batch_size`` raises
 :class:`kvtvm.errors.KVCacheCapacityError` naming it.
 
