@@ -1,8 +1,9 @@
 """transformers on kvtvm beyond the Llama family: tiny random models (seeded, float32, 2-3
 layers) of every family :data:`kvtvm.integrations.hf_support.VERIFIED_MODEL_TYPES` adds give
-transformers' own tokens (sdpa; eager for Gemma2) under ``generate`` (left-padded greedy batch, sampling, beam search;
-paged and continuous caches) and ``generate_batch``; their logits match sdpa's; the families
-kvtvm cannot serve exactly are refused up front, naming what, with the model unchanged."""
+transformers' own tokens (sdpa; eager for Gemma2) under ``generate`` (left-padded greedy
+batch, sampling, beam search; paged and continuous caches) and ``generate_batch``; their
+logits match sdpa's; the families kvtvm cannot serve exactly are refused up front, naming
+what, with the model unchanged."""
 
 import numpy as np
 import pytest
