@@ -247,6 +247,27 @@ def test_generate_batch_equals_sdpa(kind):
     assert got == want, kind
 
 
+@pytest.mark.slow
+def test_gemma3_at_its_real_head_dim_of_256():
+    """Gemma 3's real head_dim (256; kernels of their own, built on first use): greedy tokens
+    and logits, beam search and generate_batch equal eager/sdpa."""
+    kind = "gemma3_text"
+    saved, cached = FAMILIES[kind], _models.pop(kind, None)
+    FAMILIES[kind] = (saved[0], saved[1], dict(saved[2], head_dim=256, num_hidden_layers=2,
+                                               layer_types=["sliding_attention",
+                                                            "full_attention"]))
+    try:
+        test_left_padded_greedy_batch_and_logits_equal_sdpa(kind)
+        test_beam_search_equals_sdpa(kind)
+        test_generate_batch_equals_sdpa(kind)
+        assert tiny(kind).config.head_dim == 256
+    finally:
+        FAMILIES[kind] = saved
+        _models.pop(kind, None)
+        if cached is not None:
+            _models[kind] = cached
+
+
 _SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2)
 _MOE = dict(num_experts_per_tok=1, moe_intermediate_size=16)
