@@ -16,11 +16,17 @@ Three pieces, all registered with transformers' public extension points:
     out = model.generate(**batch, cache=KVTVMCache(model, max_seq_len=1024),
                          max_new_tokens=32, do_sample=False)
 
-Supported: Llama-family decoders (:func:`kvtvm.engine.runner.check_supported`: Llama, Mistral,
-Qwen2, SmolLM3), GQA, a ``head_dim`` of its own, greedy or sampled generation,
+Supported: decoder-only transformers models whose attention runs through ``AttentionInterface``
+with ``cache.update`` per layer and plain causal softmax attention (full or windowed), verified
+family by family against transformers' own attention (:mod:`~kvtvm.integrations.hf_support`:
+``VERIFIED_MODEL_TYPES`` -- Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
+SmolLM3, Gemma, Gemma2 without attention softcap, Gemma3 text, Phi, Phi-3, OLMo, OLMo2,
+OLMo3, Granite, StarCoder2, Cohere, Cohere2, Helium, GLM, GLM-4, GPT-NeoX, EXAONE 4), GQA or
+multi-head, a ``head_dim`` of its own, greedy or sampled generation,
 ``num_return_sequences``, beam search, sliding windows (from the config, per layer: full and
-windowed layers may mix, as ``layer_types`` says), the model's
-``scaling``, and
+windowed layers may mix, as ``layer_types`` says), the model's own ``scaling`` (passed by its
+attention: ``head_dim**-0.5``, Gemma's ``query_pre_attn_scalar**-0.5``, Granite's
+``attention_multiplier``), and
 
 * **padding**: a row's pads are never appended -- its sequence holds only its real tokens (a
   ragged prefill), so each row decodes at its own length; the attention output at a pad
@@ -55,7 +61,12 @@ attention (:mod:`~kvtvm.integrations.hf_autograd`), more tokens than
 positive, not an int, or past the positions held, bad re-indexing arguments, a forward on kvtvm
 attention without a ``KVTVMCache``, a ``KVTVMCache`` on a model whose attention is not kvtvm
 (``use_kvtvm`` forgotten: its own attention would see no history), a ``model`` that is not a
-supported transformers model (``UnsupportedModelError``, an ``InvalidArgumentError``);
+transformers model; a model kvtvm cannot serve exactly is refused up front by ``use_kvtvm`` and
+``KVTVMCache`` with ``UnsupportedModelError`` (an ``InvalidArgumentError``) naming its
+``model_type`` and what is unsupported -- attention logit softcap, attention sinks, ALiBi,
+chunked attention, KV shared between layers, cross-attention / encoder-decoder, recurrent or
+linear-attention layers, MLA / K and V head dims that differ, bidirectional attention, an
+attention outside ``AttentionInterface``, a family not verified -- and the model is unchanged;
 re-indexing into more rows than the manager's ``max_batch_size`` raises
 :class:`kvtvm.errors.KVCacheCapacityError` naming it.
 
@@ -67,7 +78,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import threading
 
 import numpy as np
@@ -79,6 +89,7 @@ from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from ..params import KVCacheParams
 from ..plan import plan_step
 from .hf_autograd import no_backward
+from .hf_support import check_model
 from .hf_rows import (PaddingMask, check_room, copy_sequences, regather, row_indices,
                       step_rows)
 
@@ -216,12 +227,13 @@ class KVTVMCache(Cache):
         self.mgr = self._new_manager(max_batch_size)
         self.windows = layer_windows(config)       # each layer's window (None: full)
         self.sliding_window = next((w for w in self.windows if w), None)
-        self.scaling = self.params.head_dim ** -0.5
+        self.scaling = self.params.head_dim ** -0.5  # when the attention passes no scaling
         self.seq_ids: list[int] = []
         self.pads = np.zeros(0, dtype=np.int64)
         self.token_mask = None
         self.length = 0
-        self.plan = None
+        self.plan = None                # (window, scale) -> StepPlan of this forward
+        self._inputs = None             # this forward's fetched inputs (the plans')
         self._rows = None               # flat positions of this forward's real tokens (None: all)
         self._kv: dict = {}             # layer -> (k, v) handed by update, appended by attention
         self._pending = None            # the batch fetched but not yet committed
@@ -278,11 +290,10 @@ class KVTVMCache(Cache):
         # is unchanged and its outputs are zero; the real positions stay in row order
         self._pending = [BatchItem(s, [0] * int(c)) for s, c in zip(self.seq_ids, counts) if c]
         if self._pending:
-            (inputs,) = self.mgr.fetch(self._pending)
-            self.plan = {w: plan_step(inputs, sm_scale=self.scaling, sliding_window=w)
-                         for w in set(self.windows)}     # one per window the layers use
+            (self._inputs,) = self.mgr.fetch(self._pending)
+            self.plan = {}      # one plan per (window, scale) the layers use, made at first use
         else:
-            self.plan = _NO_TOKENS
+            self.plan, self._inputs = _NO_TOKENS, None
         self._undo = (self.pads, self.token_mask)
         self._layers_done = 0
         self.pads = (self.pads if n_held else np.zeros(batch, dtype=np.int64)) + (new - counts)
@@ -322,9 +333,6 @@ class KVTVMCache(Cache):
         (a :class:`~kvtvm.integrations.hf_rows.PaddingMask`, or None without a mask).
         Outputs at pad positions are zero.
         """
-        if scaling is not None and not math.isclose(scaling, self.scaling, rel_tol=1e-6):
-            raise InvalidArgumentError(f"kvtvm attention: scaling {scaling} differs from the "
-                                       f"cache's {self.scaling} (1/sqrt(head_dim))")
         if sliding_window is not None and sliding_window != self.windows[layer]:
             raise InvalidArgumentError(f"kvtvm attention: layer {layer}'s sliding_window "
                                        f"{sliding_window} differs from the config's "
@@ -354,7 +362,7 @@ class KVTVMCache(Cache):
         rows = self._rows
         if rows is not None:
             k, v, q = k.index_select(0, rows), v.index_select(0, rows), q.index_select(0, rows)
-        plan = self.plan[self.windows[layer]]
+        plan = self._plan(self.windows[layer], self.scaling if scaling is None else scaling)
         plan.append_kv(layer, k.contiguous(), v.contiguous())
         out, _ = plan.attention(layer, q.contiguous())
         if rows is not None:
@@ -362,6 +370,17 @@ class KVTVMCache(Cache):
         self._layers_done = layer + 1
         self._end_forward(layer, T)
         return out.view(B, T, Hq, D), None
+
+    def _plan(self, window, scale: float):
+        """This forward's plan for ``window`` and softmax ``scale`` (the model's ``scaling``:
+        ``head_dim**-0.5``, Gemma's ``query_pre_attn_scalar**-0.5``, Granite's
+        ``attention_multiplier``), made once per forward for each pair the layers use."""
+        key = (window, float(scale))
+        plan = self.plan.get(key)
+        if plan is None:
+            plan = self.plan[key] = plan_step(self._inputs, sm_scale=key[1],
+                                              sliding_window=window)
+        return plan
 
     def _end_forward(self, layer: int, new: int) -> None:
         if layer == self.num_layers - 1:
@@ -474,7 +493,7 @@ class KVTVMCache(Cache):
         new.seq_ids = copy_sequences(self.mgr, self.seq_ids, new.mgr)
         new.pads = self.pads.copy()
         new.token_mask = None if self.token_mask is None else self.token_mask.clone()
-        new.plan = new._rows = new._pending = new._undo = None
+        new.plan = new._inputs = new._rows = new._pending = new._undo = None
         new._kv, new._layers_done = {}, 0
         new.layers = [_Layer(new, i) for i in range(self.num_layers)]
         return new
@@ -524,17 +543,9 @@ AttentionMaskInterface.register(ATTN_NAME, _padding_mask)
 
 
 def _text_config(model):
-    """The text config of ``model`` (a transformers model kvtvm supports), or a typed error
-    naming ``model``."""
-    from ..engine.runner import check_supported
-
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") \
-            or not hasattr(model, "set_attn_implementation"):
-        raise InvalidArgumentError(describe("model", "a transformers model (PreTrainedModel)",
-                                            type(model).__name__))
-    config = model.config.get_text_config()
-    check_supported(config)
-    return config
+    """The text config of ``model`` (a transformers model kvtvm's attention can serve:
+    :func:`kvtvm.integrations.hf_support.check_model`), or a typed error naming it."""
+    return check_model(model)
 
 
 def use_kvtvm(model):
