@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError, KVCacheCapacityError, describe
 from ..manager.args import parse_devices
 from ..params import KVCacheParams
 from .caches import CACHE_CHOICES, make_cache
-from .runner import ModelRunner
+from .runner import ModelRunner, check_model
 from .threads import DEFAULT_TORCH_THREADS, check_thread_count, configure_threads
 
 __all__ = ["Request", "ServeStats", "Engine", "sample"]
@@ -246,6 +246,7 @@ class Engine:
                 f"max_step_tokens must be None or a positive int, got {max_step_tokens!r}")
         check_thread_count("torch_threads", torch_threads)
         check_thread_count("kernel_threads", kernel_threads)
+        check_model(model)
         (dev,) = parse_devices(device, name="device")
         model_dev = next(model.parameters()).device
         if model_dev.type != dev.type or (dev.index is not None and model_dev != dev):
