@@ -17,6 +17,8 @@ import logging
 import math
 import numbers
 import time
+import zlib
+from collections.abc import Mapping, Set
 from typing import Callable
 
 import numpy as np
@@ -38,10 +40,13 @@ _log = logging.getLogger("kvtvm.engine")
 class Request:
     """One generation request.
 
-    ``arrival`` is the engine step at which it is submitted. ``stop_token_ids`` end it (the stop
+    ``prompt`` is the token ids (a sequence, a numpy array or a 1-D integer tensor; the engine
+    keeps them as a list of ints when the request arrives). ``arrival`` is the engine step at
+    which it is submitted. ``stop_token_ids`` end it (the stop
     token is kept in ``output``, as transformers' ``generate`` does); None takes the engine's
     (the model's end-of-sequence tokens). ``temperature`` 0 is greedy; otherwise tokens are drawn
-    from the top-``top_p`` mass with a generator seeded by ``seed``. The engine fills ``output``,
+    from the top-``top_p`` mass with a generator seeded by ``seed`` (None: by ``rid``, or a
+    hash of a ``rid`` that is not an int). The engine fills ``output``,
     ``status`` (``"waiting"``, ``"running"``, ``"done"``, ``"rejected"``, ``"aborted"``),
     ``finish_reason`` (``"stop"`` or ``"length"``), ``error`` (why it was rejected),
     ``prefix_hit_tokens`` and the wall-clock times ``t_arrived``, ``t_first``, ``t_done``.
@@ -158,6 +163,16 @@ def _token_list(tokens) -> list | None:
 
 #: the seeds ``torch.Generator.manual_seed`` takes
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
+def _generator(seed, rid) -> torch.Generator:
+    """The sampling generator of a request: seeded by ``seed`` (an int in :data:`_SEED_RANGE`,
+    numpy's too -- ``manual_seed`` takes Python ints only), else by ``rid`` (any int, or a
+    CRC of the ``repr`` of a ``rid`` of another type, so that a string id samples too)."""
+    if seed is None:
+        seed = (int(rid) % (1 << 64) if _is_int(rid) else
+                zlib.crc32(repr(rid).encode("utf-8", "backslashreplace")))
+    return torch.Generator().manual_seed(int(seed))
 
 
 def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> None:
@@ -369,12 +384,16 @@ class Engine:
 
     def _validate(self, req: Request) -> str:
         """Why ``req`` can never be served, or ``""``."""
-        prompt = _token_list(req.prompt)
+        if isinstance(req.prompt, Mapping):      # a tokenizer's BatchEncoding, say
+            return ("prompt must be a sequence of integer token ids, got a mapping (a "
+                    "tokenizer's output? pass its ['input_ids'])")
+        prompt = None if isinstance(req.prompt, Set) else _token_list(req.prompt)
         if prompt is None:
             return "prompt must be a sequence of integer token ids"
         n = len(prompt)
         if n == 0:
             return "empty prompt (at least one token is needed)"
+        req.prompt = prompt     # a list of ints from here on (an iterator is read once)
         if n > self.max_seq_len:
             return (f"prompt of {n} tokens is longer than max_seq_len={self.max_seq_len} "
                     "(shorten it or raise the engine's max_seq_len)")
@@ -413,8 +432,7 @@ class Engine:
                 req.stop_token_ids = (self.eos_token_ids if stop is None else
                                       tuple(_token_list((stop,) if _is_int(stop) else stop)))
                 if req.temperature > 0:
-                    req.generator = torch.Generator().manual_seed(
-                        req.seed if req.seed is not None else req.rid)
+                    req.generator = _generator(req.seed, req.rid)
                 self.queue.append(req)
 
     def _admit(self, budget: int) -> list[Request]:

@@ -84,3 +84,40 @@ def test_engine_refuses_the_base_model():
     """The base ``LlamaModel`` (no LM head) raised AttributeError (``.model``)."""
     with pytest.raises(UnsupportedModelError, match="ForCausalLM"):
         Engine(tiny("llama").model)
+
+
+def test_request_fields_of_other_types(toy):
+    """Values a caller may well pass: a numpy seed (``manual_seed`` raised TypeError out of
+    ``step`` and the request was lost), a string or None request id with no seed (the id
+    seeded the generator: RuntimeError), a prompt given as a generator (TypeError, ``len``),
+    a dict or a set as the prompt (a dict's keys were taken, then slicing it raised). Each is
+    served or rejected by name, and the good request beside it gets transformers' tokens."""
+    rng = np.random.default_rng(3)
+    p = random_prompt(rng, 9)
+    want = reference_tokens(toy, p, 5)
+    sampled = {"np seed": Request(0, p, 5, temperature=0.7, seed=np.int64(11)),
+               "int seed": Request(1, p, 5, temperature=0.7, seed=11),
+               "str rid": Request("a", p, 5, temperature=0.7),
+               "None rid": Request(None, p, 5, temperature=0.7),
+               "huge rid": Request(1 << 70, p, 5, temperature=0.7)}
+    greedy = {"generator": Request(10, (t for t in p), 5),
+              "tensor": Request(11, torch.tensor(p, dtype=torch.int32), 5),
+              "np": Request(12, np.array(p, dtype=np.uint16), 5)}
+    bad = {"dict": Request(20, dict.fromkeys(p, 1), 5),
+           "set": Request(21, set(p), 5)}
+    good = Request(30, p, 5)
+    e = _engine(toy, max_seq_len=64)
+    e.serve([*sampled.values(), *greedy.values(), *bad.values(), good])
+    for name, r in {**sampled, **greedy}.items():
+        assert r.status == "done" and len(r.output) == 5, (name, r.error)
+    assert sampled["np seed"].output == sampled["int seed"].output
+    for name, r in greedy.items():
+        assert r.prompt == p and r.output == want, name
+    for name, r in bad.items():
+        assert r.status == "rejected" and "prompt" in r.error and r.output == [], name
+    assert "input_ids" in bad["dict"].error
+    assert good.output == want
+    assert e.kv.mgr.stats().pages_used == 0 and len(e.kv.mgr.slots_remaining) == 3
+    again = Request("a", p, 5, temperature=0.7)       # a string id seeds the same way twice
+    _engine(toy, max_seq_len=64).serve([again])
+    assert again.output == sampled["str rid"].output
