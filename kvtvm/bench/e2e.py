@@ -239,10 +239,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from ..engine import load_model
 
-    ways = [w for w in args.ways.split(",") if w]
+    ways = list(dict.fromkeys(w.strip() for w in args.ways.split(",") if w.strip()))
     unknown = sorted(set(ways) - set(WAYS))
-    if unknown:
-        parser.error(f"--ways: unknown {unknown}; known: {list(WAYS)}")
+    if unknown or not ways:   # none: it loaded the model, ran nothing and exited 0
+        parser.error(f"--ways: unknown {unknown}; known: {list(WAYS)}" if unknown else
+                     f"--ways: expected comma-separated ways of {','.join(WAYS)}, got "
+                     f"{args.ways!r}")
     args.hf_threads = args.hf_threads or torch.get_num_threads()
     model, _ = load_model(args.model)
     model.generation_config.eos_token_id = None

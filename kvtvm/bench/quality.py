@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", nargs="*", default=[s[0] for s in SETTINGS],
                     choices=[s[0] for s in SETTINGS])
     args = ap.parse_args(argv)
+    if args.window < 2:     # a window of one token has no next token to score
+        ap.error(f"--window: expected an int >= 2, got {args.window}")
     if not 0 < args.stride <= args.window:
         ap.error("need 0 < --stride <= --window")
     if args.tokens < args.window:
