@@ -173,7 +173,7 @@ def cmd_generate(args) -> int:
     from .engine import (Engine, Request, check_against_reference, load_model,
                          quantized_reference, reference_tokens)
     from .engine.check import reference_tolerance
-    from .errors import InvalidArgumentError
+    from .errors import InvalidArgumentError, KVCacheCapacityError
 
     if args.max_new_tokens < 1:  # before the model loads; it also sizes the cache below
         print(f"error: --max-new-tokens: expected a positive int, got {args.max_new_tokens}",
@@ -192,14 +192,26 @@ def cmd_generate(args) -> int:
                   "--prompt '5 6 7'", file=sys.stderr)
             return 2
     else:
+        try:   # argv bytes that are not UTF-8 arrive as lone surrogates: the tokenizer raises
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            bad = args.prompt[err.start].encode("utf-8", "surrogateescape")
+            print(f"error: --prompt: not UTF-8 text (byte {bad!r} at character {err.start}); "
+                  "give the prompt in UTF-8", file=sys.stderr)
+            return 2
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                       add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    engine = Engine(model, "paged", max_batch_size=1,
-                    max_seq_len=max(len(ids), 1) + args.max_new_tokens, device=args.device,
-                    torch_threads=args.torch_threads, kernel_threads=args.kernel_threads,
-                    host_tier_pages=args.host_tier_pages, disk_tier_dir=args.disk_tier_dir,
-                    **args.cache_storage)
+    try:
+        engine = Engine(model, "paged", max_batch_size=1,
+                        max_seq_len=max(len(ids), 1) + args.max_new_tokens, device=args.device,
+                        torch_threads=args.torch_threads, kernel_threads=args.kernel_threads,
+                        host_tier_pages=args.host_tier_pages, disk_tier_dir=args.disk_tier_dir,
+                        **args.cache_storage)
+    except KVCacheCapacityError as err:   # the cache is sized by the prompt + new tokens
+        print(f"error: --max-new-tokens {args.max_new_tokens}: no room for a cache of the "
+              f"prompt's {len(ids)} tokens + {args.max_new_tokens}: {err}", file=sys.stderr)
+        return 2
     req = Request(0, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   seed=args.seed)
     engine.log = lambda s: print(s, file=sys.stderr)

@@ -132,7 +132,10 @@ def load_model(name: str = "smollm2", dtype: str = "float32", device: str = "cpu
     (model, tokenizer)
         The ``*ForCausalLM`` in eval mode on ``device``; the tokenizer is None for the toy.
     """
-    if dtype not in DTYPES:
+    if not isinstance(name, (str, os.PathLike)):
+        raise InvalidArgumentError(f"name must be 'smollm2', 'toy' or a model directory, got "
+                                   f"{name!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     parse_devices(device, name="device")   # a typed error before anything loads
     if name == "toy":

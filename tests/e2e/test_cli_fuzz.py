@@ -39,3 +39,45 @@ def test_bench_e2e_runs_a_way_named_twice_once(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith("prompt") and " engine " in line]
     assert len(rows) == 1, rows
+
+
+def test_generate_prompt_that_is_not_utf8(capsys):
+    """Bytes of another encoding on the command line (``café`` in Latin-1) reach Python as
+    lone surrogates, and SmolLM2's tokenizer raised TypeError: a traceback."""
+    pytest.importorskip("gguf")
+    from kvtvm.cli import main as cli_main
+
+    status = _status(cli_main, ["generate", "--prompt", "caf\udce9", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert "--prompt" in err.strip().splitlines()[-1] and "xe9" in err
+
+
+def test_generate_cache_too_big_names_max_new_tokens(capsys, monkeypatch):
+    """The cache is sized by the prompt + ``--max-new-tokens``: when it cannot be allocated
+    the error named only ``cache``."""
+    import kvtvm.engine.core as core
+    from kvtvm.cli import main as cli_main
+    from kvtvm.errors import KVCacheCapacityError
+
+    def refuse(*args):
+        raise KVCacheCapacityError("cache: cannot allocate (...) (4096000000000 bytes) on cpu")
+    monkeypatch.setattr(core, "make_cache", refuse)
+    argv = ["generate", "--model", "toy", "--prompt", "5 6", "--max-new-tokens", "2000000000"]
+    assert _status(cli_main, argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--max-new-tokens 2000000000" in last and "cannot allocate" in last
+
+
+def test_load_model_refuses_a_name_that_is_not_one():
+    """``load_model(None)`` raised TypeError (``Path(None)``); a dtype that is not a name
+    (``torch.float32``) is refused by name."""
+    import torch
+
+    from kvtvm.engine import load_model
+    from kvtvm.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="name"):
+        load_model(None)
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        load_model("toy", dtype=[torch.float32])
