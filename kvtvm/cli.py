@@ -220,8 +220,8 @@ def cmd_generate(args) -> int:
         written = engine.close()
         print(f"prefix cache: {req.prefix_hit_tokens} prompt tokens from the cache and its "
               f"tiers, {written} pages written to the disk tier", file=sys.stderr)
-    if req.status != "done":
-        print(f"error: {req.error}", file=sys.stderr)
+    if req.status != "done":   # the options are checked and the cache sized: the prompt
+        print(f"error: --prompt: {req.error}", file=sys.stderr)
         return 2
     print(" ".join(map(str, req.output)) if tok is None else
           tok.decode(req.output, skip_special_tokens=True).strip())
@@ -239,6 +239,9 @@ def cmd_generate(args) -> int:
                   "range of transformers' best (teacher-forced)", file=sys.stderr)
         else:
             print(f"checked: {len(want)} tokens equal transformers' generate", file=sys.stderr)
+    elif args.check:
+        print(f"--check: not done: it compares greedy tokens, and --temperature is "
+              f"{args.temperature}", file=sys.stderr)
     return 0
 
 
@@ -287,9 +290,10 @@ def main(argv=None) -> int:
     g.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", type=cliargs.device)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=cliargs.temperature, default=0.0,
+                   help="0: greedy (default)")
+    g.add_argument("--top-p", type=cliargs.top_p, default=1.0)
+    g.add_argument("--seed", type=cliargs.seed, default=0)
     g.add_argument("--torch-threads", type=cliargs.thread_count, default=1,
                    help="torch intra-op threads (default 1: see kvtvm.engine.threads)")
     g.add_argument("--kernel-threads", type=cliargs.thread_count, default=None,

@@ -264,7 +264,8 @@ class Engine:
         check_model(model)
         (dev,) = parse_devices(device, name="device")
         model_dev = next(model.parameters()).device
-        if model_dev.type != dev.type or (dev.index is not None and model_dev != dev):
+        if model_dev.type != dev.type or (dev.type == "cuda" and dev.index is not None
+                                          and model_dev != dev):   # "cpu:0" is the CPU
             raise InvalidArgumentError(describe("device", f"the model's device ({model_dev})",
                                                 repr(device)))
         self.hf_model = model

@@ -81,3 +81,38 @@ def test_load_model_refuses_a_name_that_is_not_one():
         load_model(None)
     with pytest.raises(InvalidArgumentError, match="dtype"):
         load_model("toy", dtype=[torch.float32])
+
+
+GEN = ["generate", "--model", "toy", "--prompt", "5 6"]
+
+
+@pytest.mark.parametrize("argv, names", [
+    # refused once the toy model was loaded and the request rejected, by the request's
+    # field name (top_p), not the option's
+    ([*GEN, "--top-p", "0"], "argument --top-p"),
+    ([*GEN, "--top-p", "nan"], "argument --top-p"),
+    ([*GEN, "--temperature", "-0.5"], "argument --temperature"),
+    ([*GEN, "--temperature", "1", "--seed", str(-(1 << 63) - 1)], "argument --seed"),
+    (["generate", "--model", "toy", "--prompt", "5 1000"], "--prompt: token id 1000"),
+    (["generate", "--model", "toy", "--prompt", "-1"], "--prompt: token id -1"),
+])
+def test_generate_bad_value_names_the_option(argv, names, capsys):
+    from kvtvm.cli import main as cli_main
+
+    status = _status(cli_main, argv)
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert names in err.strip().splitlines()[-1]
+
+
+def test_generate_on_cpu_0_and_check_of_a_sampled_answer(capsys):
+    """``--device cpu:0`` (which the option takes) was refused by the engine ("expected the
+    model's device (cpu)"); ``--check`` with a temperature checked nothing and said nothing."""
+    from kvtvm.cli import main as cli_main
+
+    assert _status(cli_main, [*GEN, "--device", "cpu:0", "--max-new-tokens", "3",
+                              "--check"]) == 0
+    assert "checked: 3 tokens equal" in capsys.readouterr().err
+    assert _status(cli_main, [*GEN, "--temperature", "0.5", "--max-new-tokens", "2",
+                              "--check"]) == 0
+    assert "--check: not done" in capsys.readouterr().err

@@ -121,3 +121,13 @@ def test_request_fields_of_other_types(toy):
     again = Request("a", p, 5, temperature=0.7)       # a string id seeds the same way twice
     _engine(toy, max_seq_len=64).serve([again])
     assert again.output == sampled["str rid"].output
+
+
+@pytest.mark.parametrize("cache", ["paged", "continuous", "linear"])
+def test_cpu_0_is_the_cpu(toy, cache):
+    """``device="cpu:0"`` with the model on the CPU was refused ("expected the model's
+    device (cpu)")."""
+    rng = np.random.default_rng(4)
+    reqs = [Request(i, random_prompt(rng, 5 + 7 * i), 4) for i in range(2)]
+    _engine(toy, cache, device="cpu:0").serve(reqs)
+    assert check_against_reference(toy, reqs) == []
