@@ -184,12 +184,12 @@ def cmd_generate(args) -> int:
     except InvalidArgumentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if tok is None:                      # the toy: token ids in, token ids out
+    if tok is None:          # the toy, a directory without a tokenizer: token ids in and out
         try:
             ids = [int(t) for t in args.prompt.split()]
         except ValueError:
-            print("error: --model toy has no tokenizer: give --prompt as token ids, e.g. "
-                  "--prompt '5 6 7'", file=sys.stderr)
+            print(f"error: --model {args.model} has no tokenizer: give --prompt as token ids, "
+                  "e.g. --prompt '5 6 7'", file=sys.stderr)
             return 2
     else:
         try:   # argv bytes that are not UTF-8 arrive as lone surrogates: the tokenizer raises

@@ -116,3 +116,42 @@ def test_generate_on_cpu_0_and_check_of_a_sampled_answer(capsys):
     assert _status(cli_main, [*GEN, "--temperature", "0.5", "--max-new-tokens", "2",
                               "--check"]) == 0
     assert "--check: not done" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Mistral (vocabulary of 64, window 4) saved alone: no tokenizer."""
+    from test_engine_fuzz import tiny
+
+    path = tmp_path_factory.mktemp("tiny-mistral")
+    tiny("mistral", vocab_size=64, sliding_window=4).save_pretrained(path)
+    return path
+
+
+def test_generate_model_directory_without_a_tokenizer(model_dir, tmp_path, capsys):
+    """A model saved without its tokenizer raised out of ``AutoTokenizer`` (a traceback);
+    it now takes token ids like the toy. A tokenizer that does not load names ``--model``."""
+    from kvtvm.cli import main as cli_main
+
+    argv = ["generate", "--model", str(model_dir), "--max-new-tokens", "5", "--check"]
+    assert _status(cli_main, [*argv, "--prompt", "3 4 5 6 7 8 9"]) == 0
+    assert "checked: 5 tokens equal" in capsys.readouterr().err
+    assert _status(cli_main, [*argv, "--prompt", "hi"]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    (broken / "tokenizer_config.json").write_text("{not json")
+    assert _status(cli_main, ["generate", "--model", str(broken), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "tokenizer does not load" in err
+
+
+def test_bench_e2e_on_a_small_vocabulary(model_dir, capsys):
+    """Prompts were drawn from ids [100, vocab - 1): ValueError (low >= high) for a model of
+    64 tokens."""
+    argv = ["e2e", "--model", str(model_dir), "--requests", "2", "--prompt-lens", "5",
+            "--new-tokens", "2", "--ways", "engine,hf-generate-sdpa"]
+    assert _status(bench_main, argv) == 0
+    assert "every way's tokens equal" in capsys.readouterr().out
