@@ -107,7 +107,7 @@ class ServeStats:
     peak_running: int = 0            # most requests in the cache at once
     peak_live_bytes: int = 0
     allocated_bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0             # wall time inside serve(), summed over its calls
 
     @property
     def hit_rate(self) -> float:
@@ -576,7 +576,7 @@ class Engine:
             self.step()
             if progress is not None:
                 progress(self, total)
-        self.stats.seconds = time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0   # the counters add up over calls
         return requests
 
     def warmup(self) -> float:

@@ -131,3 +131,19 @@ def test_cpu_0_is_the_cpu(toy, cache):
     reqs = [Request(i, random_prompt(rng, 5 + 7 * i), 4) for i in range(2)]
     _engine(toy, cache, device="cpu:0").serve(reqs)
     assert check_against_reference(toy, reqs) == []
+
+
+def test_stats_add_up_over_serve_calls(toy):
+    """``stats.seconds`` was the last ``serve()``'s time while the token counters added up
+    over every call: ``tokens_per_second`` after a second call counted both calls' tokens in
+    one call's time."""
+    import time
+
+    e = _engine(toy)
+    took = []
+    for i, prompt in enumerate(([5, 6, 7], [8, 9])):
+        t0 = time.perf_counter()
+        e.serve([Request(i, prompt, 4)])
+        took.append(time.perf_counter() - t0)
+    assert e.stats.generated_tokens == 8
+    assert took[1] < e.stats.seconds <= sum(took)
