@@ -213,7 +213,7 @@ def cmd_generate(args) -> int:
               f"prompt's {len(ids)} tokens + {args.max_new_tokens}: {err}", file=sys.stderr)
         return 2
     req = Request(0, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  seed=args.seed)
+                  seed=args.seed, top_k=args.top_k)
     engine.log = lambda s: print(s, file=sys.stderr)
     engine.serve([req])
     if args.disk_tier_dir is not None or args.host_tier_pages:
@@ -293,6 +293,8 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=cliargs.temperature, default=0.0,
                    help="0: greedy (default)")
     g.add_argument("--top-p", type=cliargs.top_p, default=1.0)
+    g.add_argument("--top-k", type=cliargs.nonnegative_int, default=0,
+                   help="sample from the k most likely tokens (default 0: all)")
     g.add_argument("--seed", type=cliargs.seed, default=0)
     g.add_argument("--torch-threads", type=cliargs.thread_count, default=1,
                    help="torch intra-op threads (default 1: see kvtvm.engine.threads)")

@@ -155,3 +155,17 @@ def test_bench_e2e_on_a_small_vocabulary(model_dir, capsys):
             "--new-tokens", "2", "--ways", "engine,hf-generate-sdpa"]
     assert _status(bench_main, argv) == 0
     assert "every way's tokens equal" in capsys.readouterr().out
+
+
+def test_generate_top_k(capsys):
+    """``--top-k 1`` samples the greedy tokens at any temperature; a negative one is refused
+    by name."""
+    from kvtvm.cli import main as cli_main
+
+    assert _status(cli_main, [*GEN, "--max-new-tokens", "4"]) == 0
+    greedy = capsys.readouterr().out.split()
+    assert _status(cli_main, [*GEN, "--max-new-tokens", "4", "--temperature", "3",
+                              "--top-k", "1"]) == 0
+    assert capsys.readouterr().out.split() == greedy
+    assert _status(cli_main, [*GEN, "--top-k", "-1"]) == 2
+    assert "argument --top-k" in capsys.readouterr().err.strip().splitlines()[-1]

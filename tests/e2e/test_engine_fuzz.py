@@ -147,3 +147,30 @@ def test_stats_add_up_over_serve_calls(toy):
         took.append(time.perf_counter() - t0)
     assert e.stats.generated_tokens == 8
     assert took[1] < e.stats.seconds <= sum(took)
+
+
+def test_top_k(toy):
+    """``top_k`` (new: a request could not restrict sampling to the k most likely tokens):
+    1 is greedy at any temperature, 0 / None / more than the vocabulary restrict nothing (the
+    same draws as without it), 2 draws only tokens among the two best of transformers'
+    teacher-forced logits; a bad value is rejected by name and the engine serves on."""
+    rng = np.random.default_rng(5)
+    p = random_prompt(rng, 8)
+    hot = dict(temperature=2.0, seed=3)
+    reqs = {"k1": Request(0, p, 6, top_k=1, **hot), "k0": Request(1, p, 6, top_k=0, **hot),
+            "none": Request(2, p, 6, **hot), "huge": Request(3, p, 6, top_k=10**9, **hot),
+            "k2": Request(4, p, 12, top_k=2, top_p=0.999, **hot)}
+    bad = [Request(10 + i, p, 3, temperature=1.0, top_k=k)
+           for i, k in enumerate((-1, 1.5, "3", True))]
+    good = Request(20, p, 6)
+    e = _engine(toy)
+    e.serve([*reqs.values(), *bad, good])
+    want = reference_tokens(toy, p, 6)
+    assert reqs["k1"].output == want == good.output
+    assert reqs["k0"].output == reqs["none"].output == reqs["huge"].output != want
+    ids = torch.tensor([p + reqs["k2"].output[:-1]])
+    with torch.no_grad():
+        best2 = toy(ids).logits[0, len(p) - 1:].topk(2).indices.tolist()
+    assert all(t in b for t, b in zip(reqs["k2"].output, best2))
+    assert all(r.status == "rejected" and "top_k" in r.error for r in bad)
+    assert e.kv.mgr.stats().pages_used == 0
