@@ -26,6 +26,9 @@ __all__ = ["ModelRunner", "UnsupportedModelError", "check_supported", "check_mod
 
 #: ``config.model_type`` values whose layers this runner computes exactly like transformers.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm3")
+#: RoPE types whose frequencies transformers recomputes from each forward's longest position
+#: (``dynamic_rope_update``): the engine refuses them
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class UnsupportedModelError(InvalidArgumentError):
@@ -133,6 +136,13 @@ class ModelRunner:
                 f"layer_types {list(cfg.layer_types)}: full and sliding-window layers mixed; "
                 "kvtvm's engine runs one window for every layer (transformers on kvtvm, "
                 "kvtvm.integrations.hf, runs each layer's own)")
+        rope = getattr(getattr(self.model, "rotary_emb", None), "rope_type", "default")
+        if rope in LENGTH_DEPENDENT_ROPE:
+            raise UnsupportedModelError(
+                f"rope_type {rope!r}: transformers picks its frequencies from the longest "
+                "position of each forward pass, so a served token's RoPE would depend on the "
+                "requests batched and the prompt chunks with it; kvtvm's engine runs RoPE "
+                "types whose frequencies are fixed (default, linear, llama3, yarn, ...)")
         self.dtype = next(hf_model.parameters()).dtype
         self.device = next(hf_model.parameters()).device
         self.use_decode_kernel = True

@@ -174,3 +174,32 @@ def test_top_k(toy):
     assert all(t in b for t, b in zip(reqs["k2"].output, best2))
     assert all(r.status == "rejected" and "top_k" in r.error for r in bad)
     assert e.kv.mgr.stats().pages_used == 0
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+     "original_max_position_embeddings": 16}])
+def test_rope_whose_frequencies_depend_on_the_forward_is_refused(rope):
+    """transformers recomputes dynamic-NTK and LongRoPE frequencies from the longest position
+    of each forward pass: served in a batch with a 30-token prompt (original context 16),
+    a 5-token request got other tokens than generate gives it alone (wrong from the first
+    token with longrope). Refused by name; the static types are served exactly."""
+    model = tiny("llama", rope_scaling=rope, max_position_embeddings=32)
+    with pytest.raises(UnsupportedModelError, match=rope["rope_type"]):
+        Engine(model)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16}])
+def test_static_rope_types_past_the_original_context(rope):
+    """Prompts past the scaled RoPE's original context, batched with short ones and chunked."""
+    model = tiny("llama", rope_scaling=rope, max_position_embeddings=32)
+    rng = np.random.default_rng(6)
+    reqs = [Request(0, random_prompt(rng, 5), 6), Request(1, random_prompt(rng, 30), 6),
+            Request(2, random_prompt(rng, 12), 8, arrival=2)]
+    _engine(model, max_step_tokens=7).serve(reqs)
+    assert check_against_reference(model, reqs) == []
