@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     if args.tokens < args.window:
         ap.error(f"--tokens {args.tokens} is fewer than --window {args.window}: no window to "
                  "score (need --tokens >= --window)")
+    if len(set(args.skip_layers)) < len(args.skip_layers):   # before the model loads
+        ap.error(f"--skip-layers: expected distinct layers, got {args.skip_layers}")
     if args.new_tokens < 1:
         ap.error(f"--new-tokens: expected a positive int, got {args.new_tokens}")
     import torch
@@ -120,6 +122,9 @@ def main(argv=None) -> int:
         ap.error(f"--window {args.window} is longer than the model's context "
                  f"(max_position_embeddings={max_pos})")
     state["skip"] = tuple(sorted(i % n_layers for i in args.skip_layers))
+    if len(set(state["skip"])) < len(state["skip"]):    # as KVCacheParams' skip_layers
+        ap.error(f"--skip-layers: expected distinct layers of {n_layers}, got "
+                 f"{args.skip_layers}")
     ids = tok(topic_text()).input_ids[:args.tokens]
     if len(ids) < args.window:
         ap.error(f"--window {args.window} is longer than the text ({len(ids)} tokens)")

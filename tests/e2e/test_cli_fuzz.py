@@ -169,3 +169,12 @@ def test_generate_top_k(capsys):
     assert capsys.readouterr().out.split() == greedy
     assert _status(cli_main, [*GEN, "--top-k", "-1"]) == 2
     assert "argument --top-k" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_bench_quality_refuses_a_layer_named_twice(capsys):
+    """``--skip-layers 0 0`` (and ``0 -30``, layer 0 twice of SmolLM2's 30) was taken;
+    ``generate`` and the engine refuse it (KVCacheParams: distinct layers)."""
+    argv = ["quality", "--tokens", "8", "--window", "8", "--stride", "8", "--new-tokens", "1",
+            "--settings", "--skip-layers", "0", "0"]
+    assert _status(bench_main, argv) == 2
+    assert "--skip-layers" in capsys.readouterr().err.strip().splitlines()[-1]
