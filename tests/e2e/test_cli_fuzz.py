@@ -178,3 +178,24 @@ def test_bench_quality_refuses_a_layer_named_twice(capsys):
             "--settings", "--skip-layers", "0", "0"]
     assert _status(bench_main, argv) == 2
     assert "--skip-layers" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--seed", str(-(1 << 70))], "argument --seed"),   # torch.manual_seed: a traceback
+    (["--temperature", "-1"], "argument --temperature"),   # taken (ignored by the toy demo)
+    (["--top-p", "0"], "argument --top-p"),
+])
+def test_serve_example_bad_sampling_values(argv, names, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "serve.py"
+    spec = importlib.util.spec_from_file_location("kvtvm_example_serve_fuzz", path)
+    serve = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = serve
+    spec.loader.exec_module(serve)
+    status = _status(serve.main, ["--model", "toy", "--requests", "1", *argv])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert names in err.strip().splitlines()[-1]
