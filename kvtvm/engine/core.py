@@ -48,7 +48,8 @@ class Request:
     mass (:func:`kvtvm.engine.sampling.sample`) with a generator seeded by ``seed`` (None: by
     ``rid``, or a hash of a ``rid`` that is not an int). The engine fills ``output``,
     ``status`` (``"waiting"``, ``"running"``, ``"done"``, ``"rejected"``, ``"aborted"``),
-    ``finish_reason`` (``"stop"`` or ``"length"``), ``error`` (why it was rejected),
+    ``finish_reason`` (``"stop"`` or ``"length"``), ``error`` (why it was rejected, or aborted by
+    a step that raised),
     ``prefix_hit_tokens`` and the wall-clock times ``t_arrived``, ``t_first``, ``t_done``.
     """
 
@@ -425,6 +426,20 @@ class Engine:
             r.status, r.seq_id, r.admitted_step = "waiting", -1, -1
             self.queue.insert(0, r)
 
+    def _fail(self, batch, err: BaseException) -> None:
+        """A step's forward pass or sampling raised ``err`` (a kernel that does not load, no
+        memory, an interrupt): abort every request of ``batch`` (``error`` says why) and
+        release their sequences -- an uncommitted fetch is dropped, never committed, so no
+        K/V of the failed pass is read later or reaches the prefix cache. Queued requests
+        stay queued and the engine serves on."""
+        self.kv.finish(batch, batch)
+        self.running = []
+        for r in batch:
+            r.error = f"aborted: engine step {self.step_no} failed: {type(err).__name__}: {err}"
+            self._finish(r, "aborted")
+        self.log(f"requests {[r.rid for r in batch]}: {batch[0].error}")
+        self.step_no += 1
+
     # -- one step -------------------------------------------------------------------------
 
     @property
@@ -479,11 +494,15 @@ class Engine:
             if r.prefilled < len(r.prompt):
                 self.stats.prefill_tokens += len(t) - h
                 r.prefilled += len(t)
-        logits = self.model.run_step(kv, computed)
-        self.kv.commit(batch, tokens)
         ready = [r.prefilled == len(r.prompt) for r in batch]
         rows = [i for i, ok in enumerate(ready) if ok]
-        picked = sample(logits[rows], [batch[i] for i in rows]) if rows else []
+        try:
+            logits = self.model.run_step(kv, computed)
+            self.kv.commit(batch, tokens)
+            picked = sample(logits[rows], [batch[i] for i in rows]) if rows else []
+        except BaseException as err:
+            self._fail(batch, err)
+            raise
         now, done = time.perf_counter(), []
         for i, tok in zip(rows, picked):
             r = batch[i]

@@ -203,3 +203,51 @@ def test_static_rope_types_past_the_original_context(rope):
             Request(2, random_prompt(rng, 12), 8, arrival=2)]
     _engine(model, max_step_tokens=7).serve(reqs)
     assert check_against_reference(model, reqs) == []
+
+
+@pytest.mark.parametrize("cache", ["paged", "continuous", "linear"])
+@pytest.mark.parametrize("where", ["forward", "sampling"])
+def test_a_step_that_raises_aborts_its_batch_and_the_engine_serves_on(toy, cache, where,
+                                                                      monkeypatch):
+    """A forward pass that raised (a kernel that does not load, no memory, Ctrl-C) left the
+    paged and continuous managers with a fetch in flight -- every later step raised
+    SequenceStateError -- and the linear cache with requests counted as prefilled whose K/V
+    were never committed: later tokens were silently wrong. Now the step's requests are
+    aborted (their error says why), their sequences released, the exception propagates,
+    and the queued and later requests -- the same prompt again included, which the prefix
+    cache must not serve from the failed pass -- get transformers' tokens."""
+    import kvtvm.engine.core as core
+
+    rng = np.random.default_rng(8)
+    prompts = [random_prompt(rng, 19), random_prompt(rng, 6), random_prompt(rng, 11)]
+    e = _engine(toy, cache, max_batch_size=2, page_size=4, max_step_tokens=8)
+    reqs = [Request(i, p, 5, arrival=i) for i, p in enumerate(prompts)]
+    for r in reqs:
+        e.submit(r)
+    e.step()
+    e.step()                                 # request 0 mid-prefill, request 1 admitted
+    owner, name = (e.model, "run_step") if where == "forward" else (core, "sample")
+    real = getattr(owner, name)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+    monkeypatch.setattr(owner, name, broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        e.step()
+    monkeypatch.setattr(owner, name, real)
+    failed = [r for r in reqs if r.status == "aborted"]
+    assert [r.rid for r in failed] == [0, 1]
+    assert all("injected failure" in r.error and "RuntimeError" in r.error for r in failed)
+    assert e.running == [] and reqs[2].status == "waiting"
+    again = [Request(10 + i, p, 5) for i, p in enumerate(prompts[:2])]
+    e.serve(again)
+    assert reqs[2].status == "done"
+    assert check_against_reference(toy, [reqs[2], *again]) == []
+    mgr = e.kv.mgr
+    if cache == "linear":
+        assert mgr.active_batch_size == 0
+    else:
+        assert len(mgr.slots_remaining) == 2
+        if cache == "paged":
+            mgr.check_invariants()
+            assert mgr.stats().pages_used == 0
