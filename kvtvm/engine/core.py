@@ -364,8 +364,12 @@ class Engine:
                                          and SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]):
             return (f"seed must be None or an int in [-2**63, 2**64), got {req.seed!r}")
         stop = req.stop_token_ids
-        if stop is not None and token_list((stop,) if is_int(stop) else stop) is None:
-            return f"stop_token_ids must be None, an int or a sequence of ints, got {stop!r}"
+        if stop is not None:
+            ids = token_list((stop,) if is_int(stop) else stop)
+            if ids is None:
+                return (f"stop_token_ids must be None, an int or a sequence of ints, got "
+                        f"{stop!r}")
+            req.stop_token_ids = tuple(ids)      # an iterator is read once
         return self.kv.never_fits(req)
 
     def _arrive(self) -> None:
@@ -376,9 +380,8 @@ class Engine:
             if why:
                 self._reject(req, why)
             else:
-                stop = req.stop_token_ids
-                req.stop_token_ids = (self.eos_token_ids if stop is None else
-                                      tuple(token_list((stop,) if is_int(stop) else stop)))
+                if req.stop_token_ids is None:       # else a tuple of ints (_validate)
+                    req.stop_token_ids = self.eos_token_ids
                 if req.temperature > 0:
                     req.generator = make_generator(req.seed, req.rid)
                 self.queue.append(req)

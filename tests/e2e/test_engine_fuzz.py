@@ -90,7 +90,8 @@ def test_request_fields_of_other_types(toy):
     """Values a caller may well pass: a numpy seed (``manual_seed`` raised TypeError out of
     ``step`` and the request was lost), a string or None request id with no seed (the id
     seeded the generator: RuntimeError), a prompt given as a generator (TypeError, ``len``),
-    a dict or a set as the prompt (a dict's keys were taken, then slicing it raised). Each is
+    a dict or a set as the prompt (a dict's keys were taken, then slicing it raised), stop
+    ids given as a generator (read by the check, then empty: the request never stopped). Each is
     served or rejected by name, and the good request beside it gets transformers' tokens."""
     rng = np.random.default_rng(3)
     p = random_prompt(rng, 9)
@@ -106,8 +107,10 @@ def test_request_fields_of_other_types(toy):
     bad = {"dict": Request(20, dict.fromkeys(p, 1), 5),
            "set": Request(21, set(p), 5)}
     good = Request(30, p, 5)
+    stops = Request(31, p, 5, stop_token_ids=(t for t in [want[1]]))   # read twice: lost
     e = _engine(toy, max_seq_len=64)
-    e.serve([*sampled.values(), *greedy.values(), *bad.values(), good])
+    e.serve([*sampled.values(), *greedy.values(), *bad.values(), good, stops])
+    assert stops.output == want[:want.index(want[1]) + 1] and stops.finish_reason == "stop"
     for name, r in {**sampled, **greedy}.items():
         assert r.status == "done" and len(r.output) == 5, (name, r.error)
     assert sampled["np seed"].output == sampled["int seed"].output
