@@ -41,16 +41,16 @@ class Request:
 
     ``prompt`` is the token ids (a sequence, a numpy array or a 1-D integer tensor; the engine
     keeps them as a list of ints when the request arrives). ``arrival`` is the engine step at
-    which it is submitted. ``stop_token_ids`` end it (the stop
-    token is kept in ``output``, as transformers' ``generate`` does); None takes the engine's
-    (the model's end-of-sequence tokens). ``temperature`` 0 is greedy; otherwise tokens are drawn
-    from the ``top_k`` most likely tokens (None or 0: all) and within them the top-``top_p``
-    mass (:func:`kvtvm.engine.sampling.sample`) with a generator seeded by ``seed`` (None: by
+    which it is submitted. ``stop_token_ids`` end it (the stop token is kept in ``output``, as
+    transformers' ``generate`` does); None takes the engine's (the model's end-of-sequence
+    tokens). ``temperature`` 0 is greedy; otherwise tokens are drawn from the ``top_k`` most
+    likely tokens (None or 0: all) and within them the top-``top_p`` mass
+    (:func:`kvtvm.engine.sampling.sample`) with a generator seeded by ``seed`` (None: by
     ``rid``, or a hash of a ``rid`` that is not an int). The engine fills ``output``,
     ``status`` (``"waiting"``, ``"running"``, ``"done"``, ``"rejected"``, ``"aborted"``),
-    ``finish_reason`` (``"stop"`` or ``"length"``), ``error`` (why it was rejected, or aborted by
-    a step that raised),
-    ``prefix_hit_tokens`` and the wall-clock times ``t_arrived``, ``t_first``, ``t_done``.
+    ``finish_reason`` (``"stop"`` or ``"length"``), ``error`` (why it was rejected, or aborted
+    by a step that raised), ``prefix_hit_tokens`` and the wall-clock times ``t_arrived``,
+    ``t_first``, ``t_done``.
     """
 
     rid: int
