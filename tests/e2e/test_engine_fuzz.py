@@ -56,9 +56,9 @@ def test_smollm3_sliding_window_flag_without_sliding_layers():
 @pytest.mark.parametrize("window", [1, 2])
 def test_mistral_windows_of_one_and_two_tokens(window):
     """Windows far shorter than the prompt, through every cache and chunk size. kvtvm is
-    compared with transformers' forward without a cache: at ``sliding_window=1`` transformers'
-    own cached ``generate`` keeps no past token and differs from its own cache-less forward
-    (checked here, so the day it is fixed the plain reference can be used)."""
+    compared with transformers' forward without a cache: at ``sliding_window=1``
+    transformers' own cached ``generate`` (5.24) differs from its cache-less forward from the
+    second token (its sliding cache keeps no past token), so it is no reference there."""
     model = tiny("mistral", sliding_window=window)
     prompt = [3, 4, 5, 9, 11, 40, 7]
     seq = list(prompt)
@@ -66,7 +66,6 @@ def test_mistral_windows_of_one_and_two_tokens(window):
         for _ in range(5):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
     want = seq[len(prompt):]
-    assert (reference_tokens(model, prompt, 5) == want) == (window > 1)
     for cache, chunk in (("paged", None), ("continuous", 1), ("linear", 3)):
         r = Request(0, prompt, 5)
         _engine(model, cache, max_step_tokens=chunk).serve([r])
