@@ -58,7 +58,8 @@ def test_mistral_windows_of_one_and_two_tokens(window):
     """Windows far shorter than the prompt, through every cache and chunk size. kvtvm is
     compared with transformers' forward without a cache: at ``sliding_window=1``
     transformers' own cached ``generate`` (5.24) differs from its cache-less forward from the
-    second token (its sliding cache keeps no past token), so it is no reference there."""
+    second token (its sliding cache keeps ``[-sliding_window + 1:]``, at 1 every token), so it
+    is no reference there."""
     model = tiny("mistral", sliding_window=window)
     prompt = [3, 4, 5, 9, 11, 40, 7]
     seq = list(prompt)
