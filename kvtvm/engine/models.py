@@ -107,6 +107,16 @@ def _load_smollm2(dtype):
     return _load_dir(dst, dtype)
 
 
+def _weight_errors() -> tuple:
+    """What ``from_pretrained`` raises for missing or unreadable weights (safetensors'
+    ``SafetensorError`` derives from ``Exception`` alone)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return OSError, ValueError, RuntimeError
+    return OSError, ValueError, RuntimeError, SafetensorError
+
+
 def _load_dir(path, dtype):
     transformers = _quiet_transformers()
     try:
@@ -115,7 +125,11 @@ def _load_dir(path, dtype):
         raise InvalidArgumentError(f"--model {path}: not a transformers model directory "
                                    f"({err})") from None
     check_supported(getattr(config, "get_text_config", lambda: config)())
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except _weight_errors() as err:     # no weights, or unreadable ones: one line, no traceback
+        raise InvalidArgumentError(f"--model {path}: its weights do not load: "
+                                   f"{str(err).strip().splitlines()[0][:200]}") from None
     if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
         return model, None          # weights only (save_pretrained of a model): token ids
     try:

@@ -199,3 +199,21 @@ def test_serve_example_bad_sampling_values(argv, names, capsys):
     err = capsys.readouterr().err
     assert status == 2 and "Traceback" not in err
     assert names in err.strip().splitlines()[-1]
+
+
+def test_generate_model_directory_without_usable_weights(model_dir, tmp_path, capsys):
+    """A directory with a config and no weights (OSError) or a corrupt ``model.safetensors``
+    (SafetensorError) was a traceback out of ``from_pretrained``."""
+    from kvtvm.cli import main as cli_main
+
+    none = tmp_path / "none"
+    none.mkdir()
+    (none / "config.json").write_text((model_dir / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((model_dir / "config.json").read_text())
+    (bad / "model.safetensors").write_text("garbage")
+    for path in (none, bad):
+        assert _status(cli_main, ["generate", "--model", str(path), "--prompt", "3 4"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "weights do not load" in err, err[-500:]
