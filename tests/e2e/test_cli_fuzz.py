@@ -121,10 +121,19 @@ def test_generate_on_cpu_0_and_check_of_a_sampled_answer(capsys):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random Mistral (vocabulary of 64, window 4) saved alone: no tokenizer."""
-    from test_engine_fuzz import tiny
+    import torch
+    import transformers
 
+    transformers.logging.set_verbosity_error()
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, sliding_window=4,
+        pad_token_id=0, eos_token_id=None, bos_token_id=1, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
     path = tmp_path_factory.mktemp("tiny-mistral")
-    tiny("mistral", vocab_size=64, sliding_window=4).save_pretrained(path)
+    model.save_pretrained(path)
     return path
 
 
