@@ -29,6 +29,7 @@ from .caches import CACHE_CHOICES, make_cache
 from .runner import ModelRunner, check_model
 from .sampling import SEED_RANGE, is_int, make_generator, sample, token_list
 from .threads import DEFAULT_TORCH_THREADS, check_thread_count, configure_threads
+from .tierdir import claim_tier_dir
 
 __all__ = ["Request", "ServeStats", "Engine", "sample"]
 
@@ -242,8 +243,13 @@ class Engine:
             if not self.params.enable_prefix_caching:
                 raise InvalidArgumentError("host_tier_pages / disk_tier_dir need the paged "
                                            "cache with prefix caching")
+            dtype = str(self.model.dtype).removeprefix("torch.")
+            if disk_tier_dir is not None:     # another model's pages: refused, nothing made
+                claim_tier_dir(disk_tier_dir, model, dtype, check_only=True)
             self.kv.mgr.attach_tiers(host_pages=host_tier_pages, disk_dir=disk_tier_dir,
                                      disk_bytes=disk_tier_bytes)
+            if disk_tier_dir is not None:
+                claim_tier_dir(disk_tier_dir, model, dtype)
         self.pending: list[Request] = []    # submitted, not yet arrived
         self.queue: list[Request] = []      # arrived, waiting for room
         self.running: list[Request] = []    # in the cache, in batch order

@@ -254,3 +254,34 @@ def test_a_step_that_raises_aborts_its_batch_and_the_engine_serves_on(toy, cache
         if cache == "paged":
             mgr.check_invariants()
             assert mgr.stats().pages_used == 0
+
+
+def test_disk_tier_directory_of_another_model_is_refused(toy, tmp_path):
+    """The disk tier keys pages by tokens and storage format only: another model of the same
+    cache geometry (the toy with other weights) given the same directory read the first
+    model's K/V -- every token wrong, silently. The directory now carries each model's mark
+    (per dtype); another model is refused by name before anything is made, the same model
+    (rebuilt, or in another dtype or cache format) is served warm as before."""
+    from kvtvm.engine import build_toy_model
+    from kvtvm.errors import InvalidArgumentError
+
+    rng = np.random.default_rng(9)
+    prompt = random_prompt(rng, 40)
+    first = _engine(toy, max_seq_len=64, disk_tier_dir=tmp_path)
+    first.serve([Request(0, prompt, 3)])
+    assert first.close() > 0
+    other = build_toy_model(seed=1, num_layers=2)
+    with pytest.raises(InvalidArgumentError, match="disk_tier_dir.*another model"):
+        _engine(other, max_seq_len=64, disk_tier_dir=tmp_path)
+    again = Request(1, prompt, 3)
+    same = _engine(build_toy_model(num_layers=2), max_seq_len=64, disk_tier_dir=tmp_path)
+    same.serve([again])
+    assert again.prefix_hit_tokens > 0 and check_against_reference(toy, [again]) == []
+    bf16 = build_toy_model(num_layers=2, dtype=torch.bfloat16)
+    r = Request(2, prompt, 3)
+    _engine(bf16, max_seq_len=64, disk_tier_dir=tmp_path).serve([r])   # its own mark
+    assert r.status == "done" and check_against_reference(bf16, [r]) == []
+    other_dir = tmp_path / "other"
+    served = Request(3, prompt, 3)
+    _engine(other, max_seq_len=64, disk_tier_dir=other_dir).serve([served])
+    assert check_against_reference(other, [served]) == []
