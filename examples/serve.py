@@ -245,9 +245,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", default=None, help="your own question (chat models)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="tokens per request (default 40; toy: a random 4..31 each)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=cliargs.temperature, default=0.0,
+                        help="0: greedy (default)")
+    parser.add_argument("--top-p", type=cliargs.top_p, default=1.0)
+    parser.add_argument("--seed", type=cliargs.seed, default=0,
+                        help="sampling seed (toy: also the weights' seed)")
     parser.add_argument("--requests", type=int, default=24, help="toy: requests to serve")
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument("--max-seq-len", type=int, default=None,

@@ -173,7 +173,7 @@ def cmd_generate(args) -> int:
     from .engine import (Engine, Request, check_against_reference, load_model,
                          quantized_reference, reference_tokens)
     from .engine.check import reference_tolerance
-    from .errors import InvalidArgumentError
+    from .errors import InvalidArgumentError, KVCacheCapacityError
 
     if args.max_new_tokens < 1:  # before the model loads; it also sizes the cache below
         print(f"error: --max-new-tokens: expected a positive int, got {args.max_new_tokens}",
@@ -184,32 +184,44 @@ def cmd_generate(args) -> int:
     except InvalidArgumentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if tok is None:                      # the toy: token ids in, token ids out
+    if tok is None:          # the toy, a directory without a tokenizer: token ids in and out
         try:
             ids = [int(t) for t in args.prompt.split()]
         except ValueError:
-            print("error: --model toy has no tokenizer: give --prompt as token ids, e.g. "
-                  "--prompt '5 6 7'", file=sys.stderr)
+            print(f"error: --model {args.model} has no tokenizer: give --prompt as token ids, "
+                  "e.g. --prompt '5 6 7'", file=sys.stderr)
             return 2
     else:
+        try:   # argv bytes that are not UTF-8 arrive as lone surrogates: the tokenizer raises
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            bad = args.prompt[err.start].encode("utf-8", "surrogateescape")
+            print(f"error: --prompt: not UTF-8 text (byte {bad!r} at character {err.start}); "
+                  "give the prompt in UTF-8", file=sys.stderr)
+            return 2
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                       add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    engine = Engine(model, "paged", max_batch_size=1,
-                    max_seq_len=max(len(ids), 1) + args.max_new_tokens, device=args.device,
-                    torch_threads=args.torch_threads, kernel_threads=args.kernel_threads,
-                    host_tier_pages=args.host_tier_pages, disk_tier_dir=args.disk_tier_dir,
-                    **args.cache_storage)
+    try:
+        engine = Engine(model, "paged", max_batch_size=1,
+                        max_seq_len=max(len(ids), 1) + args.max_new_tokens, device=args.device,
+                        torch_threads=args.torch_threads, kernel_threads=args.kernel_threads,
+                        host_tier_pages=args.host_tier_pages, disk_tier_dir=args.disk_tier_dir,
+                        **args.cache_storage)
+    except KVCacheCapacityError as err:   # the cache is sized by the prompt + new tokens
+        print(f"error: --max-new-tokens {args.max_new_tokens}: no room for a cache of the "
+              f"prompt's {len(ids)} tokens + {args.max_new_tokens}: {err}", file=sys.stderr)
+        return 2
     req = Request(0, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                  seed=args.seed)
+                  seed=args.seed, top_k=args.top_k)
     engine.log = lambda s: print(s, file=sys.stderr)
     engine.serve([req])
     if args.disk_tier_dir is not None or args.host_tier_pages:
         written = engine.close()
         print(f"prefix cache: {req.prefix_hit_tokens} prompt tokens from the cache and its "
               f"tiers, {written} pages written to the disk tier", file=sys.stderr)
-    if req.status != "done":
-        print(f"error: {req.error}", file=sys.stderr)
+    if req.status != "done":   # the options are checked and the cache sized: the prompt
+        print(f"error: --prompt: {req.error}", file=sys.stderr)
         return 2
     print(" ".join(map(str, req.output)) if tok is None else
           tok.decode(req.output, skip_special_tokens=True).strip())
@@ -227,6 +239,9 @@ def cmd_generate(args) -> int:
                   "range of transformers' best (teacher-forced)", file=sys.stderr)
         else:
             print(f"checked: {len(want)} tokens equal transformers' generate", file=sys.stderr)
+    elif args.check:
+        print(f"--check: not done: it compares greedy tokens, and --temperature is "
+              f"{args.temperature}", file=sys.stderr)
     return 0
 
 
@@ -275,9 +290,12 @@ def main(argv=None) -> int:
     g.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu", type=cliargs.device)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=cliargs.temperature, default=0.0,
+                   help="0: greedy (default)")
+    g.add_argument("--top-p", type=cliargs.top_p, default=1.0)
+    g.add_argument("--top-k", type=cliargs.nonnegative_int, default=0,
+                   help="sample from the k most likely tokens (default 0: all)")
+    g.add_argument("--seed", type=cliargs.seed, default=0)
     g.add_argument("--torch-threads", type=cliargs.thread_count, default=1,
                    help="torch intra-op threads (default 1: see kvtvm.engine.threads)")
     g.add_argument("--kernel-threads", type=cliargs.thread_count, default=None,

@@ -9,6 +9,7 @@ measured: argparse then prints the usage and one line naming the option
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 from pathlib import Path
 
@@ -58,6 +59,33 @@ def thread_count(text: str) -> int:
     from .runtime import MAX_THREADS
 
     return int_between(1, MAX_THREADS)(text)
+
+
+def temperature(text: str) -> float:
+    """A sampling temperature: a finite number >= 0 (0: greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0: greedy), got "
+                                         f"{text!r}")
+    return value
+
+
+def top_p(text: str) -> float:
+    """A nucleus-sampling mass: a number in ``(0, 1]``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+#: ``seed``: the ints ``torch.Generator.manual_seed`` takes
+seed = int_between(-(1 << 63), (1 << 64) - 1)
 
 
 def int_list(text: str) -> list[int]:

@@ -42,8 +42,11 @@ WAYS = ("engine", "hf-batch-sdpa", "hf-batch-paged-eager", "hf-batch-kvtvm",
 
 
 def _prompts(n, length, vocab, seed=0):
+    """``n`` random prompts of ``length`` tokens, clear of the low ids where the special
+    tokens usually are (ids >= 100, or the upper half of a vocabulary under 200)."""
     rng = np.random.default_rng(seed + length)
-    return [rng.integers(100, vocab - 1, length).tolist() for _ in range(n)]
+    low = min(100, vocab // 2)
+    return [rng.integers(low, vocab - 1, length).tolist() for _ in range(n)]
 
 
 @contextlib.contextmanager
@@ -239,10 +242,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from ..engine import load_model
 
-    ways = [w for w in args.ways.split(",") if w]
+    ways = list(dict.fromkeys(w.strip() for w in args.ways.split(",") if w.strip()))
     unknown = sorted(set(ways) - set(WAYS))
-    if unknown:
-        parser.error(f"--ways: unknown {unknown}; known: {list(WAYS)}")
+    if unknown or not ways:   # none: it loaded the model, ran nothing and exited 0
+        parser.error(f"--ways: unknown {unknown}; known: {list(WAYS)}" if unknown else
+                     f"--ways: expected comma-separated ways of {','.join(WAYS)}, got "
+                     f"{args.ways!r}")
     args.hf_threads = args.hf_threads or torch.get_num_threads()
     model, _ = load_model(args.model)
     model.generation_config.eos_token_id = None

@@ -98,11 +98,15 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", nargs="*", default=[s[0] for s in SETTINGS],
                     choices=[s[0] for s in SETTINGS])
     args = ap.parse_args(argv)
+    if args.window < 2:     # a window of one token has no next token to score
+        ap.error(f"--window: expected an int >= 2, got {args.window}")
     if not 0 < args.stride <= args.window:
         ap.error("need 0 < --stride <= --window")
     if args.tokens < args.window:
         ap.error(f"--tokens {args.tokens} is fewer than --window {args.window}: no window to "
                  "score (need --tokens >= --window)")
+    if len(set(args.skip_layers)) < len(args.skip_layers):   # before the model loads
+        ap.error(f"--skip-layers: expected distinct layers, got {args.skip_layers}")
     if args.new_tokens < 1:
         ap.error(f"--new-tokens: expected a positive int, got {args.new_tokens}")
     import torch
@@ -118,6 +122,9 @@ def main(argv=None) -> int:
         ap.error(f"--window {args.window} is longer than the model's context "
                  f"(max_position_embeddings={max_pos})")
     state["skip"] = tuple(sorted(i % n_layers for i in args.skip_layers))
+    if len(set(state["skip"])) < len(state["skip"]):    # as KVCacheParams' skip_layers
+        ap.error(f"--skip-layers: expected distinct layers of {n_layers}, got "
+                 f"{args.skip_layers}")
     ids = tok(topic_text()).input_ids[:args.tokens]
     if len(ids) < args.window:
         ap.error(f"--window {args.window} is longer than the text ({len(ids)} tokens)")

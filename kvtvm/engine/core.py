@@ -4,7 +4,7 @@ Each :meth:`Engine.step` admits queued requests while a slot (and, paged, enough
 request's whole length) is free, runs one forward pass over every running request -- decode
 tokens of the requests already generating mixed with prompt chunks of new ones (chunked prefill:
 at most ``max_step_tokens`` tokens a step) -- samples the next tokens (greedy, or temperature /
-top-p with a per-request seed), and releases requests that hit a stop token or their
+top-k / top-p with a per-request seed), and releases requests that hit a stop token or their
 ``max_new_tokens`` (or were aborted). Bad requests are rejected with a message; the rest keep
 being served. :class:`ModelRunner` does the model step, the adapters of
 :mod:`kvtvm.engine.caches` the cache bookkeeping.
@@ -17,17 +17,19 @@ import logging
 import math
 import numbers
 import time
+from collections.abc import Mapping, Set
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, KVCacheCapacityError, describe
 from ..manager.args import parse_devices
 from ..params import KVCacheParams
 from .caches import CACHE_CHOICES, make_cache
-from .runner import ModelRunner
+from .runner import ModelRunner, check_model
+from .sampling import SEED_RANGE, is_int, make_generator, sample, token_list
 from .threads import DEFAULT_TORCH_THREADS, check_thread_count, configure_threads
+from .tierdir import claim_tier_dir
 
 __all__ = ["Request", "ServeStats", "Engine", "sample"]
 
@@ -38,13 +40,18 @@ _log = logging.getLogger("kvtvm.engine")
 class Request:
     """One generation request.
 
-    ``arrival`` is the engine step at which it is submitted. ``stop_token_ids`` end it (the stop
-    token is kept in ``output``, as transformers' ``generate`` does); None takes the engine's
-    (the model's end-of-sequence tokens). ``temperature`` 0 is greedy; otherwise tokens are drawn
-    from the top-``top_p`` mass with a generator seeded by ``seed``. The engine fills ``output``,
+    ``prompt`` is the token ids (a sequence, a numpy array or a 1-D integer tensor; the engine
+    keeps them as a list of ints when the request arrives). ``arrival`` is the engine step at
+    which it is submitted. ``stop_token_ids`` end it (the stop token is kept in ``output``, as
+    transformers' ``generate`` does); None takes the engine's (the model's end-of-sequence
+    tokens). ``temperature`` 0 is greedy; otherwise tokens are drawn from the ``top_k`` most
+    likely tokens (None or 0: all) and within them the top-``top_p`` mass
+    (:func:`kvtvm.engine.sampling.sample`) with a generator seeded by ``seed`` (None: by
+    ``rid``, or a hash of a ``rid`` that is not an int). The engine fills ``output``,
     ``status`` (``"waiting"``, ``"running"``, ``"done"``, ``"rejected"``, ``"aborted"``),
-    ``finish_reason`` (``"stop"`` or ``"length"``), ``error`` (why it was rejected),
-    ``prefix_hit_tokens`` and the wall-clock times ``t_arrived``, ``t_first``, ``t_done``.
+    ``finish_reason`` (``"stop"`` or ``"length"``), ``error`` (why it was rejected, or aborted
+    by a step that raised), ``prefix_hit_tokens`` and the wall-clock times ``t_arrived``,
+    ``t_first``, ``t_done``.
     """
 
     rid: int
@@ -55,6 +62,7 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int | None = None
     output: list = dataclasses.field(default_factory=list)
     status: str = "waiting"
     finish_reason: str = ""
@@ -102,7 +110,7 @@ class ServeStats:
     peak_running: int = 0            # most requests in the cache at once
     peak_live_bytes: int = 0
     allocated_bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0             # wall time inside serve(), summed over its calls
 
     @property
     def hit_rate(self) -> float:
@@ -111,53 +119,6 @@ class ServeStats:
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
-
-
-def sample(logits: torch.Tensor, reqs) -> list[int]:
-    """Next token of each request from its row of ``logits`` (float ``[batch, vocab]``): argmax
-    for ``temperature`` 0, else a draw from the softmax at that temperature restricted to the
-    smallest set of tokens holding ``top_p`` of the mass."""
-    greedy = logits.argmax(dim=-1).tolist()
-    for i, r in enumerate(reqs):
-        if r.temperature <= 0:
-            continue
-        # float64, max subtracted first: a temperature below float32's range (1e-40) would
-        # divide to inf - inf = nan; here it tends to greedy as it should
-        row = logits[i].double()
-        probs = torch.softmax((row - row.max()) / float(r.temperature), dim=-1)
-        if r.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < r.top_p       # always keeps the top token
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        greedy[i] = int(torch.multinomial(probs.cpu(), 1, generator=r.generator))
-    return greedy
-
-
-def _is_int(x) -> bool:
-    """An integer (Python or numpy), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _token_list(tokens) -> list | None:
-    """``tokens`` (a sequence of integer ids, a numpy array or an integer torch tensor) as a
-    list of Python ints, or None if it is not one (floats and bools are not token ids)."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            return None
-        return tokens.tolist()
-    if isinstance(tokens, np.ndarray):
-        return tokens.tolist() if tokens.ndim == 1 and tokens.dtype.kind in "iu" else None
-    if isinstance(tokens, (str, bytes)):
-        return None
-    try:
-        out = list(tokens)
-    except TypeError:
-        return None
-    return [int(t) for t in out] if all(_is_int(t) for t in out) else None
-
-
-#: the seeds ``torch.Generator.manual_seed`` takes
-_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> None:
@@ -240,15 +201,17 @@ class Engine:
                  v_cache_dtype: str | None = None, skip_layers=()):
         if cache not in CACHE_CHOICES:
             raise InvalidArgumentError(f"cache must be one of {CACHE_CHOICES}, got {cache!r}")
-        if max_step_tokens is not None and (not _is_int(max_step_tokens)
+        if max_step_tokens is not None and (not is_int(max_step_tokens)
                                             or max_step_tokens < 1):
             raise InvalidArgumentError(
                 f"max_step_tokens must be None or a positive int, got {max_step_tokens!r}")
         check_thread_count("torch_threads", torch_threads)
         check_thread_count("kernel_threads", kernel_threads)
+        check_model(model)
         (dev,) = parse_devices(device, name="device")
         model_dev = next(model.parameters()).device
-        if model_dev.type != dev.type or (dev.index is not None and model_dev != dev):
+        if model_dev.type != dev.type or (dev.type == "cuda" and dev.index is not None
+                                          and model_dev != dev):   # "cpu:0" is the CPU
             raise InvalidArgumentError(describe("device", f"the model's device ({model_dev})",
                                                 repr(device)))
         self.hf_model = model
@@ -261,7 +224,7 @@ class Engine:
         if eos_token_ids is None:
             gen = getattr(model, "generation_config", None)
             eos_token_ids = getattr(gen, "eos_token_id", None)
-        eos = _token_list((eos_token_ids,) if _is_int(eos_token_ids) else
+        eos = token_list((eos_token_ids,) if is_int(eos_token_ids) else
                           () if eos_token_ids is None else eos_token_ids)
         if eos is None:
             raise InvalidArgumentError(describe("eos_token_ids", "None, an int or a sequence "
@@ -280,8 +243,13 @@ class Engine:
             if not self.params.enable_prefix_caching:
                 raise InvalidArgumentError("host_tier_pages / disk_tier_dir need the paged "
                                            "cache with prefix caching")
+            dtype = str(self.model.dtype).removeprefix("torch.")
+            if disk_tier_dir is not None:     # another model's pages: refused, nothing made
+                claim_tier_dir(disk_tier_dir, model, dtype, check_only=True)
             self.kv.mgr.attach_tiers(host_pages=host_tier_pages, disk_dir=disk_tier_dir,
                                      disk_bytes=disk_tier_bytes)
+            if disk_tier_dir is not None:
+                claim_tier_dir(disk_tier_dir, model, dtype)
         self.pending: list[Request] = []    # submitted, not yet arrived
         self.queue: list[Request] = []      # arrived, waiting for room
         self.running: list[Request] = []    # in the cache, in batch order
@@ -333,7 +301,7 @@ class Engine:
         rejects it). A request object already submitted is refused
         (:class:`~kvtvm.errors.InvalidArgumentError`, nothing queued)."""
         self._check_fresh([req])
-        if not _is_int(req.arrival):
+        if not is_int(req.arrival):
             self._reject(req, f"arrival must be an int (an engine step), got {req.arrival!r}")
             return
         self.pending.append(req)
@@ -368,16 +336,20 @@ class Engine:
 
     def _validate(self, req: Request) -> str:
         """Why ``req`` can never be served, or ``""``."""
-        prompt = _token_list(req.prompt)
+        if isinstance(req.prompt, Mapping):      # a tokenizer's BatchEncoding, say
+            return ("prompt must be a sequence of integer token ids, got a mapping (a "
+                    "tokenizer's output? pass its ['input_ids'])")
+        prompt = None if isinstance(req.prompt, Set) else token_list(req.prompt)
         if prompt is None:
             return "prompt must be a sequence of integer token ids"
         n = len(prompt)
         if n == 0:
             return "empty prompt (at least one token is needed)"
+        req.prompt = prompt     # a list of ints from here on (an iterator is read once)
         if n > self.max_seq_len:
             return (f"prompt of {n} tokens is longer than max_seq_len={self.max_seq_len} "
                     "(shorten it or raise the engine's max_seq_len)")
-        if not _is_int(req.max_new_tokens) or req.max_new_tokens < 1:
+        if not is_int(req.max_new_tokens) or req.max_new_tokens < 1:
             return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
         if req.length > self.max_seq_len:
             return (f"prompt of {n} tokens + max_new_tokens={req.max_new_tokens} needs "
@@ -392,12 +364,18 @@ class Engine:
             return f"temperature must be a finite number >= 0, got {req.temperature!r}"
         if not (real(req.top_p) and 0 < req.top_p <= 1):
             return f"top_p must be in (0, 1], got {req.top_p!r}"
-        if req.seed is not None and not (_is_int(req.seed)
-                                         and _SEED_RANGE[0] <= req.seed <= _SEED_RANGE[1]):
+        if req.top_k is not None and not (is_int(req.top_k) and req.top_k >= 0):
+            return f"top_k must be None or an int >= 0 (0: all tokens), got {req.top_k!r}"
+        if req.seed is not None and not (is_int(req.seed)
+                                         and SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]):
             return (f"seed must be None or an int in [-2**63, 2**64), got {req.seed!r}")
         stop = req.stop_token_ids
-        if stop is not None and _token_list((stop,) if _is_int(stop) else stop) is None:
-            return f"stop_token_ids must be None, an int or a sequence of ints, got {stop!r}"
+        if stop is not None:
+            ids = token_list((stop,) if is_int(stop) else stop)
+            if ids is None:
+                return (f"stop_token_ids must be None, an int or a sequence of ints, got "
+                        f"{stop!r}")
+            req.stop_token_ids = tuple(ids)      # an iterator is read once
         return self.kv.never_fits(req)
 
     def _arrive(self) -> None:
@@ -408,12 +386,10 @@ class Engine:
             if why:
                 self._reject(req, why)
             else:
-                stop = req.stop_token_ids
-                req.stop_token_ids = (self.eos_token_ids if stop is None else
-                                      tuple(_token_list((stop,) if _is_int(stop) else stop)))
+                if req.stop_token_ids is None:       # else a tuple of ints (_validate)
+                    req.stop_token_ids = self.eos_token_ids
                 if req.temperature > 0:
-                    req.generator = torch.Generator().manual_seed(
-                        req.seed if req.seed is not None else req.rid)
+                    req.generator = make_generator(req.seed, req.rid)
                 self.queue.append(req)
 
     def _admit(self, budget: int) -> list[Request]:
@@ -458,6 +434,20 @@ class Engine:
         for r in reversed(new):
             r.status, r.seq_id, r.admitted_step = "waiting", -1, -1
             self.queue.insert(0, r)
+
+    def _fail(self, batch, err: BaseException) -> None:
+        """A step's forward pass or sampling raised ``err`` (a kernel that does not load, no
+        memory, an interrupt): abort every request of ``batch`` (``error`` says why) and
+        release their sequences -- an uncommitted fetch is dropped, never committed, so no
+        K/V of the failed pass is read later or reaches the prefix cache. Queued requests
+        stay queued and the engine serves on."""
+        self.kv.finish(batch, batch)
+        self.running = []
+        for r in batch:
+            r.error = f"aborted: engine step {self.step_no} failed: {type(err).__name__}: {err}"
+            self._finish(r, "aborted")
+        self.log(f"requests {[r.rid for r in batch]}: {batch[0].error}")
+        self.step_no += 1
 
     # -- one step -------------------------------------------------------------------------
 
@@ -513,11 +503,15 @@ class Engine:
             if r.prefilled < len(r.prompt):
                 self.stats.prefill_tokens += len(t) - h
                 r.prefilled += len(t)
-        logits = self.model.run_step(kv, computed)
-        self.kv.commit(batch, tokens)
         ready = [r.prefilled == len(r.prompt) for r in batch]
         rows = [i for i, ok in enumerate(ready) if ok]
-        picked = sample(logits[rows], [batch[i] for i in rows]) if rows else []
+        try:
+            logits = self.model.run_step(kv, computed)
+            self.kv.commit(batch, tokens)
+            picked = sample(logits[rows], [batch[i] for i in rows]) if rows else []
+        except BaseException as err:
+            self._fail(batch, err)
+            raise
         now, done = time.perf_counter(), []
         for i, tok in zip(rows, picked):
             r = batch[i]
@@ -556,7 +550,7 @@ class Engine:
             self.step()
             if progress is not None:
                 progress(self, total)
-        self.stats.seconds = time.perf_counter() - t0
+        self.stats.seconds += time.perf_counter() - t0   # the counters add up over calls
         return requests
 
     def warmup(self) -> float:

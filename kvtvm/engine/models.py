@@ -5,7 +5,7 @@
   the first load saves the de-quantized weights and tokenizer to kvtvm's cache directory
   (``platformdirs.user_cache_dir("kvtvm")/models``) and later loads read those (about 1 s).
 * a path: any local transformers directory of a Llama-family model (Llama, Mistral, Qwen2,
-  SmolLM, GQA included).
+  SmolLM, GQA included); without a tokenizer in it, prompts are token ids as for the toy.
 * ``"toy"``: a random-weight 4-layer Llama for fast tests (:func:`build_toy_model`).
 """
 
@@ -24,6 +24,9 @@ from .runner import check_supported
 __all__ = ["load_model", "build_toy_model", "smollm2_dir", "SMOLLM2_GGUF", "DTYPES"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: files of a model directory that hold a tokenizer (none of them: the model takes token ids)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "tokenizer.tiktoken")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -104,6 +107,16 @@ def _load_smollm2(dtype):
     return _load_dir(dst, dtype)
 
 
+def _weight_errors() -> tuple:
+    """What ``from_pretrained`` raises for missing or unreadable weights (safetensors'
+    ``SafetensorError`` derives from ``Exception`` alone)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return OSError, ValueError, RuntimeError
+    return OSError, ValueError, RuntimeError, SafetensorError
+
+
 def _load_dir(path, dtype):
     transformers = _quiet_transformers()
     try:
@@ -112,8 +125,18 @@ def _load_dir(path, dtype):
         raise InvalidArgumentError(f"--model {path}: not a transformers model directory "
                                    f"({err})") from None
     check_supported(getattr(config, "get_text_config", lambda: config)())
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    tok = transformers.AutoTokenizer.from_pretrained(path)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except _weight_errors() as err:     # no weights, or unreadable ones: one line, no traceback
+        raise InvalidArgumentError(f"--model {path}: its weights do not load: "
+                                   f"{str(err).strip().splitlines()[0][:200]}") from None
+    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        return model, None          # weights only (save_pretrained of a model): token ids
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, ImportError) as err:
+        raise InvalidArgumentError(f"--model {path}: its tokenizer does not load: "
+                                   f"{str(err).strip().splitlines()[0][:200]}") from None
     return model, tok
 
 
@@ -130,9 +153,13 @@ def load_model(name: str = "smollm2", dtype: str = "float32", device: str = "cpu
     Returns
     -------
     (model, tokenizer)
-        The ``*ForCausalLM`` in eval mode on ``device``; the tokenizer is None for the toy.
+        The ``*ForCausalLM`` in eval mode on ``device``; the tokenizer is None for the toy
+        and for a directory without one (:data:`TOKENIZER_FILES`; a model saved alone).
     """
-    if dtype not in DTYPES:
+    if not isinstance(name, (str, os.PathLike)):
+        raise InvalidArgumentError(f"name must be 'smollm2', 'toy' or a model directory, got "
+                                   f"{name!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidArgumentError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     parse_devices(device, name="device")   # a typed error before anything loads
     if name == "toy":

@@ -21,11 +21,14 @@ from ..errors import InvalidArgumentError
 from ..plan import plan_step
 from .linear import backend_for
 
-__all__ = ["ModelRunner", "UnsupportedModelError", "check_supported", "rotate_half",
-           "SUPPORTED_MODEL_TYPES"]
+__all__ = ["ModelRunner", "UnsupportedModelError", "check_supported", "check_model",
+           "rotate_half", "SUPPORTED_MODEL_TYPES"]
 
 #: ``config.model_type`` values whose layers this runner computes exactly like transformers.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm3")
+#: RoPE types whose frequencies transformers recomputes from each forward's longest position
+#: (``dynamic_rope_update``): the engine refuses them
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class UnsupportedModelError(InvalidArgumentError):
@@ -50,6 +53,23 @@ def check_supported(config) -> None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if isinstance(rope, dict) and rope.get("mrope_section"):
         raise UnsupportedModelError("multimodal RoPE (mrope) is not supported")
+
+
+def check_model(model) -> None:
+    """Raise :class:`UnsupportedModelError` naming ``model`` unless it is a transformers
+    ``*ForCausalLM`` (a torch module with ``config``, ``model.layers`` and ``lm_head``) of a
+    family :func:`check_supported` takes -- not None, a name, or the base model without its
+    head."""
+    config = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or config is None:
+        raise UnsupportedModelError(
+            f"model: expected a transformers *ForCausalLM model (kvtvm.engine.load_model gives "
+            f"one), got {type(model).__name__}")
+    check_supported(config)
+    if not hasattr(getattr(model, "model", None), "layers") or not hasattr(model, "lm_head"):
+        raise UnsupportedModelError(
+            f"model: {type(model).__name__} has no language-model head (model.layers and "
+            "lm_head): pass the *ForCausalLM model, not its base model")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +118,8 @@ class ModelRunner:
     """
 
     def __init__(self, hf_model, linear: str = "auto"):
+        check_model(hf_model)
         cfg = hf_model.config
-        check_supported(cfg)
         self.hf_model = hf_model
         self.model = hf_model.model          # embed_tokens, layers, norm, rotary_emb
         self.lm_head = hf_model.lm_head
@@ -107,12 +127,22 @@ class ModelRunner:
         self.n_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.num_layers = cfg.num_hidden_layers
-        self.sliding_window = sliding_window_of(cfg)
-        if len(set(layer_windows(cfg))) > 1:
+        windows = layer_windows(cfg)
+        # the layers' window, not the config's: SmolLM3 with use_sliding_window and no
+        # sliding layer in layer_types attends in full
+        self.sliding_window = windows[0]
+        if len(set(windows)) > 1:
             raise UnsupportedModelError(
                 f"layer_types {list(cfg.layer_types)}: full and sliding-window layers mixed; "
                 "kvtvm's engine runs one window for every layer (transformers on kvtvm, "
                 "kvtvm.integrations.hf, runs each layer's own)")
+        rope = getattr(getattr(self.model, "rotary_emb", None), "rope_type", "default")
+        if rope in LENGTH_DEPENDENT_ROPE:
+            raise UnsupportedModelError(
+                f"rope_type {rope!r}: transformers picks its frequencies from the longest "
+                "position of each forward pass, so a served token's RoPE would depend on the "
+                "requests batched and the prompt chunks with it; kvtvm's engine runs RoPE "
+                "types whose frequencies are fixed (default, linear, llama3, yarn, ...)")
         self.dtype = next(hf_model.parameters()).dtype
         self.device = next(hf_model.parameters()).device
         self.use_decode_kernel = True

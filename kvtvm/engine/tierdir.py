@@ -1,0 +1,69 @@
+"""Whose pages a prefix cache's disk tier directory holds.
+
+The disk tier (:class:`kvtvm.manager.tiers.DiskTier`) keys a page by its tokens and its storage
+format: it knows nothing of the model that computed the K/V. Two models with the same cache
+geometry (layers, KV heads, head size, dtype) given the same directory would read each other's
+pages -- silently wrong tokens. The engine therefore marks the directory with a fingerprint of
+its model (:func:`model_fingerprint`) in ``.kvtvm-model-<dtype>`` (the disk tier reads only
+``*.kvp`` files) and refuses a directory marked by another model (:func:`claim_tier_dir`).
+The same model in another dtype writes its own mark (its pages differ in format, so they miss).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidArgumentError, describe
+
+__all__ = ["model_fingerprint", "claim_tier_dir"]
+
+#: config fields besides the weights that change a model's K/V
+_KV_CONFIG = ("model_type", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters",
+              "rope_scaling", "sliding_window", "use_sliding_window", "layer_types",
+              "no_rope_layers", "head_dim", "attention_bias")
+
+
+def model_fingerprint(model) -> str:
+    """A 128-bit hex fingerprint of ``model`` (a transformers model): the K/V-relevant config
+    fields, every weight's name, shape and dtype, and 1024 evenly strided values of each
+    (exact bytes; milliseconds even for SmolLM2)."""
+    h = hashlib.blake2b(digest_size=16)
+    cfg = {k: getattr(model.config, k, None) for k in _KV_CONFIG}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, w in sorted(model.state_dict().items()):
+        flat = w.detach().reshape(-1)
+        step = max(1, flat.numel() // 1024)
+        sample = flat[::step][:1024].contiguous().cpu()
+        h.update(f"{name}:{tuple(w.shape)}:{w.dtype}".encode())
+        h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def claim_tier_dir(directory, model, dtype: str, *, check_only: bool = False) -> None:
+    """Refuse (:class:`~kvtvm.errors.InvalidArgumentError` naming ``disk_tier_dir``) a
+    directory marked by another model for ``dtype``; unless ``check_only``, mark an unmarked
+    one as ``model``'s (written to a temporary file, then renamed)."""
+    mark = Path(directory) / f".kvtvm-model-{dtype}"
+    want = model_fingerprint(model)
+    try:
+        have = json.loads(mark.read_text()).get("fingerprint")
+    except OSError:         # no mark yet, or no directory: attach_tiers judges the directory
+        have = None
+    except (ValueError, AttributeError):
+        have = "unreadable"
+    if have is not None and have != want:
+        raise InvalidArgumentError(describe(
+            "disk_tier_dir", "a directory of this model's pages (or a new one)",
+            f"{directory}, which holds the K/V pages of another model ({mark.name}: "
+            f"{have}); give each model its own directory"))
+    if have is None and not check_only:
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        tmp = mark.with_name(f".tmp-mark-{os.getpid()}")   # private, as the tier's files
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(json.dumps({"fingerprint": want, "model": name}))
+        os.replace(tmp, mark)
