@@ -1,0 +1,101 @@
+"""Hostile input the bad-input sweeps did not reach: the per-layer accessors of a collection
+(bool / negative / huge indices, positions past the step's pages, stale inputs), KVCacheParams'
+flags and its memory arithmetic's sizes, uint64 ids and tokens past int64, and cache views of
+another manager given with a fetch's tables. Each raises a typed kvtvm error naming the
+argument and changes nothing (the cache bytes compared)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtvm import KVCacheParams, ops
+from kvtvm.errors import InvalidArgumentError, StaleInputsError
+from kvtvm.inputs import BatchItem, TokenBatch
+from kvtvm.manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
+
+H, D, P = 2, 8, 4
+
+
+def _paged(**kw):
+    params = KVCacheParams("float32", H, D, "paged", page_size=P, **kw)
+    mgr = PagedKVCacheManager(params, 3, 16, 2)
+    gen = torch.Generator().manual_seed(0)
+    for b in mgr.blocks:
+        b.copy_(torch.randn(b.shape, generator=gen))
+    return mgr
+
+
+def _accessor():
+    """A paged manager whose seq a holds 6 tokens and seq b 9; the fetch of one more token of
+    a (batch entry 0) is live; returns (mgr, inputs, K accessor of layer 1)."""
+    mgr = _paged()
+    a, b = mgr.claim(2)
+    for s, n in ((a, 6), (b, 9)):
+        mgr.fetch([BatchItem(s, list(range(n)))])
+        mgr.step([BatchItem(s, list(range(n)))])
+    (inp,) = mgr.fetch([BatchItem(a, [1])])
+    return mgr, inp, inp.collection().get_key_cache(1)
+
+
+BAD_INDEX = [True, np.bool_(False), -1, 10 ** 12, 1.0, "0", None, float("nan")]
+
+
+@pytest.mark.parametrize("value", BAD_INDEX, ids=repr)
+@pytest.mark.parametrize("where", ["layer", "batch_idx", "bs_idx", "tok_idx", "head_idx"])
+def test_collection_accessors_refuse_bad_indices_and_write_nothing(where, value):
+    """Before: a bool layer was layer 1, a negative entry or position wrapped to the last one,
+    a huge one was an IndexError, and ``store`` at a position past the sequence's pages wrote
+    into page 0 -- another sequence's page."""
+    mgr, inp, kc = _accessor()
+    col = inp.collection()
+    saved = mgr.blocks[0].clone()
+    calls = {"layer": [lambda: col.get_key_cache(value), lambda: col.get_value_cache(value)],
+             "batch_idx": [lambda: kc.cache_length(value), lambda: kc.row_idx(value, 0),
+                           lambda: kc.store(value, 0, 0, slice(None), torch.zeros(D))],
+             "bs_idx": [lambda: col.cache_length(value)],
+             "tok_idx": [lambda: kc.row_idx(0, value), lambda: kc.page_and_slot(0, value),
+                         lambda: kc.load(0, 0, value),
+                         lambda: kc.store(0, 0, value, slice(None), torch.zeros(D))],
+             "head_idx": [lambda: kc.col_idx(value), lambda: kc.load(0, value, 0),
+                          lambda: kc.store(0, value, 0, slice(None), torch.zeros(D))]}[where]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError, match=where):
+            call()
+    assert torch.equal(mgr.blocks[0], saved)
+    inp.check_live()
+
+
+def test_accessor_positions_end_at_the_steps_new_tokens():
+    """Entry 0 holds 6 tokens and adds 1: positions 0..6 are its own, 7 (page 1, slot 3 of a
+    page it holds) is past the step, and 8 was page 0 of the table's zero fill."""
+    mgr, inp, kc = _accessor()
+    pages = mgr.pages_of(inp.seq_ids[0])
+    assert kc.row_idx(0, 6) == pages[1] * P + 2
+    saved = mgr.blocks[0].clone()
+    for pos in (7, 8, 15):
+        with pytest.raises(InvalidArgumentError, match=r"tok_idx.*\[0, 7\)"):
+            kc.store(0, 0, pos, slice(None), torch.zeros(D))
+    assert torch.equal(mgr.blocks[0], saved)
+
+
+@pytest.mark.parametrize("supersede", ["step", "fetch", "release"])
+def test_accessors_of_stale_inputs_raise_and_write_nothing(supersede):
+    """Before: ``store`` through the collection of a superseded fetch wrote with its old
+    tables (after a release, into pages another sequence may now hold)."""
+    mgr, inp, kc = _accessor()
+    a = inp.seq_ids[0]
+    if supersede == "step":
+        mgr.step([BatchItem(a, [1])])
+    elif supersede == "fetch":
+        mgr.step([BatchItem(a, [1])])
+        mgr.fetch([BatchItem(a, [2])])
+    else:
+        mgr.release(a)
+    saved = mgr.blocks[0].clone()
+    for call in (lambda: kc.store(0, 0, 1, slice(None), torch.zeros(D)),
+                 lambda: kc.load(0, 0, 1), lambda: kc.row_idx(0, 1)):
+        with pytest.raises(StaleInputsError):
+            call()
+    assert torch.equal(mgr.blocks[0], saved)
