@@ -115,6 +115,9 @@ def _host_int_vector(name: str, values) -> np.ndarray:
         raise InvalidArgumentError(describe(f"{name} rank", "a 1-D array", arr.ndim))
     if arr.dtype.kind not in "iu" and arr.size:
         raise InvalidArgumentError(describe(f"{name} dtype", "integers", arr.dtype))
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size \
+            and int(arr.max()) > np.iinfo(np.int64).max:  # would wrap to a negative int64
+        raise InvalidArgumentError(describe(name, "values below 2**63", int(arr.max())))
     return arr.astype(np.int64, copy=False)
 
 

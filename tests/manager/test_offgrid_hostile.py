@@ -99,3 +99,52 @@ def test_accessors_of_stale_inputs_raise_and_write_nothing(supersede):
         with pytest.raises(StaleInputsError):
             call()
     assert torch.equal(mgr.blocks[0], saved)
+
+
+@pytest.mark.parametrize("value", ["x", None, 1, 0, 1.0, "False"], ids=repr)
+def test_enable_prefix_caching_must_be_a_bool(value):
+    """Before: any truthy value turned prefix caching on (``"False"`` included) and None
+    passed as False."""
+    with pytest.raises(InvalidArgumentError, match="enable_prefix_caching"):
+        KVCacheParams("float32", H, D, "paged", page_size=P, enable_prefix_caching=value)
+    assert KVCacheParams("float32", H, D, "paged", page_size=P,
+                         enable_prefix_caching=np.bool_(True)).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda p: p.bytes_per_token(0), "num_layers"),
+    (lambda p: p.bytes_per_token(-1), "num_layers"),
+    (lambda p: p.bytes_per_token(1.5), "num_layers"),
+    (lambda p: p.bytes_per_page(True), "num_layers"),
+    (lambda p: p.bytes_per_token(2, "x"), "devices"),
+    (lambda p: p.bytes_per_token(2, 1.0), "devices"),
+    (lambda p: p.pages_for_tokens(-5), "n_tokens"),
+    (lambda p: p.pages_for_tokens(2.5), "n_tokens"),
+    (lambda p: p.cache_bytes(2, -3, 16, num_pages=4), "max_batch_size"),
+    (lambda p: p.cache_bytes(2, 3, 0, num_pages=4), "max_seq_len"),
+    (lambda p: p.cache_bytes(2, 3, 16, num_pages=-4), "num_pages"),
+    (lambda p: p.cache_shape(-2, 3, 16, num_pages=4), "num_layers"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_memory_arithmetic_refuses_bad_sizes(call, name):
+    """Before: 0 or -1 layers gave 0 or negative bytes, -5 tokens -1 pages, a str device
+    count a TypeError."""
+    for params in (KVCacheParams("float32", H, D, "paged", page_size=P),
+                   KVCacheParams("float16", H, D, "paged", page_size=P, cache_dtype="int8")):
+        with pytest.raises(InvalidArgumentError, match=name):
+            call(params)
+
+
+def test_uint64_tokens_and_ids_past_int64_are_refused():
+    """Before: 2**64 - 1 wrapped to the token -1 (the prefix cache then keyed both as one
+    token) and to the seq id -1."""
+    mgr = _paged(enable_prefix_caching=True)
+    (a,) = mgr.claim(1)
+    huge = np.array([2 ** 64 - 1], np.uint64)
+    saved = mgr.blocks[0].clone()
+    with pytest.raises(InvalidArgumentError, match="tokens"):
+        mgr.fetch(TokenBatch([a], huge))
+    with pytest.raises(InvalidArgumentError, match="seq_ids"):
+        mgr.fetch(TokenBatch(huge, [1]))
+    assert mgr.cache_length(a) == 0 and torch.equal(mgr.blocks[0], saved)
+    (inp,) = mgr.fetch(TokenBatch([a], np.array([2 ** 63 - 1], np.uint64)))  # still fine
+    assert inp.qo_indptr.tolist() == [0, 1]
