@@ -148,3 +148,59 @@ def test_uint64_tokens_and_ids_past_int64_are_refused():
     assert mgr.cache_length(a) == 0 and torch.equal(mgr.blocks[0], saved)
     (inp,) = mgr.fetch(TokenBatch([a], np.array([2 ** 63 - 1], np.uint64)))  # still fine
     assert inp.qo_indptr.tolist() == [0, 1]
+
+
+def _two_managers(cache_dtype=None, kind="paged"):
+    if kind == "continuous":
+        params = KVCacheParams("float32", H, D, "continuous", cache_dtype=cache_dtype)
+        make = lambda: ContinuousBatchingKVCacheManager(params, 2, 16, 2)  # noqa: E731
+    else:
+        params = KVCacheParams("float32", H, D, "paged", page_size=P, cache_dtype=cache_dtype)
+        make = lambda: PagedKVCacheManager(params, 2, 16, 2)  # noqa: E731
+    out = []
+    for _ in range(2):
+        mgr = make()
+        (s,) = mgr.claim(1)
+        (inp,) = mgr.fetch([BatchItem(s, [1, 2, 3])])
+        out.append((mgr, inp))
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+@pytest.mark.parametrize("kind", ["paged", "continuous"])
+@pytest.mark.parametrize("op", ["append", "prefill", "decode", "plan rebind"])
+def test_a_fetchs_tables_with_another_managers_cache_are_refused(op, kind, cache_dtype):
+    """Before: manager A's tables with manager B's cache views (same shapes) wrote B's pages
+    at A's positions -- a write into memory no fetch of B had handed out; a copy of the views
+    was read as if it were the cache."""
+    (ma, ia), (mb, ib) = _two_managers(cache_dtype, kind)
+    saved = [m.blocks[0].clone() for m in (ma, mb)]
+    k, v, q = torch.randn(3, H, D), torch.randn(3, H, D), torch.randn(3, 2 * H, D)
+    for kc, vc in ((ib.k_cache(0), ib.v_cache(0)), (ia.k_cache(0).clone(), ia.v_cache(0))):
+        with pytest.raises(InvalidArgumentError, match="k_cache|v_cache"):
+            if op == "append":
+                ops.append_kv(kc, vc, k, v, ia.qo_indptr, ia.cache_lengths, ia.lookup_table)
+            elif op == "prefill":
+                ops.prefill_attention(q, kc, vc, ia.qo_indptr, ia.cache_lengths,
+                                      ia.lookup_table)
+            elif op == "decode":
+                ops.decode_attention(q[:1], kc, vc, ia.cache_lengths, ia.lookup_table)
+            else:  # a plan of A's step given B's views by rebinding A's launch
+                from kvtvm.plan import plan_step
+                plan = plan_step(ia)
+                plan.append_kv(0, k, v)
+                launch = plan._append
+                launch.rebind(k_cache=kc, v_cache=vc).run()
+    assert all(torch.equal(m.blocks[0], s) for m, s in zip((ma, mb), saved)) or op == "plan rebind"
+    ia.check_live()
+
+
+def test_tables_of_two_fetches_are_refused():
+    """Before: qo_indptr of one fetch with the cache_lengths and lookup_table of another
+    (both live, two managers) were taken as one batch."""
+    (ma, ia), (mb, ib) = _two_managers()
+    saved = ma.blocks[0].clone()
+    with pytest.raises(InvalidArgumentError, match="one fetch"):
+        ops.append_kv(ia.k_cache(0), ia.v_cache(0), torch.randn(3, H, D),
+                      torch.randn(3, H, D), ib.qo_indptr, ia.cache_lengths, ia.lookup_table)
+    assert torch.equal(ma.blocks[0], saved)
