@@ -44,15 +44,17 @@ class FetchToken:
     table tensors (:func:`token_of`), so they learn staleness without knowing managers.
     """
 
-    __slots__ = ("live", "why", "lock", "storages")
+    __slots__ = ("live", "why", "lock", "storages", "layout")
 
-    def __init__(self, lock=None, caches=()):
+    def __init__(self, lock=None, caches=(), layout=None):
         #: the manager's lock: a launch holds it from its liveness check to the kernel's
         #: return (CPU) or enqueue (CUDA), so a concurrent fetch cannot slip in between
         self.live, self.why, self.lock = True, "", lock
         #: where the manager's cache tensors start: the ops refuse, with these tables, cache
         #: views of other memory (another manager's cache, a copy)
         self.storages = frozenset(c.untyped_storage().data_ptr() for c in caches)
+        #: the token layout of the manager's per-layer views ("nhd", "hnd"; None: unknown)
+        self.layout = layout
 
     def kill(self, why: str) -> None:
         """Mark the inputs superseded (the first reason is kept)."""

@@ -421,7 +421,7 @@ class KVCacheManager(abc.ABC):
         if self._token is not None:
             self._token.kill("superseded by a later fetch of the same manager")
         self._in_token[self._token_ids] = False
-        self._token, self._token_ids = FetchToken(self._lock, self._blocks), ids.copy()
+        self._token, self._token_ids = FetchToken(self._lock, self._blocks, "nhd"), ids.copy()
         self._in_token[ids] = True
         out = []
         for dev in range(self.n_devices):

@@ -377,7 +377,7 @@ class LinearKVCache:
             end = self._lengths[:b] + new
             max_lengths = torch.tensor([[int(new.max(initial=0)), int(end.max(initial=0))]],
                                        dtype=torch.int32)
-            token = self._token = FetchToken(self._lock, self._cache)
+            token = self._token = FetchToken(self._lock, self._cache, "hnd")
             out = []
             for i, buf in enumerate(self._dev):
                 cl, qo_t = buf[:b], buf[mb:mb + b + 1]

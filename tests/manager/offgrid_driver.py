@@ -17,10 +17,12 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
 
 from kvtvm import KVCacheParams, ops
-from kvtvm.errors import KVCacheCapacityError, SequenceTooLongError
+from kvtvm.errors import (KVCacheCapacityError, KVCacheError, SequenceStateError,
+                          SequenceTooLongError, StaleInputsError)
 from kvtvm.inputs import BatchItem, TokenBatch
 from kvtvm.manager import (ContinuousBatchingKVCacheManager, LinearKVCache,
                            PagedKVCacheManager)
@@ -216,6 +218,84 @@ class Driver:
         assert cls.estimated_memory_size(p, best + 1, c.S, c.L) > full
         assert cls.infer_optimal_batch_size(p, c.S, c.L, full - 1) == max(1, c.MB - 1)
 
+    # -- hostile calls: a typed error naming the argument, nothing changed ----------------
+    def raw_bytes(self) -> bytes:
+        return b"".join(b.view(torch.uint8).numpy().tobytes() for b in self.blocks())
+
+    def refused(self, what: str, call, error=KVCacheError, names=None):
+        before = self.state(), self.raw_bytes()
+        try:
+            call()
+        except error as e:
+            if names is not None:
+                assert any(n in str(e) for n in names), (what, str(e))
+        else:
+            raise AssertionError(f"{what}: accepted")
+        assert (self.state(), self.raw_bytes()) == before, f"{what}: changed the manager"
+
+    def hostile_ops(self, inp, T: int):
+        """The ops given this step's live inputs and one bad argument each."""
+        c, r = self.cfg, self.rng
+        dt = TORCH[c.dtype]
+        kc, vc = inp.k_cache(0), inp.v_cache(0)
+        good = lambda *shape: torch.zeros(*shape, dtype=dt)  # noqa: E731
+        k = good(T, c.H, c.D)
+        tabs = (inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
+        other = torch.float64 if c.dtype != "float64" else torch.float32
+        cases = [
+            ("k dtype", lambda: ops.append_kv(kc, vc, k.to(other), k, *tabs, layout=inp.layout),
+             ("k",)),
+            ("k head_dim", lambda: ops.append_kv(kc, vc, good(T, c.H, c.D + 1),
+                                                 good(T, c.H, c.D + 1), *tabs,
+                                                 layout=inp.layout), ("k", "head_dim")),
+            ("k heads", lambda: ops.append_kv(kc, vc, good(T, c.H + 1, c.D),
+                                              good(T, c.H + 1, c.D), *tabs,
+                                              layout=inp.layout), ("k", "n_kv_heads")),
+            ("k rows", lambda: ops.append_kv(kc, vc, good(T + 1, c.H, c.D),
+                                             good(T + 1, c.H, c.D), *tabs,
+                                             layout=inp.layout), ("k", "num_tokens", "qo_indptr")),
+            ("k strided", lambda: ops.append_kv(kc, vc, good(T, c.H, 2 * c.D)[..., ::2], k,
+                                                *tabs, layout=inp.layout), ("k",)),
+            ("k expanded", lambda: ops.append_kv(kc, vc, good(1, c.H, c.D).expand(T, -1, -1)
+                                                 if T > 1 else good(T, c.H, c.D).to(other), k,
+                                                 *tabs, layout=inp.layout), ("k",)),
+            ("lengths float", lambda: ops.append_kv(kc, vc, k, k, tabs[0], tabs[1].float(),
+                                                    tabs[2], layout=inp.layout),
+             ("cache_lengths",)),
+            ("lengths int64", lambda: ops.append_kv(kc, vc, k, k, tabs[0], tabs[1].long(),
+                                                    tabs[2], layout=inp.layout),
+             ("cache_lengths",)),
+            ("layout", lambda: ops.append_kv(kc, vc, k, k, *tabs,
+                                             layout="hnd" if inp.layout == "nhd" else "nhd"),
+             ("layout", "k_cache", "shape", "v_cache")),
+            ("q heads", lambda: ops.prefill_attention(good(T, c.H * c.G + 1 if c.H > 1 else 0,
+                                                           c.D), kc, vc,
+                                                      *tabs, layout=inp.layout), ("q",)),
+            ("q dtype", lambda: ops.prefill_attention(good(T, c.H * c.G, c.D).to(other), kc, vc,
+                                                      *tabs, layout=inp.layout), ("q",)),
+            ("sm_scale nan", lambda: ops.prefill_attention(good(T, c.H * c.G, c.D), kc, vc,
+                                                           *tabs, layout=inp.layout,
+                                                           sm_scale=float("nan")),
+             ("sm_scale",)),
+            ("plan layer", lambda: plan_step(inp).append_kv(c.L, k, k), ("layer",)),
+            ("plan layer bool", lambda: plan_step(inp).append_kv(True, k, k), ("layer",)),
+            ("collection layer", lambda: inp.collection().get_key_cache(-1), ("layer",)),
+        ]
+        for i in r.choice(len(cases), 3, replace=False):
+            what, call, names = cases[int(i)]
+            self.refused(what, call, names=names)
+        inp.check_live()
+
+    def stale_is_refused(self, inp, T: int):
+        c = self.cfg
+        dt = TORCH[c.dtype]
+        k = torch.zeros(T, c.H, c.D, dtype=dt)
+        kc, vc = inp.k_cache(0), inp.v_cache(0)
+        self.refused("stale append", lambda: ops.append_kv(
+            kc, vc, k, k, inp.qo_indptr, inp.cache_lengths, inp.lookup_table,
+            layout=inp.layout), StaleInputsError)
+        self.refused("stale plan", lambda: plan_step(inp).append_kv(0, k, k), StaleInputsError)
+
     # -- the step: append + attention + compare --------------------------------------------
     def run_layers(self, inp, rows_kv, q_pos_of, keys_of, use_plan: bool):
         """Append ``rows_kv`` ``[T, L, 2, H, D]`` through ``inp`` and check attention."""
@@ -326,6 +406,8 @@ class Driver:
         rows = np.stack([self.kv_of(tuple(p + t[:i + 1]))
                          for (s, t), p, h in zip(items, prevs, hits) for i in range(h, len(t))])
         use_plan = bool(r.integers(0, 2))
+        if r.random() < 0.3:
+            self.hostile_ops(inp, rows.shape[0])
         self.run_layers(inp, rows,
                         lambda b: len(prevs[b]) + hits[b] + np.arange(len(items[b][1]) - hits[b]),
                         lambda b: self.want(prevs[b] + items[b][1]), use_plan)
@@ -340,8 +422,17 @@ class Driver:
             self.run_layers(cur[0], rows, lambda b: np.array([len(done[b])]),
                             lambda b: self.want(done[b] + [extra[b]]), use_plan)
             items = [(s, t + [e]) for (s, t), e in zip(items, extra)]
+        if r.random() < 0.2:  # tokens other than fetched: refused, nothing changes
+            s0, t0 = items[0]
+            before = self.state(), self.raw_bytes()
+            with pytest.raises(SequenceStateError):
+                self.mgr.step([BatchItem(s0, [x + 1 for x in t0])] + [BatchItem(*i)
+                                                                    for i in items[1:]])
+            assert (self.state(), self.raw_bytes()) == before
         self.mgr.step([BatchItem(s, t) for s, t in items])
         self.log.append(f"step {items}")
+        if r.random() < 0.2:
+            self.stale_is_refused(cur[0], rows.shape[0])
         for s, t in items:
             self.shadow[s] = self.shadow[s] + t
 
@@ -439,10 +530,15 @@ class Driver:
                 for k in new]
         rows = [self.kv_of(tuple(p + t[:i + 1])) for p, t in zip(prevs, toks)
                 for i in range(len(t))]
+        if rows and r.random() < 0.3:
+            self.hostile_ops(inp, len(rows))
         if rows:
             self.run_layers(inp, np.stack(rows), lambda b: len(prevs[b]) + np.arange(new[b]),
                             lambda b: self.want(prevs[b] + toks[b]), bool(r.integers(0, 2)))
         self.log.append(f"commit {new}")
+        if r.random() < 0.2:
+            self.mgr.commit_sequence_length(0)  # kills the inputs, changes no length
+            self.stale_is_refused(inp, len(rows))
         self.mgr.commit_sequence_length(torch.tensor(new, dtype=torch.int32)
                                         if r.integers(0, 2) or len(set(new)) > 1 else new[0])
         for b in range(n):

@@ -204,3 +204,33 @@ def test_tables_of_two_fetches_are_refused():
         ops.append_kv(ia.k_cache(0), ia.v_cache(0), torch.randn(3, H, D),
                       torch.randn(3, H, D), ib.qo_indptr, ia.cache_lengths, ia.lookup_table)
     assert torch.equal(ma.blocks[0], saved)
+
+
+@pytest.mark.parametrize("kind", ["paged", "linear"])
+def test_a_layout_other_than_the_fetchs_views_is_refused(kind):
+    """With ``page_size == n_kv_heads`` (paged) or ``max_seq_len == n_kv_heads`` (linear) an
+    ``nhd`` view has the shape of an ``hnd`` one; before, the other layout wrote every row at
+    a transposed (page slot, head) position."""
+    if kind == "paged":
+        params = KVCacheParams("float32", 3, D, "paged", page_size=3)
+        mgr = PagedKVCacheManager(params, 2, 9, 1)
+        (s,) = mgr.claim(1)
+        (inp,) = mgr.fetch([BatchItem(s, [1, 2])])
+        blocks = mgr.blocks[0]
+    else:
+        from kvtvm.manager import LinearKVCache
+        mgr = LinearKVCache(KVCacheParams("float32", 3, D, "linear"), 2, 3, 1)
+        mgr.reset_for_new_sequences([0])
+        (inp,) = mgr.step_inputs([2])
+        blocks = mgr.get_kv_cache_buffer()
+    wrong = "hnd" if inp.layout == "nhd" else "nhd"
+    kc, vc = inp.k_cache(0), inp.v_cache(0)
+    k = torch.randn(2, 3, D)
+    saved = blocks.clone()
+    with pytest.raises(InvalidArgumentError, match="layout"):
+        ops.append_kv(kc, vc, k, k, inp.qo_indptr, inp.cache_lengths, inp.lookup_table,
+                      layout=wrong)
+    with pytest.raises(InvalidArgumentError, match="layout"):
+        ops.prefill_attention(torch.randn(2, 3, D), kc, vc, inp.qo_indptr, inp.cache_lengths,
+                              inp.lookup_table, layout=wrong)
+    assert torch.equal(blocks, saved)
