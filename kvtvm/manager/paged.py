@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import KVCacheCapacityError, KVCacheError, SequenceStateError
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import check_size, check_sizes, pop_length
+from .args import INT32_MAX, check_size, check_sizes, pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
 from .pageio import PageIOMixin
@@ -148,14 +148,16 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
     def infer_optimal_batch_size(cls, params, max_seq_len, num_layers, available_cache_memory,
                                  devices=("cpu",), **kwargs) -> int:
         """Most sequences that can all reach ``max_seq_len`` at once in
-        ``available_cache_memory`` bytes per device (pages plus tables); at least 1."""
+        ``available_cache_memory`` bytes per device (pages plus tables); at least 1, at most
+        what the int32 tables index."""
         check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))
         width = params.pages_for_tokens(max_seq_len)
         per_seq = width * params.bytes_per_page(num_layers, n) + 4 * (2 + width)
-        return max(1, (available_cache_memory - 4) // per_seq)
+        # at most as many as the int32 tables index (their default pool: batch x width pages)
+        return max(1, min(INT32_MAX // width, (available_cache_memory - 4) // per_seq))
 
     # ------------------------------------------------------------------------------------
     # Page pool

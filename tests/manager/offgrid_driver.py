@@ -254,7 +254,8 @@ class Driver:
             ("k rows", lambda: ops.append_kv(kc, vc, good(T + 1, c.H, c.D),
                                              good(T + 1, c.H, c.D), *tabs,
                                              layout=inp.layout), ("k", "num_tokens", "qo_indptr")),
-            ("k strided", lambda: ops.append_kv(kc, vc, good(T, c.H, 2 * c.D)[..., ::2], k,
+            ("k strided", lambda: ops.append_kv(kc, vc, good(T, c.H, 2 * c.D)[..., ::2]
+                                                if c.D > 1 and c.H * T > 1 else k.to(other), k,
                                                 *tabs, layout=inp.layout), ("k",)),
             ("k expanded", lambda: ops.append_kv(kc, vc, good(1, c.H, c.D).expand(T, -1, -1)
                                                  if T > 1 else good(T, c.H, c.D).to(other), k,

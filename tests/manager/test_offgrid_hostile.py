@@ -234,3 +234,20 @@ def test_a_layout_other_than_the_fetchs_views_is_refused(kind):
         ops.prefill_attention(torch.randn(2, 3, D), kc, vc, inp.qo_indptr, inp.cache_lengths,
                               inp.lookup_table, layout=wrong)
     assert torch.equal(blocks, saved)
+
+
+@pytest.mark.parametrize("kind", ["paged", "continuous", "linear"])
+def test_inferred_batch_size_is_one_the_manager_takes(kind):
+    """Before: 10**30 bytes inferred a batch of about 10**27, which every size check (int32
+    tables) then refused."""
+    from kvtvm.manager import LinearKVCache
+    cls = {"paged": PagedKVCacheManager, "continuous": ContinuousBatchingKVCacheManager,
+           "linear": LinearKVCache}[kind]
+    params = KVCacheParams("float16", H, D, kind, page_size=P if kind == "paged" else None)
+    best = cls.infer_optimal_batch_size(params, 64, 2, 10 ** 30)
+    assert 1 <= best <= (1 << 31) - 1
+    assert cls.estimated_memory_size(params, best, 64, 2) > 0  # sizes it accepts
+    for mb in (1, 3, 7):  # and for a real budget: exactly the batch whose estimate it is
+        full = cls.estimated_memory_size(params, mb, 64, 2)
+        assert cls.infer_optimal_batch_size(params, 64, 2, full) == mb
+        assert cls.infer_optimal_batch_size(params, 64, 2, full - 1) == max(1, mb - 1)
