@@ -251,8 +251,32 @@ class KVCacheParams:
         if not isinstance(heads, int):
             raise InvalidArgumentError(describe("config", "a decoder config with "
                                                 "num_attention_heads", type(config).__name__))
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+
+        def field(name, value, what):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise InvalidArgumentError(describe(f"config.{name}", what, repr(value)))
+            return int(value)
+
+        heads = field("num_attention_heads", heads, "a positive int")
+        kv_heads = getattr(config, "num_key_value_heads", None)
+        kv_heads = heads if kv_heads is None else field(
+            "num_key_value_heads", kv_heads, f"a positive int dividing num_attention_heads="
+            f"{heads}")
+        if heads % kv_heads:
+            raise InvalidArgumentError(describe(
+                "config.num_key_value_heads",
+                f"a positive int dividing num_attention_heads={heads}", kv_heads))
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is None:
+            hidden = field("hidden_size", getattr(config, "hidden_size", None),
+                           f"a multiple of num_attention_heads={heads} (the config names no "
+                           "head_dim)")
+            if hidden % heads:
+                raise InvalidArgumentError(describe(
+                    "config.hidden_size", f"a multiple of num_attention_heads={heads} (the "
+                    "config names no head_dim)", hidden))
+            head_dim = hidden // heads
+        head_dim = field("head_dim", head_dim, "a positive int")
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if dtype is None:

@@ -251,3 +251,41 @@ def test_inferred_batch_size_is_one_the_manager_takes(kind):
         full = cls.estimated_memory_size(params, mb, 64, 2)
         assert cls.infer_optimal_batch_size(params, 64, 2, full) == mb
         assert cls.infer_optimal_batch_size(params, 64, 2, full - 1) == max(1, mb - 1)
+
+
+def _config(**kw):
+    from types import SimpleNamespace
+    base = dict(num_attention_heads=4, hidden_size=64, num_key_value_heads=2, head_dim=None,
+                dtype="float16")
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(num_attention_heads=3, hidden_size=100, num_key_value_heads=None),
+     "hidden_size"),                                                 # was: head_dim 33
+    (dict(num_key_value_heads=3), "num_key_value_heads"),           # 4 heads, 3 KV heads
+    (dict(num_key_value_heads=0), "num_key_value_heads"),           # was: 0 -> 4 heads
+    (dict(num_key_value_heads=2.5), "num_key_value_heads"),         # was: int(2.5) = 2
+    (dict(num_attention_heads=0), "num_attention_heads"),           # was: ZeroDivisionError
+    (dict(head_dim=0), "head_dim"),
+    (dict(hidden_size=None), "hidden_size"),
+    (dict(head_dim=12.5), "head_dim"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_from_hf_config_refuses_configs_it_cannot_size(kw, name):
+    with pytest.raises(InvalidArgumentError, match=name):
+        KVCacheParams.from_hf_config(_config(**kw), page_size=4)
+
+
+def test_from_hf_config_sizes_real_configs():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                                   intermediate_size=64, num_hidden_layers=1)
+    p = KVCacheParams.from_hf_config(cfg, dtype="float32", page_size=5)
+    assert (p.n_kv_heads, p.head_dim) == (3, 16)
+    cfg = transformers.MistralConfig(hidden_size=96, num_attention_heads=6,
+                                     num_key_value_heads=2, head_dim=40, intermediate_size=64,
+                                     num_hidden_layers=1)
+    p = KVCacheParams.from_hf_config(cfg, dtype="bfloat16", page_size=5)
+    assert (p.n_kv_heads, p.head_dim) == (2, 40)
+    p = KVCacheParams.from_hf_config(_config(num_key_value_heads=None), page_size=4)
+    assert (p.n_kv_heads, p.head_dim, p.dtype) == (4, 16, "float16")
