@@ -289,3 +289,19 @@ def test_from_hf_config_sizes_real_configs():
     assert (p.n_kv_heads, p.head_dim) == (2, 40)
     p = KVCacheParams.from_hf_config(_config(num_key_value_heads=None), page_size=4)
     assert (p.n_kv_heads, p.head_dim, p.dtype) == (4, 16, "float16")
+
+
+@pytest.mark.parametrize("inputs,word", [("list", "inputs[0]"), (None, "inputs"),
+                                         ("str", "inputs")])
+def test_plan_step_refuses_what_is_not_one_devices_inputs(inputs, word):
+    """Before: an AttributeError -- for the list ``fetch`` returns too, the likeliest slip."""
+    from kvtvm.plan import plan_step
+    mgr = _paged()
+    (s,) = mgr.claim(1)
+    fetched = mgr.fetch([BatchItem(s, [1, 2])])
+    arg = {"list": fetched, None: None, "str": "x"}[inputs]
+    with pytest.raises(InvalidArgumentError, match=word.replace("[", r"\[")):
+        plan_step(arg)
+    with pytest.raises(InvalidArgumentError, match="decode"):
+        plan_step(fetched[0], decode="yes")
+    plan_step(fetched[0])  # the inputs stay good
