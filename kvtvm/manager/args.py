@@ -147,6 +147,9 @@ class ItemTokens:
         if arr.ndim != 1 or arr.size != count or (arr.size and arr.dtype.kind not in "iu"):
             raise InvalidArgumentError(describe(f"{self.what}: tokens", "flat sequences of ints",
                                                 f"{arr.dtype} array of shape {arr.shape}"))
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise InvalidArgumentError(describe(f"{self.what}: tokens", "ints below 2**63",
+                                                int(arr.max())))  # would wrap to negative
         return arr.astype(np.int64, copy=False)
 
     @property

@@ -145,6 +145,9 @@ def test_uint64_tokens_and_ids_past_int64_are_refused():
         mgr.fetch(TokenBatch([a], huge))
     with pytest.raises(InvalidArgumentError, match="seq_ids"):
         mgr.fetch(TokenBatch(huge, [1]))
+    for tokens in ([2 ** 63], [2 ** 64 - 1, 1], np.array([2 ** 63 + 5], np.uint64)):
+        with pytest.raises(InvalidArgumentError, match="tokens"):   # as batch items too
+            mgr.fetch([BatchItem(a, tokens)])
     assert mgr.cache_length(a) == 0 and torch.equal(mgr.blocks[0], saved)
     (inp,) = mgr.fetch(TokenBatch([a], np.array([2 ** 63 - 1], np.uint64)))  # still fine
     assert inp.qo_indptr.tolist() == [0, 1]
