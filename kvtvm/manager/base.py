@@ -303,6 +303,8 @@ class KVCacheManager(abc.ABC):
                     raise TypeError(f"a bool seq_id in {id_list}")
                 ids = np.array(id_list)
                 seqs = list(map(_TOKENS, batch))
+                if set(map(type, seqs)) & {set, frozenset, dict}:  # no order: not a sequence
+                    raise TypeError("tokens in a set or dict (unordered), not a sequence")
                 counts = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
             except (AttributeError, TypeError) as err:
                 raise InvalidArgumentError(describe(

@@ -308,3 +308,14 @@ def test_plan_step_refuses_what_is_not_one_devices_inputs(inputs, word):
     with pytest.raises(InvalidArgumentError, match="decode"):
         plan_step(fetched[0], decode="yes")
     plan_step(fetched[0])  # the inputs stay good
+
+
+@pytest.mark.parametrize("tokens", [{1, 2}, frozenset({3}), {1: 2}], ids=repr)
+def test_unordered_tokens_are_refused(tokens):
+    """Before: a set of tokens was taken in its iteration order."""
+    mgr = _paged(enable_prefix_caching=True)
+    (a,) = mgr.claim(1)
+    with pytest.raises(InvalidArgumentError, match="tokens"):
+        mgr.fetch([BatchItem(a, tokens)])
+    assert mgr.cache_length(a) == 0
+    mgr.fetch([BatchItem(a, [1, 2])])
