@@ -53,6 +53,7 @@ class Shape:
     S: int = 24
     prefix: bool = False
     num_pages: int | None = None
+    long: bool = False                # prompts up to S tokens (parallel kernels, KV splits)
 
     def params(self) -> KVCacheParams:
         return KVCacheParams(self.dtype, self.H, self.D, self.strategy,
@@ -217,6 +218,13 @@ class Driver:
         assert best == c.MB, (best, c.MB)
         assert cls.estimated_memory_size(p, best + 1, c.S, c.L) > full
         assert cls.infer_optimal_batch_size(p, c.S, c.L, full - 1) == max(1, c.MB - 1)
+        if c.strategy == "paged":  # a byte budget: the most pages that fit with the tables
+            for budget in (est, est + p.bytes_per_page(c.L) - 1, 2 * est + 7):
+                got = cls.estimated_memory_size(p, c.MB, c.S, c.L,
+                                                available_cache_memory=budget)
+                assert got <= budget < got + p.bytes_per_page(c.L), (budget, got)
+                m = cls(p, c.MB, c.S, c.L, available_cache_memory=budget)
+                assert m.device_nbytes() == got
 
     # -- hostile calls: a typed error naming the argument, nothing changed ----------------
     def raw_bytes(self) -> bytes:
@@ -318,9 +326,11 @@ class Driver:
                 kc, vc = coll.get_key_cache(layer).blocks, coll.get_value_cache(layer).blocks
                 ops.append_kv(kc, vc, k, v, inp.qo_indptr, inp.cache_lengths, inp.lookup_table,
                               layout=inp.layout)
-                if decode:
+                if decode:  # the split count chosen, or one given (splits past the length)
+                    splits = [None, None, 1, 2, 3, 7][int(self.rng.integers(0, 6))]
                     out, _ = ops.decode_attention(q, kc, vc, inp.cache_lengths,
-                                                  inp.lookup_table, layout=inp.layout)
+                                                  inp.lookup_table, layout=inp.layout,
+                                                  num_splits=splits)
                 else:
                     out, _ = ops.prefill_attention(q, kc, vc, inp.qo_indptr, inp.cache_lengths,
                                                    inp.lookup_table, layout=inp.layout)
@@ -357,7 +367,8 @@ class Driver:
         r = self.rng
         if not self.shadow.get(s):
             fam = [int(r.integers(0, 3)) * 1000 + i for i in range(self.cfg.S)]
-            n = int(r.integers(1, min(self.cfg.S, 3 * (self.cfg.P or 4)) + 1))
+            n = int(r.integers(1, (self.cfg.S if self.cfg.long else
+                                   min(self.cfg.S, 3 * (self.cfg.P or 4))) + 1))
             return fam[:n]
         return [int(t) for t in r.integers(0, 5, int(r.integers(1, 4)))]
 
@@ -517,7 +528,9 @@ class Driver:
             return self.op_lin_reset()
         r = self.rng
         new = [int(x) for x in r.integers(0, 4, n)]
-        if r.integers(0, 2):
+        if self.cfg.long and r.random() < 0.3:
+            new = [int(x) for x in r.integers(0, self.cfg.S // 2 + 1, n)]
+        elif r.integers(0, 2):
             new = [1] * n
         before = self.state()
         self.log.append(f"step_inputs {new}")

@@ -56,6 +56,12 @@ MORE_SHAPES = [
     Shape("linear", "float16", (None, None), (), H=5, D=48, G=1, L=3, MB=3, S=11),
     Shape("linear", "bfloat16", (F8, I8), (), H=1, D=80, G=7, L=1, MB=5, S=40),
     Shape("linear", "float32", (I8, None), (0, 2), H=3, D=3, G=3, L=3, MB=1, S=17),
+    # prompts up to S: the parallel kernel variants and (CPU) decode KV splits
+    Shape("paged", "float16", (I8, None), (), H=5, D=256, G=3, L=1, P=64, MB=3, S=1100,
+          prefix=True, long=True),
+    Shape("continuous", "float32", (F8, I8), (), H=1, D=96, G=7, L=1, MB=3, S=1200,
+          long=True),
+    Shape("linear", "float16", (None, None), (), H=5, D=80, G=3, L=1, MB=3, S=900, long=True),
 ]
 
 
