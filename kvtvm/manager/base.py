@@ -516,6 +516,11 @@ class KVCacheManager(abc.ABC):
                 raise InvalidArgumentError(describe("kv_cache_inputs", "RaggedKVCacheInputs",
                                                     type(inp).__name__))
             inp.check_live()  # StaleInputsError: a later fetch, their step, a release
+            if inp.token is None or inp.token is not self._token:
+                raise InvalidArgumentError(describe(
+                    "kv_cache_inputs", "inputs of this manager's latest fetch",
+                    "inputs of another manager" if inp.token is not None
+                    else "inputs no fetch made"))
             if inp.max_lengths.shape[0] < 2:
                 raise SequenceStateError(
                     "increment_cache_lengths: no steps left in max_lengths (fetch with "

@@ -319,3 +319,17 @@ def test_unordered_tokens_are_refused(tokens):
         mgr.fetch([BatchItem(a, tokens)])
     assert mgr.cache_length(a) == 0
     mgr.fetch([BatchItem(a, [1, 2])])
+
+
+def test_increment_cache_lengths_refuses_another_managers_inputs():
+    """Before: manager A incremented manager B's inputs (B's tables and cache) as its own."""
+    import dataclasses
+    (ma, ia), (mb, ib) = _two_managers()
+    mb.release(ib.seq_ids[0])
+    (s,) = mb.claim(1)
+    (ib,) = mb.fetch([BatchItem(s, [1, 2])], num_steps=2)
+    with pytest.raises(InvalidArgumentError, match="kv_cache_inputs"):
+        ma.increment_cache_lengths(ib)
+    with pytest.raises(InvalidArgumentError, match="kv_cache_inputs"):
+        mb.increment_cache_lengths(dataclasses.replace(ib, token=None))
+    assert mb.increment_cache_lengths(ib).cache_lengths.tolist() == [2]
