@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidArgumentError, describe
-from .inputs import check_live
 from .params import KVCacheStrategy
 from .storage import layer_view
 
@@ -99,7 +98,8 @@ class LayerKVCache:
     def _position(self, batch_idx, tok_idx) -> tuple[int, int]:
         """``(batch_idx, tok_idx)`` checked: live inputs, an entry of the batch, a position
         the step's pages hold (below the cache length plus this step's new tokens)."""
-        check_live("kv_cache_inputs", self.token)
+        if self.token is not None:  # (a FetchToken: StaleInputsError when superseded)
+            self.token.check("kv_cache_inputs")
         b = self._batch_index(batch_idx)
         end = int(self.cache_lengths_host[b])
         if self.new_tokens_host is not None:

@@ -61,6 +61,13 @@ class FetchToken:
         if self.live:
             self.live, self.why = False, why
 
+    def check(self, name: str) -> None:
+        """Raise :class:`StaleInputsError` naming ``name`` when the inputs are superseded."""
+        if not self.live:
+            raise StaleInputsError(
+                f"{name}: inputs of a superseded fetch ({self.why}); use the inputs of the "
+                "latest fetch -- nothing was written")
+
     def __repr__(self) -> str:
         return "FetchToken(live)" if self.live else f"FetchToken(dead: {self.why})"
 
@@ -82,10 +89,8 @@ def token_of(tensor) -> "FetchToken | None":
 
 def check_live(name: str, token: "FetchToken | None") -> None:
     """Raise :class:`StaleInputsError` naming ``name`` when ``token`` is dead."""
-    if token is not None and not token.live:
-        raise StaleInputsError(
-            f"{name}: inputs of a superseded fetch ({token.why}); use the inputs of the "
-            "latest fetch -- nothing was written")
+    if token is not None:
+        token.check(name)
 
 
 @dataclass

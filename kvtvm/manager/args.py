@@ -136,6 +136,9 @@ class ItemTokens:
     __slots__ = ("seqs", "counts", "what", "_flat")
 
     def __init__(self, seqs: list, counts: np.ndarray, what: str):
+        if set(map(type, seqs)) & {set, frozenset, dict}:  # no order: not a sequence
+            raise InvalidArgumentError(describe(f"{what}: tokens", "sequences of ints",
+                                                "a set or dict (no order)"))
         self.seqs, self.counts, self.what, self._flat = seqs, counts, what, None
 
     def _ints(self, values, count: int) -> np.ndarray:

@@ -303,8 +303,6 @@ class KVCacheManager(abc.ABC):
                     raise TypeError(f"a bool seq_id in {id_list}")
                 ids = np.array(id_list)
                 seqs = list(map(_TOKENS, batch))
-                if set(map(type, seqs)) & {set, frozenset, dict}:  # no order: not a sequence
-                    raise TypeError("tokens in a set or dict (unordered), not a sequence")
                 counts = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
             except (AttributeError, TypeError) as err:
                 raise InvalidArgumentError(describe(
@@ -516,11 +514,9 @@ class KVCacheManager(abc.ABC):
                 raise InvalidArgumentError(describe("kv_cache_inputs", "RaggedKVCacheInputs",
                                                     type(inp).__name__))
             inp.check_live()  # StaleInputsError: a later fetch, their step, a release
-            if inp.token is None or inp.token is not self._token:
-                raise InvalidArgumentError(describe(
-                    "kv_cache_inputs", "inputs of this manager's latest fetch",
-                    "inputs of another manager" if inp.token is not None
-                    else "inputs no fetch made"))
+            if inp.token is None or inp.token is not self._token:  # another manager's
+                raise InvalidArgumentError(describe("kv_cache_inputs", "inputs of this "
+                                                    "manager's latest fetch", "other inputs"))
             if inp.max_lengths.shape[0] < 2:
                 raise SequenceStateError(
                     "increment_cache_lengths: no steps left in max_lengths (fetch with "
