@@ -79,15 +79,18 @@ def cache_numpy(view: torch.Tensor, D: int, storage: str) -> np.ndarray:
     return view[..., :D].float().numpy().astype(np.float64)
 
 
-def attention(q, keys, vals, q_pos):
-    """float64 causal attention: q ``[n, Hq, D]`` at positions ``q_pos``; keys/vals ``[T, H,
-    D]`` -> ``[n, Hq, D]``."""
+def attention(q, keys, vals, q_pos, causal=True, sm_scale=None, window=None):
+    """float64 attention: q ``[n, Hq, D]`` at positions ``q_pos``; keys/vals ``[T, H, D]``
+    -> ``[n, Hq, D]`` (a causal sliding ``window`` sees the last ``window`` positions)."""
     n, hq, d = q.shape
     g = hq // keys.shape[1]
     k = np.repeat(keys, g, axis=1)
     v = np.repeat(vals, g, axis=1)
-    s = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
-    vis = np.arange(len(keys))[None, :] <= np.asarray(q_pos)[:, None]
+    s = np.einsum("qhd,khd->hqk", q, k) * (1 / math.sqrt(d) if sm_scale is None else sm_scale)
+    pos, qp = np.arange(len(keys))[None, :], np.asarray(q_pos)[:, None]
+    vis = pos <= qp if causal else np.ones((n, len(keys)), bool)
+    if window is not None:
+        vis &= pos > qp - window
     s = np.where(vis[None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -313,7 +316,15 @@ class Driver:
         dt = TORCH[c.dtype]
         qo = np.asarray(inp.qo_indptr_host)
         decode = bool(np.all(np.diff(qo) == 1))
-        plan = plan_step(inp) if use_plan else None
+        # sometimes a scale, a sliding window, or (prefill) no causal mask
+        kw = {}
+        if self.rng.random() < 0.3:
+            kw["sm_scale"] = float(self.rng.choice([0.05, 0.7, 2.0]))
+        if self.rng.random() < 0.3:
+            kw["sliding_window"] = int(self.rng.choice([1, 2, 5, 64]))
+        if not decode and "sliding_window" not in kw and self.rng.random() < 0.2:
+            kw["causal"] = False
+        plan = plan_step(inp, **kw) if use_plan else None
         coll = inp.collection()
         for layer in range(c.L):
             k = torch.tensor(rows_kv[:, layer, 0]).to(dt)
@@ -330,10 +341,10 @@ class Driver:
                     splits = [None, None, 1, 2, 3, 7][int(self.rng.integers(0, 6))]
                     out, _ = ops.decode_attention(q, kc, vc, inp.cache_lengths,
                                                   inp.lookup_table, layout=inp.layout,
-                                                  num_splits=splits)
+                                                  num_splits=splits, **kw)
                 else:
                     out, _ = ops.prefill_attention(q, kc, vc, inp.qo_indptr, inp.cache_lengths,
-                                                   inp.lookup_table, layout=inp.layout)
+                                                   inp.lookup_table, layout=inp.layout, **kw)
             qf = q.float().numpy().astype(np.float64)
             got = out.float().numpy()
             for b in range(len(qo) - 1):
@@ -341,7 +352,9 @@ class Driver:
                 if hi == lo:
                     continue
                 keys = keys_of(b)  # [n, L, 2, H, D] stored
-                want = attention(qf[lo:hi], keys[:, layer, 0], keys[:, layer, 1], q_pos_of(b))
+                want = attention(qf[lo:hi], keys[:, layer, 0], keys[:, layer, 1], q_pos_of(b),
+                                 kw.get("causal", True), kw.get("sm_scale"),
+                                 kw.get("sliding_window"))
                 err = np.abs(got[lo:hi] - want).max()
                 self.counts["attn_checked"] = self.counts.get("attn_checked", 0) + want.size
                 assert err <= TOL[c.dtype], (f"layer {layer} item {b} "
