@@ -31,7 +31,8 @@ from collections import Counter
 
 import numpy as np
 
-from ..errors import KVCacheCapacityError, KVCacheError, SequenceStateError
+from ..errors import (InvalidArgumentError, KVCacheCapacityError, KVCacheError,
+                      SequenceStateError, describe)
 from ..params import KVCacheParams, KVCacheStrategy
 from .args import INT32_MAX, check_size, check_sizes, pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
@@ -48,6 +49,9 @@ def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: 
                        num_layers: int, n_devices: int, num_pages=None,
                        available_cache_memory=None) -> int:
     width = params.pages_for_tokens(max_seq_len)
+    if num_pages is not None and available_cache_memory is not None:
+        raise InvalidArgumentError(describe(  # which would win? (num_pages ignored the budget)
+            "num_pages / available_cache_memory", "one of them", "both"))
     if num_pages is not None:
         return check_size("num_pages", num_pages)
     if available_cache_memory is not None:
@@ -61,8 +65,8 @@ def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: 
                 f"available_cache_memory={available_cache_memory} bytes holds no page: one page "
                 f"is {params.bytes_per_page(num_layers, n_devices)} bytes and the tables "
                 f"{table_bytes} bytes")
-        return int(pages)
-    return max_batch_size * width
+        return min(int(pages), INT32_MAX)  # page ids are int32 table entries
+    return check_size("num_pages (max_batch_size x pages per sequence)", max_batch_size * width)
 
 
 class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):

@@ -333,3 +333,24 @@ def test_increment_cache_lengths_refuses_another_managers_inputs():
     with pytest.raises(InvalidArgumentError, match="kv_cache_inputs"):
         mb.increment_cache_lengths(dataclasses.replace(ib, token=None))
     assert mb.increment_cache_lengths(ib).cache_lengths.tolist() == [2]
+
+
+def test_num_pages_and_a_byte_budget_together_are_refused():
+    """Before: num_pages won silently, allocating past the budget given beside it."""
+    params = KVCacheParams("float32", H, D, "paged", page_size=P)
+    one_page = params.bytes_per_page(2)
+    for call in (lambda: PagedKVCacheManager(params, 2, 16, 2, num_pages=50,
+                                             available_cache_memory=10 * one_page),
+                 lambda: PagedKVCacheManager.estimated_memory_size(
+                     params, 2, 16, 2, num_pages=50, available_cache_memory=10 * one_page)):
+        with pytest.raises(InvalidArgumentError, match="num_pages / available_cache_memory"):
+            call()
+
+
+def test_a_default_pool_past_int32_page_ids_is_refused():
+    """Before: max_batch_size x pages per sequence past 2**31 went to the allocator (page ids
+    past int32 would have wrapped in the tables had it succeeded)."""
+    params = KVCacheParams("float16", 1, 1, "paged", page_size=1)
+    # (the estimate alone: without the check the constructor would try to allocate 16 GB)
+    with pytest.raises(InvalidArgumentError, match="num_pages"):
+        PagedKVCacheManager.estimated_memory_size(params, 1 << 20, 1 << 12, 1)
