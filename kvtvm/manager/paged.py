@@ -85,7 +85,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         every sequence to reach ``max_seq_len`` (``max_batch_size * ceil(max_seq_len /
         page_size)``).
     available_cache_memory : int, optional
-        Bytes per device for the cache and its tables; sets ``num_pages``.
+        Bytes per device for the cache and its tables; sets ``num_pages`` (give one of them).
     page_copier : PageCopier, optional
         ``page_copier(blocks, src, dst)`` copies whole pages of one device's cache tensor,
         ``src`` and ``dst`` int32 ``[n]`` host tensors (see :mod:`kvtvm.manager.copier`);
