@@ -13,6 +13,7 @@ compares it with numpy attention in float64 over the shadow (``TOL`` per dtype).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class Shape:
     prefix: bool = False
     num_pages: int | None = None
     long: bool = False                # prompts up to S tokens (parallel kernels, KV splits)
+    tiers: str = ""                   # "host" / "disk": lower tiers of the prefix cache
 
     def params(self) -> KVCacheParams:
         return KVCacheParams(self.dtype, self.H, self.D, self.strategy,
@@ -65,7 +67,14 @@ class Shape:
     def make(self):
         p = self.params()
         if self.strategy == "paged":
-            return PagedKVCacheManager(p, self.MB, self.S, self.L, num_pages=self.num_pages)
+            mgr = PagedKVCacheManager(p, self.MB, self.S, self.L, num_pages=self.num_pages)
+            if self.tiers:
+                import tempfile
+                mgr.offgrid_disk_dir = (tempfile.mkdtemp(prefix="kvtvm-offgrid-")
+                                        if self.tiers == "disk" else None)
+                mgr.attach_tiers(host_pages=3 if self.tiers == "host" else 0,
+                                 disk_dir=mgr.offgrid_disk_dir)
+            return mgr
         if self.strategy == "continuous":
             return ContinuousBatchingKVCacheManager(p, self.MB, self.S, self.L)
         return LinearKVCache(p, self.MB, self.S, self.L)
@@ -372,16 +381,22 @@ class Driver:
         if self.linear:
             return (m.active_batch_size, m.host_lengths.tolist())
         st = {s: m.cache_length(s) for s in self.live()}
-        if self.cfg.strategy == "paged":
-            st = (st, {s: m.pages_of(s) for s in self.live()}, m.stats())
+        if self.cfg.strategy == "paged":  # (a disk tier's counters move in the background)
+            st = (st, {s: m.pages_of(s) for s in self.live()},
+                  dataclasses.replace(m.stats(), tiers={}))
         return st, sorted(m.slots_remaining)
 
     def new_tokens(self, s):
         r = self.rng
         if not self.shadow.get(s):
-            fam = [int(r.integers(0, 3)) * 1000 + i for i in range(self.cfg.S)]
+            f = int(r.integers(0, 3))  # three families: prompts share prefixes
+            fam = [f * 1000 + i for i in range(self.cfg.S)]
             n = int(r.integers(1, (self.cfg.S if self.cfg.long else
                                    min(self.cfg.S, 3 * (self.cfg.P or 4))) + 1))
+            if self.cfg.tiers:  # whole prompts again and again: hits from the lower tiers
+                n = min(self.cfg.S - 1, 3 * self.cfg.P + 1)
+            elif self.cfg.prefix and self.cfg.P < self.cfg.S and r.random() < 0.5:
+                n = int(r.integers(self.cfg.P + 1, min(self.cfg.S, 3 * self.cfg.P) + 1))
             return fam[:n]
         return [int(t) for t in r.integers(0, 5, int(r.integers(1, 4)))]
 
@@ -423,6 +438,7 @@ class Driver:
             return
         prevs = [list(self.shadow[s]) for s, _ in items]
         hits = [int(h) for h in inp.num_cached_tokens]
+        self.counts["prefix_hit_tokens"] = self.counts.get("prefix_hit_tokens", 0) + sum(hits)
         for b, ((s, t), prev) in enumerate(zip(items, prevs)):
             assert int(inp.cache_lengths_host[b]) == len(prev) + hits[b]
             assert hits[b] < len(t) or not t
@@ -593,7 +609,8 @@ class Driver:
             table = [(self.op_lin_step, 5), (self.op_lin_reset, 1), (self.op_lin_evict, 1),
                      (self.op_lin_active, 1)]
         else:
-            table = [(self.op_step, 5), (self.op_claim, 1), (self.op_release, 1),
+            table = [(self.op_step, 5), (self.op_claim, 1),
+                     (self.op_release, 3 if self.cfg.tiers else 2 if self.cfg.prefix else 1),
                      (self.op_pop, 1)]
             if self.cfg.strategy == "paged":
                 table += [(self.op_fork, 1)]
@@ -601,11 +618,21 @@ class Driver:
                 table += [(self.op_export_import, 1)]
         ops_, w = zip(*table)
         w = np.array(w, float) / sum(w)
-        for _ in range(n_ops):
-            op = ops_[int(self.rng.choice(len(ops_), p=w))]
-            n_log = len(self.log)
-            op()
-            if len(self.log) > n_log:
-                self.counts[op.__name__] = self.counts.get(op.__name__, 0) + 1
-            self.check()
+        try:
+            for _ in range(n_ops):
+                op = ops_[int(self.rng.choice(len(ops_), p=w))]
+                n_log = len(self.log)
+                op()
+                if len(self.log) > n_log:
+                    self.counts[op.__name__] = self.counts.get(op.__name__, 0) + 1
+                self.check()
+        finally:
+            disk = getattr(self.mgr, "offgrid_disk_dir", None)
+            if disk:
+                import shutil
+                self.mgr.close_tiers()
+                shutil.rmtree(disk, ignore_errors=True)
+        if self.cfg.tiers:
+            self.counts["tier_hits"] = sum(t.get("hits", 0)
+                                           for t in self.mgr.stats().tiers.values())
         return self.counts

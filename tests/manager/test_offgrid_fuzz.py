@@ -4,7 +4,7 @@ a dense shadow (the driver: ``offgrid_driver.py``).
 Each run is a seeded random sequence of claim / fetch + append + attention (decode or
 prefill, through a ``StepPlan`` or the ops) / multistep / step / fork (copy-on-write: the
 parent's pages keep every byte) / pop / release / prefix-cache hits / export + import into a
-second manager (paged), and reset / step_inputs / commit / evict / set_active_batch_size
+second manager (paged), host and disk tiers of the prefix cache, and reset / step_inputs / commit / evict / set_active_batch_size
 (linear), with hostile op calls, wrong step tokens and stale inputs mixed in (each a typed
 kvtvm error that changes neither the manager nor a byte of the cache). After every
 operation every live sequence's K/V read back from the cache equal the shadow's, as stored
@@ -47,6 +47,9 @@ SHAPES = [
     Shape("continuous", "bfloat16", (None, None), (), H=5, D=24, G=7, L=3, MB=1, S=13),
     Shape("continuous", "float32", (I8, I8), (0,), H=3, D=96, G=3, L=1, MB=5, S=9),
     Shape("linear", "float16", (F8, I8), (0,), H=5, D=48, G=1, L=3, MB=3, S=11),
+    # evicted prefix pages descend to a host tier and rise again on a hit
+    Shape("paged", "float32", (None, None), (), H=3, D=3, G=3, L=1, P=3, MB=3, S=20,
+          prefix=True, num_pages=6, tiers="host"),
 ]
 #: more fixed groups, in the slow run
 MORE_SHAPES = [
@@ -56,6 +59,8 @@ MORE_SHAPES = [
     Shape("linear", "float16", (None, None), (), H=5, D=48, G=1, L=3, MB=3, S=11),
     Shape("linear", "bfloat16", (F8, I8), (), H=1, D=80, G=7, L=1, MB=5, S=40),
     Shape("linear", "float32", (I8, None), (0, 2), H=3, D=3, G=3, L=3, MB=1, S=17),
+    Shape("paged", "float16", (I8, F8), (0,), H=5, D=80, G=1, L=3, P=7, MB=5, S=40,
+          prefix=True, num_pages=9, tiers="disk"),
     # prompts up to S: the parallel kernel variants and (CPU) decode KV splits
     Shape("paged", "float16", (I8, None), (), H=5, D=256, G=3, L=1, P=64, MB=3, S=1100,
           prefix=True, long=True),
@@ -73,8 +78,10 @@ def _id(s: Shape) -> str:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def test_offgrid_shapes_match_the_dense_shadow(shape):
-    counts = Driver(shape, 0).run(30)
+    counts = Driver(shape, 3 if shape.tiers else 0).run(30)  # (seed 3: hits from the tier)
     assert counts.get("kv_checked") and counts.get("attn_checked"), counts
+    if shape.tiers:
+        assert counts["tier_hits"], counts
 
 
 GRID = dict(P=[1, 3, 7, 64, 1000], D=[1, 3, 24, 48, 80, 96, 200, 256], H=[1, 3, 5],
