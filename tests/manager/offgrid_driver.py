@@ -539,6 +539,10 @@ class Driver:
             got = self.read_back(t, len(self.shadow[s]))
         finally:
             self.mgr = mine
+            if getattr(other, "offgrid_disk_dir", None):
+                import shutil
+                other.close_tiers()
+                shutil.rmtree(other.offgrid_disk_dir, ignore_errors=True)
         assert np.array_equal(got, self.want(self.shadow[s])), "imported K/V differ"
         self.mgr.check_invariants()
         self.log.append(f"export/import {s}")
