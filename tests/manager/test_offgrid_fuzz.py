@@ -17,7 +17,7 @@ within ``TOL`` of float64 numpy attention over the shadow. Memory arithmetic
 24, 48, 80, 96, 200, 256; 1, 3, 5 KV heads; GQA 1, 3, 7; 1 and 3 layers; float32 / float16 /
 bfloat16 with dense, int8, float8_e4m3fn, K-only, V-only and mixed storage and skipped
 layers). The ``slow`` test runs ``MORE_SHAPES``, ``SHAPES`` again with other seeds and
-``KVTVM_OFFGRID_SHAPES`` (default 40) random shapes from the same grid
+``KVTVM_OFFGRID_SHAPES`` (default 12) random shapes from the same grid
 (``KVTVM_OFFGRID_SEED`` picks them).
 """
 
