@@ -1,5 +1,5 @@
 """Stateful fuzz of the three managers and the CPU ops on shapes off the usual grid, against
-a dense shadow (the driver: ``offgrid_driver.py``).
+a dense shadow (the driver: ``offgrid_driver.py``, its hostile calls: ``offgrid_hostile_calls.py``).
 
 Each run is a seeded random sequence of claim / fetch + append + attention (decode or
 prefill, through a ``StepPlan`` or the ops) / multistep / step / fork (copy-on-write: the
@@ -79,7 +79,8 @@ def _id(s: Shape) -> str:
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 def test_offgrid_shapes_match_the_dense_shadow(shape):
     counts = Driver(shape, 3 if shape.tiers else 0).run(30)  # (seed 3: hits from the tier)
-    assert counts.get("kv_checked") and counts.get("attn_checked"), counts
+    assert counts.get("kv_checked") and counts.get("attn_checked") and counts.get("refused"), \
+        counts
     if shape.tiers:
         assert counts["tier_hits"], counts
 
