@@ -368,7 +368,7 @@ class Driver(HostileCalls):
         rows = np.stack([self.kv_of(tuple(p + t[:i + 1]))
                          for (s, t), p, h in zip(items, prevs, hits) for i in range(h, len(t))])
         use_plan = bool(r.integers(0, 2))
-        if r.random() < 0.3:
+        if r.random() < 0.3 or not self.counts.get("refused"):
             self.hostile_ops(inp, rows.shape[0])
         self.run_layers(inp, rows,
                         lambda b: len(prevs[b]) + hits[b] + np.arange(len(items[b][1]) - hits[b]),

@@ -1,5 +1,6 @@
 """Stateful fuzz of the three managers and the CPU ops on shapes off the usual grid, against
-a dense shadow (the driver: ``offgrid_driver.py``, its hostile calls: ``offgrid_hostile_calls.py``).
+a dense shadow (the driver: ``offgrid_driver.py``; its hostile calls:
+``offgrid_hostile_calls.py``).
 
 Each run is a seeded random sequence of claim / fetch + append + attention (decode or
 prefill, through a ``StepPlan`` or the ops) / multistep / step / fork (copy-on-write: the
