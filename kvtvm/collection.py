@@ -42,6 +42,15 @@ __all__ = ["LayerKVCache", "KVCacheCollection", "ContinuousBatchingKVCacheCollec
            "PagedKVCacheCollection", "LinearKVCacheCollection", "make_collection"]
 
 
+def _index_arg(name: str, value, size: int, what: str = "") -> int:
+    """``value`` as an index in ``[0, size)`` (an int, never a bool), or
+    :class:`InvalidArgumentError` naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or not 0 <= value < size:
+        raise InvalidArgumentError(describe(name, f"an int in [0, {size}){what}", repr(value)))
+    return int(value)
+
+
 @dataclass
 class LayerKVCache:
     """One layer's K (or V) cache for one step: the seed-003 ``PagedKVCache`` accessor.
@@ -72,15 +81,34 @@ class LayerKVCache:
     layout: str
     cache_lengths_host: np.ndarray
     _lookup_host: np.ndarray | None = None
+    #: per batch entry, this step's new tokens (positions the step may read or write end at
+    #: ``cache_length + new``); None: no bound past the cache length is known
+    new_tokens_host: np.ndarray | None = None
+    #: the fetch's token: the accessors refuse stale inputs (StaleInputsError)
+    token: Any = None
 
     def _table(self) -> np.ndarray:
         if self._lookup_host is None:
             self._lookup_host = self.lookup_table.detach().cpu().numpy()
         return self._lookup_host
 
+    def _batch_index(self, batch_idx) -> int:
+        return _index_arg("batch_idx", batch_idx, len(self.cache_lengths_host))
+
+    def _position(self, batch_idx, tok_idx) -> tuple[int, int]:
+        """``(batch_idx, tok_idx)`` checked: live inputs, an entry of the batch, a position
+        the step's pages hold (below the cache length plus this step's new tokens)."""
+        if self.token is not None:  # (a FetchToken: StaleInputsError when superseded)
+            self.token.check("kv_cache_inputs")
+        b = self._batch_index(batch_idx)
+        end = int(self.cache_lengths_host[b])
+        if self.new_tokens_host is not None:
+            end += int(self.new_tokens_host[b])
+        return b, _index_arg("tok_idx", tok_idx, end, f" (batch entry {b}'s positions)")
+
     def cache_length(self, batch_idx: int) -> int:
         """Tokens cached for batch entry ``batch_idx`` before this step's tokens."""
-        return int(self.cache_lengths_host[batch_idx])
+        return int(self.cache_lengths_host[self._batch_index(batch_idx)])
 
     def empty_cache(self) -> bool:
         """True if every batch entry has an empty cache."""
@@ -96,6 +124,7 @@ class LayerKVCache:
 
     def page_and_slot(self, batch_idx: int, tok_idx: int) -> tuple[int, int]:
         """(page, slot in page) of token ``tok_idx`` of batch entry ``batch_idx``."""
+        batch_idx, tok_idx = self._position(batch_idx, tok_idx)
         page = int(self._table()[batch_idx, tok_idx // self.page_size])
         return page, tok_idx % self.page_size
 
@@ -107,9 +136,14 @@ class LayerKVCache:
 
     def col_idx(self, head_idx: int) -> int:
         """Column of head ``head_idx`` when a token row is viewed as ``[H * D]``."""
-        return head_idx * int(self.blocks.shape[-1])
+        return self._head(head_idx) * int(self.blocks.shape[-1])
+
+    def _head(self, head_idx) -> int:
+        heads = int(self.blocks.shape[2 if self.layout == "nhd" else 1])
+        return _index_arg("head_idx", head_idx, heads)
 
     def _index(self, bs: int, head_idx: int, tok_idx: int):
+        head_idx = self._head(head_idx)
         page, slot = self.page_and_slot(bs, tok_idx)
         return (page, slot, head_idx) if self.layout == "nhd" else (page, head_idx, slot)
 
@@ -163,16 +197,16 @@ class KVCacheCollection:
         return layer_view(self.blocks, params, self.num_layers, layer, kv)
 
     def _check_layer(self, layer) -> int:
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
-            raise InvalidArgumentError(describe("layer", f"an int in [0, {self.num_layers})",
-                                                repr(layer)))
-        return int(layer)
+        return _index_arg("layer", layer, self.num_layers)
 
     def _layer(self, layer: int, kv: int) -> LayerKVCache:
         layer = self._check_layer(layer)
+        qo = self.inputs.qo_indptr_host
         acc = LayerKVCache(self._view(layer, kv), self.cache_lengths, self.lookup_table,
                            self.max_seq_length, self.max_cache_length, self.page_size,
-                           self.layout, self.inputs.cache_lengths_host)
+                           self.layout, self.inputs.cache_lengths_host,
+                           new_tokens_host=None if qo is None else np.diff(np.asarray(qo)),
+                           token=getattr(self.inputs, "token", None))
         if self._lookup_host is not None:
             acc._lookup_host = self._lookup_host
         return acc
@@ -187,7 +221,8 @@ class KVCacheCollection:
 
     def cache_length(self, bs_idx: int) -> int:
         """Tokens cached for batch entry ``bs_idx`` before this step's tokens."""
-        return int(self.inputs.cache_lengths_host[bs_idx])
+        lengths = self.inputs.cache_lengths_host
+        return int(lengths[_index_arg("bs_idx", bs_idx, len(lengths))])
 
     def empty_cache(self) -> bool:
         return not self.inputs.cache_lengths_host.any()

@@ -44,17 +44,29 @@ class FetchToken:
     table tensors (:func:`token_of`), so they learn staleness without knowing managers.
     """
 
-    __slots__ = ("live", "why", "lock")
+    __slots__ = ("live", "why", "lock", "storages", "layout")
 
-    def __init__(self, lock=None):
+    def __init__(self, lock=None, caches=(), layout=None):
         #: the manager's lock: a launch holds it from its liveness check to the kernel's
         #: return (CPU) or enqueue (CUDA), so a concurrent fetch cannot slip in between
         self.live, self.why, self.lock = True, "", lock
+        #: where the manager's cache tensors start: the ops refuse, with these tables, cache
+        #: views of other memory (another manager's cache, a copy)
+        self.storages = frozenset(c.untyped_storage().data_ptr() for c in caches)
+        #: the token layout of the manager's per-layer views ("nhd", "hnd"; None: unknown)
+        self.layout = layout
 
     def kill(self, why: str) -> None:
         """Mark the inputs superseded (the first reason is kept)."""
         if self.live:
             self.live, self.why = False, why
+
+    def check(self, name: str) -> None:
+        """Raise :class:`StaleInputsError` naming ``name`` when the inputs are superseded."""
+        if not self.live:
+            raise StaleInputsError(
+                f"{name}: inputs of a superseded fetch ({self.why}); use the inputs of the "
+                "latest fetch -- nothing was written")
 
     def __repr__(self) -> str:
         return "FetchToken(live)" if self.live else f"FetchToken(dead: {self.why})"
@@ -77,10 +89,8 @@ def token_of(tensor) -> "FetchToken | None":
 
 def check_live(name: str, token: "FetchToken | None") -> None:
     """Raise :class:`StaleInputsError` naming ``name`` when ``token`` is dead."""
-    if token is not None and not token.live:
-        raise StaleInputsError(
-            f"{name}: inputs of a superseded fetch ({token.why}); use the inputs of the "
-            "latest fetch -- nothing was written")
+    if token is not None:
+        token.check(name)
 
 
 @dataclass
@@ -115,6 +125,9 @@ def _host_int_vector(name: str, values) -> np.ndarray:
         raise InvalidArgumentError(describe(f"{name} rank", "a 1-D array", arr.ndim))
     if arr.dtype.kind not in "iu" and arr.size:
         raise InvalidArgumentError(describe(f"{name} dtype", "integers", arr.dtype))
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size \
+            and int(arr.max()) > np.iinfo(np.int64).max:  # would wrap to a negative int64
+        raise InvalidArgumentError(describe(name, "values below 2**63", int(arr.max())))
     return arr.astype(np.int64, copy=False)
 
 

@@ -132,6 +132,15 @@ def numpy_dtype(dtype: Any):
     return np.dtype(name)
 
 
+def _count(name: str, value, allow_zero: bool = False) -> int:
+    """``value`` as a positive (or non-negative) int, else InvalidArgumentError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or value < (0 if allow_zero else 1):
+        raise InvalidArgumentError(describe(
+            name, f"a {'non-negative' if allow_zero else 'positive'} int", repr(value)))
+    return int(value)
+
+
 @dataclass(frozen=True, repr=False)
 class KVCacheParams:
     """Static description of a KV cache; frozen and hashable.
@@ -211,6 +220,10 @@ class KVCacheParams:
             raise InvalidArgumentError(
                 describe("page_size", f"None for the {self.cache_strategy.name} strategy",
                          repr(self.page_size)))
+        if not isinstance(self.enable_prefix_caching, (bool, np.bool_)):
+            raise InvalidArgumentError(describe("enable_prefix_caching", "a bool",
+                                                repr(self.enable_prefix_caching)))
+        object.__setattr__(self, "enable_prefix_caching", bool(self.enable_prefix_caching))
         if self.enable_prefix_caching and self.cache_strategy is not KVCacheStrategy.PAGED:
             raise InvalidArgumentError(
                 describe("enable_prefix_caching", "False unless the strategy is PAGED", True))
@@ -238,8 +251,32 @@ class KVCacheParams:
         if not isinstance(heads, int):
             raise InvalidArgumentError(describe("config", "a decoder config with "
                                                 "num_attention_heads", type(config).__name__))
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+
+        def field(name, value, what):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise InvalidArgumentError(describe(f"config.{name}", what, repr(value)))
+            return int(value)
+
+        heads = field("num_attention_heads", heads, "a positive int")
+        kv_heads = getattr(config, "num_key_value_heads", None)
+        kv_heads = heads if kv_heads is None else field(
+            "num_key_value_heads", kv_heads, f"a positive int dividing num_attention_heads="
+            f"{heads}")
+        if heads % kv_heads:
+            raise InvalidArgumentError(describe(
+                "config.num_key_value_heads",
+                f"a positive int dividing num_attention_heads={heads}", kv_heads))
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is None:
+            hidden = field("hidden_size", getattr(config, "hidden_size", None),
+                           f"a multiple of num_attention_heads={heads} (the config names no "
+                           "head_dim)")
+            if hidden % heads:
+                raise InvalidArgumentError(describe(
+                    "config.hidden_size", f"a multiple of num_attention_heads={heads} (the "
+                    "config names no head_dim)", hidden))
+            head_dim = hidden // heads
+        head_dim = field("head_dim", head_dim, "a positive int")
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if dtype is None:
@@ -354,7 +391,8 @@ class KVCacheParams:
 
     def heads_per_device(self, n_devices: int = 1) -> int:
         """KV heads each device holds when the heads are split evenly over ``n_devices``."""
-        if n_devices <= 0 or self.n_kv_heads % n_devices:
+        if isinstance(n_devices, (bool, np.bool_)) or not isinstance(n_devices, numbers.Integral) \
+                or n_devices <= 0 or self.n_kv_heads % n_devices:
             raise InvalidArgumentError(describe(
                 "devices", f"a count that divides n_kv_heads={self.n_kv_heads}", n_devices))
         return self.n_kv_heads // n_devices
@@ -362,6 +400,7 @@ class KVCacheParams:
     def bytes_per_token(self, num_layers: int, n_devices: int = 1) -> int:
         """Bytes of K and V one token takes over all layers, on one device (scales and row
         padding of a quantized cache included)."""
+        _count("num_layers", num_layers)
         heads = self.heads_per_device(n_devices)
         if not self.quantized:
             return 2 * num_layers * heads * self.head_dim * self.itemsize
@@ -377,6 +416,11 @@ class KVCacheParams:
     def cache_shape(self, num_layers: int, max_batch_size: int, max_seq_len: int,
                     num_pages: int | None = None, n_devices: int = 1) -> tuple[int, ...]:
         """Shape of the cache tensor one device holds (see the module docstring)."""
+        for name, value in (("num_layers", num_layers), ("max_batch_size", max_batch_size),
+                            ("max_seq_len", max_seq_len)):
+            _count(name, value)
+        if num_pages is not None:
+            _count("num_pages", num_pages)
         heads = self.heads_per_device(n_devices)
         if self.quantized:
             per_token = self.bytes_per_token(num_layers, n_devices)
@@ -408,4 +452,4 @@ class KVCacheParams:
         """Pages needed to hold ``n_tokens`` tokens of one sequence (PAGED)."""
         if self.page_size is None:
             raise InvalidArgumentError(describe("page_size", "set (PAGED strategy)", None))
-        return -(-n_tokens // self.page_size)
+        return -(-_count("n_tokens", n_tokens, allow_zero=True) // self.page_size)

@@ -29,9 +29,9 @@ import numpy as np
 from .errors import InvalidArgumentError, describe
 from .ops import (Launch, SplitWorkspace, prepare_append_kv, prepare_decode_attention,
                   prepare_prefill_attention)
-from .inputs import check_live
+from .inputs import RaggedKVCacheInputs, check_live
 from .ops.errflag import check as check_device
-from .ops.checks import as_tensor
+from .ops.checks import as_tensor, check_flag
 
 __all__ = ["StepPlan", "plan_step"]
 
@@ -51,6 +51,12 @@ class StepPlan:
 
     def __init__(self, inputs, *, causal: bool = True, sm_scale=None, sliding_window=None,
                  decode: bool | None = None):
+        if not isinstance(inputs, RaggedKVCacheInputs):
+            hint = (" (fetch returns one per device: pass inputs[0])"
+                    if isinstance(inputs, (list, tuple)) else "")
+            raise InvalidArgumentError(describe(
+                "inputs", "RaggedKVCacheInputs of one device" + hint, type(inputs).__name__))
+        decode = check_flag("decode", decode)
         qo = np.asarray(inputs.qo_indptr_host)
         one_each = bool(np.all(np.diff(qo) == 1))
         if decode is None:

@@ -136,6 +136,9 @@ class ItemTokens:
     __slots__ = ("seqs", "counts", "what", "_flat")
 
     def __init__(self, seqs: list, counts: np.ndarray, what: str):
+        if set(map(type, seqs)) & {set, frozenset, dict}:  # no order: not a sequence
+            raise InvalidArgumentError(describe(f"{what}: tokens", "sequences of ints",
+                                                "a set or dict (no order)"))
         self.seqs, self.counts, self.what, self._flat = seqs, counts, what, None
 
     def _ints(self, values, count: int) -> np.ndarray:
@@ -147,6 +150,9 @@ class ItemTokens:
         if arr.ndim != 1 or arr.size != count or (arr.size and arr.dtype.kind not in "iu"):
             raise InvalidArgumentError(describe(f"{self.what}: tokens", "flat sequences of ints",
                                                 f"{arr.dtype} array of shape {arr.shape}"))
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise InvalidArgumentError(describe(f"{self.what}: tokens", "ints below 2**63",
+                                                int(arr.max())))  # would wrap to negative
         return arr.astype(np.int64, copy=False)
 
     @property

@@ -421,7 +421,7 @@ class KVCacheManager(abc.ABC):
         if self._token is not None:
             self._token.kill("superseded by a later fetch of the same manager")
         self._in_token[self._token_ids] = False
-        self._token, self._token_ids = FetchToken(self._lock), ids.copy()
+        self._token, self._token_ids = FetchToken(self._lock, self._blocks, "nhd"), ids.copy()
         self._in_token[ids] = True
         out = []
         for dev in range(self.n_devices):
@@ -514,6 +514,9 @@ class KVCacheManager(abc.ABC):
                 raise InvalidArgumentError(describe("kv_cache_inputs", "RaggedKVCacheInputs",
                                                     type(inp).__name__))
             inp.check_live()  # StaleInputsError: a later fetch, their step, a release
+            if inp.token is None or inp.token is not self._token:  # another manager's
+                raise InvalidArgumentError(describe("kv_cache_inputs", "inputs of this "
+                                                    "manager's latest fetch", "other inputs"))
             if inp.max_lengths.shape[0] < 2:
                 raise SequenceStateError(
                     "increment_cache_lengths: no steps left in max_lengths (fetch with "

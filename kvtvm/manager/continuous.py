@@ -10,7 +10,7 @@ paged cache with one page of ``max_seq_len`` per sequence, which is what the ker
 from __future__ import annotations
 
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import check_sizes, pop_length
+from .args import INT32_MAX, check_sizes, pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .tables import StepTables, table_elems
 
@@ -70,13 +70,13 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
     def infer_optimal_batch_size(cls, params, max_seq_len, num_layers, available_cache_memory,
                                  devices=("cpu",), **kwargs) -> int:
         """Most blocks of ``max_seq_len`` tokens (with their tables) that fit in
-        ``available_cache_memory`` bytes per device; at least 1."""
+        ``available_cache_memory`` bytes per device; at least 1, at most ``2**31 - 1``."""
         check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))
         per_seq = params.bytes_per_token(num_layers, n) * max_seq_len + 4 * 3
-        return max(1, (available_cache_memory - 4) // per_seq)
+        return max(1, min(INT32_MAX, (available_cache_memory - 4) // per_seq))
 
     def pop(self, seq_id: int, n: int) -> None:
         """Roll back the last ``n`` committed tokens of ``seq_id`` (speculative decoding).

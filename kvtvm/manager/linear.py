@@ -34,7 +34,8 @@ import numpy as np
 from ..errors import InvalidArgumentError, KVCacheError, SequenceTooLongError, describe
 from ..inputs import FetchToken, RaggedKVCacheInputs, stamp
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import allocate, check_positive_int, check_size, check_sizes, parse_devices
+from .args import (INT32_MAX, allocate, check_positive_int, check_size, check_sizes,
+                   parse_devices)
 from .copier import PageCopier, copy_view, resolve_copier
 
 __all__ = ["LinearKVCache", "LinearCacheConfig"]
@@ -131,13 +132,13 @@ class LinearKVCache:
     def infer_optimal_batch_size(cls, params, max_seq_len, num_layers, available_cache_memory,
                                  devices=("cpu",), **kwargs) -> int:
         """Most slots of ``max_seq_len`` tokens that fit ``available_cache_memory`` bytes per
-        device; at least 1."""
+        device; at least 1, at most ``2**31 - 1``."""
         check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))
         per_slot = params.bytes_per_token(num_layers, n) * max_seq_len + 12
-        return max(1, (available_cache_memory - 4) // per_slot)
+        return max(1, min(INT32_MAX, (available_cache_memory - 4) // per_slot))
 
     def device_nbytes(self) -> int:
         """Bytes this cache allocated on each device."""
@@ -377,7 +378,7 @@ class LinearKVCache:
             end = self._lengths[:b] + new
             max_lengths = torch.tensor([[int(new.max(initial=0)), int(end.max(initial=0))]],
                                        dtype=torch.int32)
-            token = self._token = FetchToken(self._lock)
+            token = self._token = FetchToken(self._lock, self._cache, "hnd")
             out = []
             for i, buf in enumerate(self._dev):
                 cl, qo_t = buf[:b], buf[mb:mb + b + 1]

@@ -31,9 +31,10 @@ from collections import Counter
 
 import numpy as np
 
-from ..errors import KVCacheCapacityError, KVCacheError, SequenceStateError
+from ..errors import (InvalidArgumentError, KVCacheCapacityError, KVCacheError,
+                      SequenceStateError, describe)
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import check_size, check_sizes, pop_length
+from .args import INT32_MAX, check_size, check_sizes, pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
 from .pageio import PageIOMixin
@@ -48,6 +49,9 @@ def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: 
                        num_layers: int, n_devices: int, num_pages=None,
                        available_cache_memory=None) -> int:
     width = params.pages_for_tokens(max_seq_len)
+    if num_pages is not None and available_cache_memory is not None:
+        raise InvalidArgumentError(describe(  # which would win? (num_pages ignored the budget)
+            "num_pages / available_cache_memory", "one of them", "both"))
     if num_pages is not None:
         return check_size("num_pages", num_pages)
     if available_cache_memory is not None:
@@ -61,8 +65,8 @@ def _resolve_num_pages(params: KVCacheParams, max_batch_size: int, max_seq_len: 
                 f"available_cache_memory={available_cache_memory} bytes holds no page: one page "
                 f"is {params.bytes_per_page(num_layers, n_devices)} bytes and the tables "
                 f"{table_bytes} bytes")
-        return int(pages)
-    return max_batch_size * width
+        return min(int(pages), INT32_MAX)  # page ids are int32 table entries
+    return check_size("num_pages (max_batch_size x pages per sequence)", max_batch_size * width)
 
 
 class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
@@ -81,7 +85,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         every sequence to reach ``max_seq_len`` (``max_batch_size * ceil(max_seq_len /
         page_size)``).
     available_cache_memory : int, optional
-        Bytes per device for the cache and its tables; sets ``num_pages``.
+        Bytes per device for the cache and its tables; sets ``num_pages`` (give one of them).
     page_copier : PageCopier, optional
         ``page_copier(blocks, src, dst)`` copies whole pages of one device's cache tensor,
         ``src`` and ``dst`` int32 ``[n]`` host tensors (see :mod:`kvtvm.manager.copier`);
@@ -148,14 +152,16 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
     def infer_optimal_batch_size(cls, params, max_seq_len, num_layers, available_cache_memory,
                                  devices=("cpu",), **kwargs) -> int:
         """Most sequences that can all reach ``max_seq_len`` at once in
-        ``available_cache_memory`` bytes per device (pages plus tables); at least 1."""
+        ``available_cache_memory`` bytes per device (pages plus tables); at least 1, at most
+        what the int32 tables index."""
         check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))
         width = params.pages_for_tokens(max_seq_len)
         per_seq = width * params.bytes_per_page(num_layers, n) + 4 * (2 + width)
-        return max(1, (available_cache_memory - 4) // per_seq)
+        # at most as many as the int32 tables index (their default pool: batch x width pages)
+        return max(1, min(INT32_MAX // width, (available_cache_memory - 4) // per_seq))
 
     # ------------------------------------------------------------------------------------
     # Page pool

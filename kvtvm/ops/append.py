@@ -109,7 +109,8 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     if device.type == "cuda":  # rows move as 16-byte vectors
         check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
-                          "lookup_table": table})
+                          "lookup_table": table}, {"k_cache": kc, "v_cache": vc},
+                         layout)
     check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)

@@ -235,9 +235,14 @@ def indices_on_host(*tensors) -> bool:
     return all(t.device.type == "cpu" for t in tensors)
 
 
-def live_tokens(tensors: dict) -> tuple:
+def live_tokens(tensors: dict, caches: dict | None = None, layout: str | None = None) -> tuple:
     """The fetch tokens stamped on the given table tensors (name -> tensor), after checking
-    that none is dead: raises :class:`~kvtvm.errors.StaleInputsError` naming the tensor."""
+    that none is dead: raises :class:`~kvtvm.errors.StaleInputsError` naming the tensor.
+
+    Tables of two fetches, ``caches`` (name -> cache view) outside the cache of the
+    manager whose fetch made the tables, or a ``layout`` other than its views' raise
+    :class:`~kvtvm.errors.InvalidArgumentError` (the kernel would write another manager's
+    memory, or transposed positions, at this fetch's positions)."""
     tokens = ()
     for name, t in tensors.items():
         tok = token_of(t)
@@ -245,7 +250,28 @@ def live_tokens(tensors: dict) -> tuple:
             check_live(name, tok)
             if tok not in tokens:
                 tokens += (tok,)
+    if len(tokens) > 1:
+        raise InvalidArgumentError(describe(
+            " / ".join(tensors), "the tables of one fetch", f"tables of {len(tokens)} fetches"))
+    if tokens and caches:
+        check_cache_owner(tokens[0], caches)
+    if tokens and layout is not None and tokens[0].layout not in (None, layout):
+        raise InvalidArgumentError(describe(
+            "layout", f"{tokens[0].layout!r} (the layout of the fetch's cache views)",
+            repr(layout)))
     return tokens
+
+
+def check_cache_owner(token, caches: dict) -> None:
+    """Each cache view (name -> tensor) lies in a cache tensor of the manager that made
+    ``token``'s fetch (its storage), else InvalidArgumentError naming it."""
+    if not token.storages:
+        return
+    for name, t in caches.items():
+        if t.untyped_storage().data_ptr() not in token.storages:
+            raise InvalidArgumentError(describe(
+                name, "a view of the cache of the manager whose fetch made the tables",
+                "a view of other memory (another manager's cache, or a copy)"))
 
 
 # ------------------------------------------------------------------------------------------

@@ -293,7 +293,8 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
     sm_scale = check_sm_scale(sm_scale)
     if device.type == "cuda":  # K/V rows are staged with 16-byte cp.async copies
         check_vector_aligned({"k_cache": kc, "v_cache": vc})
-    tokens = live_tokens({"cache_lengths": lengths, "lookup_table": table})
+    tokens = live_tokens({"cache_lengths": lengths, "lookup_table": table},
+                         {"k_cache": kc, "v_cache": vc}, layout)
     check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = indices_on_host(lengths, table)

@@ -20,6 +20,7 @@ from .. import compiler, runtime
 from ..errors import InvalidArgumentError, describe
 from ..inputs import check_live
 from . import errflag
+from .checks import check_cache_owner
 
 __all__ = ["Launch", "LaunchSequence", "kernel_for", "signature"]
 
@@ -127,6 +128,8 @@ class Launch:
             if old is None or not hasattr(t, "stride") or signature(t) != signature(old):
                 raise InvalidArgumentError(describe(
                     name, f"a tensor like the prepared one ({_describe(old)})", _describe(t)))
+            if self.tokens and name in ("k_cache", "v_cache"):
+                check_cache_owner(self.tokens[0], {name: t})
             slots[name] = t
         return Launch(self.fn, self.device, slots, self.outputs, self.tokens, self._errv,
                       self.parallel)

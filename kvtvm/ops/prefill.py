@@ -157,7 +157,8 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
     if device.type == "cuda":  # the tensor-core kernel moves q, K and V in 16-byte chunks
         check_vector_aligned({"q": qt, "k_cache": kc, "v_cache": vc})
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
-                          "lookup_table": table})
+                          "lookup_table": table}, {"k_cache": kc, "v_cache": vc},
+                         layout)
     check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)
