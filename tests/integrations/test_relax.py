@@ -427,7 +427,11 @@ def test_example_exported_then_run_with_the_runtime_only(tmp_path):
 
 def test_example_load_refuses_what_kvtvm_did_not_write(tmp_path):
     """--load runs only the bytes --export wrote, from files no one else can write: a
-    modified module and a group-writable one are refused before anything is loaded."""
+    modified module and a group-writable one are refused before anything is loaded. (The
+    tampered files are copies: a module loaded in this process is never rewritten, which
+    would change the mapped library under it.)"""
+    import shutil as sh
+
     from kvtvm.errors import CorruptKernelError, UntrustedKernelError
 
     ex = _example()
@@ -435,20 +439,28 @@ def test_example_load_refuses_what_kvtvm_did_not_write(tmp_path):
     path = ex.export_relax(cfg, tmp_path / "llama.so")
     meta = Path(str(path) + ".json")
     assert oct(meta.stat().st_mode & 0o777) == "0o644"
+
+    def copy(name):
+        other = tmp_path / name
+        sh.copy(path, other)
+        sh.copy(meta, str(other) + ".json")
+        return other, Path(str(other) + ".json")
+
+    changed, _ = copy("changed.so")
+    good = changed.read_bytes()
+    changed.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(CorruptKernelError, match="sha256"):
+        ex.load_relax(cfg, changed)
+    writable, _ = copy("writable.so")
+    writable.chmod(0o666)
+    with pytest.raises(UntrustedKernelError, match="writable"):
+        ex.load_relax(cfg, writable)
+    other_meta, record = copy("record.so")
+    record.chmod(0o666)
+    with pytest.raises(UntrustedKernelError, match="record"):
+        ex.load_relax(cfg, other_meta)
     vm, names = ex.load_relax(cfg, path)         # as exported: loads
     assert names and vm is not None
-    good = path.read_bytes()
-    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
-    with pytest.raises(CorruptKernelError, match="sha256"):
-        ex.load_relax(cfg, path)
-    path.write_bytes(good)
-    path.chmod(0o666)
-    with pytest.raises(UntrustedKernelError, match="writable"):
-        ex.load_relax(cfg, path)
-    path.chmod(0o644)
-    meta.chmod(0o666)
-    with pytest.raises(UntrustedKernelError, match="record"):
-        ex.load_relax(cfg, path)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
