@@ -125,8 +125,14 @@ def _host_int_vector(name: str, values) -> np.ndarray:
         raise InvalidArgumentError(describe(f"{name} rank", "a 1-D array", arr.ndim))
     if arr.dtype.kind not in "iu" and arr.size:
         raise InvalidArgumentError(describe(f"{name} dtype", "integers", arr.dtype))
+    return as_int64(name, arr)
+
+
+def as_int64(name: str, arr: np.ndarray) -> np.ndarray:
+    """An integer array as int64 (no copy when it is one); uint64 values of 2**63 and more
+    (they would wrap to negative ids) raise :class:`InvalidArgumentError` naming ``name``."""
     if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size \
-            and int(arr.max()) > np.iinfo(np.int64).max:  # would wrap to a negative int64
+            and int(arr.max()) > np.iinfo(np.int64).max:
         raise InvalidArgumentError(describe(name, "values below 2**63", int(arr.max())))
     return arr.astype(np.int64, copy=False)
 

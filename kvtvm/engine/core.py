@@ -26,7 +26,7 @@ from ..errors import InvalidArgumentError, KVCacheCapacityError, describe
 from ..manager.args import parse_devices
 from ..params import KVCacheParams
 from .caches import CACHE_CHOICES, make_cache
-from .runner import ModelRunner, check_model
+from .runner import ModelRunner, check_engine_model
 from .sampling import SEED_RANGE, is_int, make_generator, sample, token_list
 from .threads import DEFAULT_TORCH_THREADS, check_thread_count, configure_threads
 from .tierdir import claim_tier_dir
@@ -207,7 +207,7 @@ class Engine:
                 f"max_step_tokens must be None or a positive int, got {max_step_tokens!r}")
         check_thread_count("torch_threads", torch_threads)
         check_thread_count("kernel_threads", kernel_threads)
-        check_model(model)
+        check_engine_model(model)
         (dev,) = parse_devices(device, name="device")
         model_dev = next(model.parameters()).device
         if model_dev.type != dev.type or (dev.type == "cuda" and dev.index is not None

@@ -21,7 +21,7 @@ from ..errors import InvalidArgumentError
 from ..plan import plan_step
 from .linear import backend_for
 
-__all__ = ["ModelRunner", "UnsupportedModelError", "check_supported", "check_model",
+__all__ = ["ModelRunner", "UnsupportedModelError", "check_supported", "check_engine_model",
            "rotate_half", "SUPPORTED_MODEL_TYPES"]
 
 #: ``config.model_type`` values whose layers this runner computes exactly like transformers.
@@ -55,7 +55,7 @@ def check_supported(config) -> None:
         raise UnsupportedModelError("multimodal RoPE (mrope) is not supported")
 
 
-def check_model(model) -> None:
+def check_engine_model(model) -> None:
     """Raise :class:`UnsupportedModelError` naming ``model`` unless it is a transformers
     ``*ForCausalLM`` (a torch module with ``config``, ``model.layers`` and ``lm_head``) of a
     family :func:`check_supported` takes -- not None, a name, or the base model without its
@@ -118,7 +118,7 @@ class ModelRunner:
     """
 
     def __init__(self, hf_model, linear: str = "auto"):
-        check_model(hf_model)
+        check_engine_model(hf_model)
         cfg = hf_model.config
         self.hf_model = hf_model
         self.model = hf_model.model          # embed_tokens, layers, norm, rotary_emb

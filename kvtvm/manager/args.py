@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapacityError,
                       describe)
+from ..inputs import as_int64
 
 __all__ = ["check_positive_int", "check_size", "check_sizes", "parse_devices", "ItemTokens",
            "row_offsets", "check_int", "check_hashes", "check_seconds", "allocate"]
@@ -150,10 +151,7 @@ class ItemTokens:
         if arr.ndim != 1 or arr.size != count or (arr.size and arr.dtype.kind not in "iu"):
             raise InvalidArgumentError(describe(f"{self.what}: tokens", "flat sequences of ints",
                                                 f"{arr.dtype} array of shape {arr.shape}"))
-        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-            raise InvalidArgumentError(describe(f"{self.what}: tokens", "ints below 2**63",
-                                                int(arr.max())))  # would wrap to negative
-        return arr.astype(np.int64, copy=False)
+        return as_int64(f"{self.what}: tokens", arr)
 
     @property
     def tokens(self) -> np.ndarray:
