@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 
-from ..cuda_limits import decode_vectors
+from ..cuda_limits import decode_vectors, tensor_core_decode
 from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from .accessor import _ITEMSIZE, match_cache_pair, match_err, match_tensor
 from .errflag import ERR_PAGE, ERR_POSITION
@@ -142,8 +142,12 @@ def knob_space(spec) -> dict:
     if spec.quantized:  # schedules/decode/cuda_quant.py
         from .quant_access import quant_vec_choices
 
-        return {"threads": [64, 128, 256], "tile_tokens": [16, 32, 64], "stages": [2, 3],
-                "merge_threads": [256], "vec": quant_vec_choices(spec)}
+        space = {"threads": [64, 128, 256], "tile_tokens": [16, 32, 64], "stages": [2, 3],
+                 "merge_threads": [256], "vec": quant_vec_choices(spec)}
+        if tensor_core_decode(spec.dtype, spec.head_dim, spec.group_size, spec.k_storage,
+                              spec.v_storage):  # the tensor-core kernel, or the CUDA cores'
+            space["mma"] = [1, 0]
+        return space
     return {"threads": [64, 128, 256], "tile_tokens": [8, 16, 32, 64], "stages": [1, 2, 3],
             "merge_threads": [128, 256, 512], "vec": vec_choices(spec)}
 

@@ -1,5 +1,7 @@
 """CUDA schedule of decode attention over a QUANTIZED cache (``kvtvm.kernels.decode``;
-sm_90a and sm_80 alike), hand-written TIR. The 8-bit rows are staged in shared memory as they
+sm_90a and sm_80 alike), hand-written TIR. Where K and V are both 8-bit under float16 queries
+(GQA up to 8, head_dim up to 128) the knob ``mma`` (default 1 there) hands the spec to the
+tensor-core kernel of :mod:`.cuda_quant_mma`; this module's CUDA-core kernel runs the rest. The 8-bit rows are staged in shared memory as they
 are stored (values, scale, padding: ``quant_row_bytes(head_dim)`` bytes, 16-byte ``cp.async``
 chunks, as int32 words; the cp.async helpers and the split-KV merge are the float16 kernel's,
 ``schedules/decode/cuda.py``). A thread owns a slice of head_dim for **every query head of the
@@ -27,6 +29,7 @@ from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale
 from kvtvm.quant import quant_row_bytes
 
 from ..common import DTYPE_BYTES, pages_bad_macro, replace_function
+from . import cuda_quant_mma
 from .cuda import (_COMMIT, _CP_ASYNC, SMEM_KV_BYTES, _copy16, _wait_source, attend_smem_bytes,
                    fit_row_groups, merge_macro)
 
@@ -124,11 +127,15 @@ def default_knobs(spec) -> dict:
     # (group x rows per tile); double-buffered 32-row tiles (16 for groups over 4). On an H100
     # (fp16 d128 GQA 4, 2026-11-25, docs/PERF.md) 64 or 128 threads, 32- or 64-row tiles, 2 or
     # 3 stages were within 3% of each other; vec 4 (32 threads per row) was 20% slower.
+    # ``mma``: the tensor-core kernel (schedules/decode/cuda_quant_mma.py) where it runs the
+    # spec: 1.56-1.86x the float16 cache's speed at 16 x 4K, 64 x 4K, 256 x 1K and 1 x 32K
+    # on an H200, where this kernel ran at 1.0-1.26x (docs/PERF.md, 2026-11-27); it reads
+    # threads, tile_tokens and stages as its warps, tile rows and stages
     vec = default_vec(spec)
     tile = 32 if spec.group_size <= 4 else 16
     threads = min(256, max(128, spec.head_dim // vec * tile * spec.group_size // 16))
     return {"threads": threads, "tile_tokens": tile, "stages": 2, "merge_threads": 256,
-            "vec": vec}
+            "vec": vec, "mma": int(cuda_quant_mma.supported(spec))}
 
 
 def default_vec(spec) -> int:
@@ -171,6 +178,8 @@ def geometry(spec, knobs) -> dict:
 
 def schedule(mod, spec, knobs):
     assert spec.k_storage or spec.v_storage, "CUDA quantized decode: K or V 8-bit"
+    if knobs.get("mma") and cuda_quant_mma.supported(spec):  # the tensor-core kernel
+        return cuda_quant_mma.schedule(mod, spec, knobs)
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     g = geometry(spec, knobs)
     VEC, BDX, BDZ, NT = g["vec"], g["bdx"], g["bdz"], g["threads"]

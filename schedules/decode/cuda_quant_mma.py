@@ -1,0 +1,357 @@
+"""The TENSOR-CORE CUDA decode over an 8-bit cache (hand-written TIR; :mod:`.cuda_quant` runs it
+where :func:`supported`, knob ``mma``, the default there): K and V both int8 / float8_e4m3fn,
+float16 queries, GQA up to 8, head_dim 32, 64 or 128.
+
+Why: the CUDA-core kernel converts every staged code to float32 and spends ``2 * group`` FMAs
+and a shuffle butterfly per code; on an H100 it ran at 1.0-1.26x the float16 cache's speed with
+0.56x its bytes (instruction-bound). Here the group's query heads are the rows of
+``mma.sync.m16n8k16`` (float16 operands, float32 accumulation; rows past the group are zero),
+so a code costs about one conversion instruction (int8 through the float16 magic number, e4m3
+through ``cvt.rn.f16x2.e4m3x2`` on sm_89+) and the products run on the tensor cores: 1.56-1.86x
+the float16 cache at 16 x 4K, 64 x 4K, 256 x 1K and 1 x 32K on an H200 (docs/PERF.md,
+2026-11-27; ``tools/gpu_decode_mma_probe.py``).
+
+Layout (one CTA per (sequence, KV head, split); ``threads / 32`` warps, each owning 16 rows of
+every K/V tile of ``16 * warps * chunks`` rows, staged as stored with zero-filled 16-byte
+``cp.async`` into int32 words; lane ``l``: ``g = l // 4``, ``t = l % 4``):
+
+- S = Q K^T: the 16 positions of a warp's rows are the two n8 halves; the reduction over
+  head_dim is permuted (free, since Q is loaded once): k-step ``kb``'s logical columns
+  ``2t, 2t + 1`` are dims ``kb + 4t, kb + 4t + 1`` and ``2t + 8, 2t + 9`` are ``kb + 4t + 2, +3``,
+  so a lane's K operand is ONE int32 word of one row (4 codes).
+- scores times ``scale_k[position] * sm_scale * log2(e)`` in float32, masked past the split, an
+  online softmax over the 4 lanes of a query head (2 shuffles); ``P' = P * scale_v[position] *
+  2**k`` (``v_prescale``: small-scale rows stay clear of subnormals) is the A operand of
+  O += P' V with no shuffle (the S fragment's layout is the A fragment's), as a float16 high
+  part plus the float16 rounding error of it (``p_split``, default 1: two MMAs over the same V
+  operands, ~7% of the time; the result then differs from float64 attention by the float16
+  output's own rounding alone, where one float16 P doubled that).
+- V operand: a lane needs 4 positions (``2t, 2t+1, 2t+8, 2t+9``) of one head_dim column; it
+  reads one word (4 columns) of each of the 4 rows and byte-permutes them into the operands of
+  4 n8 tiles, whose columns are dims ``32 * grp + 4 * n + i`` (un-permuted when the output is
+  written).
+- The warps' (max, sum, O) meet in shared memory; the split-KV merge is the float16 kernel's.
+"""
+
+from __future__ import annotations
+
+from kvtvm.cuda_limits import tensor_core_decode
+from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
+                               prim_func, tir)
+from kvtvm.kernels.accessor import cache_index
+from kvtvm.kernels.decode import LN2, LOG2E, NEG, length_ok, match_params, signature, split_range
+from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
+from kvtvm.quant import quant_row_bytes
+
+from ..common import pages_bad_macro, replace_function
+from ..prefill.cuda_quant_tiles import v_prescale
+from .cuda import _COMMIT, SMEM_STATIC_BYTES, _wait_source, merge_macro
+
+#: e4m3 pair -> float16 pair (``{side}``: a suffix, so K's and V's copies never clash).
+_E4M3X2 = r"""
+__device__ __forceinline__ unsigned kvtvm_mma_e4m3x2_{side}(unsigned v) {
+  unsigned r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)(v & 0xFFFFu)));
+#else
+  // e4m3 bits placed in float16 bits are the value / 256; times 256 in float16 is exact
+  unsigned p = __byte_perm(v, 0u, 0x1404);
+  unsigned h = (p & 0x80008000u) | ((p >> 1) & 0x3F803F80u);
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x5C005C00u));
+#endif
+  return r;
+}
+"""
+#: One int32 word (4 codes of one row) -> the two float16x2 registers of an m16n8k16 B operand
+#: (codes 0, 1 and codes 2, 3).
+_K_FRAG = {
+    "int8": r"""
+__device__ __forceinline__ void kvtvm_mma_k_i8(void* dst, int w) {
+  // 0x6400 | (code + 128) is the float16 1024 + code + 128; minus 1152 (0x6480), exactly
+  unsigned u = (unsigned)w ^ 0x80808080u, *o = (unsigned*)dst;
+  unsigned a = __byte_perm(u, 0x64646464u, 0x4140), b = __byte_perm(u, 0x64646464u, 0x4342);
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(o[0]) : "r"(a), "r"(0x64806480u));
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(o[1]) : "r"(b), "r"(0x64806480u));
+}
+""",
+    "float8_e4m3fn": _E4M3X2.replace("{side}", "k") + r"""
+__device__ __forceinline__ void kvtvm_mma_k_e4m3(void* dst, int w) {
+  unsigned *o = (unsigned*)dst;
+  o[0] = kvtvm_mma_e4m3x2_k((unsigned)w);
+  o[1] = kvtvm_mma_e4m3x2_k((unsigned)w >> 16);
+}
+""",
+}
+#: byte ``i`` of two words -> one float16x2 register (the first word's code in the low half)
+_V_PAIR = {
+    "int8": r"""
+__device__ __forceinline__ unsigned kvtvm_mma_pair_v(unsigned w0, unsigned w1, unsigned i) {
+  unsigned p = (__byte_perm(w0 ^ 0x80808080u, w1 ^ 0x80808080u, i | ((4u + i) << 8))
+                & 0x00FF00FFu) | 0x64006400u, r;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(p), "r"(0x64806480u));
+  return r;
+}
+""",
+    "float8_e4m3fn": _E4M3X2.replace("{side}", "v") + r"""
+__device__ __forceinline__ unsigned kvtvm_mma_pair_v(unsigned w0, unsigned w1, unsigned i) {
+  return kvtvm_mma_e4m3x2_v(__byte_perm(w0, w1, i | ((4u + i) << 4)));
+}
+""",
+}
+#: Four words (one per position) -> the B operands of 4 n8 tiles, column ``i`` of each word
+#: (``o[2i]``: positions 0, 1; ``o[2i + 1]``: positions 2, 3).
+_V_FRAG = r"""
+__device__ __forceinline__ void kvtvm_mma_v_{tag}(void* dst, int w0, int w1, int w2, int w3) {
+  unsigned *o = (unsigned*)dst;
+#pragma unroll
+  for (unsigned i = 0; i < 4; ++i) {
+    o[2 * i] = kvtvm_mma_pair_v((unsigned)w0, (unsigned)w1, i);
+    o[2 * i + 1] = kvtvm_mma_pair_v((unsigned)w2, (unsigned)w3, i);
+  }
+}
+"""
+
+
+def _helpers(storage: str, side: str) -> str:
+    """The CUDA source of side ``side`` ("k" or "v") over ``storage``."""
+    if side == "k":
+        return _K_FRAG[storage]
+    return _V_PAIR[storage] + _V_FRAG.replace("{tag}", _TAG[storage])
+
+
+_TAG = {"int8": "i8", "float8_e4m3fn": "e4m3"}
+
+
+def supported(spec) -> bool:
+    """Whether this kernel runs ``spec`` (:func:`kvtvm.cuda_limits.tensor_core_decode`)."""
+    return tensor_core_decode(spec.dtype, spec.head_dim, spec.group_size, spec.k_storage,
+                              spec.v_storage)
+
+
+def geometry(spec, knobs) -> dict:
+    """Warps, stages and tile rows within the static shared-memory limit: K and V stages of
+    8-bit rows, the warps' output reduction and running (max, sum)."""
+    W = max(1, int(knobs.get("threads", 128)) // 32)
+    chunks = max(1, int(knobs.get("tile_tokens", 64)) // (16 * W))
+    stages = max(2, int(knobs.get("stages", 2)))
+    row = quant_row_bytes(spec.head_dim)
+
+    def smem(w, c, s):
+        return s * 16 * w * c * 2 * row + w * spec.group_size * (spec.head_dim + 2) * 4
+
+    while smem(W, chunks, stages) > SMEM_STATIC_BYTES and chunks > 1:
+        chunks -= 1
+    while smem(W, chunks, stages) > SMEM_STATIC_BYTES and stages > 2:
+        stages -= 1
+    while smem(W, chunks, stages) > SMEM_STATIC_BYTES and W > 1:
+        W //= 2
+    return dict(warps=W, chunks=chunks, stages=stages, tile=16 * W * chunks, threads=32 * W,
+                row_words=row // 4, row_chunks=row // 16, p_split=int(knobs.get("p_split", 1)))
+
+
+def schedule(mod, spec, knobs):
+    assert supported(spec), f"no tensor-core decode for {spec.uri}"
+    H, G, Hq, D, dtype, layout, sliding = signature(spec)
+    geo = geometry(spec, knobs)
+    W, C, S, TILE, NT = geo["warps"], geo["chunks"], geo["stages"], geo["tile"], geo["threads"]
+    RW, RC = geo["row_words"], geo["row_chunks"]
+    KS, DG = D // 16, D // 32                 # k-steps of Q K^T; 32-column groups of P V
+    COPIES = -(-TILE * RC // NT)
+    PRE = v_prescale(spec)
+    SPLIT = bool(geo["p_split"])
+    merge_splits = merge_macro(spec, knobs)
+    WAIT = _wait_source(S - 1)
+    pages_bad = pages_bad_macro(NT)
+    ks, vs = spec.k_storage, spec.v_storage
+    k_src, v_src = _helpers(ks, "k"), _helpers(vs, "v")
+    k_frag, v_frag = f"kvtvm_mma_k_{_TAG[ks]}", f"kvtvm_mma_v_{_TAG[vs]}"
+
+    def copy16(smem, stage, row, chunk, cache, lookup, b, pos, hi, h, page_size):
+        """Zero-filled ``cp.async`` of 16-byte chunk ``chunk`` of position ``pos``'s row (past
+        ``hi``: zeros, from the split's last row's address)."""
+        pc = T.Cast("int32", T.min(pos, hi - 1))
+        ps = T.Cast("int32", page_size)
+        page = T.Cast("int64", lookup[b, T.truncdiv(pc, ps)])
+        src = cache_index(layout, page, T.Cast("int64", T.truncmod(pc, ps)), h, chunk * 16)
+        return T.ptx["cp.async.cg.shared.global"](
+            smem.ptr_to([(stage * TILE + row) * RW + chunk * 4]), cache.ptr_to(list(src)), 16,
+            T.Cast("uint32", T.if_then_else(pos < hi, 16, 0)))
+
+    @T.macro
+    def issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid, stage,
+                   first):
+        for c in T.unroll(COPIES):
+            if c * NT + tid < TILE * RC:
+                T.evaluate(copy16(k_smem, stage, (c * NT + tid) // RC, T.floormod(c * NT + tid, RC), k_cache, lookup, b, first + (c * NT + tid) // RC, hi, h, page_size))
+                T.evaluate(copy16(v_smem, stage, (c * NT + tid) // RC, T.floormod(c * NT + tid, RC), v_cache, lookup, b, first + (c * NT + tid) // RC, hi, h, page_size))
+
+    def scale_of(smem, stage, row):
+        return T.reinterpret("float32", smem[(stage * TILE + row) * RW + D // 4])
+
+    def mma(a, a_off, b_, b_off, c, c_off):
+        return T.ptx_legacy.mma("m16n8k16", "row", "col", "fp16", "fp16", "fp32", a.data, a_off,
+                                b_.data, b_off, c.data, c_off, False, dtype="float32")
+
+    # fmt: off
+    @prim_func
+    def decode(var_q: T.handle, var_k_cache: T.handle, var_v_cache: T.handle,
+               var_cache_lengths: T.handle, var_lookup: T.handle, var_out: T.handle,
+               var_lse: T.handle, var_o_part: T.handle, var_lse_part: T.handle,
+               sm_scale: T.float32, window: T.int32, var_err: T.handle):
+        T.func_attr({ATTR_NOALIAS: True, ATTR_IS_SCHEDULED: True})
+        (batch, num_pages, page_size, max_pages, splits, q, k_cache, v_cache, cache_lengths,
+         lookup, out, lse, o_part, lse_part, err) = match_params(
+            spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
+            var_lse, var_o_part, var_lse_part, var_err)
+        for bx in T.thread_binding(T.Cast("int32", batch * H * splits), thread="blockIdx.x"):
+            for tid in T.thread_binding(NT, thread="threadIdx.x"):
+                with block("attend"):
+                    T.reads()
+                    T.writes()
+                    k_smem = alloc_buffer((S * TILE * RW,), "int32", scope="shared")
+                    v_smem = alloc_buffer((S * TILE * RW,), "int32", scope="shared")
+                    o_red = alloc_buffer((W, G, D), "float32", scope="shared")
+                    md_red = alloc_buffer((W, G, 2), "float32", scope="shared")
+                    qf = alloc_buffer((KS * 8,), "float16", scope="local")
+                    kf = alloc_buffer((4,), "float16", scope="local")
+                    vf = alloc_buffer((16,), "float16", scope="local")
+                    sf = alloc_buffer((8,), "float32", scope="local")
+                    pf = alloc_buffer((8,), "float16", scope="local")
+                    pl = alloc_buffer((8,), "float16", scope="local")
+                    of = alloc_buffer((DG * 16,), "float32", scope="local")
+                    vw = alloc_buffer((4,), "int32", scope="local")
+                    st = alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, alpha
+                    bad = alloc_buffer((1,), "int32", scope="local")
+                    ns: T.int32 = T.Cast("int32", splits)
+                    b: T.int32 = T.truncdiv(bx, H * ns)
+                    h: T.int32 = T.truncmod(T.truncdiv(bx, ns), H)
+                    s: T.int32 = T.truncmod(bx, ns)
+                    w: T.int32 = T.truncdiv(tid, 32)
+                    lane: T.int32 = T.truncmod(tid, 32)
+                    gq: T.int32 = T.truncdiv(lane, 4)
+                    tq: T.int32 = T.truncmod(lane, 4)
+                    lo64, hi64 = split_range(cache_lengths[b], window, s, splits, sliding,
+                                             max_pages * page_size)
+                    if tid == 0 and not length_ok(cache_lengths[b], max_pages * page_size):
+                        err[ERR_POSITION] = 1
+                    lo: T.int32 = T.Cast("int32", lo64)
+                    hi: T.int32 = T.Cast("int32", hi64)
+                    pages_bad(bad, lookup, b, T.truncdiv(lo, T.Cast("int32", page_size)),
+                              T.if_then_else(hi > lo, T.truncdiv(hi - 1, T.Cast("int32", page_size)), -1),
+                              num_pages, tid)
+                    if tid == 0 and bad[0] != 0:
+                        err[ERR_PAGE] = 1
+                    ntiles: T.int32 = T.truncdiv(T.max(hi - lo, 0) + TILE - 1, TILE) * (1 - bad[0])
+                    # Q as A operands (rows past the group are zero), dims permuted per k-step
+                    for kk in T.unroll(KS):
+                        for i in T.unroll(8):
+                            qf[kk * 8 + i] = T.if_then_else(
+                                tir.all(i % 4 < 2, gq < G),
+                                q[b, h * G + T.min(gq, G - 1), kk * 16 + tq * 4 + i // 4 * 2 + i % 2],
+                                T.float16(0))
+                    for i in T.unroll(DG * 16):
+                        of[i] = T.float32(0)
+                    st[0] = T.float32(NEG)
+                    st[1] = T.float32(0)
+                    for pre in T.unroll(S - 1):
+                        if pre < ntiles:
+                            issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid, pre, lo + pre * TILE)
+                        T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
+                    for it in T.serial(ntiles):
+                        if it + (S - 1) < ntiles:
+                            issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid, T.floormod(it + S - 1, S), lo + (it + S - 1) * TILE)
+                        T.evaluate(T.cuda.func_call("kvtvm_cp_async_commit", source_code=_COMMIT))
+                        T.evaluate(T.cuda.func_call(f"kvtvm_cp_async_wait_{S - 1}", source_code=WAIT))
+                        T.tvm_storage_sync("shared")
+                        for c in T.unroll(C):
+                            # this warp's 16 rows of the tile: S = Q K^T
+                            for i in T.unroll(8):
+                                sf[i] = T.float32(0)
+                            for kk in T.unroll(KS):
+                                for n in T.unroll(2):
+                                    T.evaluate(T.cuda.func_call(
+                                        k_frag, kf.access_ptr("w", offset=0, extent=4),
+                                        k_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + n * 8 + gq) * RW + kk * 4 + tq],
+                                        source_code=k_src))
+                                    T.evaluate(mma(qf, kk * 8, kf, 0, sf, n * 4))
+                            # scores (log2 units), masked past the split; the row max
+                            st[2] = st[0]
+                            for i in T.unroll(4):
+                                sf[i // 2 * 4 + i % 2] = T.if_then_else(
+                                    lo + it * TILE + (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2 < hi,
+                                    sf[i // 2 * 4 + i % 2] * scale_of(k_smem, T.floormod(it, S), (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2) * sm_scale * T.float32(LOG2E),
+                                    T.float32(NEG))
+                                st[2] = T.max(st[2], sf[i // 2 * 4 + i % 2])
+                            for x in T.unroll(2):
+                                st[2] = T.max(st[2], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[2], 1 << x, 32, 32))
+                            st[3] = T.exp2(st[0] - st[2])
+                            st[0] = st[2]
+                            st[1] = st[1] * st[3]
+                            for i in T.unroll(DG * 8):
+                                of[i // 2 * 4 + i % 2] = of[i // 2 * 4 + i % 2] * st[3]
+                            # P' = P * scale_v * 2**k as the A operand (rows g + 8: zero)
+                            for i in T.unroll(8):
+                                pf[i] = T.float16(0)
+                                pl[i] = T.float16(0)
+                            for i in T.unroll(4):
+                                sf[i // 2 * 4 + i % 2] = T.if_then_else(
+                                    lo + it * TILE + (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2 < hi,
+                                    T.exp2(sf[i // 2 * 4 + i % 2] - st[0]), T.float32(0))
+                                st[1] = st[1] + sf[i // 2 * 4 + i % 2]
+                                sf[i // 2 * 4 + i % 2] = sf[i // 2 * 4 + i % 2] * scale_of(v_smem, T.floormod(it, S), (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2) * T.float32(PRE)
+                                pf[i // 2 * 4 + i % 2] = T.Cast("float16", sf[i // 2 * 4 + i % 2])
+                                if SPLIT:  # the rounding error, as a second float16 operand
+                                    pl[i // 2 * 4 + i % 2] = T.Cast("float16", sf[i // 2 * 4 + i % 2] - T.Cast("float32", pf[i // 2 * 4 + i % 2]))
+                            # O += P' V, 32 columns (4 n8 tiles) at a time
+                            for grp in T.unroll(DG):
+                                for j in T.unroll(4):
+                                    vw[j] = v_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + j // 2 * 8 + tq * 2 + j % 2) * RW + grp * 8 + gq]
+                                T.evaluate(T.cuda.func_call(
+                                    v_frag, vf.access_ptr("w", offset=0, extent=16),
+                                    vw[0], vw[1], vw[2], vw[3], source_code=v_src))
+                                for i in T.unroll(4):
+                                    T.evaluate(mma(pf, 0, vf, i * 4, of, (grp * 4 + i) * 4))
+                                    if SPLIT:
+                                        T.evaluate(mma(pl, 0, vf, i * 4, of, (grp * 4 + i) * 4))
+                        T.tvm_storage_sync("shared")
+                    # the row's sum over its 4 lanes; the warps meet in shared memory
+                    for x in T.unroll(2):
+                        st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 1 << x, 32, 32)
+                    if gq < G:
+                        for grp in T.unroll(DG):
+                            for i in T.unroll(4):
+                                for e in T.unroll(2):
+                                    o_red[w, gq, grp * 32 + tq * 8 + e * 4 + i] = of[(grp * 4 + i) * 4 + e]
+                        if tq == 0:
+                            md_red[w, gq, 0] = st[0]
+                            md_red[w, gq, 1] = st[1]
+                    T.tvm_storage_sync("shared")
+                    for r in T.serial(T.truncdiv(G * D + NT - 1, NT)):
+                        if r * NT + tid < G * D:
+                            st[2] = T.float32(NEG)
+                            for z in T.unroll(W):
+                                st[2] = T.max(st[2], md_red[z, T.truncdiv(r * NT + tid, D), 0])
+                            st[1] = T.float32(0)
+                            st[0] = T.float32(0)
+                            for z in T.unroll(W):
+                                st[3] = T.exp2(md_red[z, T.truncdiv(r * NT + tid, D), 0] - st[2])
+                                st[1] = st[1] + md_red[z, T.truncdiv(r * NT + tid, D), 1] * st[3]
+                                st[0] = st[0] + o_red[z, T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] * st[3]
+                            st[0] = st[0] * T.float32(1.0 / PRE)
+                            if splits == T.int64(1):
+                                out[b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = T.Cast(dtype, st[0] / st[1])
+                                if T.truncmod(r * NT + tid, D) == 0:
+                                    lse[b, h * G + T.truncdiv(r * NT + tid, D)] = (st[2] + T.log2(st[1])) * T.float32(LN2)
+                            elif st[1] > T.float32(0):
+                                o_part[s, b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = st[0] / st[1]
+                                if T.truncmod(r * NT + tid, D) == 0:
+                                    lse_part[s, b, h * G + T.truncdiv(r * NT + tid, D)] = st[2] + T.log2(st[1])
+                            else:
+                                o_part[s, b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = T.float32(0)
+                                if T.truncmod(r * NT + tid, D) == 0:
+                                    lse_part[s, b, h * G + T.truncdiv(r * NT + tid, D)] = T.float32(NEG)
+        if splits > T.int64(1):
+            merge_splits(batch, splits, out, lse, o_part, lse_part)
+    # fmt: on
+    return replace_function(mod, decode, "decode")
+

@@ -1,0 +1,107 @@
+"""The tensor-core CUDA decode over an 8-bit cache (``schedules/decode/cuda_quant_mma.py``):
+which specs run it (the rule of :func:`kvtvm.cuda_limits.tensor_core_decode`, the schedule's
+default knob, the tuner's space), that its shapes fit a CTA's static shared memory, and that it
+compiles with nvcc for sm_90a and sm_80 without spills, its products on ``mma.sync`` (numerics:
+the GPU tests of tests/quant/test_quant_cuda.py and test_quant_decode_mixed_cuda.py run it,
+``tools/gpu_decode_mma_probe.py`` times it)."""
+
+import re
+import shutil
+
+import pytest
+
+from kvtvm import compiler
+from kvtvm.cuda_limits import tensor_core_decode
+
+
+def _spec(ks="int8", vs="int8", dtype="float16", D=128, G=4, layout="nhd", **extra):
+    return compiler.KernelSpec("decode", dtype, D, 8, G, layout=layout, target="cuda",
+                               arch="sm_90a", k_storage=ks, v_storage=vs, **extra)
+
+
+@pytest.mark.parametrize("dtype,D,G,ks,vs,want", [
+    ("float16", 128, 4, "int8", "int8", True),
+    ("float16", 64, 8, "float8_e4m3fn", "float8_e4m3fn", True),
+    ("float16", 96, 1, "int8", "float8_e4m3fn", True),
+    ("float16", 32, 3, "float8_e4m3fn", "int8", True),
+    ("float16", 128, 9, "int8", "int8", False),      # more query heads than half an m16 tile
+    ("float16", 256, 4, "int8", "int8", False),      # the O fragments would not fit
+    ("float16", 48, 4, "int8", "int8", False),       # not whole 32-column V groups
+    ("bfloat16", 128, 4, "int8", "int8", False),
+    ("float32", 128, 4, "int8", "int8", False),
+    ("float16", 128, 4, "int8", "", False),          # K-only
+    ("float16", 128, 4, "", "float8_e4m3fn", False),  # V-only
+])
+def test_tensor_core_decode_rule(dtype, D, G, ks, vs, want):
+    assert tensor_core_decode(dtype, D, G, ks, vs) is want
+
+
+def test_default_knobs_run_the_tensor_cores_where_they_can():
+    """The tuned build and the ``short_splits`` variant of a supported spec both run it (the
+    tuning log's threads / tile / stages become its warps / tile rows / stages); other 8-bit
+    specs keep the CUDA-core kernel."""
+    from kvtvm.compiler.knobs import resolve_knobs
+
+    for storage in ("int8", "float8_e4m3fn"):
+        assert resolve_knobs(_spec(storage, storage))["mma"] == 1
+        assert resolve_knobs(_spec(storage, storage, variant="short_splits"))["mma"] == 1
+    for spec in (_spec(G=16, D=64), _spec(D=256), _spec(dtype="bfloat16"), _spec(vs="")):
+        assert resolve_knobs(spec)["mma"] == 0, spec.uri
+
+
+def test_knob_space_offers_both_kernels_only_where_both_run():
+    from kvtvm.kernels import decode
+
+    assert decode.knob_space(_spec())["mma"] == [1, 0]
+    assert "mma" not in decode.knob_space(_spec(vs=""))
+    assert "mma" not in decode.knob_space(_spec(D=256))
+
+
+@pytest.mark.parametrize("D,G", [(32, 1), (64, 8), (64, 3), (128, 4), (128, 8)])
+@pytest.mark.parametrize("threads", [32, 64, 128, 256])
+@pytest.mark.parametrize("tile", [16, 32, 64])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_geometry_fits_a_cta(D, G, threads, tile, stages):
+    """Whatever the knobs: whole 16-row warp chunks, K and V stages plus the warps' output
+    reduction within the 48 KiB a kernel may declare statically."""
+    from kvtvm.quant import quant_row_bytes
+    from kvtvm.schedules.decode.cuda import SMEM_STATIC_BYTES
+    from kvtvm.schedules.decode.cuda_quant_mma import geometry
+
+    spec = _spec(D=D, G=G)
+    g = geometry(spec, {"threads": threads, "tile_tokens": tile, "stages": stages})
+    assert g["tile"] == 16 * g["warps"] * g["chunks"] and g["threads"] == 32 * g["warps"]
+    assert g["stages"] >= 2 and 1 <= g["warps"] <= max(1, threads // 32)
+    smem = g["stages"] * g["tile"] * 2 * quant_row_bytes(D) + g["warps"] * G * (D + 2) * 4
+    assert smem <= SMEM_STATIC_BYTES
+
+
+def _spills(text):
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    assert found, "no ptxas resource report"
+    return [(int(a), int(b)) for a, b in found if int(a) or int(b)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("ks,vs,D,G,layout,knobs", [
+    ("int8", "int8", 128, 4, "nhd", {}),
+    ("float8_e4m3fn", "int8", 64, 8, "hnd", {"p_split": 0, "threads": 64, "stages": 3}),
+])
+def test_builds_on_mma_sync_without_spills(tmp_path, ks, vs, D, G, layout, knobs):
+    import tvm
+
+    spec = _spec(ks, vs, D=D, G=G, layout=layout, knobs=knobs)
+    with spec.tvm_target():
+        source = [m for m in tvm.compile(compiler.lower(spec), target=spec.tvm_target())
+                  .mod.imports if m.kind == "cuda"][0].inspect_source()
+    # S = Q K^T: two n8 tiles per 16-column k-step; O += P V: 4 n8 tiles per 32 columns, twice
+    # with P split into float16 hi + lo
+    per_pv = 1 if knobs.get("p_split") == 0 else 2
+    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == \
+        2 * (D // 16) + per_pv * 4 * (D // 32)
+    assert ("cvt.rn.f16x2.e4m3x2" in source) is ("float8_e4m3fn" in (ks, vs))
+    assert ("sub.f16x2" in source) is ("int8" in (ks, vs))
+    path = compiler.build_spec(spec, tmp_path)
+    report = path.with_suffix(".ptxas.txt").read_text()
+    assert not _spills(report)
+    assert "sm_80" in report and "sm_90a" in report
