@@ -36,7 +36,7 @@ build --ops append,decode --dtypes float16 --head-dims 128 --kv-heads 4,8 --grou
 build --ops decode --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 --layouts nhd \
       --cache-dtypes int8/none
 # the quantizing append's other formats: mixed K/V storage, K-only, bfloat16 and float32 rows
-build --ops append --dtypes float16 --head-dims 128 --kv-heads 4 --layouts nhd --cache-dtypes int8/none
+build --ops append --dtypes float16 --head-dims 128 --kv-heads 4,8 --layouts nhd --cache-dtypes int8/none
 build --ops append --dtypes bfloat16 --head-dims 64 --kv-heads 4 --layouts hnd \
       --cache-dtypes int8/float8_e4m3fn
 build --ops append --dtypes float32 --head-dims 128 --kv-heads 4 --layouts nhd \

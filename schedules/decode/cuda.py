@@ -27,7 +27,7 @@ meet in shared memory (a single sequence's 64 splits no longer run as one serial
 from __future__ import annotations
 
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
-                               prim_func)
+                               prim_func, tir)
 from kvtvm.kernels.accessor import cache_index
 from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, signature,
                                   split_range, vec_choices)
@@ -385,7 +385,7 @@ def schedule(mod, spec, knobs):
                                                 out[b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = T.Cast(dtype, o_reg[c * CH + u * 4 + v] / st[1])
                                     if tx == 0:
                                         lse[b, h * G + ty] = (st[2] + T.log2(st[1])) * T.float32(LN2)
-                                elif st[1] > T.float32(0):
+                                elif tir.any(st[1] > T.float32(0), T.isnan(st[1])):  # NaN: kept (a NaN key)
                                     for c in T.unroll(SUB):
                                         for u in T.unroll(CH // 4):
                                             for v in T.vectorized(4):

@@ -21,7 +21,7 @@ converter per side.
 from __future__ import annotations
 
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
-                               prim_func)
+                               prim_func, tir)
 from kvtvm.kernels.accessor import cache_index
 from kvtvm.kernels.decode import LN2, LOG2E, NEG, length_ok, match_params, signature, split_range
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
@@ -396,7 +396,7 @@ def schedule(mod, spec, knobs):
                                             out[b, h * G + g, tx * VEC + c * 4 + v] = T.Cast(dtype, kv[c * 4 + v] / st[1])
                                     if tx == 0:
                                         lse[b, h * G + g] = (st[2] + T.log2(st[1])) * T.float32(LN2)
-                                elif st[1] > T.float32(0):
+                                elif tir.any(st[1] > T.float32(0), T.isnan(st[1])):  # NaN: kept (a NaN key)
                                     for c in T.unroll(VEC // 4):
                                         for v in T.vectorized(4):
                                             o_part[s, b, h * G + g, tx * VEC + c * 4 + v] = kv[c * 4 + v] / st[1]

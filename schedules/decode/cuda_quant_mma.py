@@ -342,7 +342,7 @@ def schedule(mod, spec, knobs):
                                 out[b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = T.Cast(dtype, st[0] / st[1])
                                 if T.truncmod(r * NT + tid, D) == 0:
                                     lse[b, h * G + T.truncdiv(r * NT + tid, D)] = (st[2] + T.log2(st[1])) * T.float32(LN2)
-                            elif st[1] > T.float32(0):
+                            elif tir.any(st[1] > T.float32(0), T.isnan(st[1])):  # NaN: kept (a NaN key)
                                 o_part[s, b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = st[0] / st[1]
                                 if T.truncmod(r * NT + tid, D) == 0:
                                     lse_part[s, b, h * G + T.truncdiv(r * NT + tid, D)] = st[2] + T.log2(st[1])
