@@ -60,11 +60,12 @@ def _decode_rule(dtype: str, quantized: bool) -> str:
 def tensor_core_decode(dtype: str, head_dim: int, group_size: int, k_storage: str,
                        v_storage: str) -> bool:
     """Whether the CUDA decode of such a spec runs on the tensor cores
-    (``schedules/decode/cuda_quant_mma.py``): K and V both 8-bit, float16 queries, at most 8
-    query heads per KV head (the first half of an m16 tile's rows), head_dim a multiple of 32
-    up to 128 (V's operands come 32 columns at a time; 256 would not fit the registers)."""
-    return (bool(k_storage) and bool(v_storage) and dtype == "float16" and group_size <= 8
-            and head_dim % 32 == 0 and head_dim <= 128)
+    (``schedules/decode/cuda_quant_mma.py``): K and V both 8-bit, float16 or bfloat16 queries,
+    at most 8 query heads per KV head (the first half of an m16 tile's rows), head_dim a
+    multiple of 32 up to 128 (V's operands come 32 columns at a time; 256 would not fit the
+    registers)."""
+    return (bool(k_storage) and bool(v_storage) and dtype in ("float16", "bfloat16")
+            and group_size <= 8 and head_dim % 32 == 0 and head_dim <= 128)
 
 
 def cuda_head_dim_problem(op: str, dtype: str, head_dim: int, k_storage: str = "",

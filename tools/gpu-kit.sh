@@ -32,6 +32,10 @@ build --ops append,decode,prefill --dtypes float16 --head-dims 128 --kv-heads 8 
 # quantizing append and the quantized decode, int8 and float8_e4m3fn, both layouts
 build --ops append,decode --dtypes float16 --head-dims 128 --kv-heads 4,8 --group-sizes 4 \
       --layouts nhd,hnd --cache-dtypes int8,float8_e4m3fn
+# bench decode --dtype bfloat16 --cache-dtype bfloat16 int8 float8_e4m3fn: bfloat16 queries over
+# 8-bit caches (the tensor-core decode) against the bfloat16 cache
+build --ops append,decode --dtypes bfloat16 --head-dims 128 --kv-heads 8 --group-sizes 4 \
+      --layouts nhd --cache-dtypes none,int8,float8_e4m3fn
 # bench decode --cache-dtype int8/none (tools/gpu-check.sh): the K-only decode at the bench shape
 build --ops decode --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 --layouts nhd \
       --cache-dtypes int8/none

@@ -62,10 +62,21 @@ __device__ __forceinline__ unsigned kvtvm_mma_e4m3x2_{side}(unsigned v) {
   return r;
 }
 """
-#: One int32 word (4 codes of one row) -> the two float16x2 registers of an m16n8k16 B operand
-#: (codes 0, 1 and codes 2, 3).
+#: float16 pair -> bfloat16 pair (exact for every int8 and e4m3 value), through float32.
+_F16X2_TO_BF16X2 = r"""
+__device__ __forceinline__ unsigned kvtvm_mma_f16x2_to_bf16x2_{side}(unsigned h) {
+  float lo, hi;
+  unsigned r;
+  asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;}"
+      : "=f"(lo), "=f"(hi) : "r"(h));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+"""
+#: One int32 word (4 codes of one row) -> the two 16-bit pair registers of an m16n8k16 B operand
+#: (codes 0, 1 and codes 2, 3), per (storage, query dtype).
 _K_FRAG = {
-    "int8": r"""
+    ("int8", "float16"): r"""
 __device__ __forceinline__ void kvtvm_mma_k_i8(void* dst, int w) {
   // 0x6400 | (code + 128) is the float16 1024 + code + 128; minus 1152 (0x6480), exactly
   unsigned u = (unsigned)w ^ 0x80808080u, *o = (unsigned*)dst;
@@ -74,17 +85,37 @@ __device__ __forceinline__ void kvtvm_mma_k_i8(void* dst, int w) {
   asm("sub.f16x2 %0, %1, %2;" : "=r"(o[1]) : "r"(b), "r"(0x64806480u));
 }
 """,
-    "float8_e4m3fn": _E4M3X2.replace("{side}", "k") + r"""
+    ("float8_e4m3fn", "float16"): _E4M3X2.replace("{side}", "k") + r"""
 __device__ __forceinline__ void kvtvm_mma_k_e4m3(void* dst, int w) {
   unsigned *o = (unsigned*)dst;
   o[0] = kvtvm_mma_e4m3x2_k((unsigned)w);
   o[1] = kvtvm_mma_e4m3x2_k((unsigned)w >> 16);
 }
 """,
+    ("int8", "bfloat16"): r"""
+__device__ __forceinline__ void kvtvm_mma_k_i8_bf16(void* dst, int w) {
+  // 0x4B0000 | (code + 128) is the float32 2**23 + code + 128; the difference is exact
+  unsigned u = (unsigned)w ^ 0x80808080u, *o = (unsigned*)dst;
+  float f0 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540)) - 8388736.0f;
+  float f1 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7541)) - 8388736.0f;
+  float f2 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - 8388736.0f;
+  float f3 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - 8388736.0f;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(o[0]) : "f"(f1), "f"(f0));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(o[1]) : "f"(f3), "f"(f2));
+}
+""",
+    ("float8_e4m3fn", "bfloat16"): _E4M3X2.replace("{side}", "k")
+    + _F16X2_TO_BF16X2.replace("{side}", "k") + r"""
+__device__ __forceinline__ void kvtvm_mma_k_e4m3_bf16(void* dst, int w) {
+  unsigned *o = (unsigned*)dst;
+  o[0] = kvtvm_mma_f16x2_to_bf16x2_k(kvtvm_mma_e4m3x2_k((unsigned)w));
+  o[1] = kvtvm_mma_f16x2_to_bf16x2_k(kvtvm_mma_e4m3x2_k((unsigned)w >> 16));
+}
+""",
 }
 #: byte ``i`` of two words -> one float16x2 register (the first word's code in the low half)
 _V_PAIR = {
-    "int8": r"""
+    ("int8", "float16"): r"""
 __device__ __forceinline__ unsigned kvtvm_mma_pair_v(unsigned w0, unsigned w1, unsigned i) {
   unsigned p = (__byte_perm(w0 ^ 0x80808080u, w1 ^ 0x80808080u, i | ((4u + i) << 8))
                 & 0x00FF00FFu) | 0x64006400u, r;
@@ -92,9 +123,24 @@ __device__ __forceinline__ unsigned kvtvm_mma_pair_v(unsigned w0, unsigned w1, u
   return r;
 }
 """,
-    "float8_e4m3fn": _E4M3X2.replace("{side}", "v") + r"""
+    ("float8_e4m3fn", "float16"): _E4M3X2.replace("{side}", "v") + r"""
 __device__ __forceinline__ unsigned kvtvm_mma_pair_v(unsigned w0, unsigned w1, unsigned i) {
   return kvtvm_mma_e4m3x2_v(__byte_perm(w0, w1, i | ((4u + i) << 4)));
+}
+""",
+    ("int8", "bfloat16"): r"""
+__device__ __forceinline__ unsigned kvtvm_mma_pair_v(unsigned w0, unsigned w1, unsigned i) {
+  float f0 = __uint_as_float(__byte_perm(w0 ^ 0x80808080u, 0x4B000000u, 0x7540u | i)) - 8388736.0f;
+  float f1 = __uint_as_float(__byte_perm(w1 ^ 0x80808080u, 0x4B000000u, 0x7540u | i)) - 8388736.0f;
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f1), "f"(f0));
+  return r;
+}
+""",
+    ("float8_e4m3fn", "bfloat16"): _E4M3X2.replace("{side}", "v")
+    + _F16X2_TO_BF16X2.replace("{side}", "v") + r"""
+__device__ __forceinline__ unsigned kvtvm_mma_pair_v(unsigned w0, unsigned w1, unsigned i) {
+  return kvtvm_mma_f16x2_to_bf16x2_v(kvtvm_mma_e4m3x2_v(__byte_perm(w0, w1, i | ((4u + i) << 4))));
 }
 """,
 }
@@ -112,14 +158,15 @@ __device__ __forceinline__ void kvtvm_mma_v_{tag}(void* dst, int w0, int w1, int
 """
 
 
-def _helpers(storage: str, side: str) -> str:
-    """The CUDA source of side ``side`` ("k" or "v") over ``storage``."""
+def _helpers(storage: str, side: str, dtype: str) -> str:
+    """The CUDA source of side ``side`` ("k" or "v") over ``storage`` for ``dtype`` queries."""
     if side == "k":
-        return _K_FRAG[storage]
-    return _V_PAIR[storage] + _V_FRAG.replace("{tag}", _TAG[storage])
+        return _K_FRAG[storage, dtype]
+    return _V_PAIR[storage, dtype] + _V_FRAG.replace("{tag}", _TAG[storage] + _SUFFIX[dtype])
 
 
 _TAG = {"int8": "i8", "float8_e4m3fn": "e4m3"}
+_SUFFIX = {"float16": "", "bfloat16": "_bf16"}
 
 
 def supported(spec) -> bool:
@@ -163,8 +210,10 @@ def schedule(mod, spec, knobs):
     WAIT = _wait_source(S - 1)
     pages_bad = pages_bad_macro(NT)
     ks, vs = spec.k_storage, spec.v_storage
-    k_src, v_src = _helpers(ks, "k"), _helpers(vs, "v")
-    k_frag, v_frag = f"kvtvm_mma_k_{_TAG[ks]}", f"kvtvm_mma_v_{_TAG[vs]}"
+    k_src, v_src = _helpers(ks, "k", dtype), _helpers(vs, "v", dtype)
+    k_frag = f"kvtvm_mma_k_{_TAG[ks]}{_SUFFIX[dtype]}"
+    v_frag = f"kvtvm_mma_v_{_TAG[vs]}{_SUFFIX[dtype]}"
+    AB = "fp16" if dtype == "float16" else "bf16"
 
     def copy16(smem, stage, row, chunk, cache, lookup, b, pos, hi, h, page_size):
         """Zero-filled ``cp.async`` of 16-byte chunk ``chunk`` of position ``pos``'s row (past
@@ -189,7 +238,7 @@ def schedule(mod, spec, knobs):
         return T.reinterpret("float32", smem[(stage * TILE + row) * RW + D // 4])
 
     def mma(a, a_off, b_, b_off, c, c_off):
-        return T.ptx_legacy.mma("m16n8k16", "row", "col", "fp16", "fp16", "fp32", a.data, a_off,
+        return T.ptx_legacy.mma("m16n8k16", "row", "col", AB, AB, "fp32", a.data, a_off,
                                 b_.data, b_off, c.data, c_off, False, dtype="float32")
 
     # fmt: off
@@ -212,12 +261,12 @@ def schedule(mod, spec, knobs):
                     v_smem = alloc_buffer((S * TILE * RW,), "int32", scope="shared")
                     o_red = alloc_buffer((W, G, D), "float32", scope="shared")
                     md_red = alloc_buffer((W, G, 2), "float32", scope="shared")
-                    qf = alloc_buffer((KS * 8,), "float16", scope="local")
-                    kf = alloc_buffer((4,), "float16", scope="local")
-                    vf = alloc_buffer((16,), "float16", scope="local")
+                    qf = alloc_buffer((KS * 8,), dtype, scope="local")
+                    kf = alloc_buffer((4,), dtype, scope="local")
+                    vf = alloc_buffer((16,), dtype, scope="local")
                     sf = alloc_buffer((8,), "float32", scope="local")
-                    pf = alloc_buffer((8,), "float16", scope="local")
-                    pl = alloc_buffer((8,), "float16", scope="local")
+                    pf = alloc_buffer((8,), dtype, scope="local")
+                    pl = alloc_buffer((8,), dtype, scope="local")
                     of = alloc_buffer((DG * 16,), "float32", scope="local")
                     vw = alloc_buffer((4,), "int32", scope="local")
                     st = alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, alpha
@@ -248,7 +297,7 @@ def schedule(mod, spec, knobs):
                             qf[kk * 8 + i] = T.if_then_else(
                                 tir.all(i % 4 < 2, gq < G),
                                 q[b, h * G + T.min(gq, G - 1), kk * 16 + tq * 4 + i // 4 * 2 + i % 2],
-                                T.float16(0))
+                                T.Cast(dtype, T.float32(0)))
                     for i in T.unroll(DG * 16):
                         of[i] = T.float32(0)
                     st[0] = T.float32(NEG)
@@ -291,17 +340,17 @@ def schedule(mod, spec, knobs):
                                 of[i // 2 * 4 + i % 2] = of[i // 2 * 4 + i % 2] * st[3]
                             # P' = P * scale_v * 2**k as the A operand (rows g + 8: zero)
                             for i in T.unroll(8):
-                                pf[i] = T.float16(0)
-                                pl[i] = T.float16(0)
+                                pf[i] = T.Cast(dtype, T.float32(0))
+                                pl[i] = T.Cast(dtype, T.float32(0))
                             for i in T.unroll(4):
                                 sf[i // 2 * 4 + i % 2] = T.if_then_else(
                                     lo + it * TILE + (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2 < hi,
                                     T.exp2(sf[i // 2 * 4 + i % 2] - st[0]), T.float32(0))
                                 st[1] = st[1] + sf[i // 2 * 4 + i % 2]
                                 sf[i // 2 * 4 + i % 2] = sf[i // 2 * 4 + i % 2] * scale_of(v_smem, T.floormod(it, S), (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2) * T.float32(PRE)
-                                pf[i // 2 * 4 + i % 2] = T.Cast("float16", sf[i // 2 * 4 + i % 2])
-                                if SPLIT:  # the rounding error, as a second float16 operand
-                                    pl[i // 2 * 4 + i % 2] = T.Cast("float16", sf[i // 2 * 4 + i % 2] - T.Cast("float32", pf[i // 2 * 4 + i % 2]))
+                                pf[i // 2 * 4 + i % 2] = T.Cast(dtype, sf[i // 2 * 4 + i % 2])
+                                if SPLIT:  # the rounding error, as a second 16-bit operand
+                                    pl[i // 2 * 4 + i % 2] = T.Cast(dtype, sf[i // 2 * 4 + i % 2] - T.Cast("float32", pf[i // 2 * 4 + i % 2]))
                             # O += P' V, 32 columns (4 n8 tiles) at a time
                             for grp in T.unroll(DG):
                                 for j in T.unroll(4):

@@ -27,7 +27,8 @@ def _spec(ks="int8", vs="int8", dtype="float16", D=128, G=4, layout="nhd", **ext
     ("float16", 128, 9, "int8", "int8", False),      # more query heads than half an m16 tile
     ("float16", 256, 4, "int8", "int8", False),      # the O fragments would not fit
     ("float16", 48, 4, "int8", "int8", False),       # not whole 32-column V groups
-    ("bfloat16", 128, 4, "int8", "int8", False),
+    ("bfloat16", 128, 4, "int8", "int8", True),
+    ("bfloat16", 64, 8, "float8_e4m3fn", "int8", True),
     ("float32", 128, 4, "int8", "int8", False),
     ("float16", 128, 4, "int8", "", False),          # K-only
     ("float16", 128, 4, "", "float8_e4m3fn", False),  # V-only
@@ -45,7 +46,8 @@ def test_default_knobs_run_the_tensor_cores_where_they_can():
     for storage in ("int8", "float8_e4m3fn"):
         assert resolve_knobs(_spec(storage, storage))["mma"] == 1
         assert resolve_knobs(_spec(storage, storage, variant="short_splits"))["mma"] == 1
-    for spec in (_spec(G=16, D=64), _spec(D=256), _spec(dtype="bfloat16"), _spec(vs="")):
+    assert resolve_knobs(_spec(dtype="bfloat16"))["mma"] == 1
+    for spec in (_spec(G=16, D=64), _spec(D=256), _spec(dtype="float32"), _spec(vs="")):
         assert resolve_knobs(spec)["mma"] == 0, spec.uri
 
 
@@ -86,21 +88,26 @@ def _spills(text):
 @pytest.mark.parametrize("ks,vs,D,G,layout,knobs", [
     ("int8", "int8", 128, 4, "nhd", {}),
     ("float8_e4m3fn", "int8", 64, 8, "hnd", {"p_split": 0, "threads": 64, "stages": 3}),
+    ("int8", "float8_e4m3fn", 128, 4, "nhd", {"dtype": "bfloat16"}),
 ])
 def test_builds_on_mma_sync_without_spills(tmp_path, ks, vs, D, G, layout, knobs):
     import tvm
 
-    spec = _spec(ks, vs, D=D, G=G, layout=layout, knobs=knobs)
+    knobs = dict(knobs)
+    dtype = knobs.pop("dtype", "float16")
+    spec = _spec(ks, vs, dtype=dtype, D=D, G=G, layout=layout, knobs=knobs)
     with spec.tvm_target():
         source = [m for m in tvm.compile(compiler.lower(spec), target=spec.tvm_target())
                   .mod.imports if m.kind == "cuda"][0].inspect_source()
     # S = Q K^T: two n8 tiles per 16-column k-step; O += P V: 4 n8 tiles per 32 columns, twice
     # with P split into float16 hi + lo
     per_pv = 1 if knobs.get("p_split") == 0 else 2
-    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == \
+    ab = "f16" if dtype == "float16" else "bf16"
+    assert source.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32") == \
         2 * (D // 16) + per_pv * 4 * (D // 32)
     assert ("cvt.rn.f16x2.e4m3x2" in source) is ("float8_e4m3fn" in (ks, vs))
-    assert ("sub.f16x2" in source) is ("int8" in (ks, vs))
+    assert ("sub.f16x2" in source) is ("int8" in (ks, vs) and dtype == "float16")
+    assert ("cvt.rn.bf16x2.f32" in source) is (dtype == "bfloat16")
     path = compiler.build_spec(spec, tmp_path)
     report = path.with_suffix(".ptxas.txt").read_text()
     assert not _spills(report)
