@@ -23,8 +23,10 @@ VARIANTS: dict[str, dict[str, dict[str, dict]]] = {
     # 128-position splits). The tuned 8-bit logs (64 threads, 3 stages of 32-64 rows, tuned at
     # 16 x 4K) lost a quarter there on an H200 while the defaults matched float16 (1.00x);
     # see docs/PERF.md, 2026-11-27. The ops pick it below CUDA_SHORT_SPLIT_TOKENS.
+    # The tensor-core 8-bit kernel (mma) takes 4 warps of 64-row tiles there (``mma_short``):
+    # 10% faster at 1 x 4K than its 2-warp default, 28% slower at 16 x 4K (H100, 2026-11-27).
     "decode": {"llvm": {"serial": {"parallel": False}},
-               "cuda": {"short_splits": {UNTUNED: True}}},
+               "cuda": {"short_splits": {UNTUNED: True, "mma_short": 1}}},
     # calls whose sequences add few tokens each (chunked prefill, speculative verification,
     # mixed steps): a CTA of the default's 256 rows would mostly hold rows of other
     # sequences. The mma.sync kernel with 64-row CTAs on every arch (a 64-row wgmma CTA

@@ -1,7 +1,8 @@
 """CUDA schedule of decode attention over a QUANTIZED cache (``kvtvm.kernels.decode``;
-sm_90a and sm_80 alike), hand-written TIR. Where K and V are both 8-bit under float16 queries
-(GQA up to 8, head_dim up to 128) the knob ``mma`` (default 1 there) hands the spec to the
-tensor-core kernel of :mod:`.cuda_quant_mma`; this module's CUDA-core kernel runs the rest. The 8-bit rows are staged in shared memory as they
+sm_90a and sm_80 alike), hand-written TIR. Where K and V are both 8-bit under float16 or
+bfloat16 queries (GQA up to 8, head_dim up to 128) the knob ``mma`` (default 1 there) hands
+the spec to the tensor-core kernel of :mod:`.cuda_quant_mma`; this module's CUDA-core kernel
+runs the rest. The 8-bit rows are staged in shared memory as they
 are stored (values, scale, padding: ``quant_row_bytes(head_dim)`` bytes, 16-byte ``cp.async``
 chunks, as int32 words; the cp.async helpers and the split-KV merge are the float16 kernel's,
 ``schedules/decode/cuda.py``). A thread owns a slice of head_dim for **every query head of the
@@ -131,11 +132,16 @@ def default_knobs(spec) -> dict:
     # spec: 1.56-1.86x the float16 cache's speed at 16 x 4K, 64 x 4K, 256 x 1K and 1 x 32K
     # on an H200, where this kernel ran at 1.0-1.26x (docs/PERF.md, 2026-11-27); it reads
     # threads, tile_tokens and stages as its warps, tile rows and stages
+    # (its fastest at 16 x 4K and 1 x 32K on an H100 and an H200: 2 warps, 32-row tiles, 3
+    # stages; the short_splits variant's ``mma_short`` makes it 4 warps of 64 rows)
     vec = default_vec(spec)
+    if cuda_quant_mma.supported(spec):
+        return {"threads": 64, "tile_tokens": 32, "stages": 3, "merge_threads": 256,
+                "vec": vec, "mma": 1}
     tile = 32 if spec.group_size <= 4 else 16
     threads = min(256, max(128, spec.head_dim // vec * tile * spec.group_size // 16))
     return {"threads": threads, "tile_tokens": tile, "stages": 2, "merge_threads": 256,
-            "vec": vec, "mma": int(cuda_quant_mma.supported(spec))}
+            "vec": vec, "mma": 0}
 
 
 def default_vec(spec) -> int:

@@ -1,6 +1,8 @@
 """The TENSOR-CORE CUDA decode over an 8-bit cache (hand-written TIR; :mod:`.cuda_quant` runs it
 where :func:`supported`, knob ``mma``, the default there): K and V both int8 / float8_e4m3fn,
-float16 queries, GQA up to 8, head_dim 32, 64 or 128.
+float16 or bfloat16 queries, GQA up to 8, head_dim 32, 64 or 128. bfloat16 queries take
+bfloat16 operands (``mma.sync ... .bf16``), the codes converted through float32 (exact), and
+``P'`` split into bfloat16 high and low parts.
 
 Why: the CUDA-core kernel converts every staged code to float32 and spends ``2 * group`` FMAs
 and a shuffle butterfly per code; on an H100 it ran at 1.0-1.26x the float16 cache's speed with
@@ -178,6 +180,8 @@ def supported(spec) -> bool:
 def geometry(spec, knobs) -> dict:
     """Warps, stages and tile rows within the static shared-memory limit: K and V stages of
     8-bit rows, the warps' output reduction and running (max, sum)."""
+    if knobs.get("mma_short"):  # the short_splits variant: 4 warps of 64 rows, 2 stages
+        knobs = dict(knobs, threads=128, tile_tokens=64, stages=2)
     W = max(1, int(knobs.get("threads", 128)) // 32)
     chunks = max(1, int(knobs.get("tile_tokens", 64)) // (16 * W))
     stages = max(2, int(knobs.get("stages", 2)))

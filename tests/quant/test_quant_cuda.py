@@ -58,7 +58,8 @@ def test_short_splits_variant_is_the_untuned_8bit_decode(tmp_path, storage):
     assert short.file_name() != tuned.file_name()
     assert tuned_knobs(spec), "the committed sm_90a tuning log of this spec"
     assert resolve_knobs(tuned) == {**default_knobs(spec), **tuned_knobs(spec)}
-    assert resolve_knobs(short) == default_knobs(spec) != resolve_knobs(tuned)
+    assert resolve_knobs(short) == {**default_knobs(spec), "mma_short": 1} \
+        != resolve_knobs(tuned)
     full = compiler.KernelSpec("decode", "float16", 128, 8, 4, target="cuda", arch="sm_90a")
     assert [v.variant for v in compiler.with_runtime_variants(full)] == [""]
     with pytest.raises(InvalidArgumentError, match="variant"):

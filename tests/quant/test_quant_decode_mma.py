@@ -47,6 +47,14 @@ def test_default_knobs_run_the_tensor_cores_where_they_can():
         assert resolve_knobs(_spec(storage, storage))["mma"] == 1
         assert resolve_knobs(_spec(storage, storage, variant="short_splits"))["mma"] == 1
     assert resolve_knobs(_spec(dtype="bfloat16"))["mma"] == 1
+    # no tuning log (bfloat16 queries): the geometries measured fastest on an H100 / H200
+    from kvtvm.schedules.decode.cuda_quant_mma import geometry
+
+    bf16 = _spec(dtype="bfloat16")
+    g = geometry(bf16, resolve_knobs(bf16))
+    assert (g["warps"], g["tile"], g["stages"]) == (2, 32, 3)
+    g = geometry(bf16, resolve_knobs(_spec(dtype="bfloat16", variant="short_splits")))
+    assert (g["warps"], g["tile"], g["stages"]) == (4, 64, 2)
     for spec in (_spec(G=16, D=64), _spec(D=256), _spec(dtype="float32"), _spec(vs="")):
         assert resolve_knobs(spec)["mma"] == 0, spec.uri
 
