@@ -132,12 +132,14 @@ def default_knobs(spec) -> dict:
     # spec: 1.56-1.86x the float16 cache's speed at 16 x 4K, 64 x 4K, 256 x 1K and 1 x 32K
     # on an H200, where this kernel ran at 1.0-1.26x (docs/PERF.md, 2026-11-27); it reads
     # threads, tile_tokens and stages as its warps, tile rows and stages
-    # (its fastest at 16 x 4K and 1 x 32K on an H100 and an H200: 2 warps, 32-row tiles, 3
-    # stages; the short_splits variant's ``mma_short`` makes it 4 warps of 64 rows)
+    # (its fastest at 16 x 4K and 1 x 32K on an H100 and an H200, GQA 4: 2 warps, 32-row
+    # tiles, 3 stages; over GQA 4, 4 warps of 64 rows and 2 stages, where that spilled 4-12
+    # bytes on sm_80; the short_splits variant's ``mma_short`` makes it 4 warps of 64 rows)
     vec = default_vec(spec)
     if cuda_quant_mma.supported(spec):
-        return {"threads": 64, "tile_tokens": 32, "stages": 3, "merge_threads": 256,
-                "vec": vec, "mma": 1}
+        small = spec.group_size <= 4
+        return {"threads": 64 if small else 128, "tile_tokens": 32, "stages": 3 if small else 2,
+                "merge_threads": 256, "vec": vec, "mma": 1}
     tile = 32 if spec.group_size <= 4 else 16
     threads = min(256, max(128, spec.head_dim // vec * tile * spec.group_size // 16))
     return {"threads": threads, "tile_tokens": tile, "stages": 2, "merge_threads": 256,

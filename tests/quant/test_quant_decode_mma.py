@@ -97,6 +97,8 @@ def _spills(text):
     ("int8", "int8", 128, 4, "nhd", {}),
     ("float8_e4m3fn", "int8", 64, 8, "hnd", {"p_split": 0, "threads": 64, "stages": 3}),
     ("int8", "float8_e4m3fn", 128, 4, "nhd", {"dtype": "bfloat16"}),
+    ("float8_e4m3fn", "int8", 128, 8, "nhd", {}),   # GQA 8, the default knobs
+    ("float8_e4m3fn", "float8_e4m3fn", 64, 8, "hnd", {"dtype": "bfloat16"}),
 ])
 def test_builds_on_mma_sync_without_spills(tmp_path, ks, vs, D, G, layout, knobs):
     import tvm
