@@ -46,75 +46,29 @@ from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 from kvtvm.quant import quant_row_bytes
 
 from ..common import pages_bad_macro, replace_function
-from ..prefill.cuda_quant_tiles import v_prescale
+from ..prefill.cuda_quant_tiles import _CONV4, E4M3X2_TO_F16X2, F16X2_TO_BF16X2, v_prescale
+from ..prefill.cuda_quant_tiles import _TAG as _PREFILL_TAG
 from .cuda import _COMMIT, SMEM_STATIC_BYTES, _wait_source, merge_macro
 
-#: e4m3 pair -> float16 pair (``{side}``: a suffix, so K's and V's copies never clash).
-_E4M3X2 = r"""
-__device__ __forceinline__ unsigned kvtvm_mma_e4m3x2_{side}(unsigned v) {
-  unsigned r;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)(v & 0xFFFFu)));
-#else
-  // e4m3 bits placed in float16 bits are the value / 256; times 256 in float16 is exact
-  unsigned p = __byte_perm(v, 0u, 0x1404);
-  unsigned h = (p & 0x80008000u) | ((p >> 1) & 0x3F803F80u);
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x5C005C00u));
-#endif
-  return r;
-}
+#: e4m3 pair -> float16 pair, and float16 pair -> bfloat16 pair: the tensor-core prefill's
+#: helpers, renamed per side (``{side}``) so that K's and V's copies never clash.
+_E4M3X2 = E4M3X2_TO_F16X2.replace("kvtvm_e4m3x2_to_f16x2", "kvtvm_mma_e4m3x2_{side}")
+_F16X2_TO_BF16X2 = F16X2_TO_BF16X2.replace("kvtvm_f16x2_to_bf16x2",
+                                           "kvtvm_mma_f16x2_to_bf16x2_{side}")
+
+
+def _k_frag_source(storage: str, dtype: str) -> str:
+    """One int32 word (4 codes of one row) -> the two 16-bit pair registers of an m16n8k16 B
+    operand (codes 0, 1 and codes 2, 3): the tensor-core prefill's 4-code converter behind
+    this kernel's name."""
+    conv = f"kvtvm_{_TAG[storage]}x4_to_{_PREFILL_TAG[dtype]}x4"
+    return _CONV4[storage, dtype] + f"""
+__device__ __forceinline__ void kvtvm_mma_k_{_TAG[storage]}{_SUFFIX[dtype]}(void* dst, int w) {{
+  {conv}((unsigned*)dst, (unsigned)w);
+}}
 """
-#: float16 pair -> bfloat16 pair (exact for every int8 and e4m3 value), through float32.
-_F16X2_TO_BF16X2 = r"""
-__device__ __forceinline__ unsigned kvtvm_mma_f16x2_to_bf16x2_{side}(unsigned h) {
-  float lo, hi;
-  unsigned r;
-  asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, u;}"
-      : "=f"(lo), "=f"(hi) : "r"(h));
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-"""
-#: One int32 word (4 codes of one row) -> the two 16-bit pair registers of an m16n8k16 B operand
-#: (codes 0, 1 and codes 2, 3), per (storage, query dtype).
-_K_FRAG = {
-    ("int8", "float16"): r"""
-__device__ __forceinline__ void kvtvm_mma_k_i8(void* dst, int w) {
-  // 0x6400 | (code + 128) is the float16 1024 + code + 128; minus 1152 (0x6480), exactly
-  unsigned u = (unsigned)w ^ 0x80808080u, *o = (unsigned*)dst;
-  unsigned a = __byte_perm(u, 0x64646464u, 0x4140), b = __byte_perm(u, 0x64646464u, 0x4342);
-  asm("sub.f16x2 %0, %1, %2;" : "=r"(o[0]) : "r"(a), "r"(0x64806480u));
-  asm("sub.f16x2 %0, %1, %2;" : "=r"(o[1]) : "r"(b), "r"(0x64806480u));
-}
-""",
-    ("float8_e4m3fn", "float16"): _E4M3X2.replace("{side}", "k") + r"""
-__device__ __forceinline__ void kvtvm_mma_k_e4m3(void* dst, int w) {
-  unsigned *o = (unsigned*)dst;
-  o[0] = kvtvm_mma_e4m3x2_k((unsigned)w);
-  o[1] = kvtvm_mma_e4m3x2_k((unsigned)w >> 16);
-}
-""",
-    ("int8", "bfloat16"): r"""
-__device__ __forceinline__ void kvtvm_mma_k_i8_bf16(void* dst, int w) {
-  // 0x4B0000 | (code + 128) is the float32 2**23 + code + 128; the difference is exact
-  unsigned u = (unsigned)w ^ 0x80808080u, *o = (unsigned*)dst;
-  float f0 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540)) - 8388736.0f;
-  float f1 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7541)) - 8388736.0f;
-  float f2 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - 8388736.0f;
-  float f3 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - 8388736.0f;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(o[0]) : "f"(f1), "f"(f0));
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(o[1]) : "f"(f3), "f"(f2));
-}
-""",
-    ("float8_e4m3fn", "bfloat16"): _E4M3X2.replace("{side}", "k")
-    + _F16X2_TO_BF16X2.replace("{side}", "k") + r"""
-__device__ __forceinline__ void kvtvm_mma_k_e4m3_bf16(void* dst, int w) {
-  unsigned *o = (unsigned*)dst;
-  o[0] = kvtvm_mma_f16x2_to_bf16x2_k(kvtvm_mma_e4m3x2_k((unsigned)w));
-  o[1] = kvtvm_mma_f16x2_to_bf16x2_k(kvtvm_mma_e4m3x2_k((unsigned)w >> 16));
-}
-""",
-}
+
+
 #: byte ``i`` of two words -> one float16x2 register (the first word's code in the low half)
 _V_PAIR = {
     ("int8", "float16"): r"""
@@ -163,7 +117,7 @@ __device__ __forceinline__ void kvtvm_mma_v_{tag}(void* dst, int w0, int w1, int
 def _helpers(storage: str, side: str, dtype: str) -> str:
     """The CUDA source of side ``side`` ("k" or "v") over ``storage`` for ``dtype`` queries."""
     if side == "k":
-        return _K_FRAG[storage, dtype]
+        return _k_frag_source(storage, dtype)
     return _V_PAIR[storage, dtype] + _V_FRAG.replace("{tag}", _TAG[storage] + _SUFFIX[dtype])
 
 

@@ -51,7 +51,8 @@ __device__ __forceinline__ void kvtvm_i8x4_to_bf16x4(unsigned* o, unsigned w) {
 }
 """,
 }
-_E4M3X2 = r"""
+#: e4m3 pair -> float16 pair, exact (shared with the tensor-core decode, which renames it).
+E4M3X2_TO_F16X2 = r"""
 __device__ __forceinline__ unsigned kvtvm_e4m3x2_to_f16x2(unsigned v) {
   unsigned r;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -66,13 +67,14 @@ __device__ __forceinline__ unsigned kvtvm_e4m3x2_to_f16x2(unsigned v) {
   return r;
 }
 """
-_CONV4[("float8_e4m3fn", "float16")] = _E4M3X2 + r"""
+_CONV4[("float8_e4m3fn", "float16")] = E4M3X2_TO_F16X2 + r"""
 __device__ __forceinline__ void kvtvm_e4m3x4_to_f16x4(unsigned* o, unsigned w) {
   o[0] = kvtvm_e4m3x2_to_f16x2(w & 0xFFFFu);
   o[1] = kvtvm_e4m3x2_to_f16x2(w >> 16);
 }
 """
-_CONV4[("float8_e4m3fn", "bfloat16")] = _E4M3X2 + r"""
+#: float16 pair -> bfloat16 pair through float32 (exact for every e4m3 value).
+F16X2_TO_BF16X2 = r"""
 __device__ __forceinline__ unsigned kvtvm_f16x2_to_bf16x2(unsigned h) {
   float lo, hi;
   unsigned r;
@@ -81,6 +83,8 @@ __device__ __forceinline__ unsigned kvtvm_f16x2_to_bf16x2(unsigned h) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+"""
+_CONV4[("float8_e4m3fn", "bfloat16")] = E4M3X2_TO_F16X2 + F16X2_TO_BF16X2 + r"""
 __device__ __forceinline__ void kvtvm_e4m3x4_to_bf16x4(unsigned* o, unsigned w) {
   o[0] = kvtvm_f16x2_to_bf16x2(kvtvm_e4m3x2_to_f16x2(w & 0xFFFFu));
   o[1] = kvtvm_f16x2_to_bf16x2(kvtvm_e4m3x2_to_f16x2(w >> 16));

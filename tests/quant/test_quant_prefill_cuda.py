@@ -277,12 +277,12 @@ def test_conversion_helpers_are_exact_for_every_code():
     and the sm_80 e4m3 -> float16 bit placement (times 256) give the exact values."""
     import ml_dtypes
 
-    from kvtvm.schedules.prefill.cuda_quant_tiles import _CONV4, _E4M3X2
+    from kvtvm.schedules.prefill.cuda_quant_tiles import _CONV4, E4M3X2_TO_F16X2
 
     i8f16, i8bf16 = _CONV4[(I8, "float16")], _CONV4[(I8, "bfloat16")]
     assert "0x64646464u, 0x4140" in i8f16 and "0x64806480u" in i8f16
     assert "0x4B000000u, 0x7540" in i8bf16 and "8388736.0f" in i8bf16
-    assert "0x1404" in _E4M3X2 and "0x3F803F80u" in _E4M3X2 and "0x5C005C00u" in _E4M3X2
+    assert "0x1404" in E4M3X2_TO_F16X2 and "0x3F803F80u" in E4M3X2_TO_F16X2 and "0x5C005C00u" in E4M3X2_TO_F16X2
     codes = np.arange(-127, 128, dtype=np.int8)
     word = lambda c: int(np.uint8(c)) * 0x01010101  # noqa: E731  (the code in every byte)
     for c in codes:
