@@ -142,8 +142,13 @@ def test_decode_layout_of_shapes_that_built_is_unchanged():
     spec = _spec("decode", "float16", 160, 2)
     g = decode_cuda.geometry(spec, decode_cuda.default_knobs(spec))
     assert (g["vec"], g["bdx"], g["bdz"], g["tile"], g["threads"]) == (40, 4, 8, 32, 64)
+    # int8 K and V: the CUDA-core kernel (now the tensor-core kernel's fallback, ``mma`` 0)
+    # keeps its layout at its former defaults; by default the spec runs on the tensor cores
     spec = _spec("decode", "float16", 128, 4, k_storage="int8", v_storage="int8")
-    g = decode_cuda_quant.geometry(spec, decode_cuda_quant.default_knobs(spec))
+    knobs = decode_cuda_quant.default_knobs(spec)
+    assert knobs["mma"] == 1
+    g = decode_cuda_quant.geometry(spec, dict(knobs, threads=128, tile_tokens=32, stages=2,
+                                              vec=8, mma=0))
     assert (g["bdz"], g["tile"]) == (8, 32)
 
 
