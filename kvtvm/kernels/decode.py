@@ -142,12 +142,15 @@ def knob_space(spec) -> dict:
     if spec.quantized:  # schedules/decode/cuda_quant.py
         from .quant_access import quant_vec_choices
 
-        space = {"threads": [64, 128, 256], "tile_tokens": [16, 32, 64], "stages": [2, 3],
+        cores = {"threads": [64, 128, 256], "tile_tokens": [16, 32, 64], "stages": [2, 3],
                  "merge_threads": [256], "vec": quant_vec_choices(spec)}
-        if tensor_core_decode(spec.dtype, spec.head_dim, spec.group_size, spec.k_storage,
-                              spec.v_storage):  # the tensor-core kernel, or the CUDA cores'
-            space["mma"] = [1, 0]
-        return space
+        if not tensor_core_decode(spec.dtype, spec.head_dim, spec.group_size, spec.k_storage,
+                                  spec.v_storage):
+            return cores
+        # a union: the tensor-core kernel (its warps, tile rows and stages; it reads no
+        # ``vec``, so varying it would build the same kernel again) or the CUDA cores'
+        return [{"mma": [1], "threads": [64, 128], "tile_tokens": [32, 64],
+                 "stages": [2, 3]}, dict(cores, mma=[0])]
     return {"threads": [64, 128, 256], "tile_tokens": [8, 16, 32, 64], "stages": [1, 2, 3],
             "merge_threads": [128, 256, 512], "vec": vec_choices(spec)}
 

@@ -62,9 +62,16 @@ def test_default_knobs_run_the_tensor_cores_where_they_can():
 def test_knob_space_offers_both_kernels_only_where_both_run():
     from kvtvm.kernels import decode
 
-    assert decode.knob_space(_spec())["mma"] == [1, 0]
+    tensor, cores = decode.knob_space(_spec())
+    assert tensor["mma"] == [1] and cores["mma"] == [0]
+    assert "vec" not in tensor and "vec" in cores  # the tensor-core kernel reads no vec
     assert "mma" not in decode.knob_space(_spec(vs=""))
     assert "mma" not in decode.knob_space(_spec(D=256))
+    from kvtvm import tune
+
+    grid = tune.candidates(_spec(), 10_000)
+    mma = [tuple(sorted(k.items())) for k in grid if k["mma"] == 1]
+    assert len(mma) == len(set(mma)) > 1 and any(k["mma"] == 0 for k in grid)
 
 
 @pytest.mark.parametrize("D,G", [(32, 1), (64, 8), (64, 3), (128, 4), (128, 8)])
