@@ -36,9 +36,10 @@ build --ops append,decode --dtypes float16 --head-dims 128 --kv-heads 4,8 --grou
 # 8-bit caches (the tensor-core decode) against the bfloat16 cache
 build --ops append,decode --dtypes bfloat16 --head-dims 128 --kv-heads 8 --group-sizes 4 \
       --layouts nhd --cache-dtypes none,int8,float8_e4m3fn
-# bench decode --cache-dtype int8/none (tools/gpu-check.sh): the K-only decode at the bench shape
+# bench decode --cache-dtype int8/none (tools/gpu-check.sh): the K-only decode at the bench shape;
+# V-only e4m3 there too (tools/gpu_decode_mma_probe.py times both against the tensor cores)
 build --ops decode --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 --layouts nhd \
-      --cache-dtypes int8/none
+      --cache-dtypes int8/none,none/float8_e4m3fn
 # the quantizing append's other formats: mixed K/V storage, K-only, bfloat16 and float32 rows
 build --ops append --dtypes float16 --head-dims 128 --kv-heads 4,8 --layouts nhd --cache-dtypes int8/none
 build --ops append --dtypes bfloat16 --head-dims 64 --kv-heads 4 --layouts hnd \

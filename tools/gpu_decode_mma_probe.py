@@ -38,7 +38,15 @@ NUMERICS = [
     ("bf16 i8 g4 d128 nhd p16 s2", "int8", "int8", 4, 128, "nhd", 16, 2),
     ("bf16 e4m3 g8 d64 hnd p16 s1", "float8_e4m3fn", "float8_e4m3fn", 8, 64, "hnd", 16, 1),
     ("bf16 i8/e4m3 g1 d128 nhd p1 s3", "int8", "float8_e4m3fn", 1, 128, "nhd", 1, 3),
+    # one side 16-bit (knob mma set; not yet the default: these cases are its first numerics)
+    ("i8/f16 g4 d128 nhd p16 s2", "int8", "", 4, 128, "nhd", 16, 2),
+    ("f16/e4m3 g4 d128 hnd p16 s1", "", "float8_e4m3fn", 4, 128, "hnd", 16, 1),
+    ("e4m3/f16 g8 d64 nhd p1 s3", "float8_e4m3fn", "", 8, 64, "nhd", 1, 3),
+    ("f16/i8 g1 d32 nhd p256 s2", "", "int8", 1, 32, "nhd", 256, 2),
+    ("bf16 i8/bf16 g4 d128 nhd p16 s2", "int8", "", 4, 128, "nhd", 16, 2),
+    ("bf16 bf16/e4m3 g3 d64 hnd p16 s1", "", "float8_e4m3fn", 3, 64, "hnd", 16, 1),
 ]
+
 N_KV = 2
 #: knob sets timed at the benchmark shape (threads -> warps, tile_tokens, stages; p_split: P
 #: rounded to float16 once, or as hi + lo), and the CUDA-core kernel (mma 0, its tuning log)
@@ -47,6 +55,8 @@ TIMING = [{"threads": 128, "tile_tokens": 64, "stages": 2, "p_split": 1},
           {"threads": 128, "tile_tokens": 64, "stages": 2, "p_split": 0},
           {"threads": 64, "tile_tokens": 32, "stages": 3, "p_split": 0},
           {"mma": 0}]
+#: K-only and V-only caches timed on the tensor cores (``one_sided_knobs``) and as the ops run them
+ONE_SIDED = [("int8", None), (None, "float8_e4m3fn")]
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (256, 1024)]
 H, G, D, PAGE = 8, 4, 128, 16
 
@@ -65,12 +75,16 @@ def _spec(ks, vs, group, head_dim, layout, n_kv, knobs, dtype="float16"):
 
 def build(out: Path) -> None:
     from kvtvm import compiler
+    from kvtvm.schedules.decode.cuda_quant_mma import one_sided_knobs
 
     paths = {"numerics": {}, "timing": {}}
     for name, ks, vs, group, hd, layout, *_ in NUMERICS:
         # the knobs the ops use (defaults, tuning log), the single-rounding P for one case
-        spec = _spec(ks, vs, group, hd, layout, N_KV, {"p_split": 0} if "single" in name else {},
-                     _dtype(name))
+        knobs = {"p_split": 0} if "single" in name else {}
+        spec = _spec(ks or None, vs or None, group, hd, layout, N_KV, knobs, _dtype(name))
+        if not (ks and vs):  # one side 16-bit: the knobs that take it to the tensor cores
+            spec = _spec(ks or None, vs or None, group, hd, layout, N_KV,
+                         one_sided_knobs(spec), _dtype(name))
         paths["numerics"][name] = [str(compiler.build_spec(spec, out).relative_to(out)),
                                    spec.func_name]
     for st in ("int8", "float8_e4m3fn"):
@@ -78,6 +92,11 @@ def build(out: Path) -> None:
             spec = _spec(st, st, G, D, "nhd", H, knobs)
             paths["timing"][f"{st} {i}"] = [str(compiler.build_spec(spec, out).relative_to(out)),
                                             spec.func_name]
+    for ks, vs in ONE_SIDED:
+        spec = _spec(ks, vs, G, D, "nhd", H, {})
+        spec = _spec(ks, vs, G, D, "nhd", H, one_sided_knobs(spec))
+        paths["timing"][f"{ks}/{vs}"] = [str(compiler.build_spec(spec, out).relative_to(out)),
+                                         spec.func_name]
     (out / "mma.json").write_text(json.dumps(paths, indent=1))
     print(json.dumps(paths, indent=1))
 
@@ -137,6 +156,11 @@ def numerics(out: Path, paths: dict) -> list:
             x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(
                 0.05, 6, (num_pages,) + (1,) * 3).astype(np.float32)
             x[..., 3] *= 30  # an outlier channel
+            if not st:  # a 16-bit side: the queries' dtype, as stored
+                rows = torch.from_numpy(x).to(getattr(torch, _dtype(name)))
+                caches.append(rows.cuda())
+                host.append(rows.float().numpy())
+                continue
             raw = quantize_rows(x, st).view(np.int8)
             caches.append(torch.from_numpy(raw).cuda().view(getattr(torch, st)))
             host.append(raw.view(np.int8 if st == "int8" else ml_dtypes.float8_e4m3fn))
@@ -156,7 +180,7 @@ def numerics(out: Path, paths: dict) -> list:
         lse_err = float(np.abs(lse.cpu().numpy() - want_lse).max())
         # relative to each output's own size: attention over |V| (what a rounded P scales)
         mag, _ = reference_decode(q.float().cpu().numpy(), host[0], np.abs(
-            dequantize_rows(host[1], hd)), lens.numpy(), table, layout=layout)
+            dequantize_rows(host[1], hd) if vs else host[1]), lens.numpy(), table, layout=layout)
         rel = float((np.abs(got - want) / (np.abs(want) + mag + 1e-3)).max())
         # the float16 output's own rounding is half an ulp, 2**-12 relative (2.44e-4): the
         # split P stays within it (H100 and H200, 2026-11-27: 2.34-2.42e-4); a single float16
@@ -204,6 +228,20 @@ def timing(out: Path, paths: dict, repeat: int) -> list:
                     ms = 1e3 * timed(call(k, v), "cuda", repeat, 5, "graph")[0]
                 row[f"{st}_mma{i}_ms"], row[f"{st}_mma{i}_err"] = ms, err
                 line += f" mma{i} {ms:.4f} (f16/mma {row['float16_ms'] / ms:.2f}x, err {err:.1e})"
+            del k, v
+        for ks, vs in ONE_SIDED:  # the ops' CUDA-core kernel, then the tensor cores
+            k = cache_as(case["k_cache"], ks) if ks else case["k_cache"]
+            v = cache_as(case["v_cache"], vs) if vs else case["v_cache"]
+            want, _ = call(k, v)()
+            ops_ms = 1e3 * timed(call(k, v), "cuda", repeat, 5, "graph")[0]
+            with _Use(fns[f"{ks}/{vs}"][1]):
+                got, _ = call(k, v)()
+                err = (got.float() - want.float()).abs().max().item()
+                ms = 1e3 * timed(call(k, v), "cuda", repeat, 5, "graph")[0]
+            row[f"{ks}/{vs}_ops_ms"], row[f"{ks}/{vs}_mma_ms"] = ops_ms, ms
+            row[f"{ks}/{vs}_mma_err"] = err
+            line += (f" | {ks}/{vs} ops {ops_ms:.4f} ({row['float16_ms'] / ops_ms:.2f}x) mma "
+                     f"{ms:.4f} ({row['float16_ms'] / ms:.2f}x, err {err:.1e})")
             del k, v
         rows.append(row)
         print(line, flush=True)

@@ -1,8 +1,14 @@
 """The TENSOR-CORE CUDA decode over an 8-bit cache (hand-written TIR; :mod:`.cuda_quant` runs it
-where :func:`supported`, knob ``mma``, the default there): K and V both int8 / float8_e4m3fn,
-float16 or bfloat16 queries, GQA up to 8, head_dim 32, 64 or 128. bfloat16 queries take
-bfloat16 operands (``mma.sync ... .bf16``), the codes converted through float32 (exact), and
-``P'`` split into bfloat16 high and low parts.
+where :func:`runs_by_default`, knob ``mma``, the default there): K and V both int8 /
+float8_e4m3fn, float16 or bfloat16 queries, GQA up to 8, head_dim 32, 64 or 128. bfloat16
+queries take bfloat16 operands (``mma.sync ... .bf16``), the codes converted through float32
+(exact), and ``P'`` split into bfloat16 high and low parts. A K-only or V-only cache (the other
+side 16-bit rows of the queries' dtype) runs here only when its knobs say so
+(:func:`one_sided_knobs`): built and checked by nvcc, its GPU numerics and speed not yet
+measured (``tools/gpu_decode_mma_probe.py`` does both). A 16-bit K row's operand is its two
+words as they are (the same permuted head_dim); a 16-bit V word holds two columns, so four
+rows' words pair into two n8 tiles by byte permutes. Its staged rows are padded (K 8, V 4
+banks mod 32) against bank conflicts.
 
 Why: the CUDA-core kernel converts every staged code to float32 and spends ``2 * group`` FMAs
 and a shuffle butterfly per code; on an H100 it ran at 1.0-1.26x the float16 cache's speed with
@@ -114,8 +120,29 @@ __device__ __forceinline__ void kvtvm_mma_v_{tag}(void* dst, int w0, int w1, int
 """
 
 
+#: a 16-bit side: the K operand is the row's two words as they are (4 values, dims permuted as
+#: an 8-bit word's codes); a V word holds 2 columns, so 4 rows' words give 2 n8 tiles (the low
+#: halves, then the high halves: columns ``16 * grp + 2 * n + i``)
+_RAW = {"k": r"""
+__device__ __forceinline__ void kvtvm_mma_k_raw(void* dst, const void* src) {
+  *(uint2*)dst = *(const uint2*)src;
+}
+""", "v": r"""
+__device__ __forceinline__ void kvtvm_mma_v_raw(void* dst, int w0, int w1, int w2, int w3) {
+  unsigned *o = (unsigned*)dst;
+  o[0] = __byte_perm((unsigned)w0, (unsigned)w1, 0x5410u);
+  o[1] = __byte_perm((unsigned)w2, (unsigned)w3, 0x5410u);
+  o[2] = __byte_perm((unsigned)w0, (unsigned)w1, 0x7632u);
+  o[3] = __byte_perm((unsigned)w2, (unsigned)w3, 0x7632u);
+}
+"""}
+
+
 def _helpers(storage: str, side: str, dtype: str) -> str:
-    """The CUDA source of side ``side`` ("k" or "v") over ``storage`` for ``dtype`` queries."""
+    """The CUDA source of side ``side`` ("k" or "v") over ``storage`` (None: 16-bit values)
+    for ``dtype`` queries."""
+    if not storage:
+        return _RAW[side]
     if side == "k":
         return _k_frag_source(storage, dtype)
     return _V_PAIR[storage, dtype] + _V_FRAG.replace("{tag}", _TAG[storage] + _SUFFIX[dtype])
@@ -126,9 +153,38 @@ _SUFFIX = {"float16": "", "bfloat16": "_bf16"}
 
 
 def supported(spec) -> bool:
-    """Whether this kernel runs ``spec`` (:func:`kvtvm.cuda_limits.tensor_core_decode`)."""
+    """Whether this kernel can run ``spec``: one side 8-bit at least, float16 or bfloat16
+    queries, GQA up to 8, head_dim a multiple of 32 up to 128. It runs by default where
+    :func:`kvtvm.cuda_limits.tensor_core_decode` says (both sides 8-bit); a K-only or V-only
+    spec runs it with the knob ``mma`` set (its GPU numerics and speed are owed: docs/kernels.md)."""
+    return (bool(spec.k_storage or spec.v_storage) and spec.dtype in ("float16", "bfloat16")
+            and spec.group_size <= 8 and spec.head_dim % 32 == 0 and spec.head_dim <= 128)
+
+
+def runs_by_default(spec) -> bool:
+    """Whether the schedule's default knobs hand ``spec`` to this kernel."""
     return tensor_core_decode(spec.dtype, spec.head_dim, spec.group_size, spec.k_storage,
                               spec.v_storage)
+
+
+def one_sided_knobs(spec) -> dict:
+    """Knobs that run a K-only or V-only ``spec`` on this kernel (its schedule's defaults run
+    the CUDA-core kernel until a GPU has checked this one's numerics and speed): 2 warps of
+    32-row tiles, 3 stages at head_dim 128 (ptxas: 177-199 registers, no spills on sm_80 and
+    sm_90a in 4 of 5 specs tried), 2 stages below (some head_dim 64 specs spill 4-8 bytes on
+    sm_90a, where ptxas stops at 128 registers)."""
+    return {"mma": 1, "threads": 64, "tile_tokens": 32, "stages": 3 if spec.head_dim >= 128 else 2}
+
+
+def staged_words(spec, storage: str, side: str) -> int:
+    """int32 words of one staged row of side ``side`` ("k" or "v") in shared memory: an 8-bit
+    row as stored (values, scale, padding), or ``head_dim`` 16-bit values padded so that a
+    warp's fragment loads meet no bank conflict (K: 8-byte loads, rows 8 banks apart; V:
+    4-byte loads of rows 2t apart, 8t banks apart)."""
+    if storage:
+        return quant_row_bytes(spec.head_dim) // 4
+    words = spec.head_dim // 2
+    return words + ((8 if side == "k" else 4) - words) % 32
 
 
 def geometry(spec, knobs) -> dict:
@@ -139,10 +195,10 @@ def geometry(spec, knobs) -> dict:
     W = max(1, int(knobs.get("threads", 128)) // 32)
     chunks = max(1, int(knobs.get("tile_tokens", 64)) // (16 * W))
     stages = max(2, int(knobs.get("stages", 2)))
-    row = quant_row_bytes(spec.head_dim)
+    row = 4 * (staged_words(spec, spec.k_storage, "k") + staged_words(spec, spec.v_storage, "v"))
 
     def smem(w, c, s):
-        return s * 16 * w * c * 2 * row + w * spec.group_size * (spec.head_dim + 2) * 4
+        return s * 16 * w * c * row + w * spec.group_size * (spec.head_dim + 2) * 4
 
     while smem(W, chunks, stages) > SMEM_STATIC_BYTES and chunks > 1:
         chunks -= 1
@@ -151,7 +207,9 @@ def geometry(spec, knobs) -> dict:
     while smem(W, chunks, stages) > SMEM_STATIC_BYTES and W > 1:
         W //= 2
     return dict(warps=W, chunks=chunks, stages=stages, tile=16 * W * chunks, threads=32 * W,
-                row_words=row // 4, row_chunks=row // 16, p_split=int(knobs.get("p_split", 1)))
+                k_words=staged_words(spec, spec.k_storage, "k"),
+                v_words=staged_words(spec, spec.v_storage, "v"),
+                p_split=int(knobs.get("p_split", 1)))
 
 
 def schedule(mod, spec, knobs):
@@ -159,41 +217,70 @@ def schedule(mod, spec, knobs):
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     geo = geometry(spec, knobs)
     W, C, S, TILE, NT = geo["warps"], geo["chunks"], geo["stages"], geo["tile"], geo["threads"]
-    RW, RC = geo["row_words"], geo["row_chunks"]
-    KS, DG = D // 16, D // 32                 # k-steps of Q K^T; 32-column groups of P V
-    COPIES = -(-TILE * RC // NT)
+    RWK, RWV = geo["k_words"], geo["v_words"]   # staged row strides (int32 words)
+    ks, vs = spec.k_storage, spec.v_storage
+    # 16-byte chunks of a stored row, and the cache elements in one (8-bit: bytes)
+    RCK, RCV = [quant_row_bytes(D) // 16 if st else D // 8 for st in (ks, vs)]
+    EK, EV = [16 if st else 8 for st in (ks, vs)]
+    KS = D // 16                              # k-steps of Q K^T
+    CW = 4 if vs else 2                       # V columns per staged word
+    VG, VT = D // (8 * CW), CW                # P V: groups of one word per row, n8 tiles each
+    COPIES_K, COPIES_V = -(-TILE * RCK // NT), -(-TILE * RCV // NT)
     PRE = v_prescale(spec)
     SPLIT = bool(geo["p_split"])
     merge_splits = merge_macro(spec, knobs)
     WAIT = _wait_source(S - 1)
     pages_bad = pages_bad_macro(NT)
-    ks, vs = spec.k_storage, spec.v_storage
     k_src, v_src = _helpers(ks, "k", dtype), _helpers(vs, "v", dtype)
-    k_frag = f"kvtvm_mma_k_{_TAG[ks]}{_SUFFIX[dtype]}"
-    v_frag = f"kvtvm_mma_v_{_TAG[vs]}{_SUFFIX[dtype]}"
+    k_frag = f"kvtvm_mma_k_{_TAG[ks]}{_SUFFIX[dtype]}" if ks else "kvtvm_mma_k_raw"
+    v_frag = f"kvtvm_mma_v_{_TAG[vs]}{_SUFFIX[dtype]}" if vs else "kvtvm_mma_v_raw"
     AB = "fp16" if dtype == "float16" else "bf16"
 
-    def copy16(smem, stage, row, chunk, cache, lookup, b, pos, hi, h, page_size):
-        """Zero-filled ``cp.async`` of 16-byte chunk ``chunk`` of position ``pos``'s row (past
-        ``hi``: zeros, from the split's last row's address)."""
+    def copy16(smem, words, elems, stage, row, chunk, cache, lookup, b, pos, hi, h, page_size):
+        """Zero-filled ``cp.async`` of 16-byte chunk ``chunk`` (``elems`` cache elements) of
+        position ``pos``'s row into a staged row of ``words`` (past ``hi``: zeros, from the
+        split's last row's address)."""
         pc = T.Cast("int32", T.min(pos, hi - 1))
         ps = T.Cast("int32", page_size)
         page = T.Cast("int64", lookup[b, T.truncdiv(pc, ps)])
-        src = cache_index(layout, page, T.Cast("int64", T.truncmod(pc, ps)), h, chunk * 16)
+        src = cache_index(layout, page, T.Cast("int64", T.truncmod(pc, ps)), h, chunk * elems)
         return T.ptx["cp.async.cg.shared.global"](
-            smem.ptr_to([(stage * TILE + row) * RW + chunk * 4]), cache.ptr_to(list(src)), 16,
+            smem.ptr_to([(stage * TILE + row) * words + chunk * 4]), cache.ptr_to(list(src)), 16,
             T.Cast("uint32", T.if_then_else(pos < hi, 16, 0)))
 
     @T.macro
     def issue_tile(k_smem, v_smem, k_cache, v_cache, lookup, b, h, page_size, hi, tid, stage,
                    first):
-        for c in T.unroll(COPIES):
-            if c * NT + tid < TILE * RC:
-                T.evaluate(copy16(k_smem, stage, (c * NT + tid) // RC, T.floormod(c * NT + tid, RC), k_cache, lookup, b, first + (c * NT + tid) // RC, hi, h, page_size))
-                T.evaluate(copy16(v_smem, stage, (c * NT + tid) // RC, T.floormod(c * NT + tid, RC), v_cache, lookup, b, first + (c * NT + tid) // RC, hi, h, page_size))
+        # K's and V's copies interleaved (each side may have its own count of chunks)
+        for c in T.unroll(max(COPIES_K, COPIES_V)):
+            if RCK == RCV:  # both 8-bit: one guard
+                if c * NT + tid < TILE * RCK:
+                    T.evaluate(copy16(k_smem, RWK, EK, stage, (c * NT + tid) // RCK, T.floormod(c * NT + tid, RCK), k_cache, lookup, b, first + (c * NT + tid) // RCK, hi, h, page_size))
+                    T.evaluate(copy16(v_smem, RWV, EV, stage, (c * NT + tid) // RCV, T.floormod(c * NT + tid, RCV), v_cache, lookup, b, first + (c * NT + tid) // RCV, hi, h, page_size))
+            else:
+                if c * NT + tid < TILE * RCK:
+                    T.evaluate(copy16(k_smem, RWK, EK, stage, (c * NT + tid) // RCK, T.floormod(c * NT + tid, RCK), k_cache, lookup, b, first + (c * NT + tid) // RCK, hi, h, page_size))
+                if c * NT + tid < TILE * RCV:
+                    T.evaluate(copy16(v_smem, RWV, EV, stage, (c * NT + tid) // RCV, T.floormod(c * NT + tid, RCV), v_cache, lookup, b, first + (c * NT + tid) // RCV, hi, h, page_size))
 
-    def scale_of(smem, stage, row):
-        return T.reinterpret("float32", smem[(stage * TILE + row) * RW + D // 4])
+    def k_scale(stage, row, smem):
+        """Row ``row``'s K scale times the softmax's (1 for a full-precision K)."""
+        if not ks:
+            return T.float32(1)
+        return T.reinterpret("float32", smem[(stage * TILE + row) * RWK + D // 4])
+
+    def v_scale(stage, row, smem):
+        if not vs:
+            return T.float32(1)
+        return T.reinterpret("float32", smem[(stage * TILE + row) * RWV + D // 4])
+
+    def k_operand(smem, stage, row, kk, tq):
+        """The argument of the K converter: lane ``tq``'s word of the row in k-step ``kk``
+        (8-bit: 4 codes) or the address of its two words (16-bit: 4 values)."""
+        at = (stage * TILE + row) * RWK
+        if ks:
+            return smem[at + kk * 4 + tq]
+        return smem.access_ptr("r", offset=at + kk * 8 + tq * 2, extent=2)
 
     def mma(a, a_off, b_, b_off, c, c_off):
         return T.ptx_legacy.mma("m16n8k16", "row", "col", AB, AB, "fp32", a.data, a_off,
@@ -215,8 +302,8 @@ def schedule(mod, spec, knobs):
                 with block("attend"):
                     T.reads()
                     T.writes()
-                    k_smem = alloc_buffer((S * TILE * RW,), "int32", scope="shared")
-                    v_smem = alloc_buffer((S * TILE * RW,), "int32", scope="shared")
+                    k_smem = alloc_buffer((S * TILE * RWK,), "int32", scope="shared")
+                    v_smem = alloc_buffer((S * TILE * RWV,), "int32", scope="shared")
                     o_red = alloc_buffer((W, G, D), "float32", scope="shared")
                     md_red = alloc_buffer((W, G, 2), "float32", scope="shared")
                     qf = alloc_buffer((KS * 8,), dtype, scope="local")
@@ -225,7 +312,7 @@ def schedule(mod, spec, knobs):
                     sf = alloc_buffer((8,), "float32", scope="local")
                     pf = alloc_buffer((8,), dtype, scope="local")
                     pl = alloc_buffer((8,), dtype, scope="local")
-                    of = alloc_buffer((DG * 16,), "float32", scope="local")
+                    of = alloc_buffer((D // 2,), "float32", scope="local")  # D / 8 n8 tiles
                     vw = alloc_buffer((4,), "int32", scope="local")
                     st = alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, alpha
                     bad = alloc_buffer((1,), "int32", scope="local")
@@ -256,7 +343,7 @@ def schedule(mod, spec, knobs):
                                 tir.all(i % 4 < 2, gq < G),
                                 q[b, h * G + T.min(gq, G - 1), kk * 16 + tq * 4 + i // 4 * 2 + i % 2],
                                 T.Cast(dtype, T.float32(0)))
-                    for i in T.unroll(DG * 16):
+                    for i in T.unroll(D // 2):
                         of[i] = T.float32(0)
                     st[0] = T.float32(NEG)
                     st[1] = T.float32(0)
@@ -278,7 +365,7 @@ def schedule(mod, spec, knobs):
                                 for n in T.unroll(2):
                                     T.evaluate(T.cuda.func_call(
                                         k_frag, kf.access_ptr("w", offset=0, extent=4),
-                                        k_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + n * 8 + gq) * RW + kk * 4 + tq],
+                                        k_operand(k_smem, T.floormod(it, S), (c * W + w) * 16 + n * 8 + gq, kk, tq),
                                         source_code=k_src))
                                     T.evaluate(mma(qf, kk * 8, kf, 0, sf, n * 4))
                             # scores (log2 units), masked past the split; the row max
@@ -286,7 +373,7 @@ def schedule(mod, spec, knobs):
                             for i in T.unroll(4):
                                 sf[i // 2 * 4 + i % 2] = T.if_then_else(
                                     lo + it * TILE + (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2 < hi,
-                                    sf[i // 2 * 4 + i % 2] * scale_of(k_smem, T.floormod(it, S), (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2) * sm_scale * T.float32(LOG2E),
+                                    sf[i // 2 * 4 + i % 2] * k_scale(T.floormod(it, S), (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2, k_smem) * sm_scale * T.float32(LOG2E),
                                     T.float32(NEG))
                                 st[2] = T.max(st[2], sf[i // 2 * 4 + i % 2])
                             for x in T.unroll(2):
@@ -294,7 +381,7 @@ def schedule(mod, spec, knobs):
                             st[3] = T.exp2(st[0] - st[2])
                             st[0] = st[2]
                             st[1] = st[1] * st[3]
-                            for i in T.unroll(DG * 8):
+                            for i in T.unroll(D // 4):
                                 of[i // 2 * 4 + i % 2] = of[i // 2 * 4 + i % 2] * st[3]
                             # P' = P * scale_v * 2**k as the A operand (rows g + 8: zero)
                             for i in T.unroll(8):
@@ -305,30 +392,31 @@ def schedule(mod, spec, knobs):
                                     lo + it * TILE + (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2 < hi,
                                     T.exp2(sf[i // 2 * 4 + i % 2] - st[0]), T.float32(0))
                                 st[1] = st[1] + sf[i // 2 * 4 + i % 2]
-                                sf[i // 2 * 4 + i % 2] = sf[i // 2 * 4 + i % 2] * scale_of(v_smem, T.floormod(it, S), (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2) * T.float32(PRE)
+                                sf[i // 2 * 4 + i % 2] = sf[i // 2 * 4 + i % 2] * v_scale(T.floormod(it, S), (c * W + w) * 16 + i // 2 * 8 + tq * 2 + i % 2, v_smem) * T.float32(PRE)
                                 pf[i // 2 * 4 + i % 2] = T.Cast(dtype, sf[i // 2 * 4 + i % 2])
                                 if SPLIT:  # the rounding error, as a second 16-bit operand
                                     pl[i // 2 * 4 + i % 2] = T.Cast(dtype, sf[i // 2 * 4 + i % 2] - T.Cast("float32", pf[i // 2 * 4 + i % 2]))
-                            # O += P' V, 32 columns (4 n8 tiles) at a time
-                            for grp in T.unroll(DG):
+                            # O += P' V, one staged word of each of 4 rows at a time: 8 * CW
+                            # columns, CW n8 tiles
+                            for grp in T.unroll(VG):
                                 for j in T.unroll(4):
-                                    vw[j] = v_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + j // 2 * 8 + tq * 2 + j % 2) * RW + grp * 8 + gq]
+                                    vw[j] = v_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + j // 2 * 8 + tq * 2 + j % 2) * RWV + grp * 8 + gq]
                                 T.evaluate(T.cuda.func_call(
                                     v_frag, vf.access_ptr("w", offset=0, extent=16),
                                     vw[0], vw[1], vw[2], vw[3], source_code=v_src))
-                                for i in T.unroll(4):
-                                    T.evaluate(mma(pf, 0, vf, i * 4, of, (grp * 4 + i) * 4))
+                                for i in T.unroll(VT):
+                                    T.evaluate(mma(pf, 0, vf, i * 4, of, (grp * VT + i) * 4))
                                     if SPLIT:
-                                        T.evaluate(mma(pl, 0, vf, i * 4, of, (grp * 4 + i) * 4))
+                                        T.evaluate(mma(pl, 0, vf, i * 4, of, (grp * VT + i) * 4))
                         T.tvm_storage_sync("shared")
                     # the row's sum over its 4 lanes; the warps meet in shared memory
                     for x in T.unroll(2):
                         st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 1 << x, 32, 32)
                     if gq < G:
-                        for grp in T.unroll(DG):
-                            for i in T.unroll(4):
+                        for grp in T.unroll(VG):  # tile grp * VT + i, column 2 tq + e: dim
+                            for i in T.unroll(VT):
                                 for e in T.unroll(2):
-                                    o_red[w, gq, grp * 32 + tq * 8 + e * 4 + i] = of[(grp * 4 + i) * 4 + e]
+                                    o_red[w, gq, grp * 8 * VT + tq * 2 * VT + e * VT + i] = of[(grp * VT + i) * 4 + e]
                         if tq == 0:
                             md_red[w, gq, 0] = st[0]
                             md_red[w, gq, 1] = st[1]

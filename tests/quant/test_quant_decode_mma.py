@@ -93,6 +93,48 @@ def test_geometry_fits_a_cta(D, G, threads, tile, stages):
     assert smem <= SMEM_STATIC_BYTES
 
 
+@pytest.mark.parametrize("ks,vs", [("int8", None), (None, "float8_e4m3fn")])
+def test_one_sided_specs_take_the_tensor_cores_only_when_asked(ks, vs):
+    """K-only and V-only specs keep the CUDA-core kernel by default and in the tuner's space
+    (their tensor-core numerics are owed to a GPU); ``one_sided_knobs`` takes them there."""
+    from kvtvm.compiler.knobs import resolve_knobs
+    from kvtvm.kernels import decode
+    from kvtvm.schedules.decode import cuda_quant_mma
+
+    spec = _spec(ks, vs)
+    assert cuda_quant_mma.supported(spec) and not cuda_quant_mma.runs_by_default(spec)
+    assert resolve_knobs(spec)["mma"] == 0 and "mma" not in decode.knob_space(spec)
+    assert cuda_quant_mma.one_sided_knobs(spec)["mma"] == 1
+    for bad in (_spec(ks, vs, dtype="float32"), _spec(ks, vs, G=9), _spec(ks, vs, D=256)):
+        assert not cuda_quant_mma.supported(bad), bad.uri
+    assert not cuda_quant_mma.supported(_spec(None, None))
+
+
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("ks,vs", [("int8", None), (None, "int8"), ("int8", "float8_e4m3fn")])
+@pytest.mark.parametrize("threads,tile,stages", [(64, 32, 3), (128, 64, 2), (256, 64, 3)])
+def test_staged_rows_and_geometry_of_either_side(D, ks, vs, threads, tile, stages):
+    """A staged 16-bit row is 16-byte aligned (cp.async) and padded so that K's 8-byte and
+    V's 4-byte fragment loads meet no bank conflict (rows 8 / 4 banks apart mod 32); an 8-bit
+    row is its stored bytes; K and V stages and the output reduction fit 48 KiB."""
+    from kvtvm.quant import quant_row_bytes
+    from kvtvm.schedules.decode.cuda import SMEM_STATIC_BYTES
+    from kvtvm.schedules.decode.cuda_quant_mma import geometry, staged_words
+
+    spec = _spec(ks, vs, D=D, G=4)
+    for st, side, want in ((ks, "k", 8), (vs, "v", 4)):
+        words = staged_words(spec, st, side)
+        assert words % 4 == 0
+        if st:
+            assert words * 4 == quant_row_bytes(D)
+        else:
+            assert words >= D // 2 and words % 32 == want
+    g = geometry(spec, {"threads": threads, "tile_tokens": tile, "stages": stages})
+    smem = g["stages"] * g["tile"] * 4 * (g["k_words"] + g["v_words"]) \
+        + g["warps"] * 4 * (D + 2) * 4
+    assert smem <= SMEM_STATIC_BYTES and g["tile"] == 16 * g["warps"] * g["chunks"]
+
+
 def _spills(text):
     found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     assert found, "no ptxas resource report"
@@ -106,12 +148,21 @@ def _spills(text):
     ("int8", "float8_e4m3fn", 128, 4, "nhd", {"dtype": "bfloat16"}),
     ("float8_e4m3fn", "int8", 128, 8, "nhd", {}),   # GQA 8, the default knobs
     ("float8_e4m3fn", "float8_e4m3fn", 64, 8, "hnd", {"dtype": "bfloat16"}),
+    # one side 16-bit, with the knobs that take it to the tensor cores (not the default)
+    ("int8", None, 128, 4, "nhd", {"one_sided": True}),
+    (None, "float8_e4m3fn", 128, 1, "hnd", {"one_sided": True}),
+    ("float8_e4m3fn", None, 64, 8, "nhd", {"one_sided": True}),
+    (None, "int8", 32, 1, "nhd", {"one_sided": True, "dtype": "bfloat16"}),
 ])
 def test_builds_on_mma_sync_without_spills(tmp_path, ks, vs, D, G, layout, knobs):
     import tvm
 
+    from kvtvm.schedules.decode.cuda_quant_mma import one_sided_knobs
+
     knobs = dict(knobs)
     dtype = knobs.pop("dtype", "float16")
+    if knobs.pop("one_sided", False):
+        knobs = one_sided_knobs(_spec(ks, vs, dtype=dtype, D=D, G=G, layout=layout))
     spec = _spec(ks, vs, dtype=dtype, D=D, G=G, layout=layout, knobs=knobs)
     with spec.tvm_target():
         source = [m for m in tvm.compile(compiler.lower(spec), target=spec.tvm_target())
@@ -125,6 +176,9 @@ def test_builds_on_mma_sync_without_spills(tmp_path, ks, vs, D, G, layout, knobs
     assert ("cvt.rn.f16x2.e4m3x2" in source) is ("float8_e4m3fn" in (ks, vs))
     assert ("sub.f16x2" in source) is ("int8" in (ks, vs) and dtype == "float16")
     assert ("cvt.rn.bf16x2.f32" in source) is (dtype == "bfloat16")
+    # a 16-bit side: K's two words copied as they are, V's halves paired by byte permutes
+    assert ("*(uint2*)dst = *(const uint2*)src" in source) is (ks is None)
+    assert ("__byte_perm((unsigned)w0, (unsigned)w1, 0x5410u)" in source) is (vs is None)
     path = compiler.build_spec(spec, tmp_path)
     report = path.with_suffix(".ptxas.txt").read_text()
     assert not _spills(report)
