@@ -7,7 +7,8 @@ probe separates with the kernels' default knobs:
 
 - the page layout: an 8-bit row is 144 bytes (128 codes, scale, padding), so in ``nhd`` half
   the rows start in the middle of a 32-byte sector and a head's rows lie 1152 bytes apart;
-  in ``hnd`` a page's 16 rows of one head are 2304 contiguous bytes;
+  in ``hnd`` a page's 16 rows of one head are 2304 contiguous bytes (the float16 kernel's
+  256-byte rows read alike in both layouts: ``tools/gpu_decode_layouts.py``, docs/PERF.md);
 - the split count: ``choose_num_splits`` gives 4096 CTAs of 512 positions at 64 x 4K, 4.4
   waves of the 8-bit kernel's 7 resident CTAs per SM, so the last wave runs 43% full.
 
