@@ -127,7 +127,17 @@ class Storage:
 def windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int]]:
     """``(start, n_context)`` of each window: tokens ``[start, start + window)``, of which the
     logits at window positions ``[n_context, window - 1)`` are scored (they predict the last
-    ``min(stride, window - 1)`` tokens); ``n_context = max(window - stride - 1, 0)``."""
+    ``min(stride, window - 1)`` tokens); ``n_context = max(window - stride - 1, 0)``.
+    Raises :class:`~kvtvm.errors.InvalidArgumentError` naming the argument unless
+    ``2 <= window <= n_tokens`` and ``0 < stride <= window`` (no window would be scored)."""
+    from ..errors import InvalidArgumentError, describe
+
+    if not 2 <= window <= n_tokens:
+        raise InvalidArgumentError(describe("window", f"an int in [2, {n_tokens}] (the tokens)",
+                                            repr(window)))
+    if not 0 < stride <= window:
+        raise InvalidArgumentError(describe("stride", f"an int in [1, {window}] (the window)",
+                                            repr(stride)))
     n_ctx = max(window - stride - 1, 0)
     return [(end - window, n_ctx) for end in range(window, n_tokens + 1, stride)]
 
@@ -150,11 +160,12 @@ def perplexity(model, ids, window: int, stride: int, storage: Storage) -> tuple[
     as ``storage`` says."""
     import torch
 
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    spans = windows(len(ids), window, stride)       # refused before the model is touched
     storage.attach(model)
     cache = storage.cache(model, window)
-    ids = torch.as_tensor(ids, dtype=torch.int64)
     nll, count = 0.0, 0
-    for start, n_ctx in windows(len(ids), window, stride):
+    for start, n_ctx in spans:
         chunk = ids[start:start + window]
         with torch.no_grad():
             logits = scored_logits(model, chunk[:-1], n_ctx, cache).double()

@@ -113,6 +113,19 @@ def test_storage_refuses_an_unknown_path():
         quality.Storage("kvtvm-gpu")
 
 
+@pytest.mark.parametrize("n,window,stride,name", [(100, 101, 10, "window"),
+                                                  (100, 1, 1, "window"),
+                                                  (100, 10, 0, "stride"),
+                                                  (100, 10, 11, "stride")])
+def test_windows_refuse_what_scores_nothing(n, window, stride, name):
+    """perplexity() called directly used to divide by zero scored tokens."""
+    with pytest.raises(InvalidArgumentError, match=name):
+        quality.windows(n, window, stride)
+    with pytest.raises(InvalidArgumentError, match=name):
+        quality.perplexity(None, torch.zeros(n, dtype=torch.int64), window, stride,
+                           quality.Storage("reference"))
+
+
 @pytest.mark.slow
 def test_quality_run_on_the_real_model(capsys):
     """Both paths on SmolLM2: float32 equal (measured 0 difference at 4 digits); the 8-bit
