@@ -80,16 +80,21 @@ def test_kvtvm_path_is_the_reference_path(text_ids, k, v, bound):
 
 
 def test_kvtvm_path_in_four_layers_stays_near_the_reference(text_ids):
-    """Four layers: float32 rounding upstream can move a later layer's K/V value to the next
-    8-bit code, so the paths drift apart slightly (measured 1.1e-5 relative for int8 K+V);
-    the bound is a tenth of the quantization's own effect on the perplexity."""
+    """Four layers, fp8 K-only: every layer's K is stored in 8 bits on both paths. float32
+    rounding upstream can move a later layer's K value to the next code, so the paths drift
+    apart slightly: measured 2.0e-6 relative on this text, at most 2e-4 on other random texts
+    and windows. Leaving layers 1-3 unquantized moves this text's perplexity by 6.1e-3, more
+    than 5 times the bound (checked on the reference), so a kvtvm path that quantized only some
+    layers fails."""
     model = build_toy_model()
-    got, _ = quality.perplexity(model, text_ids, WINDOW, STRIDE,
-                                quality.Storage("kvtvm", "int8", "int8"))
+    k, v, bound = "float8_e4m3fn", None, 5e-4
+    got, _ = quality.perplexity(model, text_ids, WINDOW, STRIDE, quality.Storage("kvtvm", k, v))
     want, _ = quality.perplexity(model, text_ids, WINDOW, STRIDE,
-                                 quality.Storage("reference", "int8", "int8"))
-    full, _ = quality.perplexity(model, text_ids, WINDOW, STRIDE, quality.Storage("reference"))
-    assert abs(got / want - 1) < 1e-4 < abs(want / full - 1) / 10, (got, want, full)
+                                 quality.Storage("reference", k, v))
+    part, _ = quality.perplexity(model, text_ids, WINDOW, STRIDE,
+                                 quality.Storage("reference", k, v, skip=(1, 2, 3)))
+    assert abs(got / want - 1) < bound, (got, want)
+    assert abs(part / want - 1) > 5 * bound, (part, want)       # the test can tell
 
 
 def test_kvtvm_float32_is_transformers_sdpa(text_ids):
