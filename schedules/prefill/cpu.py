@@ -33,6 +33,8 @@ from ..common import new_schedule, replace_function, under_locate
 
 #: score of a masked (query, key) pair: below every real score and the initial running max
 MASKED = -3.0e38
+#: the lse of a row whose every visible score is -inf (0/0, as its output)
+NAN = float("nan")
 #: largest finite float32 (a V value above it in magnitude, or NaN, is not finite)
 FLT_MAX = 3.4028234663852886e38
 
@@ -272,8 +274,9 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                 for d in T.vectorized(D):
                                     out[r0 + i, h * G + g, d] = T.Cast(
                                         dtype, O[i * G + g, d] / L[i * G + g])
-                                lse[r0 + i, h * G + g] = (M[i * G + g] + T.log2(L[i * G + g])) \
-                                    * T.float32(1.0 / LOG2E)
+                                lse[r0 + i, h * G + g] = T.Select(  # L 0: every score -inf
+                                    L[i * G + g] == T.float32(0), T.float32(NAN),
+                                    (M[i * G + g] + T.log2(L[i * G + g])) * T.float32(1.0 / LOG2E))
                     ir[0] = T.max(r1, r0)
                     ib[0] = ib[0] + 1
                 if ir[0] < row1:  # rows past qo_indptr[batch]: no sequence holds them

@@ -180,3 +180,39 @@ def test_prefill_an_infinite_key_score_gives_nan_not_a_finite_row(vs, dtype):
     out, lse = ops.prefill_attention(q, kc, vc, indptr, lengths, table)
     _close(out, want, TOL[dtype])
     np.testing.assert_array_equal(np.isnan(lse.numpy()), np.isnan(want_lse))
+
+
+@pytest.mark.parametrize("vs", ["", "int8"])
+def test_attention_whose_every_score_is_minus_inf_is_nan_at_any_split_count(vs):
+    """A full-precision K row holding -inf gives a score of -inf. Beside finite scores it
+    weighs 0 (finite result); when it is all a query sees (one token, a window of 1), the
+    reference's softmax is 0/0: NaN out and lse. The CPU decode gave 0 (its tile padding
+    weighed 1 once no score beat the running max's floor; a split of only -inf scores was
+    merged as an empty one) and the CPU prefill a NaN out with an lse of -inf."""
+    rng = np.random.default_rng(6)
+    H, G, D, page_size = 1, 3, 8, 4
+    kc = _cache(rng, "", "float32", (3, page_size, H), D)
+    vc = _cache(rng, vs, "float32", (3, page_size, H), D)
+    kc[0, 0, 0, 0] = -float("inf")                       # position 0 of the sequence
+    q = torch.from_numpy(np.abs(rng.standard_normal((1, H * G, D))).astype(np.float32))
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    for length, window in ((0, None), (6, None), (6, 1)):   # (6, 1): position 6 alone, finite
+        lengths = torch.tensor([length], dtype=torch.int32)
+        with np.errstate(all="ignore"):
+            want, want_lse = reference_decode(q.numpy(), _np(kc), _np(vc), lengths.numpy(),
+                                              table.numpy(), sliding_window=window)
+        assert np.isnan(want).all() == (length == 0)
+        for splits in (1, 2, 3):
+            out, lse = ops.decode_attention(q, kc, vc, lengths, table, num_splits=splits,
+                                            sliding_window=window)
+            _close(out, want, TOL["float32"])
+            _close(lse, want_lse, 1e-4)
+            np.testing.assert_array_equal(np.isnan(lse.numpy()), np.isnan(want_lse))
+    indptr = torch.tensor([0, 1], dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    with np.errstate(all="ignore"):
+        want, want_lse = reference_prefill(q.numpy(), _np(kc), _np(vc), indptr.numpy(),
+                                           zero.numpy(), table.numpy())
+    out, lse = ops.prefill_attention(q, kc, vc, indptr, zero, table)
+    assert np.isnan(want_lse).all() and np.isnan(out.numpy()).all()
+    np.testing.assert_array_equal(np.isnan(lse.numpy()), np.isnan(want_lse))
