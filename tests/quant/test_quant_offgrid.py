@@ -216,3 +216,38 @@ def test_attention_whose_every_score_is_minus_inf_is_nan_at_any_split_count(vs):
     out, lse = ops.prefill_attention(q, kc, vc, indptr, zero, table)
     assert np.isnan(want_lse).all() and np.isnan(out.numpy()).all()
     np.testing.assert_array_equal(np.isnan(lse.numpy()), np.isnan(want_lse))
+
+
+@pytest.mark.parametrize("storage", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_rows_are_quantized_not_saturated(storage, dtype):
+    """Rows whose largest magnitude is below QMAX / FLT_MAX (2**-121 for int8, 2**-119 for
+    e4m3; float32 and bfloat16 reach it) had an inverse scale of inf: every non-zero value was
+    stored as +-QMAX (dequantized to +-amax, an error of up to amax). They are prescaled now:
+    the usual error bound holds, and the CPU append writes the reference's bytes."""
+    from kvtvm.quant import dequantize_rows, row_scales
+
+    rng = np.random.default_rng(8)
+    H, D, page_size = 2, 24, 4
+    amax = 2.0 ** rng.uniform(-126, -110, (6, H, 1))
+    x = (rng.uniform(-1, 1, (6, H, D)) * amax).astype(np.float32)
+    x = torch.from_numpy(x).to(_tdt(dtype))
+    xf = x.float().numpy()
+    rows = quantize_rows(xf, storage)
+    deq, scale = dequantize_rows(rows, D), row_scales(rows, D)[..., None]
+    slack = 448 * 2.0 ** -150                    # the scale's own rounding (it is subnormal)
+    if storage == "int8":
+        bound = 0.5 * scale * (1 + 1e-5) + slack
+    else:
+        bound = np.maximum(np.abs(xf) * 2.0 ** -4, 2.0 ** -6 * scale) * (1 + 1e-5) + slack
+    assert (np.abs(deq - xf) <= bound).all()
+    cache = torch.zeros(3, page_size, H, quant_row_bytes(D), dtype=torch.int8).view(
+        _tdt(storage))
+    other = cache.clone()
+    indptr = torch.tensor([0, 6], dtype=torch.int32)
+    lengths = torch.tensor([1], dtype=torch.int32)
+    table = torch.tensor([[2, 0]], dtype=torch.int32)
+    want, _ = reference_append(_np(cache), _np(other), xf, xf, indptr.numpy(),
+                               lengths.numpy(), table.numpy())
+    ops.append_kv(cache, other, x, x, indptr, lengths, table)
+    np.testing.assert_array_equal(cache.view(torch.uint8).numpy(), want.view(np.uint8))
