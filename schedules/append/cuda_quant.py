@@ -16,9 +16,9 @@ vectors.
 
 Scale and reciprocal use IEEE division (``__fdiv_rn``) despite nvcc's fast math, so the bytes
 equal the reference; a row whose ``amax`` is below ``TINY_AMAX`` is prescaled as the reference
-does (exactly). Under fast math's flush-to-zero float32 subnormal inputs read as 0, so a row
-whose largest magnitude is subnormal is stored as zeros (the reference quantizes it): the one
-place the bytes differ.
+does (exactly). Under fast math's flush-to-zero float32 subnormal inputs read as 0 (the
+reference quantizes them; a row whose largest magnitude is subnormal is stored as zeros): the
+one place the bytes may differ.
 """
 
 from __future__ import annotations

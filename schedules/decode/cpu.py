@@ -21,12 +21,12 @@ from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.quant_access import load_value, row_scale
 from kvtvm.quant import quant_row_bytes
 
+from ..common import prefetch, replace_function
+
 #: score of a tile slot past the split (exp2 of it minus any running max is 0), lse of a split
 #: whose positions all scored -inf; NaN: the 0/0 of attention whose every score is -inf
 NEG_INFINITY = float("-inf")
 NAN = float("nan")
-
-from ..common import prefetch, replace_function
 
 
 def exp2_poly(x):
