@@ -15,8 +15,10 @@ be stored differently; a full-precision side (a K-only or V-only cache) is copie
 vectors.
 
 Scale and reciprocal use IEEE division (``__fdiv_rn``) despite nvcc's fast math, so the bytes
-equal the reference; under fast math's flush-to-zero a row whose largest magnitude is a float32
-subnormal is stored as zeros (the reference does the same).
+equal the reference; a row whose ``amax`` is below ``TINY_AMAX`` is prescaled as the reference
+does (exactly). Under fast math's flush-to-zero float32 subnormal inputs read as 0 (the
+reference quantizes them; a row whose largest magnitude is subnormal is stored as zeros): the
+one place the bytes may differ.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvtvm.kernels.accessor import cache_index, find_sequence, match_err, match_
 from kvtvm.kernels.append_quant import NAN_BITS, _EXP_MASK, match_params
 from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.quant_access import encode, match_quant_cache_pair
-from kvtvm.quant import QMAX, quant_row_bytes
+from kvtvm.quant import PRESCALE, QMAX, TINY_AMAX, quant_row_bytes
 
 from ..common import DTYPE_BYTES, replace_function
 
@@ -63,10 +65,16 @@ def _nonfinite(x):
     return T.Select(T.bitwise_and(T.reinterpret("int32", x), _EXP_MASK) == _EXP_MASK, 1, 0)
 
 
+def _prescale(amax):
+    """``PRESCALE`` for a row whose ``amax`` is below ``TINY_AMAX`` (its ``QMAX / amax`` would
+    overflow), else 1: the reference's exact power-of-two prescale (:mod:`kvtvm.quant`)."""
+    return T.Select(amax < T.float32(TINY_AMAX), T.float32(PRESCALE), T.float32(1))
+
+
 def _clip(x, red, qmax: float):
-    """``x * inv`` clipped to ``[-qmax, qmax]``; 0 for a NaN product (``0 * inf``) and for
-    every value of a non-finite row (``red[1]``), as the reference writes them."""
-    y = x * red[2]
+    """``x * pre * inv`` clipped to ``[-qmax, qmax]``; 0 for a NaN product and for every
+    value of a non-finite row (``red[1]``), as the reference writes them."""
+    y = (x * _prescale(red[0])) * red[2]
     y = T.Select(tir.any(T.isnan(y), red[1] != T.float32(0)), T.float32(0), y)
     return T.min(T.max(y, T.float32(-qmax)), T.float32(qmax))
 
@@ -133,7 +141,8 @@ def _side(storage: str, layout: str, D: int, dtype: str, g: dict):
         if page >= 0:
             # the inverse scale (0 for an all-zero row); a non-finite row encodes zeros
             red[2] = T.Select(red[0] > T.float32(0), T.call_pure_extern(
-                "float32", "__fdiv_rn", T.float32(qmax), red[0]), T.float32(0))
+                "float32", "__fdiv_rn", T.float32(qmax), red[0] * _prescale(red[0])),
+                T.float32(0))
             for p in T.unroll(PL):
                 if p * LPR + tx < CHUNKS:
                     for w in T.unroll(VEC // 4):

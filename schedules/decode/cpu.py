@@ -23,6 +23,11 @@ from kvtvm.quant import quant_row_bytes
 
 from ..common import prefetch, replace_function
 
+#: score of a tile slot past the split (exp2 of it minus any running max is 0), lse of a split
+#: whose positions all scored -inf; NaN: the 0/0 of attention whose every score is -inf
+NEG_INFINITY = float("-inf")
+NAN = float("nan")
+
 
 def exp2_poly(x):
     """2**x for x <= 0 in plain arithmetic (vectorizes; libm's exp2 does not): 2**round(x)
@@ -206,9 +211,9 @@ def schedule(mod, spec, knobs):
                                 err[ERR_PAGE] = 1
                                 for r in range(HB * G):
                                     sc[r, t] = T.float32(NEG)
-                        else:
+                        else:  # past the split: weight 0 even when no score beats NEG
                             for r in range(HB * G):
-                                sc[r, t] = T.float32(NEG)
+                                sc[r, t] = T.float32(NEG_INFINITY)
                     for r in range(HB * G):
                         row_max(red, sc, r)  # (and row_sum below): vector trees
                         mt[0] = T.max(m[r], red[0])
@@ -240,17 +245,23 @@ def schedule(mod, spec, knobs):
                                             for l in T.vectorized(L):
                                                 acc[hh * G + g, dv * L + l] = acc[hh * G + g, dv * L + l] + weight(part, sc, hh * G + g, g, t) * row[l]
                 for r in range(HB * G):
-                    if splits == T.int64(1):
+                    if splits == T.int64(1):  # den 0: every score -inf, out 0/0 and lse NaN
                         for dv in range(DV):
                             for l in T.vectorized(L):
                                 out[b, h0 * G + r, dv * L + l] = T.Cast(dtype, acc[r, dv * L + l] / den[r])
-                        lse[b, h0 * G + r] = (m[r] + T.log2(den[r])) * T.float32(LN2)
+                        lse[b, h0 * G + r] = T.Select(den[r] == T.float32(0), T.float32(NAN), (m[r] + T.log2(den[r])) * T.float32(LN2))
                     elif tir.any(den[r] > T.float32(0), T.isnan(den[r])):  # a NaN key or
                         # value seen by this split poisons the merged result (never dropped)
                         for dv in range(DV):
                             for l in T.vectorized(L):
                                 o_part[s, b, h0 * G + r, dv * L + l] = acc[r, dv * L + l] / den[r]
                         lse_part[s, b, h0 * G + r] = m[r] + T.log2(den[r])
+                    elif hi > lo:  # positions whose scores were all -inf: weight 0 beside a
+                        # finite score elsewhere, NaN when no split has one (the merge)
+                        for dv in range(DV):
+                            for l in T.vectorized(L):
+                                o_part[s, b, h0 * G + r, dv * L + l] = T.float32(0)
+                        lse_part[s, b, h0 * G + r] = T.float32(NEG_INFINITY)
                     else:
                         for dv in range(DV):
                             for l in T.vectorized(L):
@@ -269,8 +280,12 @@ def schedule(mod, spec, knobs):
                     hq: T.int64 = T.floormod(task, Hq)
                     m[0] = T.float32(NEG)
                     den[0] = T.float32(0)
+                    w[0] = T.float32(0)  # the smallest lse of a split, first
                     for s in range(splits):
                         m[0] = T.max(m[0], lse_part[s, b, hq])
+                        w[0] = T.min(w[0], lse_part[s, b, hq])
+                    if m[0] == T.float32(NEG) and w[0] < T.float32(NEG):
+                        den[0] = T.float32(NAN)  # every score -inf: 0/0, as with 1 split
                     for dv in range(DV):
                         for l in T.vectorized(L):
                             acc[dv * L + l] = T.float32(0)

@@ -33,6 +33,8 @@ from ..common import new_schedule, replace_function, under_locate
 
 #: score of a masked (query, key) pair: below every real score and the initial running max
 MASKED = -3.0e38
+#: the lse of a row whose every visible score is -inf (0/0, as its output)
+NAN = float("nan")
 #: largest finite float32 (a V value above it in magnitude, or NaN, is not finite)
 FLT_MAX = 3.4028234663852886e38
 
@@ -43,15 +45,18 @@ _EXP2_P = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3,
 
 def fast_exp2(x):
     """Vectorizable 2**x for x <= 0 (LLVM scalarizes ``llvm.exp2`` on vectors): round to
-    the nearest integer n, polynomial for the fraction, exponent bits for 2**n."""
-    x = T.max(x, T.float32(-125.0))
-    n = T.round(x)
-    f = x - n
+    the nearest integer n, polynomial for the fraction, exponent bits for 2**n. A NaN ``x``
+    (``inf - inf``: a score of +inf, from an infinite key or an overflowing q.k) gives NaN,
+    as ``exp2`` does: the clamp below alone turned it into 2**-125, a finite weight."""
+    xc = T.max(x, T.float32(-125.0))
+    n = T.round(xc)
+    f = xc - n
     p = T.float32(_EXP2_P[0])
     for c in _EXP2_P[1:]:
         p = p * f + T.float32(c)
     p = p * f + T.float32(1.0)
-    return p * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+    return T.Select(T.isnan(x), x,
+                    p * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23)))
 
 
 def default_knobs(spec) -> dict:
@@ -269,8 +274,9 @@ def tiled_prefill(spec, TQ: int, N: int, RB: int, JB: int):
                                 for d in T.vectorized(D):
                                     out[r0 + i, h * G + g, d] = T.Cast(
                                         dtype, O[i * G + g, d] / L[i * G + g])
-                                lse[r0 + i, h * G + g] = (M[i * G + g] + T.log2(L[i * G + g])) \
-                                    * T.float32(1.0 / LOG2E)
+                                lse[r0 + i, h * G + g] = T.Select(  # L 0: every score -inf
+                                    L[i * G + g] == T.float32(0), T.float32(NAN),
+                                    (M[i * G + g] + T.log2(L[i * G + g])) * T.float32(1.0 / LOG2E))
                     ir[0] = T.max(r1, r0)
                     ib[0] = ib[0] + 1
                 if ir[0] < row1:  # rows past qo_indptr[batch]: no sequence holds them

@@ -145,8 +145,9 @@ def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits, 
     ("int8", "", "float16", "nhd", 4, 128),
 ])
 def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs, dtype, layout, H, D):
-    """Normal rows, zero rows, outliers, NaN/inf rows (no float32 subnormals: CUDA flushes
-    them to zero under nvcc's fast math), rows of a bad page skipped and flagged; a
+    """Normal rows, zero rows, outliers, NaN/inf rows, a tiny row (amax near 2**-121: the
+    prescaled inverse; no float32 subnormals: CUDA flushes them to zero under nvcc's fast
+    math), rows of a bad page skipped and flagged; a
     full-precision side (K-only cache) is copied. The bytes equal the reference's, page
     padding and the untouched pages included."""
     import torch
@@ -177,6 +178,8 @@ def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs, dtype, layout
     x[1, 2, 0, 5] = np.nan
     x[0, 3, 2, 1] = -np.inf
     x[1, 4, 3, :] = -x[1, 4, 3, :]
+    if dtype != "float16":  # a tiny row, all normal: QMAX / amax overflows unless prescaled
+        x[:, 5, 1] = rng.choice([-1, 1], (2, D)) * rng.uniform(0.5, 1, (2, D)) * 2.0 ** -121
     k, v = (torch.from_numpy(t).to(getattr(torch, dtype)).cuda() for t in x)
     indptr = torch.tensor([0, 25, 40], dtype=torch.int32)
     lengths = torch.tensor([3, 30], dtype=torch.int32)
