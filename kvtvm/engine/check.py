@@ -26,9 +26,12 @@ __all__ = ["reference_tokens", "check_against_reference", "near_greedy_gap", "LO
 LOW_PRECISION_TOL = 0.02
 #: The same for a float32 model over an 8-bit cache: the toy demo's first 8 requests with a
 #: K-only float8_e4m3fn cache (layer 0 kept) differ in one token, its gap 0.0044% of the range;
-#: checked against transformers without the quantization, the int8 cache's tokens reach gaps of
-#: 1.7% and float8's 12%.
-QUANTIZED_TOL = 1e-3
+#: SmolLM2 on the chat "東京の天気は？" over a float8_e4m3fn cache differs at its 5th token, gap
+#: 0.125% (logits 0.056 apart; the engine's oneDNN projections differ from transformers' MKL in
+#: the last bits, which moves some K/V values to the next 8-bit code: with torch's own linear
+#: layers the engine's tokens equal the reference). Checked against transformers without the
+#: quantization, the int8 cache's tokens reach gaps of 1.7% and float8's 12%.
+QUANTIZED_TOL = 5e-3
 
 
 def reference_tolerance(model, params) -> float | None:
