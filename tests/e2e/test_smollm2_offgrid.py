@@ -87,3 +87,28 @@ def test_a_wrong_token_still_fails_the_fp8_check(smollm2):
     assert "generated token 4" in problem and "expected 46763" in problem
     assert "token 4 is 4.17% of the logit range" in problem     # 3 digits
     assert reference_tolerance(model, _params(model, k_cache_dtype="int8")) == QUANTIZED_TOL
+
+
+def test_padded_batch_at_page_edges_equals_sdpa(smollm2):
+    """Rows of 1, 6, 7, 8 and 14 tokens (page size 7: one short of a page, a page, one more,
+    two pages) of unicode text, left-padded, prefilled in chunks of 5 (some chunks are pads
+    only for the short rows), over a paged and a continuous cache: tokens equal sdpa's."""
+    from kvtvm.integrations import hf
+
+    model, tok = smollm2
+    text = tok("東京 🍣 naïve café — 寿司とラーメン, Ünïcödé ✓ and more text")["input_ids"]
+    assert len(text) >= 14
+    rows = [text[:n] for n in (1, 6, 7, 8, 14)]
+    batch = tok.pad({"input_ids": rows}, padding=True, padding_side="left",
+                    return_tensors="pt")
+    kw = dict(do_sample=False, max_new_tokens=9, prefill_chunk_size=5, eos_token_id=None)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(**batch, **kw)
+    hf.use_kvtvm(model)
+    try:
+        for cache in ("paged", "continuous"):
+            got = model.generate(**batch, **kw, cache=hf.KVTVMCache(
+                model, 32, cache=cache, page_size=7, max_batch_size=5))
+            assert torch.equal(want, got), cache
+    finally:
+        model.set_attn_implementation("sdpa")
