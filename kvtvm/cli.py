@@ -235,7 +235,7 @@ def cmd_generate(args) -> int:
                   f"{problems[0]}", file=sys.stderr)
             return 1
         if want != req.output:    # a near-tie of an 8-bit cache's rounding
-            print(f"checked: {len(want)} tokens, each within {100 * tol:.1f}% of the logit "
+            print(f"checked: {len(want)} tokens, each within {100 * tol:.3g}% of the logit "
                   "range of transformers' best (teacher-forced)", file=sys.stderr)
         else:
             print(f"checked: {len(want)} tokens equal transformers' generate", file=sys.stderr)

@@ -24,11 +24,18 @@ __all__ = ["reference_tokens", "check_against_reference", "near_greedy_gap", "LO
 #: have: 0.65% measured at most on the toy demo in bfloat16 (CPU); a wrong attention gives tens
 #: of percent.
 LOW_PRECISION_TOL = 0.02
-#: The same for a float32 model over an 8-bit cache: the toy demo's first 8 requests with a
-#: K-only float8_e4m3fn cache (layer 0 kept) differ in one token, its gap 0.0044% of the range;
-#: checked against transformers without the quantization, the int8 cache's tokens reach gaps of
-#: 1.7% and float8's 12%.
-QUANTIZED_TOL = 1e-3
+#: The same for a float32 model over an 8-bit cache: a last-bit difference of a K/V value before
+#: quantization (the engine's oneDNN projections vs transformers' MKL; kvtvm's attention vs
+#: sdpa in the layers before) moves it to the next 8-bit code and the logits by tenths. Measured
+#: on SmolLM2 (session 14's off-grid sweep; tokens teacher-forced through the reference):
+#: "東京の天気は？" over a float8_e4m3fn cache (the engine) differs at its 5th token, gap 0.125%;
+#: "Count to ten:" over float8 K alone, layers 0 and -1 kept (generate on KVTVMCache), 0.52%;
+#: "Qu'est-ce que la photosynthèse ?" over int8 (KVTVMCache), 0.79% -- each a near-tie the
+#: reference flips itself when K/V are scaled by ``1 + 5e-7 * noise`` before the quantization
+#: (margins swing by +-0.5 logits). The toy demo's K-only float8 gap: 0.0044%. Checked against
+#: transformers without the quantization, the int8 cache's tokens reach gaps of 1.7% and
+#: float8's 12%.
+QUANTIZED_TOL = 2e-2
 
 
 def reference_tolerance(model, params) -> float | None:
@@ -117,8 +124,8 @@ def check_against_reference(model, requests, rel_tol: float | None = None) -> li
             gap, at = near_greedy_gap(model, r.prompt, got)
             if gap <= rel_tol:
                 continue
-            note = (f"; teacher-forced, token {at} is {100 * gap:.1f}% of the logit range below "
-                    f"transformers' best (tolerance {100 * rel_tol:.1f}%)")
+            note = (f"; teacher-forced, token {at} is {100 * gap:.3g}% of the logit range below "
+                    f"transformers' best (tolerance {100 * rel_tol:.3g}%)")
         i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want),
                                                                                len(got)))
         exp = want[i] if i < len(want) else "<end>"
