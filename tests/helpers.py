@@ -162,3 +162,17 @@ except {error} as err:
 else:
     print("LOADED")
 """
+
+
+def numpy_of(view):
+    """numpy array of a CPU tensor: float8 through uint8 + ml_dtypes and other types as they are
+    (both sharing its memory), bfloat16 as a float32 copy."""
+    import torch
+
+    if view.dtype == torch.float8_e4m3fn:
+        import ml_dtypes
+
+        return view.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    if view.dtype == torch.bfloat16:
+        return view.float().numpy()
+    return view.numpy()

@@ -7,7 +7,6 @@ and a page outside the cache (left out, flagged, the other sequences untouched).
 
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch
 from kvtvm import compiler, runtime
 from kvtvm.kernels.reference import reference_decode
 from kvtvm.quant import quantize_rows
+from helpers import numpy_of as _np
 
 pytestmark = pytest.mark.skipif(not runtime.compiler_available(), reason="needs TVM's compiler")
 
@@ -30,12 +30,6 @@ CASES = [
 TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 #: plus the rounding of the output to its dtype (values up to ~10 here)
 RTOL = {"float32": 0, "float16": 1e-3, "bfloat16": 8e-3}
-
-
-def _np(t):
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-    return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _side(rng, storage, dtype, shape):

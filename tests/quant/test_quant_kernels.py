@@ -5,7 +5,6 @@ and the typed refusals."""
 
 from dataclasses import replace
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -18,18 +17,10 @@ from kvtvm.inputs import BatchItem
 from kvtvm.kernels.reference import reference_append, reference_decode, reference_prefill
 from kvtvm.manager import PagedKVCacheManager
 from kvtvm.quant import quant_row_bytes, quantize_rows
+from helpers import numpy_of as _np
 
 #: max |kernel - reference over the dequantized cache| of the outputs, per q dtype
 TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
-
-
-def _np(view):
-    """numpy view of a CPU tensor (float8 via uint8 + ml_dtypes, bfloat16 as float32 copy)."""
-    if view.dtype == torch.float8_e4m3fn:
-        return view.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-    if view.dtype == torch.bfloat16:
-        return view.float().numpy()
-    return view.numpy()
 
 
 def _tdt(name):

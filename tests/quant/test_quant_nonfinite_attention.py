@@ -12,6 +12,7 @@ import torch
 from kvtvm import ops
 from kvtvm.kernels.reference import reference_decode, reference_prefill
 from kvtvm.quant import quant_row_bytes
+from helpers import numpy_of as _np
 
 H, G, D, PAGE = 2, 2, 40, 5
 COUNTS = [9, 30, 1]   # new tokens of 3 sequences (all start empty)
@@ -41,14 +42,6 @@ def _setup(storage, rng):
     ops.append_kv(kc, vc, k, v, indptr, torch.zeros(3, dtype=torch.int32),
                   torch.from_numpy(table))
     return kc, vc, indptr, torch.from_numpy(table)
-
-
-def _np(view):
-    if view.dtype == torch.float8_e4m3fn:
-        import ml_dtypes
-
-        return view.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-    return view.numpy()
 
 
 def _same(got, want, tol=2e-5):

@@ -3,7 +3,6 @@ project's usual grid (odd head_dim, GQA, page sizes, ragged batches with empty s
 sliding windows, non-finite rows), each against the numpy references on fresh random inputs;
 plus the regressions an off-grid sweep found."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -11,18 +10,10 @@ import torch
 from kvtvm import ops
 from kvtvm.kernels.reference import reference_append, reference_decode, reference_prefill
 from kvtvm.quant import quant_row_bytes, quantize_rows
+from helpers import numpy_of as _np
 
 #: max |kernel - reference over the dequantized cache| of the outputs, per q dtype
 TOL = {"float32": 3e-5, "float16": 5e-3, "bfloat16": 4e-2}
-
-
-def _np(view):
-    """numpy array of a CPU tensor (float8 via uint8 + ml_dtypes, bfloat16 as a float32 copy)."""
-    if view.dtype == torch.float8_e4m3fn:
-        return view.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-    if view.dtype == torch.bfloat16:
-        return view.float().numpy()
-    return view.numpy()
 
 
 def _tdt(name):

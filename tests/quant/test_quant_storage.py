@@ -4,7 +4,6 @@ kvtvm.manager)."""
 
 import itertools
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -17,18 +16,12 @@ from kvtvm.manager import (ContinuousBatchingKVCacheManager, LinearKVCache,
                            PagedKVCacheManager)
 from kvtvm.quant import quant_row_bytes, quantize_rows
 from kvtvm.storage import split_rows, view_storage
+from helpers import numpy_of as _np
 
 FORMATS = [dict(cache_dtype="int8"), dict(cache_dtype="float8_e4m3fn"),
            dict(k_cache_dtype="int8"),                                  # K-only
            dict(k_cache_dtype="int8", v_cache_dtype="float8_e4m3fn"),
            dict(cache_dtype="int8", skip_layers=(0, -1)), dict()]
-
-
-def _np(view):
-    """A numpy array sharing a CPU view's memory (float8 through uint8 + ml_dtypes)."""
-    if view.dtype == torch.float8_e4m3fn:
-        return view.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-    return view.numpy()
 
 
 def _tensor(m):
