@@ -176,3 +176,23 @@ def numpy_of(view):
     if view.dtype == torch.bfloat16:
         return view.float().numpy()
     return view.numpy()
+
+
+def ragged_batch(rng, counts, starts, page_size, spare):
+    """Indices of a ragged batch (sequence ``b`` holds ``starts[b]`` tokens and appends
+    ``counts[b]``) over pages handed out in a random order, a pool of ``spare`` pages more:
+    ``(num_pages, qo_indptr [B + 1], cache_lengths [B], lookup [B, max pages + 1])``, the
+    lookup's unused entries -1."""
+    import torch
+
+    n_pages = [-(-(s + c) // page_size) for s, c in zip(starts, counts)]
+    total = sum(n_pages) + spare
+    perm = rng.permutation(total)
+    table = np.full((len(counts), max(n_pages) + 1), -1, np.int32)
+    cur = 0
+    for b, n in enumerate(n_pages):
+        table[b, :n] = perm[cur:cur + n]
+        cur += n
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return (total, torch.from_numpy(indptr), torch.tensor(starts, dtype=torch.int32),
+            torch.from_numpy(table))

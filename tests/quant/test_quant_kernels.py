@@ -17,7 +17,7 @@ from kvtvm.inputs import BatchItem
 from kvtvm.kernels.reference import reference_append, reference_decode, reference_prefill
 from kvtvm.manager import PagedKVCacheManager
 from kvtvm.quant import quant_row_bytes, quantize_rows
-from helpers import numpy_of as _np
+from helpers import numpy_of as _np, ragged_batch
 
 #: max |kernel - reference over the dequantized cache| of the outputs, per q dtype
 TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
@@ -54,19 +54,7 @@ def _special_rows(rng, n, H, D, dtype):
 
 
 def _batch(rng, counts, starts, page_size, spare=3):
-    """Indices of a ragged batch over pages handed out in a random order."""
-    final = [s + c for s, c in zip(starts, counts)]
-    n_pages = [-(-f // page_size) for f in final]
-    total = sum(n_pages) + spare
-    perm = rng.permutation(total)
-    table = np.full((len(counts), max(n_pages) + 1), -1, np.int32)
-    cur = 0
-    for b, n in enumerate(n_pages):
-        table[b, :n] = perm[cur:cur + n]
-        cur += n
-    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    return (total, torch.from_numpy(indptr), torch.tensor(starts, dtype=torch.int32),
-            torch.from_numpy(table))
+    return ragged_batch(rng, counts, starts, page_size, spare)
 
 
 def _shape(layout, pages, page_size, H):

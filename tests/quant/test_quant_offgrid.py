@@ -10,7 +10,7 @@ import torch
 from kvtvm import ops
 from kvtvm.kernels.reference import reference_append, reference_decode, reference_prefill
 from kvtvm.quant import quant_row_bytes, quantize_rows
-from helpers import numpy_of as _np
+from helpers import numpy_of as _np, ragged_batch
 
 #: max |kernel - reference over the dequantized cache| of the outputs, per q dtype
 TOL = {"float32": 3e-5, "float16": 5e-3, "bfloat16": 4e-2}
@@ -36,18 +36,7 @@ def _cache(rng, storage, dtype, shape, D, bad_rows=0):
 
 
 def _batch(rng, counts, starts, page_size, spare=2):
-    """Indices of a ragged batch over pages handed out in a random order."""
-    n_pages = [-(-(s + c) // page_size) for s, c in zip(starts, counts)]
-    total = sum(n_pages) + spare
-    perm = rng.permutation(total)
-    table = np.full((len(counts), max(n_pages) + 1), -1, np.int32)
-    cur = 0
-    for b, n in enumerate(n_pages):
-        table[b, :n] = perm[cur:cur + n]
-        cur += n
-    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    return (total, torch.from_numpy(indptr), torch.tensor(starts, dtype=torch.int32),
-            torch.from_numpy(table))
+    return ragged_batch(rng, counts, starts, page_size, spare)
 
 
 def _shape(layout, pages, page_size, H):
