@@ -8,9 +8,11 @@
 #   speed against the CUDA-core kernel and the float16 cache, K-only and V-only included;
 # - where the 8-bit decode's bandwidth goes at 64 x 4K and 256 x 1K (H100: 1.46-1.49x the
 #   float16 cache, issue 16 asks 1.5x): nhd against hnd, and the split count;
-# - every GPU test under tests/ (CPU kernels and quality changed in the fourteenth session,
-#   the CUDA sources of the shipped kernels did not: the both-8-bit tensor-core source is
-#   byte-identical), the decode benchmark, compute-sanitizer over the ops' GPU tests.
+# - every GPU test under tests/: the fourteenth session changed the CUDA quantizing append (rows
+#   whose amax is below 2**-100 are prescaled; tests/quant/test_quant_cuda.py's append-bytes
+#   test gained such a row: never run on a GPU yet), not the shipped decode (the both-8-bit
+#   tensor-core source is byte-identical); the decode benchmark; compute-sanitizer over the
+#   ops' GPU tests.
 # Each step has its own time limit so that one stuck step leaves the rest their time. Logs and
 # JSON land in $OUT (8 files at most).
 set -uo pipefail
