@@ -189,7 +189,7 @@ def staged_words(spec, storage: str, side: str) -> int:
 
 def geometry(spec, knobs) -> dict:
     """Warps, stages and tile rows within the static shared-memory limit: K and V stages of
-    8-bit rows, the warps' output reduction and running (max, sum)."""
+    staged rows (:func:`staged_words`), the warps' output reduction and running (max, sum)."""
     if knobs.get("mma_short"):  # the short_splits variant: 4 warps of 64 rows, 2 stages
         knobs = dict(knobs, threads=128, tile_tokens=64, stages=2)
     W = max(1, int(knobs.get("threads", 128)) // 32)
