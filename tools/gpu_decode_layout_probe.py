@@ -30,6 +30,7 @@ from pathlib import Path
 SHAPES = [(16, 4096), (64, 4096), (256, 1024)]
 SPLITS = [2, 4, 6, 7, 8, 9, 12, 16]
 CACHES = ["float16", "int8", "float8_e4m3fn"]
+SHORT = {"float16": "f16", "int8": "i8", "float8_e4m3fn": "e4m3"}
 LAYOUTS = ["nhd", "hnd"]
 H, G, D, PAGE = 8, 4, 128, 16
 
@@ -108,7 +109,7 @@ def timing(out: Path, paths: dict, repeat: int) -> list:
                     ms = 1e3 * timed(call, "cuda", repeat, 5, "graph")[0]
                     key = f"{storage}_{layout}"
                     row[f"{key}_ms"], row[f"{key}_err"] = ms, err
-                    line += f" | {storage[:5]} {layout} {ms:.4f}"
+                    line += f" | {SHORT[storage]} {layout} {ms:.4f}"
                     if err > 0.05:
                         line += f" (err {err:.2e})"
                 for layout in LAYOUTS:

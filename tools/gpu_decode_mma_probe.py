@@ -157,9 +157,9 @@ def numerics(out: Path, paths: dict) -> list:
                 0.05, 6, (num_pages,) + (1,) * 3).astype(np.float32)
             x[..., 3] *= 30  # an outlier channel
             if not st:  # a 16-bit side: the queries' dtype, as stored
-                rows = torch.from_numpy(x).to(getattr(torch, _dtype(name)))
-                caches.append(rows.cuda())
-                host.append(rows.float().numpy())
+                values = torch.from_numpy(x).to(getattr(torch, _dtype(name)))
+                caches.append(values.cuda())
+                host.append(values.float().numpy())
                 continue
             raw = quantize_rows(x, st).view(np.int8)
             caches.append(torch.from_numpy(raw).cuda().view(getattr(torch, st)))
