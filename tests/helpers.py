@@ -196,3 +196,23 @@ def ragged_batch(rng, counts, starts, page_size, spare):
     indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     return (total, torch.from_numpy(indptr), torch.tensor(starts, dtype=torch.int32),
             torch.from_numpy(table))
+
+
+def append_writes_reference_bytes(kc, vc, k, v, indptr, lengths, table, layout="nhd"):
+    """``ops.append_kv`` into the CPU views ``kc``/``vc`` and assert they then hold exactly the
+    bytes of :func:`kvtvm.kernels.reference.reference_append` (8-bit rows compared as bytes,
+    scales and padding included; full-precision rows as values)."""
+    import torch
+
+    from kvtvm import ops
+    from kvtvm.kernels.reference import reference_append
+
+    want_k, want_v = reference_append(numpy_of(kc), numpy_of(vc), numpy_of(k), numpy_of(v),
+                                      indptr.numpy(), lengths.numpy(), table.numpy(),
+                                      layout=layout)
+    ops.append_kv(kc, vc, k, v, indptr, lengths, table, layout=layout)
+    for got, want in ((kc, want_k), (vc, want_v)):
+        if got.element_size() == 1:
+            np.testing.assert_array_equal(got.view(torch.uint8).numpy(), want.view(np.uint8))
+        else:
+            np.testing.assert_array_equal(numpy_of(got), want)

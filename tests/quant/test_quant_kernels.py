@@ -17,7 +17,7 @@ from kvtvm.inputs import BatchItem
 from kvtvm.kernels.reference import reference_append, reference_decode, reference_prefill
 from kvtvm.manager import PagedKVCacheManager
 from kvtvm.quant import quant_row_bytes, quantize_rows
-from helpers import numpy_of as _np, ragged_batch
+from helpers import append_writes_reference_bytes, numpy_of as _np, ragged_batch
 
 #: max |kernel - reference over the dequantized cache| of the outputs, per q dtype
 TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
@@ -82,14 +82,7 @@ def test_append_writes_the_reference_bytes(ks, vs, dtype, layout, page_size, H, 
             rng.integers(-128, 128, kc.shape, dtype=np.int8)))
     k, v = _special_rows(rng, sum(counts), H, D, dtype), _special_rows(rng, sum(counts), H, D,
                                                                         dtype)
-    want_k, want_v = reference_append(_np(kc), _np(vc), _np(k), _np(v), indptr.numpy(),
-                                      lengths.numpy(), table.numpy(), layout=layout)
-    ops.append_kv(kc, vc, k, v, indptr, lengths, table, layout=layout)
-    for got, want in ((kc, want_k), (vc, want_v)):
-        if got.element_size() == 1:
-            np.testing.assert_array_equal(got.view(torch.uint8).numpy(), want.view(np.uint8))
-        else:
-            np.testing.assert_array_equal(_np(got), want)
+    append_writes_reference_bytes(kc, vc, k, v, indptr, lengths, table, layout)
 
 
 def test_parallel_append_writes_the_reference_bytes():

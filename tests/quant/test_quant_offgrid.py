@@ -10,7 +10,7 @@ import torch
 from kvtvm import ops
 from kvtvm.kernels.reference import reference_append, reference_decode, reference_prefill
 from kvtvm.quant import quant_row_bytes, quantize_rows
-from helpers import numpy_of as _np, ragged_batch
+from helpers import append_writes_reference_bytes, numpy_of as _np, ragged_batch
 
 #: max |kernel - reference over the dequantized cache| of the outputs, per q dtype
 TOL = {"float32": 3e-5, "float16": 5e-3, "bfloat16": 4e-2}
@@ -73,14 +73,7 @@ def _check_case(seed, ks, vs, dtype, layout, page_size, H, G, D, window, bad_row
                           ).astype(np.float32)).to(_tdt(dtype))
     v = torch.from_numpy((rng.standard_normal((n, H, D)) * rng.uniform(1e-3, 30, (n, H, 1))
                           ).astype(np.float32)).to(_tdt(dtype))
-    want_k, want_v = reference_append(_np(kc), _np(vc), _np(k), _np(v), indptr.numpy(),
-                                      lengths.numpy(), table.numpy(), layout=layout)
-    ops.append_kv(kc, vc, k, v, indptr, lengths, table, layout=layout)
-    for got, want in ((kc, want_k), (vc, want_v)):
-        if got.element_size() == 1:
-            np.testing.assert_array_equal(got.view(torch.uint8).numpy(), want.view(np.uint8))
-        else:
-            np.testing.assert_array_equal(_np(got), want)
+    append_writes_reference_bytes(kc, vc, k, v, indptr, lengths, table, layout)
     # decode over the cache after the batch (every sequence non-empty)
     pages, _, lengths, table = _batch(rng, [1] * B, [s + c for s, c in zip(starts, counts)],
                                       page_size)
