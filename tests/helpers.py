@@ -126,6 +126,13 @@ def cuda_available() -> bool:
         return False
 
 
+def gpu(test):
+    """Mark ``test`` as a GPU test (``-m gpu``) that skips itself without a CUDA GPU."""
+    import pytest
+
+    return pytest.mark.gpu(pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")(test))
+
+
 def random_page_table(rng, lengths, page_size, spare=2):
     """A page table for sequences of ``lengths`` cached tokens plus the current one, each page
     a distinct random page of a pool with ``spare`` pages left over: returns ``(table

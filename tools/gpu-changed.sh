@@ -12,7 +12,11 @@
 #   whose amax is below 2**-100 are prescaled; tests/quant/test_quant_cuda.py's append-bytes
 #   test gained such a row: never run on a GPU yet), not the shipped decode (the both-8-bit
 #   tensor-core source is byte-identical); the decode benchmark; compute-sanitizer over the
-#   ops' GPU tests.
+#   ops' GPU tests;
+# - the fifteenth session's non-finite fix: a query whose every score is -inf (a full-precision
+#   key holding -inf) gets NaN out and lse from every CUDA decode (any split count: the merge
+#   tells an all -inf split from an empty one) and prefill kernel
+#   (tests/quant/test_quant_nonfinite_cuda.py, among the GPU tests).
 # Each step has its own time limit so that one stuck step leaves the rest their time. Logs and
 # JSON land in $OUT (8 files at most).
 set -uo pipefail

@@ -67,6 +67,10 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 #: Finite "minus infinity" (fast-math safe): lse of an empty split, score of a masked token.
 NEG = -3.0e38
+#: lse of a split whose positions all scored -inf (weight 0 beside a finite score elsewhere).
+NEG_INFINITY = float("-inf")
+#: out and lse of attention whose every score is -inf: the reference's 0/0.
+NAN = float("nan")
 
 
 def length_ok(cache_length, capacity):

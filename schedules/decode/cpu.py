@@ -15,18 +15,14 @@ from __future__ import annotations
 
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, signature,
-                                  split_range)
+from kvtvm.kernels.decode import (LN2, LOG2E, NAN, NEG, NEG_INFINITY, length_ok, match_params,
+                                  signature, split_range)
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.quant_access import load_value, row_scale
 from kvtvm.quant import quant_row_bytes
 
 from ..common import prefetch, replace_function
 
-#: score of a tile slot past the split (exp2 of it minus any running max is 0), lse of a split
-#: whose positions all scored -inf; NaN: the 0/0 of attention whose every score is -inf
-NEG_INFINITY = float("-inf")
-NAN = float("nan")
 
 
 def exp2_poly(x):

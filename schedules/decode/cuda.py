@@ -29,8 +29,8 @@ from __future__ import annotations
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func, tir)
 from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.decode import (LN2, LOG2E, NEG, length_ok, match_params, signature,
-                                  split_range, vec_choices)
+from kvtvm.kernels.decode import (LN2, LOG2E, NAN, NEG, NEG_INFINITY, length_ok, match_params,
+                                  signature, split_range, vec_choices)
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 
 from ..common import DTYPE_BYTES, pages_bad_macro, replace_function
@@ -202,16 +202,19 @@ def merge_macro(spec, knobs):
                         part = alloc_buffer((4,), "float32", scope="local")
                         mm = alloc_buffer((4,), "float32", scope="local")  # max, sum, lse, scale
                         acc_red = alloc_buffer((MZ, D), "float32", scope="shared")
-                        mm_red = alloc_buffer((MZ, 2), "float32", scope="shared")
+                        mm_red = alloc_buffer((MZ, 3), "float32", scope="shared")
+                        low = alloc_buffer((1,), "float32", scope="local")  # the smallest lse
                         b: T.int32 = T.truncdiv(bx, Hq)
                         hq: T.int32 = T.truncmod(bx, Hq)
                         ns: T.int32 = T.Cast("int32", splits)
                         mm[0] = T.float32(NEG)
                         mm[1] = T.float32(0)
+                        low[0] = T.float32(0)
                         for v in T.vectorized(4):
                             acc[v] = T.float32(0)
                         for i in T.serial(T.truncdiv(ns - tz + MZ - 1, MZ)):
                             mm[2] = lse_part[tz + i * MZ, b, hq]
+                            low[0] = T.min(low[0], mm[2])
                             for v in T.vectorized(4):
                                 part[v] = o_part[tz + i * MZ, b, hq, tx * 4 + v]
                             mm[3] = T.max(mm[0], mm[2])
@@ -224,11 +227,13 @@ def merge_macro(spec, knobs):
                         if tx == 0:
                             mm_red[tz, 0] = mm[0]
                             mm_red[tz, 1] = mm[1]
+                            mm_red[tz, 2] = low[0]
                         T.tvm_storage_sync("shared")
                         if tz == 0:
                             mm[3] = T.float32(NEG)
                             for z in T.unroll(MZ):
                                 mm[3] = T.max(mm[3], mm_red[z, 0])
+                                low[0] = T.min(low[0], mm_red[z, 2])
                             mm[1] = T.float32(0)
                             for v in T.vectorized(4):
                                 acc[v] = T.float32(0)
@@ -237,6 +242,8 @@ def merge_macro(spec, knobs):
                                 mm[1] = mm[1] + mm_red[z, 1] * mm[2]
                                 for v in T.unroll(4):
                                     acc[v] = acc[v] + acc_red[z, tx * 4 + v] * mm[2]
+                            if mm[3] == T.float32(NEG) and low[0] < T.float32(NEG):
+                                mm[1] = T.float32(NAN)  # every score -inf: 0/0, as with 1 split
                             for v in T.unroll(4):
                                 out[b, hq, tx * 4 + v] = T.Cast(dtype, acc[v] / mm[1])
                             if tx == 0:
@@ -383,8 +390,8 @@ def schedule(mod, spec, knobs):
                                         for u in T.unroll(CH // 4):
                                             for v in T.vectorized(4):
                                                 out[b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = T.Cast(dtype, o_reg[c * CH + u * 4 + v] / st[1])
-                                    if tx == 0:
-                                        lse[b, h * G + ty] = (st[2] + T.log2(st[1])) * T.float32(LN2)
+                                    if tx == 0:  # st[1] 0: every score -inf, out 0/0 and lse NaN
+                                        lse[b, h * G + ty] = T.Select(st[1] == T.float32(0), T.float32(NAN), (st[2] + T.log2(st[1])) * T.float32(LN2))
                                 elif tir.any(st[1] > T.float32(0), T.isnan(st[1])):  # NaN: kept (a NaN key)
                                     for c in T.unroll(SUB):
                                         for u in T.unroll(CH // 4):
@@ -392,13 +399,13 @@ def schedule(mod, spec, knobs):
                                                 o_part[s, b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = o_reg[c * CH + u * 4 + v] / st[1]
                                     if tx == 0:
                                         lse_part[s, b, h * G + ty] = st[2] + T.log2(st[1])
-                                else:
+                                else:  # an empty split (NEG), or one whose scores were all -inf
                                     for c in T.unroll(SUB):
                                         for u in T.unroll(CH // 4):
                                             for v in T.vectorized(4):
                                                 o_part[s, b, h * G + ty, (c * BDX + tx) * CH + u * 4 + v] = T.float32(0)
                                     if tx == 0:
-                                        lse_part[s, b, h * G + ty] = T.float32(NEG)
+                                        lse_part[s, b, h * G + ty] = T.Select(hi > lo, T.float32(NEG_INFINITY), T.float32(NEG))
         if splits > T.int64(1):
             merge_splits(batch, splits, out, lse, o_part, lse_part)
     # fmt: on

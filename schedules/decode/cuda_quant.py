@@ -24,7 +24,8 @@ from __future__ import annotations
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func, tir)
 from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.decode import LN2, LOG2E, NEG, length_ok, match_params, signature, split_range
+from kvtvm.kernels.decode import (LN2, LOG2E, NAN, NEG, NEG_INFINITY, length_ok, match_params,
+                                  signature, split_range)
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale
 from kvtvm.quant import quant_row_bytes
@@ -402,20 +403,20 @@ def schedule(mod, spec, knobs):
                                     for c in T.unroll(VEC // 4):
                                         for v in T.vectorized(4):
                                             out[b, h * G + g, tx * VEC + c * 4 + v] = T.Cast(dtype, kv[c * 4 + v] / st[1])
-                                    if tx == 0:
-                                        lse[b, h * G + g] = (st[2] + T.log2(st[1])) * T.float32(LN2)
+                                    if tx == 0:  # st[1] 0: every score -inf, out 0/0 and lse NaN
+                                        lse[b, h * G + g] = T.Select(st[1] == T.float32(0), T.float32(NAN), (st[2] + T.log2(st[1])) * T.float32(LN2))
                                 elif tir.any(st[1] > T.float32(0), T.isnan(st[1])):  # NaN: kept (a NaN key)
                                     for c in T.unroll(VEC // 4):
                                         for v in T.vectorized(4):
                                             o_part[s, b, h * G + g, tx * VEC + c * 4 + v] = kv[c * 4 + v] / st[1]
                                     if tx == 0:
                                         lse_part[s, b, h * G + g] = st[2] + T.log2(st[1])
-                                else:
+                                else:  # an empty split (NEG), or one whose scores were all -inf
                                     for c in T.unroll(VEC // 4):
                                         for v in T.vectorized(4):
                                             o_part[s, b, h * G + g, tx * VEC + c * 4 + v] = T.float32(0)
                                     if tx == 0:
-                                        lse_part[s, b, h * G + g] = T.float32(NEG)
+                                        lse_part[s, b, h * G + g] = T.Select(hi > lo, T.float32(NEG_INFINITY), T.float32(NEG))
         if splits > T.int64(1):
             merge_splits(batch, splits, out, lse, o_part, lse_part)
     # fmt: on

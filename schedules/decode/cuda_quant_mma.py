@@ -47,7 +47,8 @@ from kvtvm.cuda_limits import tensor_core_decode
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func, tir)
 from kvtvm.kernels.accessor import cache_index
-from kvtvm.kernels.decode import LN2, LOG2E, NEG, length_ok, match_params, signature, split_range
+from kvtvm.kernels.decode import (LN2, LOG2E, NAN, NEG, NEG_INFINITY, length_ok, match_params,
+                                  signature, split_range)
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
 from kvtvm.quant import quant_row_bytes
 
@@ -435,16 +436,16 @@ def schedule(mod, spec, knobs):
                             st[0] = st[0] * T.float32(1.0 / PRE)
                             if splits == T.int64(1):
                                 out[b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = T.Cast(dtype, st[0] / st[1])
-                                if T.truncmod(r * NT + tid, D) == 0:
-                                    lse[b, h * G + T.truncdiv(r * NT + tid, D)] = (st[2] + T.log2(st[1])) * T.float32(LN2)
+                                if T.truncmod(r * NT + tid, D) == 0:  # st[1] 0: every score -inf, lse NaN
+                                    lse[b, h * G + T.truncdiv(r * NT + tid, D)] = T.Select(st[1] == T.float32(0), T.float32(NAN), (st[2] + T.log2(st[1])) * T.float32(LN2))
                             elif tir.any(st[1] > T.float32(0), T.isnan(st[1])):  # NaN: kept (a NaN key)
                                 o_part[s, b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = st[0] / st[1]
                                 if T.truncmod(r * NT + tid, D) == 0:
                                     lse_part[s, b, h * G + T.truncdiv(r * NT + tid, D)] = st[2] + T.log2(st[1])
-                            else:
+                            else:  # an empty split (NEG), or one whose scores were all -inf
                                 o_part[s, b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = T.float32(0)
                                 if T.truncmod(r * NT + tid, D) == 0:
-                                    lse_part[s, b, h * G + T.truncdiv(r * NT + tid, D)] = T.float32(NEG)
+                                    lse_part[s, b, h * G + T.truncdiv(r * NT + tid, D)] = T.Select(hi > lo, T.float32(NEG_INFINITY), T.float32(NEG))
         if splits > T.int64(1):
             merge_splits(batch, splits, out, lse, o_part, lse_part)
     # fmt: on

@@ -25,6 +25,7 @@ import math
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, get_block, prim_func, tir
 from kvtvm.kernels.accessor import find_sequence
 from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
+from kvtvm.kernels.decode import NAN
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, sequence_ok
 from kvtvm.kernels.quant_access import dequant
 
@@ -33,8 +34,6 @@ from ..common import new_schedule, replace_function, under_locate
 
 #: score of a masked (query, key) pair: below every real score and the initial running max
 MASKED = -3.0e38
-#: the lse of a row whose every visible score is -inf (0/0, as its output)
-NAN = float("nan")
 #: largest finite float32 (a V value above it in magnitude, or NaN, is not finite)
 FLT_MAX = 3.4028234663852886e38
 

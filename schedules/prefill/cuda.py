@@ -26,6 +26,7 @@ from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, 
 from kvtvm.kernels.accessor import find_sequence
 from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.quant_access import dequant
+from kvtvm.kernels.decode import NAN
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, sequence_ok, uses_wgmma
 
 from ..common import pages_bad_macro, replace_function
@@ -173,7 +174,7 @@ def simt_prefill(spec, NW: int):
                             for i in T.unroll(DL):
                                 if i * 32 + lane < D:
                                     out[vn, vh, i * 32 + lane] = T.Cast(dtype, acc[i] / st[1])
-                            if lane == 0:
-                                lse[vn, vh] = (st[0] + T.log2(st[1])) * T.float32(1.0 / LOG2E)
+                            if lane == 0:  # st[1] 0: every score -inf, out 0/0 and lse NaN
+                                lse[vn, vh] = T.Select(st[1] == T.float32(0), T.float32(NAN), (st[0] + T.log2(st[1])) * T.float32(1.0 / LOG2E))
     # fmt: on
     return prefill

@@ -40,6 +40,7 @@ from __future__ import annotations
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index, find_sequence
 from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
+from kvtvm.kernels.decode import NAN
 from kvtvm.kernels.prefill import LOG2E, NEG_INF, match_params, sequence_ok
 
 from ..common import pages_bad_macro
@@ -581,10 +582,11 @@ def tensor_core_prefill(spec, NW: int, BN: int, STAGES: int, Q_REGS: bool, MT: i
                                                             db * 8 + lane % 4 * 2 + e] = T.Cast(
                                                             dtype, of[(mt * DB + db) * 4 + hh * 2 + e]
                                                             / lr[mt * 2 + hh])
-                                                if lane % 4 == 0:
+                                                if lane % 4 == 0:  # lr 0: every score -inf, lse NaN
                                                     lse[r0 + (w * WR + mt * 16 + lane // 4 + hh * 8) // G,
                                                         h * G + (w * WR + mt * 16 + lane // 4 + hh * 8) % G] = \
-                                                        (mr[mt * 2 + hh] + T.log2(lr[mt * 2 + hh])) * T.float32(LN2)
+                                                        T.Select(lr[mt * 2 + hh] == T.float32(0), T.float32(NAN),
+                                                                 (mr[mt * 2 + hh] + T.log2(lr[mt * 2 + hh])) * T.float32(LN2))
                                 ir[0] = T.max(r1, r0)
                                 ib[0] = ib[0] + 1
                             if tid == 0 and ir[0] < row1:  # rows past qo_indptr[batch]

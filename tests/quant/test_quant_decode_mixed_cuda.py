@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import cuda_available, random_page_table
+from helpers import gpu, random_page_table
 
 from kvtvm import compiler
 
@@ -90,11 +90,6 @@ def test_mixed_decode_builds_for_sm90a_and_sm80_without_spills(tmp_path, case):
 
 
 # -- on a GPU ------------------------------------------------------------------------------
-
-def gpu(test):
-    """Mark ``test`` as a GPU test that skips itself without one."""
-    return pytest.mark.gpu(pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")(test))
-
 
 def _side(torch, rng, storage, dtype, layout, num_pages, page_size, D, device="cuda"):
     """One side of a layer: a strided view (every other slot of a larger tensor, as the
