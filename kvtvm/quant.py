@@ -18,9 +18,11 @@ Quantization, per row ``x`` (float32; float16/bfloat16 inputs convert exactly):
 - int8 (``QMAX = 127``): ``q = rint(clip(x * inv, -127, 127))``, round half to even;
 - float8_e4m3fn (``QMAX = 448``): ``q = e4m3(clip(x * inv, -448, 448))``, round to nearest
   even, saturating;
-- a row whose ``amax`` is below :data:`TINY_AMAX` (2**-100) takes ``x * PRESCALE`` and
-  ``amax * PRESCALE`` (2**40, exact) in the two formulas above, so its inverse stays finite
-  and the row is quantized like any other (the scale stays ``amax / QMAX``);
+- a row whose scale would be a float32 subnormal (``scale < MIN_SCALE = 2**-126``, i.e.
+  ``amax`` below about ``QMAX * 2**-126``) is stored with scale 0 and values ``x * 0`` (zeros;
+  e4m3 keeps their sign): what CUDA's flush-to-zero arithmetic gives, so the CPU and CUDA
+  kernels write the same bytes (such a row's values are below 2**-117, nothing attention can
+  tell from 0);
 - **non-finite input**: a row holding a NaN or an infinity is stored as all-zero values with a
   NaN scale, so it dequantizes to NaN everywhere and poisons attention exactly as it would in a
   full-precision cache -- never a silently finite row.
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["QUANT_DTYPES", "QMAX", "SCALE_BYTES", "ROW_ALIGN", "TINY_AMAX", "PRESCALE",
+__all__ = ["QUANT_DTYPES", "QMAX", "SCALE_BYTES", "ROW_ALIGN", "MIN_SCALE",
            "quant_row_bytes", "round_up", "numpy_storage_dtype", "quantize_rows",
            "dequantize_rows", "row_scales"]
 
@@ -44,12 +46,11 @@ QUANT_DTYPES = tuple(QMAX)
 SCALE_BYTES = 4
 #: Every row of a quantized (or mixed-format) cache starts at a multiple of this many bytes.
 ROW_ALIGN = 16
-#: Rows whose ``amax`` is below this are multiplied by :data:`PRESCALE` (exact: a power of two)
-#: before ``inv = QMAX / amax`` is taken, since that overflows to inf below ``QMAX / FLT_MAX``
-#: (about 2**-121 for int8, 2**-119 for e4m3) and every non-zero value then saturated to
-#: ``+-QMAX``. Wherever the inverse did not overflow the codes are the same either way.
-TINY_AMAX = 2.0 ** -100
-PRESCALE = 2.0 ** 40
+#: The smallest scale stored (float32's smallest normal): a row whose ``amax / QMAX`` rounds
+#: below it is stored with scale 0 and zero values. CUDA (nvcc's fast math flushes
+#: subnormals) could not write its scale, and ``inv = QMAX / amax`` overflows to inf below
+#: ``QMAX / FLT_MAX`` (about 2**-121 for int8), which saturated every value to ``+-QMAX``.
+MIN_SCALE = 2.0 ** -126
 
 
 def round_up(n: int, m: int) -> int:
@@ -92,11 +93,12 @@ def quantize_rows(x, storage: str) -> np.ndarray:
     finite = np.isfinite(x).all(axis=-1, keepdims=True)
     amax = np.where(finite, np.abs(np.where(np.isfinite(x), x, 0)), 0).max(axis=-1,
                                                                           keepdims=True)
-    pre = np.where(amax < TINY_AMAX, PRESCALE, 1).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         scale = (amax / qmax).astype(np.float32)
-        inv = np.where(amax > 0, qmax / np.where(amax > 0, amax * pre, 1), 0).astype(np.float32)
-        y = ((np.where(finite, x, 0) * pre).astype(np.float32) * inv).astype(np.float32)
+        kept = scale >= np.float32(MIN_SCALE)        # else an all-zero row (0 included)
+        scale = np.where(kept, scale, 0).astype(np.float32)
+        inv = np.where(kept, qmax / np.where(kept, amax, 1), 0).astype(np.float32)
+        y = (np.where(finite, x, 0) * inv).astype(np.float32)
     y = np.clip(np.where(np.isnan(y), 0, y), -qmax, qmax)
     scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
     if storage == "int8":

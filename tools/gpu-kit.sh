@@ -40,8 +40,11 @@ build --ops append,decode --dtypes bfloat16 --head-dims 128 --kv-heads 8 --group
 # V-only e4m3 there too (tools/gpu_decode_mma_probe.py times both against the tensor cores)
 build --ops decode --dtypes float16 --head-dims 128 --kv-heads 8 --group-sizes 4 --layouts nhd \
       --cache-dtypes int8/none,none/float8_e4m3fn
-# the quantizing append's other formats: mixed K/V storage, K-only, bfloat16 and float32 rows
+# the quantizing append's other formats: mixed K/V storage, K-only, V-only (the non-finite decode
+# test's V-only cache), bfloat16 and float32 rows
 build --ops append --dtypes float16 --head-dims 128 --kv-heads 4,8 --layouts nhd --cache-dtypes int8/none
+build --ops append --dtypes float16 --head-dims 128 --kv-heads 8 --layouts nhd \
+      --cache-dtypes none/float8_e4m3fn
 build --ops append --dtypes bfloat16 --head-dims 64 --kv-heads 4 --layouts hnd \
       --cache-dtypes int8/float8_e4m3fn
 build --ops append --dtypes float32 --head-dims 128 --kv-heads 4 --layouts nhd \

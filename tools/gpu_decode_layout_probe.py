@@ -15,8 +15,9 @@ probe separates with the kernels' default knobs:
     python tools/gpu_decode_layout_probe.py build build/probe-layout    # here (TVM + nvcc)
     python3 tools/gpu_decode_layout_probe.py run build/probe-layout --json out.json  # on the GPU
 
-``run`` times float16, int8 and e4m3 caches in both layouts at each shape, at the split count
-the ops choose and at the others of :data:`SPLITS` (CUDA graphs, L2 flushed; 8 KV heads x 128,
+``run`` times float16, int8 and e4m3 caches in both layouts at each shape (``--shapes``), at
+the split counts the ops choose (``*`` full precision, ``8`` an 8-bit cache) and at the others
+of :data:`SPLITS` (``--splits``) (CUDA graphs, L2 flushed; 8 KV heads x 128,
 GQA 4, page 16), and checks each 8-bit result against the float16 cache's within the
 quantization's error.
 """
@@ -67,7 +68,7 @@ def _caches(case, storage: str, layout: str):
     return k, v
 
 
-def timing(out: Path, paths: dict, repeat: int) -> list:
+def timing(out: Path, paths: dict, repeat: int, shapes=SHAPES, splits_list=SPLITS) -> list:
     import torch
 
     from kvtvm import runtime
@@ -81,19 +82,23 @@ def timing(out: Path, paths: dict, repeat: int) -> list:
     rows = []
     old = decode_op.kernel_for
     try:
-        for batch, ctx in SHAPES:
+        for batch, ctx in shapes:
             case = make_case(batch, ctx, H, G, D, PAGE, "float16", "cuda")
             q, lengths, table = case["q"], case["lengths"], case["table"]
             auto = decode_op.choose_num_splits(batch, H, table.shape[1] * PAGE,
                                                torch.device("cuda"))
+            auto8 = decode_op.choose_num_splits(batch, H, table.shape[1] * PAGE,
+                                                torch.device("cuda"), quantized=True)
             stored = {}
             for storage in CACHES:
                 for layout in LAYOUTS:
                     stored[storage, layout] = _caches(case, storage, layout)
             ref = None
-            for splits in sorted(set(SPLITS) | {auto}):
-                row = {"batch": batch, "ctx": ctx, "splits": splits, "auto": splits == auto}
-                line = f"{batch:4d} x {ctx:5d} splits {splits:3d}{'*' if splits == auto else ' '}"
+            for splits in sorted(set(splits_list) | {auto, auto8}):
+                row = {"batch": batch, "ctx": ctx, "splits": splits, "auto": splits == auto,
+                       "auto_8bit": splits == auto8}
+                mark = ("*" if splits == auto else " ") + ("8" if splits == auto8 else " ")
+                line = f"{batch:4d} x {ctx:5d} splits {splits:3d}{mark}"
                 for (storage, layout), (k, v) in stored.items():
                     fn = fns[f"{storage} {layout}"]
                     decode_op.kernel_for = lambda *a, _fn=fn, **kw: _fn
@@ -131,6 +136,10 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--json")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--shapes", nargs="+", default=None,
+                        help="BATCHxCTX shapes (default: %s)" % " ".join(
+                            f"{b}x{c}" for b, c in SHAPES))
+    parser.add_argument("--splits", nargs="+", type=int, default=SPLITS)
     args = parser.parse_args()
     if args.mode == "build":
         build(args.out)
@@ -138,8 +147,10 @@ def main() -> None:
     import torch
 
     paths = json.loads((args.out / "layout.json").read_text())
-    result = {"device": torch.cuda.get_device_name(), "splits": SPLITS,
-              "timing": timing(args.out, paths, args.repeat)}
+    shapes = [tuple(int(v) for v in t.lower().split("x")) for t in args.shapes] \
+        if args.shapes else SHAPES
+    result = {"device": torch.cuda.get_device_name(), "splits": args.splits,
+              "timing": timing(args.out, paths, args.repeat, shapes, args.splits)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -178,7 +178,7 @@ def tuning_workload(spec, device: str):
     kc = kernel_cache_arg(case["k_cache"], spec.k_storage, spec.layout)
     vc = kernel_cache_arg(case["v_cache"], spec.v_storage, spec.layout)
     dev = torch.device(device)
-    splits = choose_num_splits(batch, spec.n_kv_heads, ctx, dev)
+    splits = choose_num_splits(batch, spec.n_kv_heads, ctx, dev, quantized=spec.quantized)
     o_part, lse_part = split_workspace(dev, splits, batch, case["q"].shape[1], spec.head_dim)
     out = torch.empty_like(case["q"])
     lse = torch.empty(case["q"].shape[:2], dtype=torch.float32, device=device)

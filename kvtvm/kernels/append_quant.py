@@ -8,10 +8,10 @@ flagged); the K and V caches are ``int8`` buffers of rows of ``quant_row_bytes(h
 bytes, or ``dtype`` rows for a full-precision side (``spec.k_storage`` / ``v_storage`` ``""``).
 
 Per row: ``amax`` of the finite values and whether any is NaN/inf (on the bits), then
-``scale = amax / QMAX``, ``inv = QMAX / (amax * pre)`` (0 for an all-zero row; ``pre`` is
-``PRESCALE`` for an ``amax`` below ``TINY_AMAX``, else 1: the inverse of a tiny row stays
-finite), and each value is ``encode(clip(x * pre * inv))``; a row holding NaN or inf is
-written as zeros with a NaN scale.
+``scale = amax / QMAX``, flushed to 0 below ``MIN_SCALE`` (float32's smallest normal), ``inv
+= QMAX / amax`` (0 where the scale is 0: an all-zero row, or one too small for a normal
+scale, is written as zeros), and each value is ``encode(clip(x * inv))``; a row holding NaN
+or inf is written as zeros with a NaN scale.
 
 :func:`build` writes the CPU kernel from two knobs (one task per token in parallel or
 serially; ``lanes`` float32 lanes per vector); :func:`define` is the serial scalar form. The
@@ -22,7 +22,7 @@ fast math; under its flush-to-zero a row whose largest magnitude is a float32 su
 
 from __future__ import annotations
 
-from ..quant import PRESCALE, QMAX, TINY_AMAX, quant_row_bytes
+from ..quant import MIN_SCALE, QMAX, quant_row_bytes
 from ._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from .accessor import cache_index, find_sequence, match_err, match_tensor
 from .append import VARIANTS  # noqa: F401  (same runtime variants as the full-precision append)
@@ -92,16 +92,14 @@ def _row_writer(storage: str, layout: str, D: int, L: int):
             sv[0] = T.float32(0)  # its scale bytes are NaN's (from the int bits: CUDA codegen
             # cannot reinterpret a constant)
             sv[1] = T.float32(0)
-            sv[2] = T.float32(1)
-        else:  # a tiny row is prescaled (exact) so that its inverse scale stays finite
+        else:  # a scale below MIN_SCALE (0 for an all-zero row) is stored as 0, values 0
             sv[0] = amax[0] / T.float32(qmax)
-            sv[2] = T.Select(amax[0] < T.float32(TINY_AMAX), T.float32(PRESCALE), T.float32(1))
-            sv[1] = T.Select(amax[0] > T.float32(0), T.float32(qmax) / (amax[0] * sv[2]),
-                             T.float32(0))
+            sv[0] = T.Select(sv[0] < T.float32(MIN_SCALE), T.float32(0), sv[0])
+            sv[1] = T.Select(sv[0] > T.float32(0), T.float32(qmax) / amax[0], T.float32(0))
         for dv in range(DV):
             for l in T.vectorized(L):
                 cache[cache_index(layout, page, slot, h, dv * L + l)] = encode(T.min(T.max(
-                    _finite_or_zero(_f32(x[n, h, dv * L + l]) * sv[2] * sv[1], bad[0]),
+                    _finite_or_zero(_f32(x[n, h, dv * L + l]) * sv[1], bad[0]),
                     T.float32(-qmax)), T.float32(qmax)), storage)
         for i in range(4):
             cache[cache_index(layout, page, slot, h, D + i)] = T.Select(
@@ -191,7 +189,7 @@ def build(spec, parallel: bool, lanes: int):
                 T.writes()
                 amax = alloc_buffer((L,), "float32")
                 bad = alloc_buffer((L,), "int32")
-                sv = alloc_buffer((3,), "float32")  # scale, inverse, prescale
+                sv = alloc_buffer((2,), "float32")  # scale, inverse
                 bounds = alloc_buffer((2,), "int32", scope="local")
                 quant_token(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup, err,
                             num_pages, page_size, max_pages, batch, n, 0, H, amax, bad, sv, bounds)

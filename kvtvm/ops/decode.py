@@ -40,6 +40,13 @@ CUDA_MIN_SPLIT_TOKENS = 128
 #: ... and no grid just past one full wave (the second wave would run nearly empty): the
 #: tuned attend kernel keeps about this many CTAs resident per SM.
 CUDA_RESIDENT_CTAS_PER_SM = 7
+#: CUDA over an 8-bit side: the split count is halved while the grid keeps at least this many
+#: CTAs per SM. An 8-bit split reads its rows in about 60% of the float16 kernel's time, so
+#: each split's fixed cost (prologue, epilogue, its share of the merge) weighs more: at 64 x 4K
+#: on an H100, 8 splits of 512 positions ran at 1.44-1.47x the float16 cache, 4 or 2 at
+#: 1.47-1.53x (2026-11-27, ``tools/gpu_decode_layout_probe.py``); 16 x 4K and 1 x 32K, whose
+#: grids are small, keep theirs.
+CUDA_QUANT_MIN_CTAS_PER_SM = 12
 #: CUDA over an 8-bit side: splits shorter than this run the ``short_splits`` variant (the
 #: schedule's defaults): the tuned 8-bit kernels prefetch 2-3 stages of 32-64 rows and, tuned
 #: at 16 x 4K (512-position splits), lost a quarter at 1 x 4K (128-position splits; H200,
@@ -66,14 +73,17 @@ def _parallel_units(device) -> int:
     return runtime.cpu_threads()
 
 
-def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device) -> int:
+def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device,
+                      quantized: bool = False) -> int:
     """KV splits per sequence, so that ``batch x kv_heads x splits`` work units fill the device.
 
     CUDA (one CTA per sequence, KV head and split): splits of about
     :data:`CUDA_SPLIT_TOKENS` positions (a power of two), more when that leaves under
     :data:`CUDA_MIN_CTAS_PER_SM` CTAs per SM, halved when the grid would end just past one
-    full wave. CPU (a task holds every KV head of a sequence, see ``schedules/cpu_decode.py``):
-    enough splits for one task per core, at least :data:`MIN_SPLIT_TOKENS` positions each.
+    full wave; over a ``quantized`` (8-bit K or V) cache, halved again while the grid keeps
+    :data:`CUDA_QUANT_MIN_CTAS_PER_SM` CTAs per SM. CPU (a task holds every KV head of a
+    sequence, see ``schedules/cpu_decode.py``): enough splits for one task per core, at least
+    :data:`MIN_SPLIT_TOKENS` positions each.
     """
     processors = _parallel_units(device)
     if device.type != "cuda":
@@ -88,6 +98,8 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device) -> i
     splits = min(splits, cap)
     wave = CUDA_RESIDENT_CTAS_PER_SM * processors
     if splits > 1 and wave < units * splits <= 1.5 * wave:
+        splits //= 2
+    while quantized and splits > 1 and units * (splits // 2) >= CUDA_QUANT_MIN_CTAS_PER_SM * processors:
         splits //= 2
     return int(max(1, splits))
 
@@ -311,7 +323,7 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
               and batch * max_kv_len * geo.n_kv_heads * geo.head_dim < CPU_SERIAL_ELEMENTS)
     if num_splits is None:
         num_splits = 1 if serial else choose_num_splits(batch, geo.n_kv_heads, max_kv_len,
-                                                        device)
+                                                        device, quantized=bool(quant))
     num_splits = int(num_splits)
 
     out_t = tensors.get("out")

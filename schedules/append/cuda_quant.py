@@ -15,10 +15,11 @@ be stored differently; a full-precision side (a K-only or V-only cache) is copie
 vectors.
 
 Scale and reciprocal use IEEE division (``__fdiv_rn``) despite nvcc's fast math, so the bytes
-equal the reference; a row whose ``amax`` is below ``TINY_AMAX`` is prescaled as the reference
-does (exactly). Under fast math's flush-to-zero float32 subnormal inputs read as 0 (the
-reference quantizes them; a row whose largest magnitude is subnormal is stored as zeros): the
-one place the bytes may differ.
+equal the reference; a row whose scale would be subnormal (below ``MIN_SCALE``) is stored as
+zeros with scale 0, as the reference does. Under fast math's flush-to-zero float32 subnormal
+inputs read as 0: beside a larger value in their row (amax between about 2**-119 and 2**-112)
+the reference may round one to a code of +-1 where this kernel writes 0, the one place the
+bytes may differ.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvtvm.kernels.accessor import cache_index, find_sequence, match_err, match_
 from kvtvm.kernels.append_quant import NAN_BITS, _EXP_MASK, match_params
 from kvtvm.kernels.errflag import ERR_INDPTR, ERR_PAGE, ERR_POSITION
 from kvtvm.kernels.quant_access import encode, match_quant_cache_pair
-from kvtvm.quant import PRESCALE, QMAX, TINY_AMAX, quant_row_bytes
+from kvtvm.quant import MIN_SCALE, QMAX, quant_row_bytes
 
 from ..common import DTYPE_BYTES, replace_function
 
@@ -65,16 +66,17 @@ def _nonfinite(x):
     return T.Select(T.bitwise_and(T.reinterpret("int32", x), _EXP_MASK) == _EXP_MASK, 1, 0)
 
 
-def _prescale(amax):
-    """``PRESCALE`` for a row whose ``amax`` is below ``TINY_AMAX`` (its ``QMAX / amax`` would
-    overflow), else 1: the reference's exact power-of-two prescale (:mod:`kvtvm.quant`)."""
-    return T.Select(amax < T.float32(TINY_AMAX), T.float32(PRESCALE), T.float32(1))
+def _scale(amax, qmax: float):
+    """The row's stored scale, ``amax / QMAX`` (IEEE division), 0 below ``MIN_SCALE`` (nvcc's
+    flush-to-zero would give 0 for a subnormal one anyway: the reference's rule, explicit)."""
+    s = T.call_pure_extern("float32", "__fdiv_rn", amax, T.float32(qmax))
+    return T.Select(s < T.float32(MIN_SCALE), T.float32(0), s)
 
 
 def _clip(x, red, qmax: float):
-    """``x * pre * inv`` clipped to ``[-qmax, qmax]``; 0 for a NaN product and for every
-    value of a non-finite row (``red[1]``), as the reference writes them."""
-    y = (x * _prescale(red[0])) * red[2]
+    """``x * inv`` clipped to ``[-qmax, qmax]``; 0 for a NaN product and for every value of a
+    non-finite row (``red[1]``), as the reference writes them."""
+    y = x * red[2]
     y = T.Select(tir.any(T.isnan(y), red[1] != T.float32(0)), T.float32(0), y)
     return T.min(T.max(y, T.float32(-qmax)), T.float32(qmax))
 
@@ -139,10 +141,10 @@ def _side(storage: str, layout: str, D: int, dtype: str, g: dict):
             red[1] = T.max(red[1], T.tvm_warp_shuffle_xor(T.uint32(FULL_MASK), red[1],
                                                           LPR >> (sh + 1), LPR, 32))
         if page >= 0:
-            # the inverse scale (0 for an all-zero row); a non-finite row encodes zeros
-            red[2] = T.Select(red[0] > T.float32(0), T.call_pure_extern(
-                "float32", "__fdiv_rn", T.float32(qmax), red[0] * _prescale(red[0])),
-                T.float32(0))
+            # the inverse scale (0 where the scale is: an all-zero row, or one too small for
+            # a normal scale); a non-finite row encodes zeros
+            red[2] = T.Select(_scale(red[0], qmax) > T.float32(0), T.call_pure_extern(
+                "float32", "__fdiv_rn", T.float32(qmax), red[0]), T.float32(0))
             for p in T.unroll(PL):
                 if p * LPR + tx < CHUNKS:
                     for w in T.unroll(VEC // 4):
@@ -151,9 +153,8 @@ def _side(storage: str, layout: str, D: int, dtype: str, g: dict):
                                           storage) for i in range(4)])
             if tx == 0:
                 words[word_index(cache, page, slot, h, D)] = T.Select(
-                    red[1] != T.float32(0), T.int32(NAN_BITS), T.reinterpret(
-                        "int32", T.call_pure_extern("float32", "__fdiv_rn", red[0],
-                                                    T.float32(qmax))))
+                    red[1] != T.float32(0), T.int32(NAN_BITS),
+                    T.reinterpret("int32", _scale(red[0], qmax)))
                 for i in T.unroll((R - D - 4) // 4):
                     words[word_index(cache, page, slot, h, D + 4 + 4 * i)] = T.int32(0)
 

@@ -3,9 +3,9 @@ where :func:`runs_by_default`, knob ``mma``, the default there): K and V both in
 float8_e4m3fn, float16 or bfloat16 queries, GQA up to 8, head_dim 32, 64 or 128. bfloat16
 queries take bfloat16 operands (``mma.sync ... .bf16``), the codes converted through float32
 (exact), and ``P'`` split into bfloat16 high and low parts. A K-only or V-only cache (the other
-side 16-bit rows of the queries' dtype) runs here only when its knobs say so
-(:func:`one_sided_knobs`): built and checked by nvcc, its GPU numerics and speed not yet
-measured (``tools/gpu_decode_mma_probe.py`` does both). A 16-bit K row's operand is its two
+side 16-bit rows of the queries' dtype) runs here by default at head_dim 128 and GQA up to 4
+(:func:`one_sided_knobs`; an H100 checked its numerics and speed, 2026-11-27: 1.06-1.30x the
+float16 cache), elsewhere when its knobs say so. A 16-bit K row's operand is its two
 words as they are (the same permuted head_dim); a 16-bit V word holds two columns, so four
 rows' words pair into two n8 tiles by byte permutes. Its staged rows are padded (K 8, V 4
 banks mod 32) against bank conflicts.
@@ -156,8 +156,8 @@ _SUFFIX = {"float16": "", "bfloat16": "_bf16"}
 def supported(spec) -> bool:
     """Whether this kernel can run ``spec``: one side 8-bit at least, float16 or bfloat16
     queries, GQA up to 8, head_dim a multiple of 32 up to 128. It runs by default where
-    :func:`kvtvm.cuda_limits.tensor_core_decode` says (both sides 8-bit); a K-only or V-only
-    spec runs it with the knob ``mma`` set (its GPU numerics and speed are owed: docs/kernels.md)."""
+    :func:`kvtvm.cuda_limits.tensor_core_decode` says (both sides 8-bit; one side at head_dim
+    128, GQA up to 4); elsewhere with the knob ``mma`` set."""
     return (bool(spec.k_storage or spec.v_storage) and spec.dtype in ("float16", "bfloat16")
             and spec.group_size <= 8 and spec.head_dim % 32 == 0 and spec.head_dim <= 128)
 
@@ -169,11 +169,10 @@ def runs_by_default(spec) -> bool:
 
 
 def one_sided_knobs(spec) -> dict:
-    """Knobs that run a K-only or V-only ``spec`` on this kernel (its schedule's defaults run
-    the CUDA-core kernel until a GPU has checked this one's numerics and speed): 2 warps of
-    32-row tiles, 3 stages at head_dim 128 (ptxas: 177-199 registers, no spills on sm_80 and
-    sm_90a in 4 of 5 specs tried), 2 stages below (some head_dim 64 specs spill 4-8 bytes on
-    sm_90a, where ptxas stops at 128 registers)."""
+    """Knobs that run a K-only or V-only ``spec`` on this kernel (the schedule's defaults where
+    :func:`runs_by_default`): 2 warps of 32-row tiles, 3 stages at head_dim 128 (ptxas:
+    177-199 registers, no spills on sm_80 and sm_90a), 2 stages below (some head_dim 64 and 32
+    specs spill 4-8 bytes on sm_90a, where ptxas stops at 128 registers)."""
     return {"mma": 1, "threads": 64, "tile_tokens": 32, "stages": 3 if spec.head_dim >= 128 else 2}
 
 
@@ -191,7 +190,9 @@ def staged_words(spec, storage: str, side: str) -> int:
 def geometry(spec, knobs) -> dict:
     """Warps, stages and tile rows within the static shared-memory limit: K and V stages of
     staged rows (:func:`staged_words`), the warps' output reduction and running (max, sum)."""
-    if knobs.get("mma_short"):  # the short_splits variant: 4 warps of 64 rows, 2 stages
+    if knobs.get("mma_short") and spec.k_storage and spec.v_storage:
+        # the short_splits variant: 4 warps of 64 rows, 2 stages (a one-sided spec keeps its
+        # knobs: 4 warps of 64 rows were never timed there and need more registers)
         knobs = dict(knobs, threads=128, tile_tokens=64, stages=2)
     W = max(1, int(knobs.get("threads", 128)) // 32)
     chunks = max(1, int(knobs.get("tile_tokens", 64)) // (16 * W))

@@ -145,9 +145,10 @@ def test_quantized_decode_cuda_numerics(storage, layout, page_size, num_splits, 
     ("int8", "", "float16", "nhd", 4, 128),
 ])
 def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs, dtype, layout, H, D):
-    """Normal rows, zero rows, outliers, NaN/inf rows, a tiny row (amax near 2**-121: the
-    prescaled inverse; no float32 subnormals: CUDA flushes them to zero under nvcc's fast
-    math), rows of a bad page skipped and flagged; a
+    """Normal rows, zero rows, outliers, NaN/inf rows, tiny rows (amax near 2**-121 and
+    2**-114: a subnormal scale is stored as an all-zero row, a normal one kept; no float32
+    subnormal values: CUDA flushes them to zero under nvcc's fast math), rows of a bad page
+    skipped and flagged; a
     full-precision side (K-only cache) is copied. The bytes equal the reference's, page
     padding and the untouched pages included."""
     import torch
@@ -178,8 +179,9 @@ def test_quantizing_append_cuda_writes_the_reference_bytes(ks, vs, dtype, layout
     x[1, 2, 0, 5] = np.nan
     x[0, 3, 2, 1] = -np.inf
     x[1, 4, 3, :] = -x[1, 4, 3, :]
-    if dtype != "float16":  # a tiny row, all normal: QMAX / amax overflows unless prescaled
+    if dtype != "float16":  # tiny rows, all values normal: a subnormal scale, a normal one
         x[:, 5, 1] = rng.choice([-1, 1], (2, D)) * rng.uniform(0.5, 1, (2, D)) * 2.0 ** -121
+        x[:, 6, 2] = rng.choice([-1, 1], (2, D)) * rng.uniform(0.5, 1, (2, D)) * 2.0 ** -114
     k, v = (torch.from_numpy(t).to(getattr(torch, dtype)).cuda() for t in x)
     indptr = torch.tensor([0, 25, 40], dtype=torch.int32)
     lengths = torch.tensor([3, 30], dtype=torch.int32)

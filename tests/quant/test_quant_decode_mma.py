@@ -30,8 +30,11 @@ def _spec(ks="int8", vs="int8", dtype="float16", D=128, G=4, layout="nhd", **ext
     ("bfloat16", 128, 4, "int8", "int8", True),
     ("bfloat16", 64, 8, "float8_e4m3fn", "int8", True),
     ("float32", 128, 4, "int8", "int8", False),
-    ("float16", 128, 4, "int8", "", False),          # K-only
-    ("float16", 128, 4, "", "float8_e4m3fn", False),  # V-only
+    ("float16", 128, 4, "int8", "", True),           # K-only at the checked shapes
+    ("bfloat16", 128, 1, "", "float8_e4m3fn", True),  # V-only
+    ("float16", 128, 8, "int8", "", False),          # one side, beyond them
+    ("float16", 64, 4, "", "int8", False),
+    ("float32", 128, 4, "int8", "", False),
 ])
 def test_tensor_core_decode_rule(dtype, D, G, ks, vs, want):
     assert tensor_core_decode(dtype, D, G, ks, vs) is want
@@ -55,7 +58,8 @@ def test_default_knobs_run_the_tensor_cores_where_they_can():
     assert (g["warps"], g["tile"], g["stages"]) == (2, 32, 3)
     g = geometry(bf16, resolve_knobs(_spec(dtype="bfloat16", variant="short_splits")))
     assert (g["warps"], g["tile"], g["stages"]) == (4, 64, 2)
-    for spec in (_spec(G=16, D=64), _spec(D=256), _spec(dtype="float32"), _spec(vs="")):
+    for spec in (_spec(G=16, D=64), _spec(D=256), _spec(dtype="float32"), _spec(vs="", D=64),
+                 _spec(ks="", G=8)):
         assert resolve_knobs(spec)["mma"] == 0, spec.uri
 
 
@@ -65,7 +69,7 @@ def test_knob_space_offers_both_kernels_only_where_both_run():
     tensor, cores = decode.knob_space(_spec())
     assert tensor["mma"] == [1] and cores["mma"] == [0]
     assert "vec" not in tensor and "vec" in cores  # the tensor-core kernel reads no vec
-    assert "mma" not in decode.knob_space(_spec(vs=""))
+    assert "mma" not in decode.knob_space(_spec(vs="", G=8))
     assert "mma" not in decode.knob_space(_spec(D=256))
     from kvtvm import tune
 
@@ -94,17 +98,26 @@ def test_geometry_fits_a_cta(D, G, threads, tile, stages):
 
 
 @pytest.mark.parametrize("ks,vs", [("int8", None), (None, "float8_e4m3fn")])
-def test_one_sided_specs_take_the_tensor_cores_only_when_asked(ks, vs):
-    """K-only and V-only specs keep the CUDA-core kernel by default and in the tuner's space
-    (their tensor-core numerics are owed to a GPU); ``one_sided_knobs`` takes them there."""
+def test_one_sided_specs_take_the_tensor_cores_at_the_checked_shapes(ks, vs):
+    """K-only and V-only specs run the tensor cores by default at head_dim 128, GQA up to 4
+    (``one_sided_knobs``, also in its short_splits variant), and the tuner searches both
+    kernels there; elsewhere the CUDA-core kernel, unless ``one_sided_knobs`` asks."""
     from kvtvm.compiler.knobs import resolve_knobs
     from kvtvm.kernels import decode
     from kvtvm.schedules.decode import cuda_quant_mma
 
     spec = _spec(ks, vs)
-    assert cuda_quant_mma.supported(spec) and not cuda_quant_mma.runs_by_default(spec)
-    assert resolve_knobs(spec)["mma"] == 0 and "mma" not in decode.knob_space(spec)
-    assert cuda_quant_mma.one_sided_knobs(spec)["mma"] == 1
+    assert cuda_quant_mma.supported(spec) and cuda_quant_mma.runs_by_default(spec)
+    knobs = resolve_knobs(spec)
+    assert {k: knobs[k] for k in cuda_quant_mma.one_sided_knobs(spec)} == \
+        cuda_quant_mma.one_sided_knobs(spec)
+    assert cuda_quant_mma.geometry(spec, dict(knobs, mma_short=1)) == \
+        cuda_quant_mma.geometry(spec, knobs)
+    assert {1, 0} == {grid["mma"][0] for grid in decode.knob_space(spec)}
+    off = _spec(ks, vs, D=64)
+    assert cuda_quant_mma.supported(off) and not cuda_quant_mma.runs_by_default(off)
+    assert resolve_knobs(off)["mma"] == 0 and "mma" not in decode.knob_space(off)
+    assert cuda_quant_mma.one_sided_knobs(off)["mma"] == 1
     for bad in (_spec(ks, vs, dtype="float32"), _spec(ks, vs, G=9), _spec(ks, vs, D=256)):
         assert not cuda_quant_mma.supported(bad), bad.uri
     assert not cuda_quant_mma.supported(_spec(None, None))
