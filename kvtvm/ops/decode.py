@@ -40,13 +40,15 @@ CUDA_MIN_SPLIT_TOKENS = 128
 #: ... and no grid just past one full wave (the second wave would run nearly empty): the
 #: tuned attend kernel keeps about this many CTAs resident per SM.
 CUDA_RESIDENT_CTAS_PER_SM = 7
-#: CUDA over an 8-bit side: the split count is halved while the grid keeps at least this many
-#: CTAs per SM. An 8-bit split reads its rows in about 60% of the float16 kernel's time, so
-#: each split's fixed cost (prologue, epilogue, its share of the merge) weighs more: at 64 x 4K
-#: on an H100, 8 splits of 512 positions ran at 1.44-1.47x the float16 cache, 4 or 2 at
-#: 1.47-1.53x (2026-11-27, ``tools/gpu_decode_layout_probe.py``); 16 x 4K and 1 x 32K, whose
-#: grids are small, keep theirs.
-CUDA_QUANT_MIN_CTAS_PER_SM = 12
+#: CUDA over an 8-bit side, where the grid holds at least CUDA_QUANT_LARGE_GRID_CTAS_PER_SM CTAs
+#: per SM: splits of about CUDA_QUANT_SPLIT_TOKENS positions instead. An 8-bit split reads its
+#: rows in about 60% of the float16 kernel's time, so each split's fixed cost (prologue,
+#: epilogue, its share of the merge) weighs more. H100, 2026-11-27
+#: (``tools/gpu_decode_layout_probe.py``, docs/PERF.md): e4m3 at 32, 64, 128 and 256 x 4K ran
+#: fastest at 4 splits (1-3% ahead of 8), 256 x 1K at 1 (9% ahead of 2); int8 within 3% of
+#: its best there. Small grids (16 x 4K, 8 x 4K, 1 x 32K) keep the float16 rule.
+CUDA_QUANT_SPLIT_TOKENS = 1024
+CUDA_QUANT_LARGE_GRID_CTAS_PER_SM = 12
 #: CUDA over an 8-bit side: splits shorter than this run the ``short_splits`` variant (the
 #: schedule's defaults): the tuned 8-bit kernels prefetch 2-3 stages of 32-64 rows and, tuned
 #: at 16 x 4K (512-position splits), lost a quarter at 1 x 4K (128-position splits; H200,
@@ -80,8 +82,9 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device,
     CUDA (one CTA per sequence, KV head and split): splits of about
     :data:`CUDA_SPLIT_TOKENS` positions (a power of two), more when that leaves under
     :data:`CUDA_MIN_CTAS_PER_SM` CTAs per SM, halved when the grid would end just past one
-    full wave; over a ``quantized`` (8-bit K or V) cache, halved again while the grid keeps
-    :data:`CUDA_QUANT_MIN_CTAS_PER_SM` CTAs per SM. CPU (a task holds every KV head of a
+    full wave; over a ``quantized`` (8-bit K or V) cache whose grid that way holds at least
+    :data:`CUDA_QUANT_LARGE_GRID_CTAS_PER_SM` CTAs per SM, splits of about
+    :data:`CUDA_QUANT_SPLIT_TOKENS` positions (never more splits). CPU (a task holds every KV head of a
     sequence, see ``schedules/cpu_decode.py``): enough splits for one task per core, at least
     :data:`MIN_SPLIT_TOKENS` positions each.
     """
@@ -99,8 +102,9 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device,
     wave = CUDA_RESIDENT_CTAS_PER_SM * processors
     if splits > 1 and wave < units * splits <= 1.5 * wave:
         splits //= 2
-    while quantized and splits > 1 and units * (splits // 2) >= CUDA_QUANT_MIN_CTAS_PER_SM * processors:
-        splits //= 2
+    if quantized and units * splits >= CUDA_QUANT_LARGE_GRID_CTAS_PER_SM * processors:
+        longer = 1 << max(0, round(math.log2(max(1.0, max_kv_len / CUDA_QUANT_SPLIT_TOKENS))))
+        splits = min(splits, longer)
     return int(max(1, splits))
 
 

@@ -279,8 +279,8 @@ def test_out_of_range_table(good):
 
 def test_choose_num_splits(monkeypatch):
     """CUDA: ~512 positions a split (a power of two), at least 2 CTAs per SM, never a grid just
-    past one full wave, never under 128 positions a split; over an 8-bit cache fewer, longer
-    splits where the grid is large; CPU: one task per core, never under 256 positions a split
+    past one full wave, never under 128 positions a split; over an 8-bit cache ~1024 positions
+    a split where the grid is large; CPU: one task per core, never under 256 positions a split
     (an 8-bit cache alike)."""
     from kvtvm.ops import decode as _decode_op
 
@@ -295,9 +295,11 @@ def test_choose_num_splits(monkeypatch):
     assert _decode_op.choose_num_splits(1, 8, 300, cuda) == 2     # >= 128 positions a split
     assert _decode_op.choose_num_splits(1, 8, 10, cuda) == 1
     assert _decode_op.choose_num_splits(1, 1, 1 << 20, cuda) == _decode_op.MAX_SPLITS
-    # an 8-bit cache: halved while at least 12 CTAs per SM are left (1584 on 132 SMs)
+    # an 8-bit cache: ~1024 positions a split where the float16 rule's grid holds >= 12 CTAs
+    # per SM (1584 on 132 SMs); smaller grids keep that rule
     for batch, ctx, want in ((64, 4096, 4), (256, 1024, 1), (128, 2048, 2), (16, 4096, 4),
-                             (32, 4096, 8), (1, 32768, 64), (1, 4096, 32), (1, 10, 1)):
+                             (32, 4096, 4), (256, 4096, 4), (8, 4096, 8), (1, 32768, 64),
+                             (1, 4096, 32), (1, 10, 1), (512, 1024, 1), (2048, 256, 1)):
         assert _decode_op.choose_num_splits(batch, 8, ctx, cuda, quantized=True) == want, \
             (batch, ctx)
     monkeypatch.setattr(_decode_op, "_parallel_units", lambda device: 8)
