@@ -95,7 +95,7 @@ def quantize_rows(x, storage: str) -> np.ndarray:
                                                                           keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         scale = (amax / qmax).astype(np.float32)
-        kept = scale >= np.float32(MIN_SCALE)        # else an all-zero row (0 included)
+        kept = scale >= np.float32(MIN_SCALE)        # else scale 0, values x * 0
         scale = np.where(kept, scale, 0).astype(np.float32)
         inv = np.where(kept, qmax / np.where(kept, amax, 1), 0).astype(np.float32)
         y = (np.where(finite, x, 0) * inv).astype(np.float32)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks owed by the latest session in one call (carry .device-bundle, build/kernels
+# The GPU checks of the latest session's changes in one call (carry .device-bundle, build/kernels
 # from tools/gpu-kit.sh and build/probe-layout from `python tools/gpu_decode_layout_probe.py
 # build build/probe-layout`; move build/**/*.ptxas.txt out first if the carry is over 64 MiB).
-# The fifteenth session's first call (2026-11-27, H100) ran the fourteenth's list; after it:
-# - the 8-bit decode's split count: halved while 12 CTAs per SM are left
-#   (`CUDA_QUANT_MIN_CTAS_PER_SM`): the layout probe times 1-8 splits at the batch shapes it
-#   changes, and bench decode the ratios the ops now give, large batches included;
+# The fifteenth session ran it (2026-11-27, H100, call 2 in docs/PERF.md: 0 failed); a later
+# session reruns it as the regression set of these changes:
+# - the 8-bit decode's split count (`CUDA_QUANT_SPLIT_TOKENS` where the grid is large): the
+#   layout probe times 1-8 splits at the batch shapes it changes, and bench decode the ratios
+#   the ops give, large batches included;
 # - K-only and V-only decode on the tensor cores by default at head_dim 128, GQA <= 4 (bench
 #   decode int8/none and none/float8_e4m3fn; the mixed-decode GPU tests);
 # - the quantizing append's subnormal-scale rule (a row whose scale would be below 2**-126 is

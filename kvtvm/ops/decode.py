@@ -84,9 +84,9 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_kv_len: int, device,
     :data:`CUDA_MIN_CTAS_PER_SM` CTAs per SM, halved when the grid would end just past one
     full wave; over a ``quantized`` (8-bit K or V) cache whose grid that way holds at least
     :data:`CUDA_QUANT_LARGE_GRID_CTAS_PER_SM` CTAs per SM, splits of about
-    :data:`CUDA_QUANT_SPLIT_TOKENS` positions (never more splits). CPU (a task holds every KV head of a
-    sequence, see ``schedules/cpu_decode.py``): enough splits for one task per core, at least
-    :data:`MIN_SPLIT_TOKENS` positions each.
+    :data:`CUDA_QUANT_SPLIT_TOKENS` positions (never more splits). CPU (a task holds every KV
+    head of a sequence, see ``schedules/cpu_decode.py``): enough splits for one task per core,
+    at least :data:`MIN_SPLIT_TOKENS` positions each.
     """
     processors = _parallel_units(device)
     if device.type != "cuda":

@@ -24,7 +24,6 @@ from kvtvm.quant import quant_row_bytes
 from ..common import prefetch, replace_function
 
 
-
 def exp2_poly(x):
     """2**x for x <= 0 in plain arithmetic (vectorizes; libm's exp2 does not): 2**round(x)
     from the exponent bits times a degree-6 series of 2**f, |f| <= 1/2 (rel. error ~1e-7);
