@@ -133,14 +133,14 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")(test))
 
 
-def random_page_table(rng, lengths, page_size, spare=2):
+def random_page_table(rng, lengths, page_size, spare=2, fill=0, extra_columns=0):
     """A page table for sequences of ``lengths`` cached tokens plus the current one, each page
     a distinct random page of a pool with ``spare`` pages left over: returns ``(table
-    [len(lengths), max pages] int32, num_pages)``."""
+    [len(lengths), max pages + extra_columns] int32, num_pages)``, unused entries ``fill``."""
     need = [-(-(n + 1) // page_size) for n in lengths]
     num_pages = sum(need) + spare
     perm = rng.permutation(num_pages)
-    table = np.zeros((len(lengths), max(need)), np.int32)
+    table = np.full((len(lengths), max(need) + extra_columns), fill, np.int32)
     cursor = 0
     for b, n in enumerate(need):
         table[b, :n] = perm[cursor:cursor + n]
@@ -192,14 +192,8 @@ def ragged_batch(rng, counts, starts, page_size, spare):
     lookup's unused entries -1."""
     import torch
 
-    n_pages = [-(-(s + c) // page_size) for s, c in zip(starts, counts)]
-    total = sum(n_pages) + spare
-    perm = rng.permutation(total)
-    table = np.full((len(counts), max(n_pages) + 1), -1, np.int32)
-    cur = 0
-    for b, n in enumerate(n_pages):
-        table[b, :n] = perm[cur:cur + n]
-        cur += n
+    table, total = random_page_table(rng, [s + c - 1 for s, c in zip(starts, counts)],
+                                     page_size, spare, fill=-1, extra_columns=1)
     indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     return (total, torch.from_numpy(indptr), torch.tensor(starts, dtype=torch.int32),
             torch.from_numpy(table))

@@ -137,9 +137,9 @@ def default_knobs(spec) -> dict:
     # tiles, 3 stages; over GQA 4, 4 warps of 64 rows and 2 stages, where that spilled 4-12
     # bytes on sm_80; the short_splits variant's ``mma_short`` makes it 4 warps of 64 rows)
     vec = default_vec(spec)
-    if cuda_quant_mma.runs_by_default(spec) and not (spec.k_storage and spec.v_storage):
-        return dict(cuda_quant_mma.one_sided_knobs(spec), merge_threads=256, vec=vec)
     if cuda_quant_mma.runs_by_default(spec):
+        if not (spec.k_storage and spec.v_storage):   # K-only or V-only
+            return dict(cuda_quant_mma.one_sided_knobs(spec), merge_threads=256, vec=vec)
         small = spec.group_size <= 4
         return {"threads": 64 if small else 128, "tile_tokens": 32, "stages": 3 if small else 2,
                 "merge_threads": 256, "vec": vec, "mma": 1}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import random_page_table
 from helpers import unscheduled_kernel as unscheduled
 from kvtvm import compiler, runtime
 
@@ -18,14 +19,8 @@ pytestmark = pytest.mark.skipif(not runtime.compiler_available(), reason="needs 
 def make_inputs(rng, spec, lengths, page_size, num_splits):
     """Random q, pages (strided views of one tensor), a shuffled page table."""
     H, G, D = spec.n_kv_heads, spec.group_size, spec.head_dim
-    need = [-(-(n + 1) // page_size) for n in lengths]
-    num_pages = sum(need) + 2
-    perm = rng.permutation(num_pages)
-    table = np.full((len(lengths), max(need) + 1), -1, np.int32)
-    cursor = 0
-    for b, n in enumerate(need):
-        table[b, :n] = perm[cursor:cursor + n]
-        cursor += n
+    table, num_pages = random_page_table(rng, lengths, page_size, spare=2, fill=-1,
+                                         extra_columns=1)
     dtype = getattr(torch, spec.dtype)
     shape = (num_pages, page_size, H, D) if spec.layout == "nhd" else (num_pages, H, page_size, D)
     kv = torch.from_numpy(rng.standard_normal((2, *shape)).astype(np.float32)).to(dtype)

@@ -67,13 +67,14 @@ def _decode(storage, splits, lengths, edit, positive_q=False):
     return out.float().cpu().numpy(), lse.cpu().numpy(), want, want_lse
 
 
-def _same(got, got_lse, want, want_lse):
-    """Equal non-finite masks; finite values within float16's tolerance."""
+def _same(got, got_lse, want, want_lse, tol=4e-3):
+    """Equal NaN and non-finite masks; finite values within ``tol`` (float16's by default)."""
     np.testing.assert_array_equal(~np.isfinite(got), ~np.isfinite(want))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.isnan(got_lse), np.isnan(want_lse))
     np.testing.assert_array_equal(~np.isfinite(got_lse), ~np.isfinite(want_lse))
     ok = np.isfinite(want)
-    np.testing.assert_allclose(got[ok], want[ok], atol=4e-3, rtol=0)
+    np.testing.assert_allclose(got[ok], want[ok], atol=tol, rtol=0)
     ok = np.isfinite(want_lse)
     np.testing.assert_allclose(got_lse[ok], want_lse[ok], atol=1e-3, rtol=1e-4)
 
@@ -156,10 +157,4 @@ def test_cuda_prefill_whose_every_score_is_minus_inf_is_nan(dtype):
     assert np.isfinite(want_lse[1:3]).all() and np.isfinite(want_lse[3:, g:]).all()
     assert np.isfinite(want_lse[0, :g]).all()
     tol = 4e-3 if dtype == "float16" else 1e-4
-    got, got_lse = out.float().cpu().numpy(), lse.cpu().numpy()
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_array_equal(np.isnan(got_lse), np.isnan(want_lse))
-    ok = np.isfinite(want)
-    np.testing.assert_allclose(got[ok], want[ok], atol=tol, rtol=0)
-    ok = np.isfinite(want_lse)
-    np.testing.assert_allclose(got_lse[ok], want_lse[ok], atol=1e-3, rtol=1e-4)
+    _same(out.float().cpu().numpy(), lse.cpu().numpy(), want, want_lse, tol)
