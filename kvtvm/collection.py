@@ -39,7 +39,8 @@ from .params import KVCacheStrategy
 from .storage import layer_view
 
 __all__ = ["LayerKVCache", "KVCacheCollection", "ContinuousBatchingKVCacheCollection",
-           "PagedKVCacheCollection", "LinearKVCacheCollection", "make_collection"]
+           "PagedKVCacheCollection", "LinearKVCacheCollection", "make_collection",
+           "layer_views_by_signature"]
 
 
 def _index_arg(name: str, value, size: int, what: str = "") -> int:
@@ -187,14 +188,19 @@ class KVCacheCollection:
         raise NotImplementedError
 
     def _view(self, layer: int, kv: int):
-        raise NotImplementedError
+        return self.view_of(self.blocks, self.inputs.params, self.num_layers, layer, kv)
 
-    def _quantized_view(self, layer: int, kv: int):
-        """The layer's view of a quantized cache, or None for a full-precision one."""
-        params = self.inputs.params
-        if params is None or not params.quantized:
-            return None
-        return layer_view(self.blocks, params, self.num_layers, layer, kv)
+    @classmethod
+    def view_of(cls, blocks, params, num_layers: int, layer: int, kv: int):
+        """Layer ``layer``'s K (``kv=0``) or V (``kv=1``) view of one device's cache tensor
+        ``blocks`` (``params``: that device's parameters)."""
+        if params is not None and params.quantized:
+            return layer_view(blocks, params, num_layers, layer, kv)
+        return cls._dense_view(blocks, layer, kv)
+
+    @staticmethod
+    def _dense_view(blocks, layer: int, kv: int):
+        return blocks[:, kv, layer]
 
     def _check_layer(self, layer) -> int:
         return _index_arg("layer", layer, self.num_layers)
@@ -244,10 +250,6 @@ class ContinuousBatchingKVCacheCollection(KVCacheCollection):
                 self.num_layers)
         return int(self.blocks.shape[3])
 
-    def _view(self, layer, kv):
-        view = self._quantized_view(layer, kv)
-        return self.blocks[:, kv, layer] if view is None else view
-
 
 class PagedKVCacheCollection(KVCacheCollection):
     """Seed 003: views of a PAGED cache."""
@@ -258,10 +260,6 @@ class PagedKVCacheCollection(KVCacheCollection):
             return int(self.blocks.shape[1]) // self.inputs.params.bytes_per_token(
                 self.num_layers)
         return int(self.blocks.shape[3])
-
-    def _view(self, layer, kv):
-        view = self._quantized_view(layer, kv)
-        return self.blocks[:, kv, layer] if view is None else view
 
 
 class LinearKVCacheCollection(KVCacheCollection):
@@ -277,9 +275,9 @@ class LinearKVCacheCollection(KVCacheCollection):
                 self.num_layers)
         return int(self.blocks.shape[4])
 
-    def _view(self, layer, kv):
-        view = self._quantized_view(layer, kv)
-        return self.blocks[layer, :, kv] if view is None else view
+    @staticmethod
+    def _dense_view(blocks, layer: int, kv: int):
+        return blocks[layer, :, kv]
 
 
 _COLLECTIONS = {KVCacheStrategy.CONTINUOUS: ContinuousBatchingKVCacheCollection,
@@ -290,3 +288,16 @@ _COLLECTIONS = {KVCacheStrategy.CONTINUOUS: ContinuousBatchingKVCacheCollection,
 def make_collection(inputs) -> KVCacheCollection:
     """The collection class matching ``inputs.params.cache_strategy``."""
     return _COLLECTIONS[inputs.params.cache_strategy](inputs)
+
+
+def layer_views_by_signature(caches, params, num_layers: int) -> dict:
+    """Every per-layer K and V view the collections cut from a manager's cache tensors
+    (``caches``: one per device; ``params``: the per-device parameters), keyed by
+    :func:`kvtvm.inputs.view_signature`: ``signature -> (layer, kv)``. The ops look a cache
+    argument up here to refuse another view of the same memory (a slice, K and V swapped, two
+    layers) with a fetch's tables."""
+    from .inputs import view_signature
+
+    cls = _COLLECTIONS[params.cache_strategy]
+    return {view_signature(cls.view_of(blocks, params, num_layers, layer, kv)): (layer, kv)
+            for blocks in caches for layer in range(num_layers) for kv in (0, 1)}

@@ -31,7 +31,7 @@ from .params import KVCacheParams, KVCacheStrategy
 __all__ = [
     "BatchItem", "TokenBatch", "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs",
     "KVCacheInputsSequence", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols", "FetchToken",
-    "stamp", "token_of", "check_live",
+    "stamp", "token_of", "check_live", "view_signature",
 ]
 
 
@@ -44,15 +44,16 @@ class FetchToken:
     table tensors (:func:`token_of`), so they learn staleness without knowing managers.
     """
 
-    __slots__ = ("live", "why", "lock", "storages", "layout")
+    __slots__ = ("live", "why", "lock", "views", "layout")
 
-    def __init__(self, lock=None, caches=(), layout=None):
+    def __init__(self, lock=None, views=None, layout=None):
         #: the manager's lock: a launch holds it from its liveness check to the kernel's
         #: return (CPU) or enqueue (CUDA), so a concurrent fetch cannot slip in between
         self.live, self.why, self.lock = True, "", lock
-        #: where the manager's cache tensors start: the ops refuse, with these tables, cache
-        #: views of other memory (another manager's cache, a copy)
-        self.storages = frozenset(c.untyped_storage().data_ptr() for c in caches)
+        #: the manager's per-layer cache views, ``view_signature -> (layer, kv)``
+        #: (:func:`kvtvm.collection.layer_views_by_signature`; built once per manager): with
+        #: these tables the ops take only these views -- K as K, V as V, of one layer
+        self.views = views or {}
         #: the token layout of the manager's per-layer views ("nhd", "hnd"; None: unknown)
         self.layout = layout
 
@@ -70,6 +71,13 @@ class FetchToken:
 
     def __repr__(self) -> str:
         return "FetchToken(live)" if self.live else f"FetchToken(dead: {self.why})"
+
+
+def view_signature(t) -> tuple:
+    """Where a tensor view lies and how it walks memory: (device, first byte, shape, strides,
+    item size) -- equal for two views of the same elements whatever their dtype (an 8-bit
+    cache's float8 view and the int8 view the kernels take)."""
+    return str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size()
 
 
 #: Attribute of a table tensor holding its fetch's token (torch tensors take attributes).

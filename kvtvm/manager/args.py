@@ -12,7 +12,7 @@ from ..errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapac
 from ..inputs import as_int64
 
 __all__ = ["check_positive_int", "check_size", "check_sizes", "parse_devices", "ItemTokens",
-           "row_offsets", "check_int", "check_hashes", "check_seconds", "allocate"]
+           "row_offsets", "check_step_tokens", "check_int", "check_hashes", "check_seconds", "allocate"]
 
 #: Sizes (tokens, sequences, pages, layers) index int32 tables and kernels: at most this.
 INT32_MAX = (1 << 31) - 1
@@ -167,7 +167,9 @@ class ItemTokens:
 
 
 def row_offsets(prev_model_inputs, inp):
-    """(tensor, host numpy or None) row offsets of the previous step."""
+    """(tensor, host numpy or None) row offsets of the previous step of ``inp``: int32 or
+    int64 ``[batch + 1]``, each item's count within what ``inp`` carried
+    (:func:`check_step_tokens`) when known on the host."""
     import torch
 
     if prev_model_inputs is None:
@@ -186,9 +188,32 @@ def row_offsets(prev_model_inputs, inp):
         raise InvalidArgumentError(describe(
             "prev_model_inputs", "a tensor of row offsets or an object with qo_indptr / "
             "input_row_offsets", type(prev_model_inputs).__name__))
+    if obj.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgumentError(describe("prev_model_inputs row offsets dtype",
+                                            "int32 or int64", obj.dtype))
+    b = inp.cache_lengths.shape[0]
+    if tuple(obj.shape) != (b + 1,):
+        raise InvalidArgumentError(describe("prev_model_inputs row offsets",
+                                            f"shape ({b + 1},)", tuple(obj.shape)))
     if host is None and obj.device.type == "cpu":
         host = obj.numpy()
+    check_step_tokens(host, inp.qo_indptr_host)
     return obj, host
+
+
+def check_step_tokens(qo_prev_host, qo_fetched_host) -> None:
+    """The previous step's row offsets (when known on the host) give each item between 0 and
+    the tokens its inputs carried: more would make cache lengths past the pages the fetch
+    reserved, where the lookup table's padding (page 0) is another sequence's page."""
+    if qo_prev_host is None or qo_fetched_host is None:
+        return  # a device tensor only: not read (no host sync)
+    new, fetched = np.diff(np.asarray(qo_prev_host)), np.diff(np.asarray(qo_fetched_host))
+    bad = np.flatnonzero((new < 0) | (new > fetched))
+    if bad.size:
+        b = int(bad[0])
+        raise InvalidArgumentError(describe(
+            "prev_model_inputs row offsets", "per item between 0 and the tokens of its inputs "
+            f"({fetched.tolist()})", f"{int(new[b])} tokens for item {b}"))
 
 
 def pop_length(sid: int, n, length: int) -> int:

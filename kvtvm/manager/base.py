@@ -49,6 +49,7 @@ from ..errors import (InvalidArgumentError, KVCacheCapacityError,
                       describe)
 from ..inputs import (FetchToken, KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols,
                       TokenBatch, stamp)
+from ..collection import layer_views_by_signature
 from ..params import KVCacheParams, KVCacheStrategy
 from .args import ItemTokens as _ItemTokens, allocate, check_positive_int, check_size, \
     parse_devices
@@ -421,7 +422,8 @@ class KVCacheManager(abc.ABC):
         if self._token is not None:
             self._token.kill("superseded by a later fetch of the same manager")
         self._in_token[self._token_ids] = False
-        self._token, self._token_ids = FetchToken(self._lock, self._blocks, "nhd"), ids.copy()
+        self._token = FetchToken(self._lock, self._views_by_signature, "nhd")
+        self._token_ids = ids.copy()
         self._in_token[ids] = True
         out = []
         for dev in range(self.n_devices):
@@ -523,12 +525,6 @@ class KVCacheManager(abc.ABC):
                     "num_steps > 1 reserves room for more steps)")
             qo_prev, qo_prev_host = _row_offsets(prev_model_inputs, inp)
             b = inp.cache_lengths.shape[0]
-            if qo_prev.dtype not in (torch.int32, torch.int64):
-                raise InvalidArgumentError(describe("prev_model_inputs row offsets dtype",
-                                                    "int32 or int64", qo_prev.dtype))
-            if tuple(qo_prev.shape) != (b + 1,):
-                raise InvalidArgumentError(describe("prev_model_inputs row offsets",
-                                                    f"shape ({b + 1},)", tuple(qo_prev.shape)))
             dev = inp.cache_lengths.device
             qo_prev = qo_prev.to(dev, non_blocking=True)
             new_cl = (inp.cache_lengths + (qo_prev[1:] - qo_prev[:-1])).to(torch.int32)
@@ -591,10 +587,13 @@ class KVCacheManager(abc.ABC):
         import torch
 
         dtype = getattr(torch, self.params.tensor_dtype)  # uint8 for a quantized cache
-        return [allocate("cache", shape, dtype, d) for d in self.devices]
+        blocks = [allocate("cache", shape, dtype, d) for d in self.devices]
+        # the per-layer views the ops take with this manager's fetch tables
+        self._views_by_signature = layer_views_by_signature(blocks, self.device_params,
+                                                            self.num_layers)
+        return blocks
 
     def device_nbytes(self) -> int:
         """Bytes this manager allocated on each device (cache + per-step tables)."""
         b = self._blocks[0]
         return b.numel() * b.element_size() + self._tables.device_nbytes()
-

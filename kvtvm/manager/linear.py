@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, KVCacheError, SequenceTooLongError, describe
 from ..inputs import FetchToken, RaggedKVCacheInputs, stamp
+from ..collection import layer_views_by_signature
 from ..params import KVCacheParams, KVCacheStrategy
 from .args import (INT32_MAX, allocate, check_positive_int, check_size, check_sizes,
                    parse_devices)
@@ -111,6 +112,7 @@ class LinearKVCache:
                      for d in self.devices]
         self._event = None
         self._token: FetchToken | None = None  # of the latest step_inputs
+        self._views_by_signature = None  # the per-layer views the ops accept (first step)
         self._upload()
 
     # ------------------------------------------------------------------------------------
@@ -378,7 +380,10 @@ class LinearKVCache:
             end = self._lengths[:b] + new
             max_lengths = torch.tensor([[int(new.max(initial=0)), int(end.max(initial=0))]],
                                        dtype=torch.int32)
-            token = self._token = FetchToken(self._lock, self._cache, "hnd")
+            if self._views_by_signature is None:
+                self._views_by_signature = layer_views_by_signature(
+                    self._cache, self.device_params, self.num_layers)
+            token = self._token = FetchToken(self._lock, self._views_by_signature, "hnd")
             out = []
             for i, buf in enumerate(self._dev):
                 cl, qo_t = buf[:b], buf[mb:mb + b + 1]

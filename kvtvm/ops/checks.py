@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                       SequenceTooLongError, describe)
-from ..inputs import check_live, token_of
+from ..inputs import check_live, token_of, view_signature
 from ..compiler import LAYOUTS
 from ..params import DTYPE_SIZES
 
@@ -262,16 +262,35 @@ def live_tokens(tensors: dict, caches: dict | None = None, layout: str | None = 
     return tokens
 
 
+#: The side of the cache each cache argument must be (0: K, 1: V).
+_SIDE = {"k_cache": 0, "v_cache": 1}
+
+
 def check_cache_owner(token, caches: dict) -> None:
-    """Each cache view (name -> tensor) lies in a cache tensor of the manager that made
-    ``token``'s fetch (its storage), else InvalidArgumentError naming it."""
-    if not token.storages:
+    """Each cache view (name -> tensor) is one of the per-layer views of the manager that made
+    ``token``'s fetch -- ``k_cache`` a K view, ``v_cache`` a V view, both of one layer -- else
+    InvalidArgumentError naming it (another manager's cache, a copy, a shifted slice, K and V
+    swapped or of two layers: the kernel would write or read other positions)."""
+    if not token.views:
         return
+    found = {}
     for name, t in caches.items():
-        if t.untyped_storage().data_ptr() not in token.storages:
+        where = token.views.get(view_signature(t))
+        if where is None:
             raise InvalidArgumentError(describe(
-                name, "a view of the cache of the manager whose fetch made the tables",
-                "a view of other memory (another manager's cache, or a copy)"))
+                name, "a per-layer view of the cache of the manager whose fetch made the "
+                "tables (k_cache(layer) / v_cache(layer))",
+                "other memory or another view of it (another manager's cache, a copy, a "
+                "slice)"))
+        layer, side = where
+        if _SIDE.get(name, side) != side:
+            raise InvalidArgumentError(describe(
+                name, f"a {'KV'[_SIDE[name]]} view", f"layer {layer}'s {'KV'[side]} view"))
+        found[name] = layer
+    if len(set(found.values())) > 1:
+        raise InvalidArgumentError(describe(
+            " / ".join(found), "views of one layer",
+            ", ".join(f"{n} of layer {layer}" for n, layer in found.items())))
 
 
 # ------------------------------------------------------------------------------------------

@@ -339,6 +339,9 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
     if quant:
         check_quant_target(device, quant, "decode")
         kc, vc = quant.k_arg, quant.v_arg
+    if workspace is not None and not isinstance(workspace, SplitWorkspace):
+        raise InvalidArgumentError(describe("workspace", "None or a SplitWorkspace",
+                                            type(workspace).__name__))
     slots = dict(q=qt, k_cache=kc, v_cache=vc, cache_lengths=lengths, lookup_table=table,
                  out=out_t, lse=lse_t)
     if batch == 0:

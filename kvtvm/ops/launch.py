@@ -20,7 +20,7 @@ from .. import compiler, runtime
 from ..errors import InvalidArgumentError, describe
 from ..inputs import check_live
 from . import errflag
-from .checks import check_cache_owner
+from .checks import check_cache_owner, check_no_alias
 
 __all__ = ["Launch", "LaunchSequence", "kernel_for", "signature"]
 
@@ -28,6 +28,24 @@ __all__ = ["Launch", "LaunchSequence", "kernel_for", "signature"]
 def signature(t) -> tuple:
     """What a rebound tensor must share with the one it replaces."""
     return t.dtype, tuple(t.shape), t.stride(), t.device
+
+
+_CACHES = ("k_cache", "v_cache")
+
+
+def _dtype_name(t) -> str:
+    return str(getattr(t, "dtype", "")).replace("torch.", "")
+
+
+def _roles(slots: dict) -> tuple:
+    """(slots the kernel writes, slots it reads) among the tensors its op checks for aliasing:
+    attention writes out and lse and reads q and the caches; append writes the caches and
+    reads k and v."""
+    if "out" in slots:
+        return ("out", "lse"), ("q",) + _CACHES
+    if "k" in slots:
+        return _CACHES, ("k", "v")
+    return (), ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,17 +138,26 @@ class Launch:
         ------
         InvalidArgumentError
             A name is not a slot, or a tensor differs from the one in its slot in dtype,
-            shape, strides or device (the caller then prepares the call afresh).
+            shape, strides or device (the caller then prepares the call afresh); or, as the
+            op would refuse them: a cache view not of the fetch's manager (or K and V swapped,
+            or of two layers), an output sharing memory with an input.
         """
         slots = dict(self.slots)
         for name, t in tensors.items():
             old = slots.get(name)
+            if name in _CACHES and _dtype_name(t) == "float8_e4m3fn" \
+                    and _dtype_name(old) == "int8":
+                t = t.view(old.dtype)  # the int8 view the kernels take of float8 rows
             if old is None or not hasattr(t, "stride") or signature(t) != signature(old):
                 raise InvalidArgumentError(describe(
                     name, f"a tensor like the prepared one ({_describe(old)})", _describe(t)))
-            if self.tokens and name in ("k_cache", "v_cache"):
-                check_cache_owner(self.tokens[0], {name: t})
             slots[name] = t
+        if self.tokens and any(n in tensors for n in _CACHES):
+            # K as K, V as V, of one layer, of the fetch's manager
+            check_cache_owner(self.tokens[0], {n: slots[n] for n in _CACHES if n in slots})
+        written, read = _roles(slots)
+        if any(n in tensors for n in written + read):  # as the op checks its arguments
+            check_no_alias({n: slots[n] for n in written}, {n: slots[n] for n in read})
         return Launch(self.fn, self.device, slots, self.outputs, self.tokens, self._errv,
                       self.parallel)
 
