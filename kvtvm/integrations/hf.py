@@ -322,6 +322,10 @@ class KVTVMCache(Cache):
             if len(item.tokens):
                 self.mgr.pop(item.seq_id, len(item.tokens))
         self.pads, self.token_mask = self._undo
+        if not len(self.pads):  # it was the first forward: the cache held no rows before it
+            for s in self.seq_ids:
+                self.mgr.release(s)
+            self.seq_ids = []
         self.plan, self._rows = None, None
         log.warning("KVTVMCache: the previous forward stopped after %d of %d layers; its "
                     "tokens were rolled back", self._layers_done, self.num_layers)

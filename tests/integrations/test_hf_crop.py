@@ -381,3 +381,43 @@ def test_a_left_padded_forward_that_fails_midway_is_retried(toy):
     torch.testing.assert_close(got, want[:, 5:], rtol=1e-4, atol=1e-4)
     assert kv.length == 8 and kv.pads.tolist() == [3, 0]
 
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_first_forward_that_fails_midway_is_retried(toy, padded):
+    """The first forward on a cache claimed the rows' sequences; its rollback restored the rows
+    of an empty cache but kept the sequences, so the retry (and every later forward) failed
+    with an untyped numpy broadcast error."""
+    ids = _random_ids(17, 2, 9)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = toy(ids, attention_mask=mask, position_ids=pos).logits
+        kv = hf.KVTVMCache(toy, 16, max_batch_size=2, page_size=4)
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        def run():
+            handle = toy.model.layers[0].mlp.register_forward_pre_hook(boom)
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    toy(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6],
+                        cache=kv)
+            finally:
+                handle.remove()
+            first = toy(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6],
+                        cache=kv).logits
+            return first, toy(ids[:, 6:], attention_mask=mask, position_ids=pos[:, 6:],
+                              cache=kv).logits
+
+        first, rest = on_kvtvm(toy, run)
+    keep = mask.bool()
+    torch.testing.assert_close(first[keep[:, :6]], want[:, :6][keep[:, :6]], rtol=1e-4,
+                               atol=1e-4)
+    torch.testing.assert_close(rest, want[:, 6:], rtol=1e-4, atol=1e-4)
+    assert kv.length == 9 and kv.pads.tolist() == [0, 4 if padded else 0]
+    # (the last forward is pending until the next one commits it)
+    assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [6, 2 if padded else 6]
