@@ -46,12 +46,16 @@ def model_fingerprint(model) -> str:
 
 def claim_tier_dir(directory, model, dtype: str, *, check_only: bool = False) -> None:
     """Refuse (:class:`~kvtvm.errors.InvalidArgumentError` naming ``disk_tier_dir``) a
-    directory marked by another model for ``dtype``; unless ``check_only``, mark an unmarked
-    one as ``model``'s (written to a temporary file, then renamed)."""
+    directory marked by another model for ``dtype``, a mark without a fingerprint, or pages
+    (``*.kvp``) with no model's mark at all (a deleted mark: their model is unknown); unless
+    ``check_only``, mark an unmarked one as ``model``'s (written to a temporary file, then
+    renamed)."""
     mark = Path(directory) / f".kvtvm-model-{dtype}"
     want = model_fingerprint(model)
     try:
         have = json.loads(mark.read_text()).get("fingerprint")
+        if not isinstance(have, str):
+            have = f"no fingerprint ({have!r})"
     except OSError:         # no mark yet, or no directory: attach_tiers judges the directory
         have = None
     except (ValueError, AttributeError):
@@ -61,9 +65,25 @@ def claim_tier_dir(directory, model, dtype: str, *, check_only: bool = False) ->
             "disk_tier_dir", "a directory of this model's pages (or a new one)",
             f"{directory}, which holds the K/V pages of another model ({mark.name}: "
             f"{have}); give each model its own directory"))
+    if have is None and _unmarked_pages(Path(directory)):
+        raise InvalidArgumentError(describe(
+            "disk_tier_dir", "a directory of this model's pages (or a new one)",
+            f"{directory}, which holds K/V pages (*.kvp) but no model's mark "
+            f"(.kvtvm-model-*): whose they are is unknown; give this model its own "
+            "directory (or empty that one)"))
     if have is None and not check_only:
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         tmp = mark.with_name(f".tmp-mark-{os.getpid()}")   # private, as the tier's files
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(json.dumps({"fingerprint": want, "model": name}))
         os.replace(tmp, mark)
+
+
+def _unmarked_pages(directory: Path) -> bool:
+    """Whether ``directory`` holds disk-tier pages but no model's mark in any dtype."""
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return False
+    return any(n.endswith(".kvp") for n in names) \
+        and not any(n.startswith(".kvtvm-model-") for n in names)

@@ -285,3 +285,28 @@ def test_disk_tier_directory_of_another_model_is_refused(toy, tmp_path):
     served = Request(3, prompt, 3)
     _engine(other, max_seq_len=64, disk_tier_dir=other_dir).serve([served])
     assert check_against_reference(other, [served]) == []
+
+
+@pytest.mark.parametrize("damage", ["{}", '{"fingerprint": null}', '{"fingerprint": 7}', "[1]",
+                                    "deleted"])
+def test_a_disk_tier_directory_with_a_damaged_or_lost_mark_is_refused(toy, tmp_path, damage):
+    """A mark without a fingerprint ('{}', null) counted as no mark, and so did a deleted one
+    while the pages stayed: another model of the same geometry then claimed the directory and
+    read the first model's K/V (its first token already wrong). Now refused, nothing made."""
+    from kvtvm.engine import build_toy_model
+    from kvtvm.errors import InvalidArgumentError
+
+    prompt = random_prompt(np.random.default_rng(11), 40)
+    first = _engine(toy, max_seq_len=64, disk_tier_dir=tmp_path)
+    first.serve([Request(0, prompt, 3)])
+    assert first.close() > 0 and list(tmp_path.glob("*.kvp"))
+    (mark,) = tmp_path.glob(".kvtvm-model-*")
+    if damage == "deleted":
+        mark.unlink()
+    else:
+        mark.write_text(damage)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for model in (build_toy_model(seed=1, num_layers=2), toy):   # its model is unknown too
+        with pytest.raises(InvalidArgumentError, match="disk_tier_dir"):
+            _engine(model, max_seq_len=64, disk_tier_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
