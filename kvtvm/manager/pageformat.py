@@ -209,7 +209,8 @@ class PageHeader:
             at, arrays = _HEAD.size + n, {}
             for name, dt in _ARRAYS:
                 count = d.pop(f"n_{name}")
-                if type(count) is not int or count < -1:
+                # -1: the checksums follow the data (deferred); the other arrays always come
+                if type(count) is not int or count < (-1 if name == "checksums" else 0):
                     raise ValueError(f"length of {name} is {count!r}")
                 if count == -1:
                     d[name] = None

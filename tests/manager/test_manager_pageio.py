@@ -418,10 +418,15 @@ def test_header_wire_encoding_round_trips_and_refuses_damage():
     damaged = [raw[:-8], raw + b"\0" * 8, b"XXXX" + raw[4:], raw[:6], b"",
                raw.replace(b'"n_tokens":%d' % n, b'"n_tokens":%d' % (n + 1)),
                raw.replace(b'"n_tokens":%d' % n, b'"n_tokens":-2'),
+               # -1 ("absent") is for deferred checksums only: a TypeError escaped before
+               raw.replace(b'"n_tokens":%d' % n, b'"n_tokens":-1'),
+               raw.replace(b'"n_block_hashes":%d' % (n // 16), b'"n_block_hashes":-1'),
                raw[:4] + struct.pack("<I", jlen + 3) + raw[8:]]
     for bad in damaged:
-        with pytest.raises(CorruptTransferError):
-            PageHeader.from_bytes(bad)
+        assert bad != raw
+        for deferred in (False, True):
+            with pytest.raises(CorruptTransferError):
+                PageHeader.from_bytes(bad, deferred=deferred)
     with pytest.raises(CorruptTransferError, match="block_hashes"):
         dataclasses.replace(hdr, block_hashes=(-1,) + hdr.block_hashes[1:]).to_bytes()
 
