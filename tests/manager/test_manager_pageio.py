@@ -418,12 +418,14 @@ def test_header_wire_encoding_round_trips_and_refuses_damage():
     damaged = [raw[:-8], raw + b"\0" * 8, b"XXXX" + raw[4:], raw[:6], b"",
                raw.replace(b'"n_tokens":%d' % n, b'"n_tokens":%d' % (n + 1)),
                raw.replace(b'"n_tokens":%d' % n, b'"n_tokens":-2'),
-               # -1 ("absent") is for deferred checksums only: a TypeError escaped before
-               raw.replace(b'"n_tokens":%d' % n, b'"n_tokens":-1'),
-               raw.replace(b'"n_block_hashes":%d' % (n // 16), b'"n_block_hashes":-1'),
                raw[:4] + struct.pack("<I", jlen + 3) + raw[8:]]
+    # -1 ("absent") is for deferred checksums only: for the other arrays (none sent) a
+    # TypeError escaped before
+    empty = dataclasses.replace(hdr, tokens=(), block_hashes=(), checksums=()).to_bytes()
+    damaged += [empty.replace(b'"n_%s":0' % name, b'"n_%s":-1' % name)
+                for name in (b"tokens", b"block_hashes")]
     for bad in damaged:
-        assert bad != raw
+        assert bad != raw and bad != empty
         for deferred in (False, True):
             with pytest.raises(CorruptTransferError):
                 PageHeader.from_bytes(bad, deferred=deferred)
