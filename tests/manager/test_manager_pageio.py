@@ -422,8 +422,9 @@ def test_header_wire_encoding_round_trips_and_refuses_damage():
     # -1 ("absent") is for deferred checksums only: for the other arrays (none sent) a
     # TypeError escaped before
     empty = dataclasses.replace(hdr, tokens=(), block_hashes=(), checksums=()).to_bytes()
-    damaged += [empty.replace(b'"n_%s":0' % name, b'"n_%s":-1' % name)
-                for name in (b"tokens", b"block_hashes")]
+    for name in (b"tokens", b"block_hashes"):
+        fields = empty[8:].replace(b'"n_%s":0' % name, b'"n_%s":-1' % name)
+        damaged.append(empty[:4] + struct.pack("<I", len(fields)) + fields)
     for bad in damaged:
         assert bad != raw and bad != empty
         for deferred in (False, True):
