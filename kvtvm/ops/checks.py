@@ -368,8 +368,8 @@ def check_no_alias(written: dict, read: dict) -> None:
     device: :func:`common_device` first).
 
     Byte spans (first to last element) are compared, except for the K and V caches, which are
-    interleaved views of one cache tensor: those alias only when they are the same view (same
-    data pointer).
+    interleaved views of one cache tensor: those alias when they are the same view (same data
+    pointer), or when both are contiguous (a caller's own tensors) and their spans overlap.
     """
     spans = [(n, _span(t)) for n, t in written.items()]
     spans += [(n, _span(t)) for n, t in read.items()]
@@ -378,8 +378,9 @@ def check_no_alias(written: dict, read: dict) -> None:
             if on == wn:
                 continue
             if wn in _KV and on in _KV:  # (two empty views may share a null pointer)
-                overlap = (written[wn].data_ptr() == written[on].data_ptr()
-                           and written[wn].numel() > 0)
+                a, b = written[wn], written[on]
+                overlap = a.numel() > 0 and (a.data_ptr() == b.data_ptr() or (
+                    a.is_contiguous() and b.is_contiguous() and w0 < o1 and o0 < w1))
             else:
                 overlap = w0 < o1 and o0 < w1
             if overlap:
