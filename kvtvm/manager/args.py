@@ -12,7 +12,8 @@ from ..errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapac
 from ..inputs import as_int64
 
 __all__ = ["check_positive_int", "check_size", "check_sizes", "parse_devices", "ItemTokens",
-           "row_offsets", "check_step_tokens", "check_int", "check_hashes", "check_seconds", "allocate"]
+           "row_offsets", "check_step_tokens", "check_int", "check_hashes", "check_seconds",
+           "allocate"]
 
 #: Sizes (tokens, sequences, pages, layers) index int32 tables and kernels: at most this.
 INT32_MAX = (1 << 31) - 1
