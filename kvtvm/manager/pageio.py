@@ -288,10 +288,11 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
                                                 f"1 to max_seq_len={self.max_seq_len} tokens",
                                                 len(hdr.tokens)))
 
-    def _import_room(self, header: PageHeader, held: list) -> int:
+    def _import_room(self, header: PageHeader, held: list, skip: int | None = None) -> int:
         """New pages an import takes beside ``held`` (KVCacheCapacityError if not that many
-        are free or evictable)."""
-        n_new = header.n_pages - max(len(held), header.first_page)
+        are free or evictable); ``skip``: the leading pages not to count (default: those held,
+        or up to ``header.first_page``)."""
+        n_new = header.n_pages - (max(len(held), header.first_page) if skip is None else skip)
         available = self._available_pages() - sum(1 for p in held if p in self._prefix.lru)
         if n_new > available:
             raise KVCacheCapacityError(f"import: needs {n_new} new pages, {available} are "
@@ -334,15 +335,16 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
             P = self.page_size
             toks = header.token_array()
             chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(toks.size // P)]
-            if getattr(self, "_tiers", None) is not None:  # room first: a page promoted
-                self._import_room(header, self._prefix.lookup(chunks)[0])  # costs one it saves
+            if getattr(self, "_tiers", None) is not None:  # nothing promoted unless the
+                # import can go through: every page not on the device is promoted or taken
+                on_device = self._prefix.lookup(chunks)[0]
+                self._import_room(header, on_device, skip=len(on_device))
+                _check_sent_from(header, len(on_device) + self._tiers.count_prefix(
+                    [int(h) for h in header.block_hashes[len(on_device):]]))
                 self._promote(chunks)
             held, kids = self._prefix.lookup(chunks)
             k = len(held)
-            if k < header.first_page:
-                raise TransferError(f"import: this cache holds {k} leading pages of the "
-                                    f"sequence, the peer sent from page {header.first_page}; "
-                                    f"resend from page {k}")
+            _check_sent_from(header, k)
             start = max(k, header.first_page)
             n_new = self._import_room(header, held)
             self._lease_pages(held)  # pinned before taking: _take must not evict them
@@ -509,3 +511,12 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
                                                     data.dtype))
             lid, first_row = self.begin_import(header, seq_id)
             return self.finish_import(lid, data[first_row:])
+
+
+def _check_sent_from(header: PageHeader, held: int) -> None:
+    """TransferError unless the cache holds (or its tiers can bring back) the ``held`` >=
+    ``header.first_page`` leading pages the peer did not send."""
+    if held < header.first_page:
+        raise TransferError(f"import: this cache holds {held} leading pages of the sequence, "
+                            f"the peer sent from page {header.first_page}; resend from page "
+                            f"{held}")

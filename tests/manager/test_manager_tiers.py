@@ -353,3 +353,58 @@ def test_cached_prefix_tokens_is_what_the_first_fetch_hits(tmp_path):
     assert serve(tiered, SYS + [2])[0] == 12
     off = PagedKVCacheManager(KVCacheParams("float32", H, D, "paged", page_size=P), 2, 32, L)
     assert off.cached_prefix_tokens(SYS + [1]) == 0
+
+
+def _import_setup():
+    """A receiver whose host tier holds the first 7 pages of a 10-page sequence, with 9 pages
+    in use and 7 cached ones; the export a peer sends after its lookup (from page 7)."""
+    def make():
+        m = PagedKVCacheManager(KVCacheParams("float16", 2, 16, "paged", page_size=4,
+                                              enable_prefix_caching=True), 8, 64, 2,
+                                num_pages=16)
+        m.blocks[0].copy_(torch.randn(m.blocks[0].shape))
+        return m
+
+    def seq(m, toks):
+        (s,) = m.claim(1)
+        m.fetch([BatchItem(s, toks)])
+        m.step([BatchItem(s, toks)])
+        return s
+
+    a_mgr, b_mgr = make(), make()
+    b_mgr.attach_tiers(host_pages=16)
+    base = list(range(300, 329))
+    a = seq(a_mgr, base)
+    ex = a_mgr.export_pages(a)
+    b_mgr.import_pages(ex.header, ex.data)
+    a_mgr.end_lease(ex.lease_id)
+    for i in range(3):  # pushes the 7 imported pages to the host tier
+        b_mgr.release(seq(b_mgr, [7000 + 100 * i + j for j in range(28 if i < 2 else 8)]))
+    busy = seq(b_mgr, [6000 + j for j in range(33)])
+    b = seq(a_mgr, base + list(range(900, 911)))
+    held = b_mgr.held_prefix_pages(a_mgr.block_hashes_of(b))
+    return a_mgr, b_mgr, a_mgr.export_pages(b, first_page=held), held, busy
+
+
+@pytest.mark.parametrize("room", [False, True])
+def test_an_import_that_cannot_fit_promotes_nothing(room):
+    """The room check before promoting counted the pages before first_page (in the host tier,
+    counted by the peer's lookup) as held: a refused import had promoted them, evicting 7
+    other cached pages. With room, the promoted and the sent pages make the sequence."""
+    a_mgr, b_mgr, ex, held, busy = _import_setup()
+    assert held == 7
+    if room:
+        b_mgr.release(busy)
+    before, saved = b_mgr.stats(), b_mgr.blocks[0].clone()
+    if not room:
+        with pytest.raises(KVCacheCapacityError, match="import"):
+            b_mgr.import_pages(ex.header, ex.data)
+        after = b_mgr.stats()
+        assert after.tiers == before.tiers and after.evictions == before.evictions
+        assert torch.equal(b_mgr.blocks[0], saved)
+    else:
+        b_mgr.import_pages(ex.header, ex.data)
+        assert b_mgr.stats().tiers["host"]["promotions"] == 7
+        assert b_mgr.held_prefix_pages(ex.header.block_hashes) == 10
+    b_mgr.check_invariants()
+    a_mgr.end_lease(ex.lease_id)
