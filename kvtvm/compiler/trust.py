@@ -30,7 +30,7 @@ from ..errors import CorruptKernelError, UntrustedKernelError
 
 __all__ = ["FILE_MODE", "CACHE_DIR_MODE", "check_trusted", "check_trusted_parents",
            "check_trusted_tree", "secure_cache_dir", "sha256_of", "set_file_mode",
-           "check_digest", "DIR_MODE", "make_dirs", "write_file"]
+           "check_digest", "DIR_MODE", "make_dirs", "write_file", "open_regular"]
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +189,25 @@ def set_file_mode(path: Path) -> None:
     os.chmod(path, FILE_MODE)
 
 
+def open_regular(path: str | os.PathLike):
+    """``path`` opened for reading in binary, if it is a regular file (symlinks followed);
+    OSError otherwise -- a FIFO is opened without blocking and refused, never read (reading
+    one waits for a writer forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def sha256_of(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes."""
+    """Hex sha256 of a regular file's bytes (:func:`open_regular`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -203,6 +218,8 @@ def check_digest(path: Path, manifest: dict | None) -> str | None:
     want = (manifest or {}).get("sha256")
     if not want:
         return "its manifest records no sha256 (built by an older kvtvm)"
+    if not isinstance(want, str):
+        return f"its manifest's sha256 is not a hex string ({type(want).__name__})"
     try:
         got = sha256_of(path)
     except OSError as err:

@@ -112,3 +112,42 @@ def test_paths_from_the_environment_expand_the_home_directory(tmp_path, monkeypa
     dirs = compiler.kernel_dirs()
     assert dirs[0] == tmp_path / "kernels" and dirs[-1].parent == tmp_path / "cache"
     assert len(dirs) == 2 and compiler.tuning_logs_dir() == tmp_path / "logs"
+
+
+@pytest.mark.parametrize("where", ["module", "manifest"])
+def test_a_fifo_in_the_cache_is_rebuilt_over_not_waited_on(tmp_path, monkeypatch, where):
+    """A FIFO at a module's or its manifest's path passed the owner and mode checks, then its
+    digest (or the manifest) was read: open() waited for a writer forever, and with it every op
+    needing that kernel. It is now not a regular file: not fresh, rebuilt (in a subprocess
+    with a deadline, so a regression fails instead of hanging the suite)."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, KVTVM_CACHE_DIR=str(cache), KVTVM_KERNEL_PATH="")
+    script = f"""
+import os
+from kvtvm import compiler
+spec = compiler.KernelSpec(op="append", dtype="float32", head_dim=16, n_kv_heads=2)
+compiler.get_kernel(spec)
+path = compiler.cache_dir() / spec.file_name()
+target = compiler.manifest_path(path) if {where == "manifest"} else path
+target.unlink()
+os.mkfifo(target)
+assert not compiler.is_fresh(path, spec)
+from kvtvm.compiler import cache
+cache._loaded.clear()
+compiler.get_kernel(spec)
+assert compiler.is_fresh(path, spec) and os.path.isfile(target)
+print("REBUILT")
+"""
+    said = run_python(script, env=env, timeout=240)
+    assert "REBUILT" in said, said
+
+
+@pytest.mark.parametrize("digest", [12345, True, {}, ["ab"]])
+def test_a_manifest_sha256_of_another_type_is_not_fresh(tmp_path, digest):
+    """An edited manifest whose sha256 was not a string raised an untyped TypeError while
+    wording the mismatch."""
+    path = compiler.build_spec(SPEC, tmp_path / "kernels")
+    data = json.loads(compiler.manifest_path(path).read_text())
+    data["sha256"] = digest
+    compiler.manifest_path(path).write_text(json.dumps(data))
+    assert not compiler.is_fresh(path, SPEC)
