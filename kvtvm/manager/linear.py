@@ -257,16 +257,7 @@ class LinearKVCache:
             A length would pass ``max_seq_len`` (nothing changes).
         """
         with self._lock:
-            if isinstance(new_lengths, (int, np.integer)) and not isinstance(new_lengths, bool):
-                inc = np.full(self._active, int(new_lengths), dtype=np.int64)
-            else:
-                inc = self._host_ints("new_lengths", new_lengths)
-                if inc.size != self._active:
-                    raise InvalidArgumentError(describe(
-                        "new_lengths", f"[active_batch_size={self._active}] values", inc.size))
-            if (inc < 0).any():
-                raise InvalidArgumentError(describe("new_lengths", ">= 0",
-                                                    int(inc[np.argmax(inc < 0)])))
+            inc = self._step_counts("new_lengths", new_lengths)
             total = self._lengths[:self._active] + inc
             self._check_range("committed length", total)
             self._lengths[:self._active] = total
@@ -361,15 +352,7 @@ class LinearKVCache:
 
         with self._lock:
             b = self._active
-            if isinstance(new_tokens, (int, np.integer)) and not isinstance(new_tokens, bool):
-                new = np.full(b, int(new_tokens), dtype=np.int64)
-            else:
-                new = self._host_ints("new_tokens", new_tokens)
-            if new.size != b:
-                raise InvalidArgumentError(describe("new_tokens", f"[{b}] values", new.size))
-            if new.size and new.min() < 0:
-                raise InvalidArgumentError(describe("new_tokens", ">= 0",
-                                                    int(new[np.argmax(new < 0)])))
+            new = self._step_counts("new_tokens", new_tokens)
             self._check_range("length after new_tokens", self._lengths[:b] + new)
             mb = self.max_batch_size
             self._wait_host()
@@ -401,7 +384,7 @@ class LinearKVCache:
 
     # ------------------------------------------------------------------------------------
 
-    def _host_ints(self, name: str, value) -> np.ndarray:
+    def _host_ints(self, name: str, value, cast: bool = True) -> np.ndarray:
         import torch
 
         if isinstance(value, torch.Tensor):
@@ -410,7 +393,28 @@ class LinearKVCache:
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise InvalidArgumentError(describe(name, "a 1-D sequence of ints",
                                                 f"{arr.dtype} shape {arr.shape}"))
-        return arr.astype(np.int64)
+        return arr.astype(np.int64) if cast else arr
+
+    def _step_counts(self, name: str, value) -> np.ndarray:
+        """int64 ``[active_batch_size]`` tokens per active sequence from an int (all alike) or
+        a sequence of ints, each in ``[0, max_seq_len]`` (a larger one could only pass it; so
+        the sums never wrap): InvalidArgumentError / SequenceTooLongError naming ``name``."""
+        b = self._active
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            arr = np.array([int(value)], dtype=object)
+        else:
+            arr = self._host_ints(name, value, cast=False)
+            if arr.size != b:
+                raise InvalidArgumentError(describe(
+                    name, f"[active_batch_size={b}] values", arr.size))
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())  # exact, whatever the integer type
+            if lo < 0:
+                raise InvalidArgumentError(describe(name, ">= 0", lo))
+            if hi > self.max_seq_len:
+                raise SequenceTooLongError(describe(
+                    name, f"at most max_seq_len={self.max_seq_len} tokens", hi))
+        return np.broadcast_to(arr, (b,)).astype(np.int64)
 
     def _check_range(self, name: str, lengths: np.ndarray) -> None:
         if (lengths < 0).any():

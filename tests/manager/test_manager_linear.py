@@ -165,3 +165,18 @@ def test_evict_errors():
     with pytest.raises(InvalidArgumentError, match="distinct"):
         c.evict([1, 1])
     assert c.kv_cache_lengths.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("verb", ["commit_sequence_length", "step_inputs"])
+@pytest.mark.parametrize("count", [2**63, np.uint64(2**63), 2**64, 2**63 - 1,
+                                   [2**63 - 1, 1], np.array([2**63, 0], dtype=np.uint64), 33])
+def test_counts_past_int64_or_max_seq_len_are_too_long_and_change_nothing(verb, count):
+    """Counts that do not fit int64 raised an untyped OverflowError, and one that fit but
+    overflowed the sum wrapped to 'expected >= 0, got -9223372036854775808'."""
+    lin = LinearKVCache(KVCacheParams("float32", 2, 16, "linear"), 4, 32, 1)
+    lin.reset_for_new_sequences([1, 2])
+    with pytest.raises(SequenceTooLongError, match="max_seq_len=32"):
+        getattr(lin, verb)(count)
+    assert lin.host_lengths.tolist() == [1, 2]
+    (inp,) = lin.step_inputs([30, 29])   # the largest that fit
+    assert inp.cache_lengths.tolist() == [1, 2]
