@@ -17,6 +17,7 @@ synchronizes): with graphs running in several threads, a check may report anothe
 
 from __future__ import annotations
 
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,7 +258,12 @@ def kv_input_vars_for(manager, device: int = 0) -> KVInputVars:
         refuse_quantized(f"params.{name}", str(getattr(manager.params, name,
                                                        manager.params.dtype)))
     if hasattr(manager, "input_symbols"):
-        sym = manager.input_symbols()[device]
+        symbols = manager.input_symbols()
+        if isinstance(device, bool) or not isinstance(device, numbers.Integral) \
+                or not 0 <= device < len(symbols):
+            raise InvalidArgumentError(describe("device", f"an int in [0, {len(symbols)})",
+                                                repr(device)))
+        sym = symbols[int(device)]
         blocks, dtype = _static_dims(sym.blocks), str(sym.blocks.dtype)
         lookup = sym.lookup_table.shape.values
         batch, width = lookup[0], _static_dims(sym.lookup_table)[1]

@@ -561,3 +561,19 @@ def test_kv_call_args_refuses_stale_inputs():
     mgr.fetch([BatchItem(b, [3])])
     with pytest.raises(StaleInputsError):
         kr.kv_call_args(inp)
+
+
+@pytest.mark.parametrize("device", [1, -1, "0", 0.0, None, True])
+def test_kv_input_vars_for_names_a_bad_device(device):
+    """The paged and continuous managers indexed their symbols with ``device`` unchecked: an
+    untyped IndexError / TypeError, and -1 taken as the last device (as the linear cache
+    already refused)."""
+    from kvtvm.manager import ContinuousBatchingKVCacheManager, LinearKVCache
+    for mgr in (PagedKVCacheManager(KVCacheParams("float32", 2, 16, "paged", page_size=4),
+                                    2, 32, 1),
+                ContinuousBatchingKVCacheManager(KVCacheParams("float32", 2, 16, "continuous"),
+                                                 2, 32, 1),
+                LinearKVCache(KVCacheParams("float32", 2, 16, "linear"), 2, 32, 1)):
+        with pytest.raises(InvalidArgumentError, match="device"):
+            kr.kv_input_vars_for(mgr, device=device)
+        kr.kv_input_vars_for(mgr, device=0)
