@@ -77,7 +77,7 @@ def view_signature(t) -> tuple:
     """Where a tensor view lies and how it walks memory: (device, first byte, shape, strides,
     item size) -- equal for two views of the same elements whatever their dtype (an 8-bit
     cache's float8 view and the int8 view the kernels take)."""
-    return str(t.device), t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size()
+    return t.device, t.data_ptr(), t.shape, t.stride(), t.element_size()
 
 
 #: Attribute of a table tensor holding its fetch's token (torch tensors take attributes).
