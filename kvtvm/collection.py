@@ -293,11 +293,16 @@ def make_collection(inputs) -> KVCacheCollection:
 def layer_views_by_signature(caches, params, num_layers: int) -> dict:
     """Every per-layer K and V view the collections cut from a manager's cache tensors
     (``caches``: one per device; ``params``: the per-device parameters), keyed by
-    :func:`kvtvm.inputs.view_signature`: ``signature -> (layer, kv)``. The ops look a cache
-    argument up here to refuse another view of the same memory (a slice, K and V swapped, two
-    layers) with a fetch's tables."""
+    :func:`kvtvm.inputs.view_signature`: ``signature -> (layer, kv, dtype)``. The ops look a
+    cache argument up here to refuse another view of the same memory (a slice, K and V
+    swapped, two layers, another dtype) with a fetch's tables."""
     from .inputs import view_signature
 
     cls = _COLLECTIONS[params.cache_strategy]
-    return {view_signature(cls.view_of(blocks, params, num_layers, layer, kv)): (layer, kv)
-            for blocks in caches for layer in range(num_layers) for kv in (0, 1)}
+    out = {}
+    for blocks in caches:
+        for layer in range(num_layers):
+            for kv in (0, 1):
+                view = cls.view_of(blocks, params, num_layers, layer, kv)
+                out[view_signature(view)] = (layer, kv, view.dtype)
+    return out

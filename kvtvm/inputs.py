@@ -50,7 +50,7 @@ class FetchToken:
         #: the manager's lock: a launch holds it from its liveness check to the kernel's
         #: return (CPU) or enqueue (CUDA), so a concurrent fetch cannot slip in between
         self.live, self.why, self.lock = True, "", lock
-        #: the manager's per-layer cache views, ``view_signature -> (layer, kv)``
+        #: the manager's per-layer cache views, ``view_signature -> (layer, kv, dtype)``
         #: (:func:`kvtvm.collection.layer_views_by_signature`; built once per manager): with
         #: these tables the ops take only these views -- K as K, V as V, of one layer
         self.views = views or {}
@@ -75,8 +75,8 @@ class FetchToken:
 
 def view_signature(t) -> tuple:
     """Where a tensor view lies and how it walks memory: (device, first byte, shape, strides,
-    item size) -- equal for two views of the same elements whatever their dtype (an 8-bit
-    cache's float8 view and the int8 view the kernels take)."""
+    item size) -- equal for two views of the same elements whatever their dtype (the dtype is
+    compared apart: an 8-bit cache's float8 view and the int8 view the kernels take)."""
     return t.device, t.data_ptr(), t.shape, t.stride(), t.element_size()
 
 

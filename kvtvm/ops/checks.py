@@ -266,11 +266,13 @@ def live_tokens(tensors: dict, caches: dict | None = None, layout: str | None = 
 _SIDE = {"k_cache": 0, "v_cache": 1}
 
 
-def check_cache_owner(token, caches: dict) -> None:
+def check_cache_owner(token, caches: dict, kernel_args=()) -> None:
     """Each cache view (name -> tensor) is one of the per-layer views of the manager that made
-    ``token``'s fetch -- ``k_cache`` a K view, ``v_cache`` a V view, both of one layer -- else
-    InvalidArgumentError naming it (another manager's cache, a copy, a shifted slice, K and V
-    swapped or of two layers: the kernel would write or read other positions)."""
+    ``token``'s fetch -- ``k_cache`` a K view, ``v_cache`` a V view, both of one layer, of the
+    view's dtype -- else InvalidArgumentError naming it (another manager's cache, a copy, a
+    shifted slice, K and V swapped or of two layers, another dtype: the kernel would write or
+    read other positions, or read the bytes as another type). ``kernel_args``: names of
+    tensors a prepared launch holds, where a float8 cache is its int8 view."""
     if not token.views:
         return
     found = {}
@@ -282,10 +284,15 @@ def check_cache_owner(token, caches: dict) -> None:
                 "tables (k_cache(layer) / v_cache(layer))",
                 "other memory or another view of it (another manager's cache, a copy, a "
                 "slice)"))
-        layer, side = where
+        layer, side, dtype = where
         if _SIDE.get(name, side) != side:
             raise InvalidArgumentError(describe(
                 name, f"a {'KV'[_SIDE[name]]} view", f"layer {layer}'s {'KV'[side]} view"))
+        if t.dtype != dtype and not (name in kernel_args and str(t.dtype) == "torch.int8"
+                                     and str(dtype) == "torch.float8_e4m3fn"):
+            raise InvalidArgumentError(describe(
+                name, f"the cache's {str(dtype).removeprefix('torch.')} view",
+                f"a {str(t.dtype).removeprefix('torch.')} view of it"))
         found[name] = layer
     if len(set(found.values())) > 1:
         raise InvalidArgumentError(describe(
@@ -368,8 +375,9 @@ def check_no_alias(written: dict, read: dict) -> None:
     device: :func:`common_device` first).
 
     Byte spans (first to last element) are compared, except for the K and V caches, which are
-    interleaved views of one cache tensor: those alias when they are the same view (same data
-    pointer), or when both are contiguous (a caller's own tensors) and their spans overlap.
+    interleaved views of one cache tensor (or, transformers' paged views, page arrays one page
+    apart in one buffer whose page tables interleave them): those alias only when they are the
+    same view (same data pointer).
     """
     spans = [(n, _span(t)) for n, t in written.items()]
     spans += [(n, _span(t)) for n, t in read.items()]
@@ -378,9 +386,8 @@ def check_no_alias(written: dict, read: dict) -> None:
             if on == wn:
                 continue
             if wn in _KV and on in _KV:  # (two empty views may share a null pointer)
-                a, b = written[wn], written[on]
-                overlap = a.numel() > 0 and (a.data_ptr() == b.data_ptr() or (
-                    a.is_contiguous() and b.is_contiguous() and w0 < o1 and o0 < w1))
+                overlap = (written[wn].data_ptr() == written[on].data_ptr()
+                           and written[wn].numel() > 0)
             else:
                 overlap = w0 < o1 and o0 < w1
             if overlap:

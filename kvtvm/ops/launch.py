@@ -142,7 +142,7 @@ class Launch:
             op would refuse them: a cache view not of the fetch's manager (or K and V swapped,
             or of two layers), an output sharing memory with an input.
         """
-        slots = dict(self.slots)
+        slots, given = dict(self.slots), dict(tensors)
         for name, t in tensors.items():
             old = slots.get(name)
             if name in _CACHES and _dtype_name(t) == "float8_e4m3fn" \
@@ -154,7 +154,9 @@ class Launch:
             slots[name] = t
         if self.tokens and any(n in tensors for n in _CACHES):
             # K as K, V as V, of one layer, of the fetch's manager
-            check_cache_owner(self.tokens[0], {n: slots[n] for n in _CACHES if n in slots})
+            kept = {n for n in _CACHES if n in slots and n not in given}
+            check_cache_owner(self.tokens[0], {n: given.get(n, slots[n]) for n in _CACHES
+                                               if n in slots}, kernel_args=kept)
         written, read = _roles(slots)
         if any(n in tensors for n in written + read):  # as the op checks its arguments
             check_no_alias({n: slots[n] for n in written}, {n: slots[n] for n in read})

@@ -39,10 +39,14 @@ def _wrong_views(inp):
     """(what is wrong, K argument, V argument): views of the right cache tensor, but not the
     fetch's K and V of one layer."""
     k0, v0, v1 = inp.k_cache(0), inp.v_cache(0), inp.v_cache(1)
-    return [("shifted by one page", k0[1:], v0[1:]),
-            ("K and V swapped", v0, k0),
-            ("K of layer 0, V of layer 1", k0, v1),
-            ("K as both", k0, inp.k_cache(2))]
+    views = [("shifted by one page", k0[1:], v0[1:]),
+             ("K and V swapped", v0, k0),
+             ("K of layer 0, V of layer 1", k0, v1),
+             ("K as both", k0, inp.k_cache(2))]
+    other = {torch.int8: torch.float8_e4m3fn, torch.float8_e4m3fn: torch.int8}.get(k0.dtype)
+    if other is not None:  # the bytes read as the other 8-bit type
+        views.append(("another dtype", k0.view(other), v0.view(other)))
+    return views
 
 
 def _call(op, inp, kc, vc, plan=None):
@@ -135,3 +139,18 @@ def test_a_workspace_that_is_not_one_is_refused(batch, workspace):
                              workspace=workspace)
     ops.decode_attention(torch.randn(batch, H * G, D), kc, kc.clone(), lengths, table,
                          workspace=SplitWorkspace(torch.device("cpu")))
+
+
+def test_a_view_as_another_float_type_is_refused():
+    """A float16 cache's views passed as bfloat16 (with bfloat16 rows) matched the old check:
+    bfloat16 1.0 was written and read back from the float16 cache as 1.875."""
+    params = KVCacheParams("float16", H, D, "paged", page_size=2)
+    mgr = PagedKVCacheManager(params, 2, 8, 1)
+    (a,) = mgr.claim(1)
+    (inp,) = mgr.fetch([BatchItem(a, [1, 2, 3])])
+    saved = mgr.blocks[0].clone()
+    ones = torch.ones(3, H, D, dtype=torch.bfloat16)
+    with pytest.raises(InvalidArgumentError, match="float16 view"):
+        ops.append_kv(inp.k_cache(0).view(torch.bfloat16), inp.v_cache(0).view(torch.bfloat16),
+                      ones, ones, inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
+    assert torch.equal(mgr.blocks[0], saved)
