@@ -20,7 +20,7 @@ from .. import compiler, runtime
 from ..errors import InvalidArgumentError, describe
 from ..inputs import check_live
 from . import errflag
-from .checks import check_cache_owner, check_no_alias
+from .checks import check_cache_owner, check_no_alias, check_vector_aligned
 
 __all__ = ["Launch", "LaunchSequence", "kernel_for", "signature"]
 
@@ -31,6 +31,8 @@ def signature(t) -> tuple:
 
 
 _CACHES = ("k_cache", "v_cache")
+#: slots whose rows a CUDA kernel may move as 16-byte vectors
+_VECTOR_ROWS = _CACHES + ("q", "k", "v")
 
 
 def _dtype_name(t) -> str:
@@ -140,7 +142,8 @@ class Launch:
             A name is not a slot, or a tensor differs from the one in its slot in dtype,
             shape, strides or device (the caller then prepares the call afresh); or, as the
             op would refuse them: a cache view not of the fetch's manager (or K and V swapped,
-            or of two layers), an output sharing memory with an input.
+            or of two layers), an output sharing memory with an input, rows not 16-byte
+            aligned on CUDA.
         """
         slots, given = dict(self.slots), dict(tensors)
         for name, t in tensors.items():
@@ -157,6 +160,8 @@ class Launch:
             kept = {n for n in _CACHES if n in slots and n not in given}
             check_cache_owner(self.tokens[0], {n: given.get(n, slots[n]) for n in _CACHES
                                                if n in slots}, kernel_args=kept)
+        if self.device.type == "cuda":  # as prepare_* checks: rows move in 16-byte vectors
+            check_vector_aligned({n: t for n, t in given.items() if n in _VECTOR_ROWS})
         written, read = _roles(slots)
         if any(n in tensors for n in written + read):  # as the op checks its arguments
             check_no_alias({n: slots[n] for n in written}, {n: slots[n] for n in read})

@@ -108,3 +108,15 @@ def test_one_tensor_passed_as_k_and_v_is_replayed():
     for layer in range(LAYERS):
         assert torch.equal(inp.k_cache(layer)[inp.lookup_table[0, 0], :2], k)
         assert torch.equal(inp.v_cache(layer)[inp.lookup_table[0, 0], :2], k)
+
+
+def test_a_cuda_launch_refuses_to_rebind_rows_off_16_bytes():
+    """prepare_* checks CUDA rows are 16-byte aligned; a rebound launch compared only dtype,
+    shape, strides and device, so a later layer's q / k / v starting mid-vector reached the
+    kernel. (Checked without a GPU: the launch is never run.)"""
+    base = torch.zeros(3 * 8 * 16 + 4)
+    slots = {"q": base[:384].view(3, 8, 16), "err": torch.zeros(4, dtype=torch.int32)}
+    launch = Launch(None, torch.device("cuda"), slots, outputs=())
+    with pytest.raises(InvalidArgumentError, match="16-byte aligned"):
+        launch.rebind(q=base[1:385].view(3, 8, 16))      # 4 bytes off
+    assert launch.rebind(q=base[4:388].view(3, 8, 16)).slots["q"].data_ptr() % 16 == 0
