@@ -350,30 +350,42 @@ def test_a_forward_that_fails_midway_is_rolled_back(toy, cache):
     assert [kv.mgr.cache_length(s) for s in kv.seq_ids] == [6, 6]  # the last one pending
 
 
+
+def _padded_batch(seed, length, pad_row, pads):
+    """Two random rows, ``pads`` left pads in ``pad_row``: ids, mask, position ids."""
+    ids = _random_ids(seed, 2, length)
+    mask = torch.ones_like(ids)
+    mask[pad_row, :pads] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _fails_in_layer_0(toy, forward):
+    """Run ``forward`` with layer 0's MLP raising (an exception after layer 0's attention)."""
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    handle = toy.model.layers[0].mlp.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            forward()
+    finally:
+        handle.remove()
+
+
 def test_a_left_padded_forward_that_fails_midway_is_retried(toy):
     """The rollback with a padded batch: the failed forward had extended the rows' token mask,
     so the retry's mask was checked against it (an untyped shape error); the unfinished
     forward is now rolled back before the retry is checked, and the retry gives sdpa's
     logits."""
-    ids = _random_ids(16, 2, 8)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = _padded_batch(16, 8, 0, 3)
     with torch.no_grad():
         want = toy(ids, attention_mask=mask, position_ids=pos).logits
         kv = hf.KVTVMCache(toy, 16, max_batch_size=2, page_size=4)
 
-        def boom(*args, **kwargs):
-            raise RuntimeError("injected")
-
         def run():
             toy(ids[:, :5], attention_mask=mask[:, :5], position_ids=pos[:, :5], cache=kv)
-            handle = toy.model.layers[0].mlp.register_forward_pre_hook(boom)
-            try:
-                with pytest.raises(RuntimeError, match="injected"):
-                    toy(ids[:, 5:], attention_mask=mask, position_ids=pos[:, 5:], cache=kv)
-            finally:
-                handle.remove()
+            _fails_in_layer_0(toy, lambda: toy(ids[:, 5:], attention_mask=mask,
+                                               position_ids=pos[:, 5:], cache=kv))
             return toy(ids[:, 5:], attention_mask=mask, position_ids=pos[:, 5:],
                        cache=kv).logits
 
@@ -388,26 +400,14 @@ def test_a_first_forward_that_fails_midway_is_retried(toy, padded):
     """The first forward on a cache claimed the rows' sequences; its rollback restored the rows
     of an empty cache but kept the sequences, so the retry (and every later forward) failed
     with an untyped numpy broadcast error."""
-    ids = _random_ids(17, 2, 9)
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1, :4] = 0
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = _padded_batch(17, 9, 1, 4 if padded else 0)
     with torch.no_grad():
         want = toy(ids, attention_mask=mask, position_ids=pos).logits
         kv = hf.KVTVMCache(toy, 16, max_batch_size=2, page_size=4)
 
-        def boom(*args, **kwargs):
-            raise RuntimeError("injected")
-
         def run():
-            handle = toy.model.layers[0].mlp.register_forward_pre_hook(boom)
-            try:
-                with pytest.raises(RuntimeError, match="injected"):
-                    toy(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6],
-                        cache=kv)
-            finally:
-                handle.remove()
+            _fails_in_layer_0(toy, lambda: toy(ids[:, :6], attention_mask=mask[:, :6],
+                                               position_ids=pos[:, :6], cache=kv))
             first = toy(ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6],
                         cache=kv).logits
             return first, toy(ids[:, 6:], attention_mask=mask, position_ids=pos[:, 6:],
