@@ -40,7 +40,7 @@ from .storage import layer_view
 
 __all__ = ["LayerKVCache", "KVCacheCollection", "ContinuousBatchingKVCacheCollection",
            "PagedKVCacheCollection", "LinearKVCacheCollection", "make_collection",
-           "layer_views_by_signature"]
+           "layer_views_by_signature", "view_signature"]
 
 
 def _index_arg(name: str, value, size: int, what: str = "") -> int:
@@ -293,11 +293,9 @@ def make_collection(inputs) -> KVCacheCollection:
 def layer_views_by_signature(caches, params, num_layers: int) -> dict:
     """Every per-layer K and V view the collections cut from a manager's cache tensors
     (``caches``: one per device; ``params``: the per-device parameters), keyed by
-    :func:`kvtvm.inputs.view_signature`: ``signature -> (layer, kv, dtype)``. The ops look a
+    :func:`view_signature`: ``signature -> (layer, kv, dtype)``. The ops look a
     cache argument up here to refuse another view of the same memory (a slice, K and V
     swapped, two layers, another dtype) with a fetch's tables."""
-    from .inputs import view_signature
-
     cls = _COLLECTIONS[params.cache_strategy]
     out = {}
     for blocks in caches:
@@ -306,3 +304,10 @@ def layer_views_by_signature(caches, params, num_layers: int) -> dict:
                 view = cls.view_of(blocks, params, num_layers, layer, kv)
                 out[view_signature(view)] = (layer, kv, view.dtype)
     return out
+
+
+def view_signature(t) -> tuple:
+    """Where a tensor view lies and how it walks memory: (device, first byte, shape, strides,
+    item size) -- equal for two views of the same elements whatever their dtype (the dtype is
+    compared apart: an 8-bit cache's float8 view and the int8 view the kernels take)."""
+    return t.device, t.data_ptr(), t.shape, t.stride(), t.element_size()

@@ -31,7 +31,7 @@ from .params import KVCacheParams, KVCacheStrategy
 __all__ = [
     "BatchItem", "TokenBatch", "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs",
     "KVCacheInputsSequence", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols", "FetchToken",
-    "stamp", "token_of", "check_live", "view_signature",
+    "stamp", "token_of", "check_live",
 ]
 
 
@@ -71,13 +71,6 @@ class FetchToken:
 
     def __repr__(self) -> str:
         return "FetchToken(live)" if self.live else f"FetchToken(dead: {self.why})"
-
-
-def view_signature(t) -> tuple:
-    """Where a tensor view lies and how it walks memory: (device, first byte, shape, strides,
-    item size) -- equal for two views of the same elements whatever their dtype (the dtype is
-    compared apart: an 8-bit cache's float8 view and the int8 view the kernels take)."""
-    return t.device, t.data_ptr(), t.shape, t.stride(), t.element_size()
 
 
 #: Attribute of a table tensor holding its fetch's token (torch tensors take attributes).

@@ -19,7 +19,8 @@ import numpy as np
 
 from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                       SequenceTooLongError, describe)
-from ..inputs import check_live, token_of, view_signature
+from ..collection import view_signature
+from ..inputs import check_live, token_of
 from ..compiler import LAYOUTS
 from ..params import DTYPE_SIZES
 
