@@ -98,6 +98,9 @@ class LinearKVCache:
                                    n_devices=self.n_devices)
         dtype = getattr(torch, params.tensor_dtype)  # uint8 for a quantized cache
         self._cache = [allocate("cache", shape, dtype, d) for d in self.devices]
+        # the per-layer views the ops take with this cache's step inputs
+        self._views_by_signature = layer_views_by_signature(self._cache, self.device_params,
+                                                            self.num_layers)
         self._lock = threading.RLock()
         mb = self.max_batch_size
         self._active = 0
@@ -112,7 +115,6 @@ class LinearKVCache:
                      for d in self.devices]
         self._event = None
         self._token: FetchToken | None = None  # of the latest step_inputs
-        self._views_by_signature = None  # the per-layer views the ops accept (first step)
         self._upload()
 
     # ------------------------------------------------------------------------------------
@@ -363,9 +365,6 @@ class LinearKVCache:
             end = self._lengths[:b] + new
             max_lengths = torch.tensor([[int(new.max(initial=0)), int(end.max(initial=0))]],
                                        dtype=torch.int32)
-            if self._views_by_signature is None:
-                self._views_by_signature = layer_views_by_signature(
-                    self._cache, self.device_params, self.num_layers)
             token = self._token = FetchToken(self._lock, self._views_by_signature, "hnd")
             out = []
             for i, buf in enumerate(self._dev):
