@@ -264,7 +264,8 @@ def live_tokens(tensors: dict, caches: dict | None = None, layout: str | None = 
 
 
 #: The side of the cache each cache argument must be (0: K, 1: V).
-_SIDE = {"k_cache": 0, "v_cache": 1}
+CACHE_ARGS = ("k_cache", "v_cache")
+_SIDE = {name: side for side, name in enumerate(CACHE_ARGS)}
 
 
 def check_cache_owner(token, caches: dict, kernel_args=()) -> None:
@@ -386,7 +387,7 @@ def check_no_alias(written: dict, read: dict) -> None:
         for on, (o0, o1) in spans:
             if on == wn:
                 continue
-            if wn in _KV and on in _KV:  # (two empty views may share a null pointer)
+            if wn in CACHE_ARGS and on in CACHE_ARGS:  # (two empty views may share a null pointer)
                 overlap = (written[wn].data_ptr() == written[on].data_ptr()
                            and written[wn].numel() > 0)
             else:
@@ -394,9 +395,6 @@ def check_no_alias(written: dict, read: dict) -> None:
             if overlap:
                 raise InvalidArgumentError(describe(f"{wn} and {on}", "separate memory",
                                                     "tensors sharing memory"))
-
-
-_KV = ("k_cache", "v_cache")
 
 
 def check_no_self_overlap(name: str, t) -> None:

@@ -20,7 +20,7 @@ from .. import compiler, runtime
 from ..errors import InvalidArgumentError, describe
 from ..inputs import check_live
 from . import errflag
-from .checks import check_cache_owner, check_no_alias, check_vector_aligned
+from .checks import CACHE_ARGS, check_cache_owner, check_no_alias, check_vector_aligned
 
 __all__ = ["Launch", "LaunchSequence", "kernel_for", "signature"]
 
@@ -30,9 +30,8 @@ def signature(t) -> tuple:
     return t.dtype, tuple(t.shape), t.stride(), t.device
 
 
-_CACHES = ("k_cache", "v_cache")
 #: slots whose rows a CUDA kernel may move as 16-byte vectors
-_VECTOR_ROWS = _CACHES + ("q", "k", "v")
+_VECTOR_ROWS = CACHE_ARGS + ("q", "k", "v")
 
 
 def _dtype_name(t) -> str:
@@ -44,9 +43,9 @@ def _roles(slots: dict) -> tuple:
     attention writes out and lse and reads q and the caches; append writes the caches and
     reads k and v."""
     if "out" in slots:
-        return ("out", "lse"), ("q",) + _CACHES
+        return ("out", "lse"), ("q",) + CACHE_ARGS
     if "k" in slots:
-        return _CACHES, ("k", "v")
+        return CACHE_ARGS, ("k", "v")
     return (), ()
 
 
@@ -145,23 +144,23 @@ class Launch:
             or of two layers), an output sharing memory with an input, rows not 16-byte
             aligned on CUDA.
         """
-        slots, given = dict(self.slots), dict(tensors)
+        slots = dict(self.slots)
         for name, t in tensors.items():
             old = slots.get(name)
-            if name in _CACHES and _dtype_name(t) == "float8_e4m3fn" \
+            if name in CACHE_ARGS and _dtype_name(t) == "float8_e4m3fn" \
                     and _dtype_name(old) == "int8":
                 t = t.view(old.dtype)  # the int8 view the kernels take of float8 rows
             if old is None or not hasattr(t, "stride") or signature(t) != signature(old):
                 raise InvalidArgumentError(describe(
                     name, f"a tensor like the prepared one ({_describe(old)})", _describe(t)))
             slots[name] = t
-        if self.tokens and any(n in tensors for n in _CACHES):
+        if self.tokens and any(n in tensors for n in CACHE_ARGS):
             # K as K, V as V, of one layer, of the fetch's manager
-            kept = {n for n in _CACHES if n in slots and n not in given}
-            check_cache_owner(self.tokens[0], {n: given.get(n, slots[n]) for n in _CACHES
+            kept = {n for n in CACHE_ARGS if n in slots and n not in tensors}
+            check_cache_owner(self.tokens[0], {n: tensors.get(n, slots[n]) for n in CACHE_ARGS
                                                if n in slots}, kernel_args=kept)
         if self.device.type == "cuda":  # as prepare_* checks: rows move in 16-byte vectors
-            check_vector_aligned({n: t for n, t in given.items() if n in _VECTOR_ROWS})
+            check_vector_aligned({n: t for n, t in tensors.items() if n in _VECTOR_ROWS})
         written, read = _roles(slots)
         if any(n in tensors for n in written + read):  # as the op checks its arguments
             check_no_alias({n: slots[n] for n in written}, {n: slots[n] for n in read})
