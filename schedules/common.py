@@ -109,10 +109,12 @@ def pages_bad_macro(threads: int, any_of=None, hoist: bool = True):
     return pages_bad_hoisted if hoist else pages_bad_inline
 
 
-def prefetch(buf, index):
-    """CPU: a software prefetch (``prefetcht0``) of the cache line holding ``buf[index]`` (an
-    ``llvm.prefetch`` call: never faults, changes nothing); use as ``T.evaluate(...)``."""
+def prefetch(buf, index, locality: int = 3):
+    """CPU: a software prefetch of the cache line holding ``buf[index]`` (an ``llvm.prefetch``
+    call: never faults, changes nothing); use as ``T.evaluate(...)``. ``locality`` is LLVM's:
+    3 keeps the line in every level (x86 ``prefetcht0``), 2 from L2 outwards (``prefetcht1``),
+    1 ``prefetcht2``, 0 non-temporal."""
     from kvtvm.kernels._tvm import T
 
     return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[index]),
-                              T.int32(0), T.int32(3), T.int32(1))
+                              T.int32(0), T.int32(locality), T.int32(1))

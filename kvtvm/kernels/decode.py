@@ -40,7 +40,8 @@ empty split stores ``lse_part = NEG`` and zeros. With one split the ``attend`` s
 Blocks: ``attend`` (per sequence, KV head, split: online softmax in log2 units over the split)
 and ``merge`` (per sequence, query head: log-sum-exp merge of the splits).
 
-Knobs: llvm ``tile_tokens``, ``vector_bytes``, ``head_block``, ``parallel``; cuda ``threads``,
+Knobs: llvm ``tile_tokens``, ``vector_bytes``, ``head_block``, ``parallel``, ``prefetch``,
+``prefetch_locality``; cuda ``threads``,
 ``tile_tokens``, ``stages``, ``merge_threads``, ``vec`` (schedules
 ``schedules/decode/{cpu,cuda}.py``, both hand-written TIR kernels checked against
 :func:`define`). Variants: ``"serial"`` on llvm.
@@ -142,7 +143,8 @@ def knob_space(spec) -> dict:
     """The knob values ``kvtvm.tune`` searches for ``spec`` (its target's schedule knobs)."""
     if spec.target == "llvm":
         return {"tile_tokens": [8, 16, 32, 64], "vector_bytes": [16, 32, 64],
-                "head_block": [h for h in (1, 2, 4, 8, 16, 32) if spec.n_kv_heads % h == 0]}
+                "head_block": [h for h in (1, 2, 4, 8, 16, 32) if spec.n_kv_heads % h == 0],
+                "prefetch_locality": [2, 3]}
     if spec.quantized:  # schedules/decode/cuda_quant.py
         from .quant_access import quant_vec_choices
 

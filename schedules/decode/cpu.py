@@ -42,8 +42,10 @@ def default_knobs(spec) -> dict:
     # 32-token tiles keep the scores and a K/V tile in L1.
     # all KV heads of a token in one task: a token's K (V) row of every head is one contiguous
     # run of n_kv_heads * head_dim elements in the nhd layout, which the prefetchers follow.
+    # software prefetch (below) of 8-bit and 16-bit rows into L2, not L1: a task's 32 query
+    # heads' accumulators fill L1 already (docs/PERF.md, seventeenth session)
     return {"tile_tokens": 32, "vector_bytes": 64, "head_block": spec.n_kv_heads,
-            "parallel": True}
+            "parallel": True, "prefetch": True, "prefetch_locality": 2}
 
 
 def _lanes(spec, vector_bytes: int) -> int:
@@ -51,6 +53,18 @@ def _lanes(spec, vector_bytes: int) -> int:
     while spec.head_dim % lanes:
         lanes //= 2
     return lanes
+
+
+def _prefetch_row(spec, storage: str, enabled: bool):
+    """(row elements, elements per 64-byte line) a side prefetches, or None: 8-bit rows
+    (values, scale and padding) and float16/bfloat16 rows; never float32 rows."""
+    if not enabled:
+        return None
+    if storage:
+        return quant_row_bytes(spec.head_dim), 64
+    if spec.dtype == "float32":
+        return None
+    return spec.head_dim, 32
 
 
 def schedule(mod, spec, knobs):
@@ -99,13 +113,17 @@ def schedule(mod, spec, knobs):
     Q = spec.quantized
     gloop = T.unroll if Q else T.serial
 
-    # both sides 8-bit: software prefetch of the rows a task reads next (the K rows of the next
-    # tile, the V rows of this one; every 64 bytes of a row and its last byte). The kernel was
-    # bound by the latency of each row's first load (perf: the hot instructions), not by its
-    # arithmetic: 23.7 -> 14.7 ms CPU per int8 call at 16 x 4K (docs/PERF.md)
-    RB = quant_row_bytes(D) if spec.k_storage and spec.v_storage else 0
-    PF = RB > 0 and bool(knobs.get("prefetch", True))
-    NPF = -(-RB // 64) + 1
+    # software prefetch of the rows a task reads next (the K rows of the next tile, the V rows
+    # of this one; every 64 bytes of a row and its last element), per side, for 8-bit and
+    # 16-bit rows. The kernel was bound by the latency of each row's first load, not by its
+    # arithmetic: int8 23.7 -> 14.7 ms CPU at 16 x 4K with prefetcht0, float16 36 -> 26 ms
+    # and int8 27 -> 22 ms more with prefetcht1 (docs/PERF.md). float32 rows are left to the
+    # hardware prefetchers: prefetching them measured 25% slower.
+    PF = bool(knobs.get("prefetch", True))
+    LOC = int(knobs.get("prefetch_locality", 2))
+    K_PF, V_PF = _prefetch_row(spec, spec.k_storage, PF), _prefetch_row(spec, spec.v_storage, PF)
+    PF_K, PF_V = K_PF is not None, V_PF is not None  # (TVMScript's if takes a bool)
+    K_PF, V_PF = K_PF or (1, 1), V_PF or (1, 1)
 
     def scale_buffer():
         return alloc_buffer((1,), "float32") if Q else T.meta_var(None)
@@ -115,6 +133,13 @@ def schedule(mod, spec, knobs):
 
     def weight(part, sc, r, g, t):
         return part[g, 0] if Q else sc[r, t]
+
+    @T.macro
+    def prefetch_row(cache, page, slot, head, elems, per_line):
+        """Prefetch one cache row: every line's first element and the row's last one."""
+        for o in T.unroll(-(-elems // per_line) + 1):
+            T.evaluate(prefetch(cache, cache_index(layout, page, slot, head,
+                                                   T.min(o * per_line, elems - 1)), LOC))
 
     row_max = tile_tree(T.max)
     row_sum = tile_tree(lambda a, b: a + b)
@@ -162,21 +187,19 @@ def schedule(mod, spec, knobs):
                     den[r] = T.float32(0)
                 for it in range(T.floordiv(T.max(hi - lo, T.int64(0)) + TILE - 1, TILE)):
                     for t in range(TILE):
-                        if PF:  # the K rows of the next tile's token t, into the caches
+                        if PF_K:  # the K rows of the next tile's token t, into the caches
                             if lo + (it + 1) * TILE + t < hi:
                                 pn: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + (it + 1) * TILE + t, page_size)])
                                 if pn >= 0 and pn < num_pages:
                                     for hh in range(HB):
-                                        for o in T.unroll(NPF):
-                                            T.evaluate(prefetch(k_cache, cache_index(layout, pn, T.floormod(lo + (it + 1) * TILE + t, page_size), h0 + hh, T.min(o * 64, RB - 1))))
+                                        prefetch_row(k_cache, pn, T.floormod(lo + (it + 1) * TILE + t, page_size), h0 + hh, K_PF[0], K_PF[1])
                         if lo + it * TILE + t < hi:
                             page: T.int64 = T.Cast("int64", lookup[b, T.floordiv(lo + it * TILE + t, page_size)])
                             slot: T.int64 = T.floormod(lo + it * TILE + t, page_size)
                             if page >= 0 and page < num_pages:
-                                if PF:  # this token's V rows, read after the tile's softmax
+                                if PF_V:  # this token's V rows, read after the tile's softmax
                                     for hh in range(HB):
-                                        for o in T.unroll(NPF):
-                                            T.evaluate(prefetch(v_cache, cache_index(layout, page, slot, h0 + hh, T.min(o * 64, RB - 1))))
+                                        prefetch_row(v_cache, page, slot, h0 + hh, V_PF[0], V_PF[1])
                                 for hh in range(HB):
                                     if Q:
                                         rs[0] = row_scale(k_cache, cache_index(layout, page, slot, h0 + hh, 0), D, spec.k_storage)

@@ -1,7 +1,7 @@
-"""The CPU quantized decode (schedules/decode/cpu.py with software prefetch of the next tile's
-K rows and the tile's V rows) against the numpy reference over the reference-dequantized cache,
+"""The CPU decode over 8-bit and 16-bit caches (schedules/decode/cpu.py with software prefetch
+of the next tile's K rows and the tile's V rows, per side) against the numpy reference over the reference-dequantized cache,
 on fresh random inputs (the seed is in the failure message), for the knob values that change
-its loops (tile, lanes, head block, prefetch off), ragged lengths that end mid-tile and
+its loops (tile, lanes, head block, prefetch off or into L1), ragged lengths that end mid-tile and
 at the end of the next tile's prefetch, sliding windows, splits, GQA 1-8, page sizes 1/16/48,
 and a page outside the cache (left out, flagged, the other sequences untouched)."""
 
@@ -24,8 +24,12 @@ CASES = [
     ("float8_e4m3fn", "float8_e4m3fn", "float16", "hnd", 1, 8, 64, {"tile_tokens": 64}),
     ("int8", "float8_e4m3fn", "float32", "nhd", 2, 1, 64,
      {"tile_tokens": 16, "vector_bytes": 32, "head_block": 1}),
-    ("int8", "", "bfloat16", "hnd", 2, 2, 128, {"tile_tokens": 8}),  # K-only: no prefetch
+    ("int8", "", "bfloat16", "hnd", 2, 2, 128, {"tile_tokens": 8}),  # K-only: both prefetched
     ("int8", "int8", "float16", "nhd", 2, 4, 64, {"prefetch": False}),
+    ("", "int8", "float32", "nhd", 2, 4, 128, {"prefetch_locality": 3}),  # V's rows only
+    # full precision: float16 / bfloat16 rows are prefetched too (float32 rows are not)
+    ("", "", "float16", "nhd", 4, 2, 128, {}),
+    ("", "", "bfloat16", "hnd", 2, 4, 64, {"tile_tokens": 16, "prefetch_locality": 3}),
 ]
 TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 #: plus the rounding of the output to its dtype (values up to ~10 here)
