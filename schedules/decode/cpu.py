@@ -118,9 +118,12 @@ def schedule(mod, spec, knobs):
     # 16-bit rows. The kernel was bound by the latency of each row's first load, not by its
     # arithmetic: int8 23.7 -> 14.7 ms CPU at 16 x 4K with prefetcht0, float16 36 -> 26 ms
     # and int8 27 -> 22 ms more with prefetcht1 (docs/PERF.md). float32 rows are left to the
-    # hardware prefetchers: prefetching them measured 25% slower.
+    # hardware prefetchers: prefetching them measured 23-46% slower.
     PF = bool(knobs.get("prefetch", True))
-    LOC = int(knobs.get("prefetch_locality", 2))
+    LOC = knobs.get("prefetch_locality", 2)
+    if LOC not in (0, 1, 2, 3) or isinstance(LOC, bool):
+        raise ValueError(f"decode knob prefetch_locality={LOC!r}: choose 0, 1, 2 or 3 "
+                         "(LLVM's prefetch locality; 3 is prefetcht0, 2 prefetcht1)")
     K_PF, V_PF = _prefetch_row(spec, spec.k_storage, PF), _prefetch_row(spec, spec.v_storage, PF)
     PF_K, PF_V = K_PF is not None, V_PF is not None  # (TVMScript's if takes a bool)
     K_PF, V_PF = K_PF or (1, 1), V_PF or (1, 1)

@@ -105,3 +105,11 @@ def test_tiled_quantized_decode_equals_the_reference(ks, vs, dtype, layout, H, G
     want4, _ = reference_decode(_np(q)[4:5], _np(kc), _np(vc), [n4 - 1], sub, layout=layout)
     np.testing.assert_allclose(out.float().numpy()[4:5], want4, atol=TOL[dtype], rtol=RTOL[dtype],
                                err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("locality", [4, -1, True, "2"])
+def test_a_prefetch_locality_llvm_has_not_is_refused(locality):
+    spec = compiler.KernelSpec("decode", "float16", 64, 2, 2, "nhd",
+                               knobs={"prefetch_locality": locality})
+    with pytest.raises(ValueError, match="prefetch_locality"):
+        compiler.lower(spec)
