@@ -95,7 +95,7 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
         check_contiguous(name, t)
     if tuple(vt.shape) != tuple(kt.shape):
         raise InvalidArgumentError(describe("v.shape", list(kt.shape), list(vt.shape)))
-    batch = check_batch_tables(indptr, lengths, table)
+    batch = check_batch_tables(indptr, lengths, table, "k", kt.shape[0])
     if batch > MAX_APPEND_BATCH:
         raise InvalidArgumentError(describe("cache_lengths.shape[0] (batch)",
                                             f"at most {MAX_APPEND_BATCH} sequences per append "

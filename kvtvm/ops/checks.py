@@ -178,8 +178,11 @@ def checked_geometry(geo: CacheGeometry, k_cache, layout: str) -> CacheGeometry:
     return geo
 
 
-def check_batch_tables(qo_indptr, cache_lengths, lookup_table):
-    """Validate dtypes and shapes of the per-batch tables; returns the batch size."""
+def check_batch_tables(qo_indptr, cache_lengths, lookup_table, rows: str | None = None,
+                       num_rows: int = 0):
+    """Validate dtypes and shapes of the per-batch tables; returns the batch size. ``rows``
+    names the ragged rows' tensor (``num_rows`` of them): rows with an empty batch are refused
+    whatever ``check_indices`` says (no sequence could own them; a kernel would look one up)."""
     for name, t in (("qo_indptr", qo_indptr), ("cache_lengths", cache_lengths),
                     ("lookup_table", lookup_table)):
         check_dtype(name, t, "int32")
@@ -190,6 +193,9 @@ def check_batch_tables(qo_indptr, cache_lengths, lookup_table):
     check_dim("qo_indptr", qo_indptr, 0, batch + 1, "batch + 1")
     check_rank("lookup_table", lookup_table, 2, "[batch, max_pages_per_seq]")
     check_dim("lookup_table", lookup_table, 0, batch, "batch")
+    if batch == 0 and num_rows:
+        raise InvalidArgumentError(describe(
+            "cache_lengths.shape[0] (batch)", f"at least 1: {rows} holds {num_rows} rows", 0))
     return batch
 
 

@@ -130,7 +130,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(geo.head_dim)
     sliding_window = check_sliding_window(sliding_window)
-    check_batch_tables(indptr, lengths, table)
+    check_batch_tables(indptr, lengths, table, "q", num_tokens)
     device = common_device(tensors)
 
     if out is None:

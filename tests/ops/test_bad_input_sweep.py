@@ -80,6 +80,9 @@ def _mutations(op, a):
     if op != "decode":
         out.append(("decreasing indptr", "qo_indptr", lambda a: a.__setitem__(
             "qo_indptr", torch.tensor([0, 3, 1], dtype=torch.int32))))
+        # rows but no sequence, unchecked: was a segfault (the kernel looked the rows' sequence
+        # up in empty tables)
+        out.append(("rows without a batch", "cache_lengths", _rows_without_a_batch))
     if op != "append":
         out += [
             ("nan sm_scale", "sm_scale", lambda a: a.__setitem__("kw", {"sm_scale": math.nan})),
@@ -94,6 +97,12 @@ def _mutations(op, a):
         out.append(("k aliases the cache", "k_cache", lambda a: a.__setitem__(
             "k", a["_blocks"][0].view(-1)[:a["k"].numel()].view(a["k"].shape))))
     return out
+
+
+def _rows_without_a_batch(a):
+    a.update(qo_indptr=torch.zeros(1, dtype=torch.int32),
+             cache_lengths=torch.zeros(0, dtype=torch.int32),
+             lookup_table=torch.zeros(0, 2, dtype=torch.int32), kw={"check_indices": False})
 
 
 def _all_on_meta(a):
