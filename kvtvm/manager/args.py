@@ -8,7 +8,7 @@ from itertools import chain
 import numpy as np
 
 from ..errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapacityError,
-                      describe)
+                      SequenceTooLongError, describe)
 from ..inputs import as_int64
 
 __all__ = ["check_positive_int", "check_size", "check_sizes", "parse_devices", "ItemTokens",
@@ -26,6 +26,18 @@ def check_positive_int(name: str, value, allow_zero: bool = False) -> int:
         raise InvalidArgumentError(describe(
             name, "a non-negative int" if allow_zero else "a positive int", repr(value)))
     return int(value)
+
+
+def check_num_steps(value, max_seq_len: int) -> int:
+    """``fetch``'s ``num_steps`` as an int: positive (else :class:`InvalidArgumentError`), and
+    at most ``max_seq_len + 1``, since each step after the first reserves a token (else
+    :class:`SequenceTooLongError`, before any arithmetic a huge value could wrap)."""
+    steps = check_positive_int("num_steps", value)
+    if steps - 1 > max_seq_len:
+        raise SequenceTooLongError(describe(
+            "num_steps", f"at most max_seq_len + 1 = {max_seq_len + 1} (each step after the "
+            "first reserves a token)", steps))
+    return steps
 
 
 def check_size(name: str, value) -> int:

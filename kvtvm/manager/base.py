@@ -51,8 +51,8 @@ from ..inputs import (FetchToken, KVCacheInputs, RaggedKVCacheInputs, RaggedKVCa
                       TokenBatch, stamp)
 from ..collection import layer_views_by_signature
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import ItemTokens as _ItemTokens, allocate, check_positive_int, check_size, \
-    parse_devices
+from .args import ItemTokens as _ItemTokens, allocate, check_num_steps, check_positive_int, \
+    check_size, parse_devices
 from .args import row_offsets as _row_offsets
 from .fingerprint import fingerprints
 from .symbols import TensorSymbol, build_symbols
@@ -367,7 +367,7 @@ class KVCacheManager(abc.ABC):
         KVCacheCapacityError
             Not enough free pages (PAGED).
         """
-        num_steps = check_positive_int("num_steps", num_steps)
+        num_steps = check_num_steps(num_steps, self.max_seq_len)
         with self._lock:
             ids, counts, tokens = self._parse_batch(batch, "fetch")
             if self._pending[ids].max() >= 0:

@@ -183,7 +183,9 @@ def _table_cases(ids, inp):
         ("step-mismatch arrays", "step", (TokenBatch([c], [7, 9, 8], counts=[3]),), {},
          ("tokens",)),
     ]
-    for v in [0, -1, 1.5, True, "x", NAN, None, HUGE]:
+    # 2**63 - 1 and up wrapped the int64 length check (then an untyped error, a fetch left
+    # in flight)
+    for v in [0, -1, 1.5, True, "x", NAN, None, HUGE, 2 ** 63 - 1, 2 ** 63, 2 ** 64 + 5]:
         cases.append((f"fetch-num_steps {v!r}", "fetch", ([Item(seq_id=d, tokens=[1])],),
                       {"num_steps": v}, ("num_steps",)))
     for name, args, word in [
