@@ -113,20 +113,28 @@ class BatchItem:
     tokens: Sequence[int]
 
 
-def _host_int_vector(name: str, values) -> np.ndarray:
-    """``values`` (a list, numpy array or CPU torch tensor of ints) as a 1-D int64 array."""
+def host_int_array(name: str, values) -> np.ndarray:
+    """``values`` (a list, numpy array or CPU torch tensor of ints) as a 1-D integer array of
+    its own dtype; bools, ragged nesting, other ranks and non-integers raise
+    :class:`InvalidArgumentError` naming ``name``."""
     if isinstance(values, (list, tuple)) and set(map(type, values)) & {bool, np.bool_}:
         raise InvalidArgumentError(describe(name, "ints", f"a bool in {list(values)}"))
     try:
         arr = np.asarray(values)
-    except (TypeError, RuntimeError) as err:  # e.g. a CUDA tensor: a host copy would sync
-        raise InvalidArgumentError(describe(name, "a host (CPU) array of ints",
+    except (TypeError, RuntimeError, ValueError) as err:  # e.g. a CUDA tensor (a host copy
+        # would sync), or ragged nesting
+        raise InvalidArgumentError(describe(name, "a host (CPU) 1-D array of ints",
                                             type(values).__name__)) from err
     if arr.ndim != 1:
         raise InvalidArgumentError(describe(f"{name} rank", "a 1-D array", arr.ndim))
     if arr.dtype.kind not in "iu" and arr.size:
         raise InvalidArgumentError(describe(f"{name} dtype", "integers", arr.dtype))
-    return as_int64(name, arr)
+    return arr
+
+
+def _host_int_vector(name: str, values) -> np.ndarray:
+    """:func:`host_int_array` as int64."""
+    return as_int64(name, host_int_array(name, values))
 
 
 def as_int64(name: str, arr: np.ndarray) -> np.ndarray:

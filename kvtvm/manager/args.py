@@ -3,6 +3,7 @@ row offsets of a previous step."""
 
 from __future__ import annotations
 
+import os
 from itertools import chain
 
 import numpy as np
@@ -67,19 +68,53 @@ def check_sizes(params, strategy, **sizes) -> tuple:
     return out
 
 
+#: Upper bound on the host bytes a manager keeps per ``max_batch_size`` slot (its per-slot
+#: numpy arrays), for :func:`check_batch_slots`.
+SLOT_BYTES = 64
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_bytes(what: str, nbytes: int) -> None:
+    """:class:`KVCacheCapacityError` naming ``what`` when ``nbytes`` exceed the machine's
+    physical memory: asked anyway, the allocation can succeed (overcommit) and the process is
+    killed when the memory is touched."""
+    total = host_memory_bytes()
+    if total is not None and nbytes > total:
+        raise KVCacheCapacityError(f"{what}: {nbytes} bytes of host memory asked, more than "
+                                   f"this machine's {total}")
+
+
+def check_batch_slots(value) -> int:
+    """``max_batch_size``: :func:`check_size`, and its per-slot bookkeeping must fit in host
+    memory (:func:`check_host_bytes`)."""
+    mb = check_size("max_batch_size", value)
+    check_host_bytes(f"max_batch_size={mb} (about {SLOT_BYTES} bytes of bookkeeping a slot)",
+                     mb * SLOT_BYTES)
+    return mb
+
+
 def allocate(what: str, shape, dtype, device, pin_memory: bool = False, zero: bool = True):
     """``torch.zeros(shape)`` (``torch.empty`` unless ``zero``); a failed allocation (no
-    memory for that size) is a :class:`KVCacheCapacityError` naming ``what``, the shape and
-    the bytes asked."""
+    memory for that size), or host memory past the machine's (:func:`check_host_bytes`), is
+    a :class:`KVCacheCapacityError` naming ``what``, the shape and the bytes asked."""
     import torch
 
     make = torch.zeros if zero else torch.empty
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    if torch.device(device).type == "cpu":
+        check_host_bytes(f"{what} {tuple(shape)} {dtype}", n)
     try:
         return make(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     except (RuntimeError, MemoryError) as err:
-        n = torch.empty((), dtype=dtype).element_size()
-        for d in shape:
-            n *= d
         raise KVCacheCapacityError(f"{what}: cannot allocate {tuple(shape)} {dtype} ({n} bytes) "
                                    f"on {device}: {str(err).splitlines()[0][:160]}") from None
 

@@ -51,8 +51,8 @@ from ..inputs import (FetchToken, KVCacheInputs, RaggedKVCacheInputs, RaggedKVCa
                       TokenBatch, stamp)
 from ..collection import layer_views_by_signature
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import ItemTokens as _ItemTokens, allocate, check_num_steps, check_positive_int, \
-    check_size, parse_devices
+from .args import ItemTokens as _ItemTokens, allocate, check_batch_slots, check_num_steps, \
+    check_positive_int, check_size, parse_devices
 from .args import row_offsets as _row_offsets
 from .fingerprint import fingerprints
 from .symbols import TensorSymbol, build_symbols
@@ -93,7 +93,7 @@ class KVCacheManager(abc.ABC):
                 "params.cache_strategy", f"{self.strategy.name} for {type(self).__name__}",
                 params.cache_strategy.name))
         self.params = params
-        self.max_batch_size = check_size("max_batch_size", max_batch_size)
+        self.max_batch_size = check_batch_slots(max_batch_size)
         self.max_seq_len = check_size("max_seq_len", max_seq_len)
         self.num_layers = check_size("num_layers", num_layers)
         params.resolve_skip_layers(self.num_layers)

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError, KVCacheError, SequenceTooLongError, describe
-from ..inputs import FetchToken, RaggedKVCacheInputs, stamp
+from ..inputs import FetchToken, RaggedKVCacheInputs, as_int64, host_int_array, stamp
 from ..collection import layer_views_by_signature
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import (INT32_MAX, allocate, check_positive_int, check_size, check_sizes,
-                   parse_devices)
+from .args import (INT32_MAX, allocate, check_batch_slots, check_positive_int, check_size,
+                   check_sizes, parse_devices)
 from .copier import PageCopier, copy_view, resolve_copier
 
 __all__ = ["LinearKVCache", "LinearCacheConfig"]
@@ -86,7 +86,7 @@ class LinearKVCache:
         self.params = params
         #: Moves batch slots on :meth:`evict`: ``slot_copier(cache, src, dst)``.
         self.slot_copier = resolve_copier(slot_copier, "slot", "slot_copier")
-        self.max_batch_size = check_size("max_batch_size", max_batch_size)
+        self.max_batch_size = check_batch_slots(max_batch_size)
         self.max_seq_len = check_size("max_seq_len", max_seq_len)
         self.num_layers = check_size("num_layers", num_layers)
         params.resolve_skip_layers(self.num_layers)
@@ -106,12 +106,12 @@ class LinearKVCache:
         self._active = 0
         self._lengths = np.zeros(mb, dtype=np.int64)
         # host staging (int32): lengths[mb] | qo_indptr[mb + 1] | slots[mb]
-        self._host = torch.zeros(3 * mb + 1, dtype=torch.int32,
-                                 pin_memory=any(d.type == "cuda" for d in self.devices))
+        self._host = allocate("step tables", (3 * mb + 1,), torch.int32, "cpu",
+                              pin_memory=any(d.type == "cuda" for d in self.devices))
         self._host_np = self._host.numpy()
         self._host_np[2 * mb + 1:] = np.arange(mb)
         self._dev = [self._host if d.type == "cpu" else
-                     torch.zeros(3 * mb + 1, dtype=torch.int32, device=d)
+                     allocate("step tables", (3 * mb + 1,), torch.int32, d)
                      for d in self.devices]
         self._event = None
         self._token: FetchToken | None = None  # of the latest step_inputs
@@ -384,15 +384,14 @@ class LinearKVCache:
     # ------------------------------------------------------------------------------------
 
     def _host_ints(self, name: str, value, cast: bool = True) -> np.ndarray:
+        """A 1-D sequence of ints (a CUDA tensor is copied to the host) as an array: int64
+        (``cast``; 2**63 and up refused), else of its own integer type."""
         import torch
 
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu().numpy()
-        arr = np.asarray(value)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise InvalidArgumentError(describe(name, "a 1-D sequence of ints",
-                                                f"{arr.dtype} shape {arr.shape}"))
-        return arr.astype(np.int64) if cast else arr
+        arr = host_int_array(name, value)
+        return as_int64(name, arr) if cast else arr
 
     def _step_counts(self, name: str, value) -> np.ndarray:
         """int64 ``[active_batch_size]`` tokens per active sequence from an int (all alike) or

@@ -10,6 +10,8 @@ one copy; on a CPU device the host buffer *is* the device buffer.
 
 from __future__ import annotations
 
+from .args import allocate
+
 __all__ = ["StepTables", "table_elems"]
 
 
@@ -32,7 +34,7 @@ class StepTables:
         self.max_batch_size, self.width = max_batch_size, width
         n = table_elems(max_batch_size, width)
         any_cuda = any(d.type == "cuda" for d in devices)
-        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=any_cuda)
+        self.host = allocate("step tables", (n,), torch.int32, "cpu", pin_memory=any_cuda)
         self.host_np = self.host.numpy()
         mb = max_batch_size
         self.cache_lengths = self.host_np[:mb]
@@ -46,7 +48,7 @@ class StepTables:
                 self.device_bufs.append(self.host)
                 self._events.append(None)
             else:
-                self.device_bufs.append(torch.zeros(n, dtype=torch.int32, device=d))
+                self.device_bufs.append(allocate("step tables", (n,), torch.int32, d))
                 self._events.append(None)
 
     def wait_host_free(self):

@@ -110,6 +110,16 @@ def test_errors_change_nothing():
         c.set_active_batch_size(4)
     with pytest.raises(SequenceTooLongError):
         c.step_inputs([14, 0])
+    # ragged nesting, bools and uint64 past int64 were a raw numpy error, taken as 1, and
+    # reported as "got -1"
+    with pytest.raises(InvalidArgumentError, match="reuse_lengths"):
+        c.reset_for_new_sequences([[1, 2], [3]])
+    with pytest.raises(InvalidArgumentError, match="keep"):
+        c.evict([[1], [0, 1]])
+    with pytest.raises(InvalidArgumentError, match="bool"):
+        c.reset_for_new_sequences([1, True])
+    with pytest.raises(InvalidArgumentError, match=str(2 ** 63)):
+        c.reset_for_new_sequences(np.array([2 ** 63, 0], dtype=np.uint64))
     assert c.kv_cache_lengths.tolist() == [3, 10] and c.active_batch_size == 2
 
 

@@ -500,3 +500,23 @@ def test_lookup_rows_track_pages_over_repeated_decode_batches():
             assert inp.cache_lengths[b] == mgr.cache_length(s)
         mgr.step(batch)
         mgr.check_invariants()
+
+
+def test_host_memory_past_the_machine_is_a_capacity_error_before_anything_is_allocated(
+        monkeypatch):
+    """max_batch_size = 2**31 - 1 passed the int32 check, then its per-slot arrays got the
+    process OOM-killed; step tables past memory were torch's raw RuntimeError."""
+    from kvtvm.manager import ContinuousBatchingKVCacheManager, LinearKVCache, args
+
+    monkeypatch.setattr(args, "host_memory_bytes", lambda: 1 << 20)
+    p = KVCacheParams("float32", 1, 4, "paged", page_size=4)
+    with pytest.raises(KVCacheCapacityError, match="max_batch_size=100000"):
+        PagedKVCacheManager(p, 100000, 64, 1, num_pages=1)
+    with pytest.raises(KVCacheCapacityError, match="max_batch_size=100000"):
+        ContinuousBatchingKVCacheManager(KVCacheParams("float32", 1, 4, "continuous"),
+                                         100000, 4, 1)
+    with pytest.raises(KVCacheCapacityError, match="max_batch_size=100000"):
+        LinearKVCache(KVCacheParams("float32", 1, 4, "linear"), 100000, 4, 1)
+    with pytest.raises(KVCacheCapacityError, match="step tables"):  # 1000 x 2**20 pages wide
+        PagedKVCacheManager(KVCacheParams("float32", 1, 4, "paged", page_size=1), 1000,
+                            1 << 20, 1, num_pages=1)

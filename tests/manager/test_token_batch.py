@@ -40,6 +40,8 @@ def test_decode_default_and_host_tensors():
     (([0.5, 1], [5, 6]), "integers"),
     (([0, 1], [5.0, 6.0]), "integers"),
     (([0, 1], ["a", "b"]), "integers"),
+    (([[0, 1], [2]], [5, 6]), "seq_ids"),  # ragged: was numpy's raw ValueError
+    (([0, 1], [[5], [6, 7]]), "tokens"),
 ])
 def test_bad_arrays_are_refused(args, match):
     with pytest.raises(InvalidArgumentError, match=match):
