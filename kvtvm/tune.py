@@ -30,7 +30,8 @@ from .bench.common import device_name, median_seconds
 from .compiler.spec import QUANT_FAMILIES
 from .compiler.manifest import manifest_path as manifest_path_of
 from .compiler.manifest import read_manifest, spec_mismatch
-from .compiler.trust import check_digest, check_trusted, check_trusted_tree, write_file
+from .compiler.trust import (check_digest, check_trusted, check_trusted_tree, read_json,
+                             write_file)
 from .errors import CorruptKernelError, InvalidArgumentError, KVCacheError
 from .kernels.errflag import ERR_SLOTS
 
@@ -121,13 +122,17 @@ def _read_candidates(path: Path) -> dict:
     """
     check_trusted(path, "candidates list")
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
         fields, listed = data["spec"], data["candidates"]
         fields["features"] = tuple(fields["features"])
         if not isinstance(listed, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("knobs"), dict)
                 and isinstance(c.get("file", c.get("error")), str) for c in listed):
             raise ValueError("a candidate without knobs and a file or an error")
+        root = path.parent.parent.resolve()  # <root>/<target_tag>/<uri>.candidates.json
+        for c in listed:  # a module of the candidates' tree, never one elsewhere
+            if "file" in c and not (root / c["file"]).resolve().is_relative_to(root):
+                raise ValueError(f"candidate file {c['file']!r} lies outside {root}")
     except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as err:
         raise CorruptKernelError(f"candidates list {path} is unreadable or corrupt "
                                  f"({type(err).__name__}: {err}); build it again with "

@@ -184,6 +184,10 @@ def get_kernel(spec: KernelSpec):
             if type(err).__module__.startswith("kvtvm"):
                 raise
             raise CorruptKernelError(f"cannot load {path}: {err}") from None
-        fn = module[spec.func_name]
+        try:
+            fn = module[spec.func_name]
+        except (AttributeError, KeyError) as err:  # a module of another kernel
+            raise CorruptKernelError(f"{path} holds no function {spec.func_name} ({err})") \
+                from None
         _loaded[key] = (module, fn)  # the module must outlive its functions
         return fn

@@ -94,18 +94,24 @@ def fatbin_packer(source: str, fatbin: bytes):
 
 
 def fatbin_architectures(fatbin: bytes) -> list[str]:
-    """SASS architectures (e.g. ``["sm_80", "sm_90a"]``) of the ELF entries in a fatbin."""
-    magic, _, header, size = struct.unpack_from("<IHHQ", fatbin, 0)
-    if magic != 0xBA55ED50:
-        raise ValueError("not a fatbin")
-    archs, pos = [], header
-    while pos < header + size:
-        kind, _, entry_header, payload = struct.unpack_from("<HHIQ", fatbin, pos)
-        arch = struct.unpack_from("<I", fatbin, pos + 28)[0]
-        flags = struct.unpack_from("<Q", fatbin, pos + 40)[0]
-        if kind == 2:  # ELF (SASS); kind 1 is PTX
-            archs.append(f"sm_{arch}" + ("a" if flags & 0x100000 else ""))
-        pos += entry_header + payload
+    """SASS architectures (e.g. ``["sm_80", "sm_90a"]``) of the ELF entries in a fatbin;
+    ValueError when it is not one, or is truncated or damaged."""
+    try:
+        magic, _, header, size = struct.unpack_from("<IHHQ", fatbin, 0)
+        if magic != 0xBA55ED50:
+            raise ValueError("not a fatbin")
+        archs, pos = [], header
+        while pos < header + size:
+            kind, _, entry_header, payload = struct.unpack_from("<HHIQ", fatbin, pos)
+            arch = struct.unpack_from("<I", fatbin, pos + 28)[0]
+            flags = struct.unpack_from("<Q", fatbin, pos + 40)[0]
+            if entry_header + payload == 0:  # would read the same entry forever
+                raise ValueError(f"damaged fatbin: an empty entry at byte {pos}")
+            if kind == 2:  # ELF (SASS); kind 1 is PTX
+                archs.append(f"sm_{arch}" + ("a" if flags & 0x100000 else ""))
+            pos += entry_header + payload
+    except struct.error as err:
+        raise ValueError(f"truncated fatbin ({err})") from None
     return archs
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import os
 from pathlib import Path
 
-from ..errors import CompilerUnavailableError, CorruptKernelError
+from ..errors import (CompilerUnavailableError, CorruptKernelError, InvalidArgumentError,
+                      describe)
 from ..kernels.variants import UNTUNED
 from .spec import KernelSpec
-from .trust import check_trusted, check_trusted_parents
+from .trust import check_trusted, check_trusted_parents, read_json
 
 _PKG = Path(__file__).resolve().parent.parent  # kvtvm/
 _REPO = _PKG.parent
@@ -98,7 +98,7 @@ def tuned_knobs(spec: KernelSpec) -> dict:
     check_trusted(path.parent, "tuning log directory")
     check_trusted_parents(path.parent, "tuning log directory")
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
         knobs = data.get("knobs", {}) if isinstance(data, dict) else None
         if not isinstance(knobs, dict):
             raise ValueError(f"'knobs' is {type(knobs).__name__}, not an object")
@@ -111,9 +111,22 @@ def tuned_knobs(spec: KernelSpec) -> dict:
     return dict(knobs)
 
 
+def searched_values(spec: KernelSpec) -> dict:
+    """knob name -> the values :func:`knob_space` lists for it (over all its grids)."""
+    space = knob_space(spec)
+    values: dict = {}
+    for grid in space if isinstance(space, list) else [space]:
+        for name, options in grid.items():
+            values.setdefault(name, set()).update(options)
+    return values
+
+
 def _check_tuned(spec: KernelSpec, tuned: dict, defaults: dict) -> None:
-    """Refuse tuned knobs the schedule does not have, or of another type than its defaults
-    (a log of another kvtvm version or target): :class:`CorruptKernelError` naming the log."""
+    """Refuse tuned knobs the schedule does not have, of another type than its defaults, or
+    of a value ``kvtvm.tune`` does not search (a log of another kvtvm version or target, or
+    edited: a value the schedule was never checked with can build a wrong kernel, or hang
+    the build): :class:`CorruptKernelError` naming the log."""
+    searched = searched_values(spec)
     for name, value in tuned.items():
         why = None
         if name not in defaults:
@@ -123,6 +136,9 @@ def _check_tuned(spec: KernelSpec, tuned: dict, defaults: dict) -> None:
             if not (type(value) is want or (want is float and type(value) is int)):
                 why = (f"knob {name!r} is {value!r}, expected {want.__name__} like the "
                        f"default {defaults[name]!r}")
+            elif name in searched and value not in searched[name]:
+                why = (f"knob {name!r} is {value!r}, not one of the values kvtvm.tune "
+                       f"searches ({sorted(searched[name])})")
         if why:
             raise CorruptKernelError(
                 f"tuning log {tuning_log_path(spec)}: {why}; was it written by another kvtvm "
@@ -151,8 +167,33 @@ def resolve_knobs(spec: KernelSpec) -> dict:
         _check_tuned(spec, tuned, knobs)
         knobs.update(tuned)
     knobs.update(variant)
+    _check_explicit(spec, dict(spec.knobs))
     knobs.update(dict(spec.knobs))
     return knobs
+
+
+#: An explicit knob may exceed the largest value ``kvtvm.tune`` searches by this factor.
+EXPLICIT_KNOB_HEADROOM = 64
+
+
+def _check_explicit(spec: KernelSpec, explicit: dict) -> None:
+    """Refuse an explicit int knob (``KernelSpec(knobs=...)``) the tuner searches that lies
+    below the searched range's floor (1, or 0 where 0 is searched) or past
+    :data:`EXPLICIT_KNOB_HEADROOM` times its top: a zero or negative tile built a wrong
+    kernel or crashed TVM, and 10**9 hung the build. (Schedules check what else they
+    need.)"""
+    if not explicit:
+        return
+    searched = searched_values(spec)
+    for name, value in explicit.items():
+        options = [v for v in searched.get(name, ()) if type(v) is int]
+        if type(value) is not int or not options:
+            continue
+        lo, hi = (0 if 0 in options else 1), EXPLICIT_KNOB_HEADROOM * max(max(options), 1)
+        if not lo <= value <= hi:
+            raise InvalidArgumentError(describe(
+                f"knobs[{name!r}] of {spec.uri}", f"an int in [{lo}, {hi}] (kvtvm.tune "
+                f"searches {sorted(options)})", value))
 
 
 def knob_space(spec: KernelSpec):

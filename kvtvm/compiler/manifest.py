@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .._version import __version__
 from .knobs import schedules_dir, tuned_knobs
-from .trust import check_digest, open_regular, set_file_mode, sha256_of
+from .trust import check_digest, read_json, set_file_mode, sha256_of
 from .spec import QUANT_FAMILIES, KernelSpec, target_key, tvm_version
 
 #: Bumped when the manifest's fields change meaning.
@@ -114,8 +114,7 @@ def write_manifest(module_path: Path, spec: KernelSpec, knobs: dict) -> Path:
 def read_manifest(module_path: str | os.PathLike) -> dict | None:
     """The manifest of ``module_path``, or None when it is missing or unreadable."""
     try:
-        with open_regular(manifest_path(module_path)) as f:
-            data = json.loads(f.read().decode())
+        data = read_json(manifest_path(module_path))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -20,6 +20,7 @@ cannot rename or remove ours.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import stat
@@ -202,6 +203,25 @@ def open_regular(path: str | os.PathLike):
     except BaseException:
         os.close(fd)
         raise
+
+
+#: The largest JSON file kvtvm reads back (kernel manifests, tuning logs, candidate lists,
+#: the disk tier's model marks); they are kilobytes.
+MAX_JSON_BYTES = 16 << 20
+
+
+def read_json(path: str | os.PathLike):
+    """The JSON value held by ``path``: a regular file (:func:`open_regular`: OSError for a
+    FIFO, a device, a directory) of at most :data:`MAX_JSON_BYTES`, UTF-8, JSON, nested
+    shallowly enough to parse -- ValueError for each of the others."""
+    with open_regular(path) as f:
+        text = f.read(MAX_JSON_BYTES + 1)
+    if len(text) > MAX_JSON_BYTES:
+        raise ValueError(f"{path} holds more than {MAX_JSON_BYTES} bytes")
+    try:
+        return json.loads(text.decode())
+    except RecursionError:
+        raise ValueError(f"{path} is JSON nested too deeply") from None
 
 
 def sha256_of(path: str | os.PathLike) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..compiler.trust import read_json
 from ..errors import InvalidArgumentError, describe
 
 __all__ = ["model_fingerprint", "claim_tier_dir"]
@@ -53,13 +54,13 @@ def claim_tier_dir(directory, model, dtype: str, *, check_only: bool = False) ->
     mark = Path(directory) / f".kvtvm-model-{dtype}"
     want = model_fingerprint(model)
     try:
-        have = json.loads(mark.read_text()).get("fingerprint")
+        have = read_json(mark).get("fingerprint")
         if not isinstance(have, str):
             have = f"no fingerprint ({have!r})"
-    except OSError:         # no mark yet, or no directory: attach_tiers judges the directory
-        have = None
-    except (ValueError, AttributeError):
-        have = "unreadable"
+    except (FileNotFoundError, NotADirectoryError):  # no mark yet, or no directory:
+        have = None                                   # attach_tiers judges the directory
+    except (OSError, ValueError, AttributeError):  # a FIFO, a directory, /dev/zero, too
+        have = "unreadable"                         # big, not JSON: never read, or refused
     if have is not None and have != want:
         raise InvalidArgumentError(describe(
             "disk_tier_dir", "a directory of this model's pages (or a new one)",

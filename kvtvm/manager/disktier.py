@@ -326,7 +326,7 @@ class DiskTier:
                 raise ValueError("truncated or checksum mismatch")
             # the checksum covers the bytes only: a damaged meta must be a miss, not a crash
             toks = np.asarray(meta["tokens"], np.int64)
-            shape = tuple(meta["shape"])
+            entry_fp, shape = meta["fp"], tuple(meta["shape"])
             tdtype = getattr(torch, meta["dtype"])
             if not isinstance(tdtype, torch.dtype) or toks.ndim != 1 \
                     or not all(type(d) is int and d >= 0 for d in shape) \
@@ -334,10 +334,10 @@ class DiskTier:
                 raise ValueError(f"meta shape {shape} / dtype {meta['dtype']} do not match "
                                  f"its {raw.nbytes} bytes")
         except (ValueError, KeyError, struct.error, TypeError, OverflowError,
-                AttributeError) as err:
-            self._miss(path, str(err)[:200], drop=not foreign)
+                AttributeError, RecursionError) as err:  # (a meta nested too deep for json)
+            self._miss(path, f"{type(err).__name__}: {str(err)[:200]}", drop=not foreign)
             return None
-        if toks.tobytes() != token_bytes or meta["fp"] != fp:
+        if toks.tobytes() != token_bytes or entry_fp != fp:
             self._miss(path, "tokens differ (hash collision or stale entry)", drop=False)
             return None
         if (page_shape is not None and shape != tuple(page_shape)) or \

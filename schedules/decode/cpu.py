@@ -55,6 +55,23 @@ def _lanes(spec, vector_bytes: int) -> int:
     return lanes
 
 
+def _check_knobs(spec, knobs) -> None:
+    """ValueError naming a knob this schedule cannot build right: the tile reductions need a
+    power-of-two tile (24 tokens summed the wrong scores), the lanes a power-of-two vector,
+    and ``head_block`` must divide the KV heads."""
+    def power_of_two(name):
+        v = knobs.get(name)
+        if type(v) is not int or v < 1 or v & (v - 1):
+            raise ValueError(f"decode knob {name}={v!r}: a power of two is needed")
+
+    power_of_two("tile_tokens")
+    power_of_two("vector_bytes")
+    hb = knobs.get("head_block", 1)
+    if type(hb) is not int or hb < 1 or spec.n_kv_heads % hb:
+        raise ValueError(f"decode knob head_block={hb!r} must divide n_kv_heads "
+                         f"{spec.n_kv_heads}")
+
+
 def _prefetch_row(spec, storage: str, enabled: bool):
     """(row elements, elements per 64-byte line) a side prefetches, or None: 8-bit rows
     (values, scale and padding) and float16/bfloat16 rows; never float32 rows."""
@@ -69,11 +86,11 @@ def _prefetch_row(spec, storage: str, enabled: bool):
 
 def schedule(mod, spec, knobs):
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
+    _check_knobs(spec, knobs)
     TILE = int(knobs["tile_tokens"])
     L = _lanes(spec, int(knobs["vector_bytes"]))
     DV = D // L
     HB = int(knobs.get("head_block", 1))
-    assert H % HB == 0, f"head_block {HB} must divide n_kv_heads {H}"
     NHB = H // HB
     W = min(TILE, 16)  # lanes of the tile reductions (TILE is a power of two)
     # a serial variant serves small calls: waking TVM's thread pool costs more than it saves

@@ -4,6 +4,8 @@ fields of types a caller may well pass (numpy scalars, generators, non-int reque
 models that are not models. Served tokens equal transformers'; bad input is refused by name
 (typed) and the engine serves the next good request."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -288,7 +290,7 @@ def test_disk_tier_directory_of_another_model_is_refused(toy, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["{}", '{"fingerprint": null}', '{"fingerprint": 7}', "[1]",
-                                    "deleted"])
+                                    "deleted", "[" * 50000, "fifo", "directory"])
 def test_a_disk_tier_directory_with_a_damaged_or_lost_mark_is_refused(toy, tmp_path, damage):
     """A mark without a fingerprint ('{}', null) counted as no mark, and so did a deleted one
     while the pages stayed: another model of the same geometry then claimed the directory and
@@ -301,8 +303,12 @@ def test_a_disk_tier_directory_with_a_damaged_or_lost_mark_is_refused(toy, tmp_p
     first.serve([Request(0, prompt, 3)])
     assert first.close() > 0 and list(tmp_path.glob("*.kvp"))
     (mark,) = tmp_path.glob(".kvtvm-model-*")
-    if damage == "deleted":
-        mark.unlink()
+    if damage in ("deleted", "fifo", "directory"):  # a FIFO hung the engine's constructor;
+        mark.unlink()  # deep JSON raised RecursionError, a directory IsADirectoryError
+        if damage == "fifo":
+            os.mkfifo(mark)
+        elif damage == "directory":
+            mark.mkdir()
     else:
         mark.write_text(damage)
     before = sorted(p.name for p in tmp_path.iterdir())

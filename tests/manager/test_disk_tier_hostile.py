@@ -80,12 +80,28 @@ def _other_checksum(meta, raw):  # written where xxhash was missing (blake2b_64)
     return raw
 
 
+def _no_fp(meta, raw):  # one flipped bit in the key: "fp" -> "gp" (the checksum covers bytes)
+    meta["gp"] = meta.pop("fp")
+    return raw
+
+
+def _deep_meta(path):
+    """Replace the meta of entry ``path`` by JSON nested too deeply for the parser."""
+    blob = path.read_bytes()
+    (n,) = struct.unpack_from("<I", blob, 8)
+    text = b"[" * 50000
+    path.write_bytes(blob[:8] + struct.pack("<I", len(text)) + text + blob[12 + n:])
+
+
 @pytest.mark.parametrize("damage", ["fifo", "symlink", "directory", "short bytes",
-                                    "huge token", "odd dtype", "other checksum"])
+                                    "huge token", "odd dtype", "other checksum", "no fp",
+                                    "deep meta"])
 def test_replaced_entry_is_a_logged_miss(tmp_path, caplog, damage):
     """Was: a FIFO under an entry's name hung the fetch for good (the manager's lock held);
     a meta whose shape needs more bytes than the entry has, or a token past int64, raised
-    RuntimeError / OverflowError out of fetch; a symlink was followed."""
+    RuntimeError / OverflowError out of fetch; a symlink was followed; a meta without its
+    "fp" or nested too deeply raised KeyError / RecursionError out of every fetch of that
+    prefix, for good."""
     mgr, files, want = _fresh(tmp_path)
     victim = files[1]  # the second page: the first still rises
     if damage == "fifo":
@@ -97,9 +113,12 @@ def test_replaced_entry_is_a_logged_miss(tmp_path, caplog, damage):
     elif damage == "directory":
         victim.unlink()
         victim.mkdir()
+    elif damage == "deep meta":
+        _deep_meta(victim)
     else:
         _rewrite_meta(victim, {"short bytes": _short_bytes, "huge token": _huge_token,
-                               "odd dtype": _odd_dtype, "other checksum": _other_checksum}[damage])
+                               "odd dtype": _odd_dtype, "other checksum": _other_checksum,
+                               "no fp": _no_fp}[damage])
         if damage == "other checksum":  # its sum by the other algorithm, named in the meta
             blob = victim.read_bytes()
             (n,) = struct.unpack_from("<I", blob, 8)
