@@ -41,8 +41,13 @@ QUANTIZED_TOL = 2e-2
 def reference_tolerance(model, params) -> float | None:
     """The ``rel_tol`` of :func:`check_against_reference` for an engine with cache ``params``
     serving ``model``: None (exact) for float32 over a full-precision cache, else
-    :data:`LOW_PRECISION_TOL` (bfloat16/float16) or :data:`QUANTIZED_TOL` (8-bit cache)."""
-    if next(model.parameters()).dtype in (torch.bfloat16, torch.float16):
+    :data:`LOW_PRECISION_TOL` (bfloat16/float16), :data:`QUANTIZED_TOL` (8-bit cache), or
+    their sum for both (a bfloat16 model over a float8 K cache measured a 2.3% gap on "What
+    is 17 times 23?": each error source moves the logits on its own)."""
+    low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    if low and params.quantized:
+        return LOW_PRECISION_TOL + QUANTIZED_TOL
+    if low:
         return LOW_PRECISION_TOL
     return QUANTIZED_TOL if params.quantized else None
 

@@ -59,6 +59,9 @@ CASES = [
     (["build", "--target", "llvm", "--out", "unused", "--dtypes="], "--dtypes"),
     (["build", "--target", "llvm", "--out", "unused", "--features", ","], "--features"),
     (["build", "--target", "llvm", "--out", "unused", "--cache-dtypes="], "--cache-dtypes"),
+    # known parts, but no K/V pair: was argparse's ArgumentTypeError as a traceback
+    (["build", "--target", "llvm", "--out", "unused", "--cache-dtypes", "int8/int8/int8"],
+     "--cache-dtypes"),
     (["build", "--target", "llvm", "--out", "unused", "--ops="], "--ops"),
     # a size the CUDA kernel cannot take: a traceback (after making the --build-only dir)
     (["tune", "--op", "decode", "--head-dim", "112", "--group-size", "4", "--arch", "sm_90a",
