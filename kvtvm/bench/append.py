@@ -11,7 +11,8 @@ import argparse
 import numpy as np
 
 from .. import cliargs
-from ..quant import QUANT_DTYPES, quant_row_bytes
+from ..quant import QUANT_DTYPES, quant_row_bytes, quantize_rows
+from .checks import kvtvm_failed
 from .common import Row, add_common_args, log, progress, report, timed
 
 # (name, tokens per sequence, sequences): prefill of one long prompt, a batch of decode steps
@@ -52,16 +53,24 @@ def make_case(tokens_per_seq: int, batch: int, n_kv_heads: int, head_dim: int, p
                 table=torch.from_numpy(table).to(device))
 
 
+def row_index(case, page_size: int):
+    """``(pages, slots)``: where each new row of the case lands (int64 tensors)."""
+    import torch
+
+    indptr, lengths, table = case["indptr"], case["lengths"], case["table"]
+    counts = indptr[1:] - indptr[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(counts), device=table.device), counts)
+    pos = lengths[seq] + torch.arange(indptr[-1].item(), device=table.device) - indptr[seq]
+    return table[seq, pos // page_size].long(), (pos % page_size).long()
+
+
 def torch_indexed_copy(case, page_size: int):
     """What a torch user writes: (page, slot) of every row, then ``index_put_`` into the
     per-layer views."""
     import torch
 
-    cache, indptr, lengths, table = case["cache"], case["indptr"], case["lengths"], case["table"]
-    counts = indptr[1:] - indptr[:-1]
-    seq = torch.repeat_interleave(torch.arange(len(counts), device=cache.device), counts)
-    pos = lengths[seq] + torch.arange(indptr[-1].item(), device=cache.device) - indptr[seq]
-    index = (table[seq, pos // page_size].long(), (pos % page_size).long())
+    cache = case["cache"]
+    index = row_index(case, page_size)
     k_view, v_view = cache[:, 0, 0], cache[:, 1, 0]  # [num_pages, page_size, H, D] views
 
     def run():
@@ -70,10 +79,11 @@ def torch_indexed_copy(case, page_size: int):
     return run
 
 
-def quantizing_run(case, storage: str):
+def quantizing_run(case, storage: str, name: str, page_size: int):
     """The quantizing append of the case's rows into a ``storage`` cache of the same pages
     (its TB/s column counts the plain append's bytes, so the ratio column is its cost), called
-    once before it is returned."""
+    once before it is returned, and checked: the rows it wrote are the reference quantizer's
+    bytes (:func:`kvtvm.quant.quantize_rows`)."""
     import torch
 
     from .. import ops
@@ -85,7 +95,16 @@ def quantizing_run(case, storage: str):
     def run():
         ops.append_kv(kc, vc, case["k"], case["v"], case["indptr"], case["lengths"],
                       case["table"], check_indices=False)
-    run()  # untimed, as the plain columns' first call: it may build or load the kernel
+    try:  # untimed, as the plain columns' first call: it may build or load the kernel
+        run()
+    except Exception as err:
+        raise kvtvm_failed(name, f"kvtvm {storage}", err) from err
+    index = row_index(case, page_size)
+    for side, rows in ((kc, case["k"]), (vc, case["v"])):
+        want = quantize_rows(rows.float().cpu().numpy(), storage).view(np.int8)
+        if not np.array_equal(side[index].view(torch.int8).cpu().numpy(), want):
+            raise SystemExit(f"{name}: kvtvm {storage} wrote other bytes than the reference "
+                             "quantizer")
     return run
 
 
@@ -130,7 +149,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"{name}: kvtvm and torch wrote different caches")
         runs = [("kvtvm", kvtvm_run)]
         for storage in dict.fromkeys(args.cache_dtype):
-            runs.append((f"kvtvm {storage}", quantizing_run(case, storage)))
+            runs.append((f"kvtvm {storage}",
+                         quantizing_run(case, storage, name, args.page_size)))
         runs.append(("torch index_put_", torch_run))
         for impl, fn in runs:
             sec, how = timed(fn, device, args.repeat, args.warmup, args.timing)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .. import cliargs
+from .checks import kvtvm_failed
 from .common import Row, add_common_args, log, progress, report, timed
 
 # (name, pages in the pool, pages copied)
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--n-kv-heads", type=cliargs.positive_int, default=8)
     parser.add_argument("--head-dim", type=cliargs.positive_int, default=128)
     args = parser.parse_args(argv)
+    import torch
+
     from .. import ops
 
     rows = []
@@ -59,6 +62,14 @@ def main(argv=None) -> int:
         def torch_copy():
             blocks[dst_l] = blocks[src_l]
 
+        try:  # one untimed call (it builds or loads the kernel), checked: the destination
+            # pages (random, unlike their sources) must now equal the sources
+            ops.copy_pages(blocks, src, dst)
+        except Exception as err:
+            raise kvtvm_failed(name, "kvtvm", err) from err
+        if not torch.equal(blocks[dst_l], blocks[src_l]):
+            raise SystemExit(f"{name}: kvtvm's copy_pages left destination pages unlike "
+                             "their sources")
         for impl, fn in (("kvtvm", lambda: ops.copy_pages(blocks, src, dst)),
                          ("torch", torch_copy)):
             sec, how = timed(fn, args.device, args.repeat, args.warmup, args.timing)

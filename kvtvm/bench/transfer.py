@@ -174,10 +174,10 @@ def host_tier(args) -> dict:
     mgr = _manager(args, args.device)
     n = -(-args.tokens // args.page_size)
     mgr.attach_tiers(host_pages=n + 2)
-    # the tiers move whole cached pages: the sequence's n pages, its last one filled up (a
-    # partial page is never cached), and a token past them (a prompt's last token is
-    # recomputed, never cached)
-    tokens = list(range(n * args.page_size + 1))
+    # the tiers move whole cached pages: the sequence's n pages, its last one filled up, and
+    # a token past them on a page of its own (a partial page is never cached; with pages of
+    # one token that page would be whole, and cached: no token past them then)
+    tokens = list(range(n * args.page_size + (args.page_size > 1)))
     mgr.release(_prefill(mgr, tokens))
     P = args.page_size
     chunks = [np.asarray(tokens[i * P:(i + 1) * P], np.int64).tobytes() for i in range(n)]

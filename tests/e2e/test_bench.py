@@ -195,15 +195,76 @@ def test_bench_e2e_one_new_token(capsys):
     assert "hf-batch-sdpa" in out and "TPOT    0.0 ms" in out
 
 
-@pytest.mark.parametrize("tokens", [1, 20])
-def test_bench_transfer_host_tier_tokens_off_the_page_grid(tokens, capsys):
+@pytest.mark.parametrize("tokens, page", [(1, 16), (20, 16), (1, 1), (4, 1)])
+def test_bench_transfer_host_tier_tokens_off_the_page_grid(tokens, page, capsys):
     """``--tokens`` not one less than a multiple of the page size left the last page partial,
-    never cached: AssertionError 'the sequence's pages are not all cached'."""
+    never cached: AssertionError 'the sequence's pages are not all cached'; so did pages of
+    one token (the token past them made a whole page, cached too)."""
     from kvtvm.bench.transfer import main
 
-    assert main(["--tokens", str(tokens), "--layers", "1", "--n-kv-heads", "1", "--head-dim",
-                 "16", "--repeat", "1", "--warmup", "0", "--skip", "transfer"]) == 0
+    assert main(["--tokens", str(tokens), "--page-size", str(page), "--layers", "1",
+                 "--n-kv-heads", "1", "--head-dim", "16", "--repeat", "1", "--warmup", "0",
+                 "--skip", "transfer"]) == 0
     assert f"host tier: {tokens} tokens" in capsys.readouterr().out
+
+
+def _garbage_out(real):
+    """An op like ``real`` whose ``out`` is then overwritten with noise (a broken kernel)."""
+    import torch
+
+    def op(*args, out=None, **kw):
+        real(*args, out=out, **kw)
+        out.copy_(torch.randn_like(out.float()).to(out.dtype))
+    return op
+
+
+@pytest.mark.parametrize("bench, op, argv", [
+    ("decode", "decode_attention", ["--cases", "2x40", "--head-dim", "16", "--n-kv-heads", "2"]),
+    ("decode", "decode_attention", ["--cases", "2x40", "--head-dim", "16", "--n-kv-heads", "2",
+                                    "--cache-dtype", "int8"]),
+    ("prefill", "prefill_attention", ["--cases", "2:5:7", "--dtype", "float32"]),
+    ("prefill", "prefill_attention", ["--cases", "2:5:7", "--cache-dtype", "float8_e4m3fn"]),
+])
+def test_bench_stops_on_a_wrong_or_failing_kvtvm_whatever_it_skips(bench, op, argv,
+                                                                   monkeypatch):
+    """A kvtvm column was checked only against the dense peer (none with --skip dense, none
+    for the 8-bit columns) and a kvtvm that could not run at all was a note, exit 0."""
+    import importlib
+
+    from kvtvm import ops
+
+    main = importlib.import_module(f"kvtvm.bench.{bench}").main
+    argv = argv + ["--skip", "tvm", "dense", "gather", "flashinfer", "--repeat", "1",
+                   "--warmup", "0"]
+    real = getattr(ops, op)
+    monkeypatch.setattr(ops, op, _garbage_out(real))
+    with pytest.raises(SystemExit, match="disagrees with float32 attention"):
+        main(argv)
+
+    def failing(*args, **kw):
+        raise RuntimeError("no kernel here")
+    monkeypatch.setattr(ops, op, failing)
+    with pytest.raises(SystemExit, match="kvtvm.* failed: RuntimeError: no kernel here"):
+        main(argv)
+    monkeypatch.setattr(ops, op, real)
+    assert main(argv) == 0
+
+
+def test_bench_copy_and_append_check_what_kvtvm_wrote(monkeypatch):
+    from kvtvm import ops
+    from kvtvm.bench import append, copy
+
+    monkeypatch.setattr(ops, "copy_pages", lambda *a, **k: None)
+    with pytest.raises(SystemExit, match="unlike their sources"):
+        copy.main(["--head-dim", "8", "--n-kv-heads", "1", "--repeat", "1", "--warmup", "0"])
+    real = ops.append_kv
+
+    def skewed(k_cache, v_cache, k, v, *args, **kw):  # the 8-bit rows of other values
+        real(k_cache, v_cache, k * 1.5 if k_cache.element_size() == 1 else k, v, *args, **kw)
+    monkeypatch.setattr(ops, "append_kv", skewed)
+    with pytest.raises(SystemExit, match="other bytes than the reference quantizer"):
+        append.main(["--head-dim", "16", "--n-kv-heads", "1", "--cache-dtype", "int8",
+                     "--repeat", "1", "--warmup", "0"])
 
 
 def test_bench_transfer_moves_8bit_pages(tmp_path, capsys):
