@@ -202,6 +202,10 @@ def cmd_generate(args) -> int:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                       add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    why = args.disk_tier_dir is not None and cliargs.unwritable_dir(args.disk_tier_dir)
+    if why:  # (else named as the manager's disk_dir)
+        print(f"error: --disk-tier-dir {args.disk_tier_dir}: {why}", file=sys.stderr)
+        return 2
     try:
         engine = Engine(model, "paged", max_batch_size=1,
                         max_seq_len=max(len(ids), 1) + args.max_new_tokens, device=args.device,
@@ -307,7 +311,7 @@ def main(argv=None) -> int:
                    help="greedy: compare the tokens with transformers' generate (exit 1 if not)")
     g.add_argument("--host-tier-pages", type=cliargs.nonnegative_int, default=0,
                    help="pages of the prefix cache's host tier (default 0: none)")
-    g.add_argument("--disk-tier-dir", default=None,
+    g.add_argument("--disk-tier-dir", default=None, type=cliargs.dir_path,
                    help="prefix cache disk tier directory: a later run with the same "
                    "directory reads the prompt's cached pages from it")
     cliargs.add_cache_storage_options(g)

@@ -156,11 +156,22 @@ def use_own_pool(flag: bool = True) -> None:
     _thread_state.own_pool = bool(flag)
 
 
+_threads_checked = False
+
+
+def _check_threads_once() -> None:
+    global _threads_checked
+    cpu_threads()  # InvalidArgumentError naming KVTVM_NUM_THREADS
+    _threads_checked = True
+
+
 def call_cpu_kernel(fn, args, parallel: bool = True) -> None:
     """Call a CPU kernel: inline when it is serial or the calling thread owns a pool (the
     main thread, :func:`use_own_pool`), else on kvtvm's one shared kernel thread -- so threads
     that come and go leave no TVM workers behind."""
     if not parallel:
+        if not _threads_checked:  # a bad KVTVM_NUM_THREADS is refused on serial calls too
+            _check_threads_once()  # (it went unnoticed until a parallel one)
         fn(*args)
         return
     if getattr(_thread_state, "own_pool", False) or \

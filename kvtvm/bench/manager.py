@@ -81,9 +81,11 @@ def memory_efficiency(num_requests: int, max_batch: int, max_seq_len: int, page_
     from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 
     rng = np.random.default_rng(seed)
-    prompts = np.clip(rng.lognormal(np.log(300), 1.0, num_requests), 8, max_seq_len // 2)
+    half = max_seq_len // 2  # prompts up to half, outputs the rest (bounds never inverted:
+    # at max_seq_len 2 they were [8, 1] and [1, 0], every output 0 tokens)
+    prompts = np.clip(rng.lognormal(np.log(300), 1.0, num_requests), min(8, half), half)
     outputs = np.clip(rng.lognormal(np.log(150), 1.1, num_requests), 1,
-                      max_seq_len // 2 - 1)
+                      max(1, max_seq_len - half - 1))
     prompts, outputs = prompts.astype(int), outputs.astype(int)
     result = {"prompt_len_mean": float(prompts.mean()), "prompt_len_p99": float(
         np.percentile(prompts, 99)), "output_len_mean": float(outputs.mean()),

@@ -287,3 +287,13 @@ def test_bench_transfer_moves_8bit_pages(tmp_path, capsys):
     assert sizes["--cache-dtype int8"] < sizes["--cache-dtype int8 --skip-layers -1"] \
         < sizes[""]
     assert sizes["--cache-dtype int8"] < sizes["--k-cache-dtype float8_e4m3fn"] < sizes[""]
+
+
+@pytest.mark.parametrize("max_seq_len", [2, 3, 40])
+def test_bench_manager_workload_fits_short_sequences(max_seq_len):
+    """At --max-seq-len 2 the clip bounds were inverted: every output 0 tokens."""
+    from kvtvm.bench.manager import memory_efficiency
+
+    res = memory_efficiency(20, 4, max_seq_len, 16)
+    assert res["output_len_mean"] >= 1 and res["prompt_len_mean"] >= 1
+    assert res["prompt_len_p99"] + res["output_len_p99"] <= max_seq_len

@@ -23,7 +23,7 @@ CASES = [
     ([*GEN, "--torch-threads", "0"], "--torch-threads"),
     ([*GEN, "--kernel-threads", "-3"], "--kernel-threads"),
     ([*GEN, "--host-tier-pages", "-1"], "--host-tier-pages"),
-    ([*GEN, "--disk-tier-dir", "/proc/kvtvm-x"], "disk_dir"),
+    ([*GEN, "--disk-tier-dir", "/proc/kvtvm-x"], "--disk-tier-dir"),
     (["generate", "--model", "/nonexistent/model", "--prompt", "hi"], "--model"),
     ([*GEN, "--cache-dtype", "int4"], "--cache-dtype"),
     ([*GEN, "--k-cache-dtype", "fp8"], "--k-cache-dtype"),
@@ -37,7 +37,7 @@ CASES = [
     ([*GEN, "--torch-threads", "5000"], "--torch-threads"),
     ([*GEN, "--temperature", "inf"], "temperature"),
     ([*GEN, "--temperature", "1", "--seed", str(1 << 70)], "seed"),
-    ([*GEN, "--disk-tier-dir", ""], "disk_dir"),
+    ([*GEN, "--disk-tier-dir", ""], "--disk-tier-dir"),  # was named disk_dir (the manager's)
     # an --out that cannot be written: one line before any kernel is built (it was one
     # FAILED line per kernel, each after its compile, and exit 1)
     (["build", "--target", "llvm", "--out", "/proc/kvtvm-x", "--ops", "copy", "--dtypes",

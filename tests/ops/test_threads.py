@@ -148,3 +148,21 @@ def test_kvtvm_num_threads_out_of_range_is_named(monkeypatch):
     monkeypatch.setenv("KVTVM_NUM_THREADS", "")  # empty: unset
     monkeypatch.setenv("TVM_NUM_THREADS", "2")
     assert runtime.cpu_threads() == 2
+
+
+def test_a_bad_kvtvm_num_threads_is_named_by_a_serial_call_too(monkeypatch):
+    """Small calls run the serial kernels, which never read the thread count: a bad value
+    went unnoticed until the first large call."""
+    from kvtvm import runtime
+    from kvtvm.errors import InvalidArgumentError
+
+    monkeypatch.setattr(runtime, "_num_threads", None)
+    monkeypatch.setattr(runtime, "_threads_checked", False)
+    monkeypatch.setenv("KVTVM_NUM_THREADS", "abc")
+    with pytest.raises(InvalidArgumentError, match="KVTVM_NUM_THREADS"):
+        runtime.call_cpu_kernel(lambda: None, (), parallel=False)
+    monkeypatch.setenv("KVTVM_NUM_THREADS", "1")
+    ran = []
+    runtime.call_cpu_kernel(lambda: ran.append(1), (), parallel=False)
+    runtime.call_cpu_kernel(lambda: ran.append(2), (), parallel=False)
+    assert ran == [1, 2] and runtime._threads_checked
