@@ -7,7 +7,7 @@ from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_c
                      check_contiguous, check_dim, check_dtype, check_flag, check_rank,
                      check_vector_aligned, check_no_alias, check_no_self_overlap,
                      common_device, indices_on_host, live_tokens, sync_checked_call)
-from .launch import Launch, kernel_for
+from .launch import Launch, cache_dtype_names, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
 __all__ = ["append_kv", "prepare_append_kv", "CPU_PARALLEL_APPEND_BYTES", "MAX_APPEND_BATCH"]
@@ -117,16 +117,18 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     sync_checked_call(device, check_indices)
     if check_indices:
         check_batch_indices(indptr, lengths, table, geo, kt.shape[0])
+    given = cache_dtype_names(kc, vc)  # (a float8 cache, before its int8 view)
     if quant:
         check_quant_target(device, quant, "append")
         kc, vc = quant.k_arg, quant.v_arg
     slots = dict(k_cache=kc, v_cache=vc, k=kt, v=vt, qo_indptr=indptr, cache_lengths=lengths,
                  lookup_table=table)
     if kt.shape[0] == 0:
-        return Launch(None, device, slots, tokens=tokens)
+        return Launch(None, device, slots, tokens=tokens, cache_dtypes=given)
     moved = 2 * kt.numel() * kt.element_size()  # K and V bytes
     # small appends: waking the thread pool costs more than it saves
     variant = "serial" if device.type == "cpu" and moved < CPU_PARALLEL_APPEND_BYTES else ""
     fn = kernel_for(device, **(quant.spec_fields if quant else {}), op="append", dtype=geo.dtype, head_dim=geo.head_dim,
                     n_kv_heads=geo.n_kv_heads, layout=layout, variant=variant)
-    return Launch(fn, device, slots, tokens=tokens, parallel=variant != "serial")
+    return Launch(fn, device, slots, tokens=tokens, parallel=variant != "serial",
+                  cache_dtypes=given)

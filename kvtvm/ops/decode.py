@@ -19,7 +19,7 @@ from .checks import (as_tensor, check_batch_indices, check_cache_pair, check_con
                      check_dim, check_dtype, check_rank, check_vector_aligned, common_device,
                      check_flag, check_no_alias, check_sliding_window, check_sm_scale,
                      indices_on_host, live_tokens, sync_checked_call)
-from .launch import Launch, kernel_for
+from .launch import Launch, cache_dtype_names, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
 __all__ = ["decode_attention", "prepare_decode_attention", "choose_num_splits", "decode_variant",
@@ -336,6 +336,7 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
     lse_t = tensors.get("lse")
     if lse_t is None:
         lse_t = torch.empty((batch, n_q_heads), dtype=torch.float32, device=device)
+    given = cache_dtype_names(kc, vc)  # (a float8 cache, before its int8 view)
     if quant:
         check_quant_target(device, quant, "decode")
         kc, vc = quant.k_arg, quant.v_arg
@@ -345,7 +346,8 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
     slots = dict(q=qt, k_cache=kc, v_cache=vc, cache_lengths=lengths, lookup_table=table,
                  out=out_t, lse=lse_t)
     if batch == 0:
-        return Launch(None, device, slots, outputs=("out", "lse"), tokens=tokens)
+        return Launch(None, device, slots, outputs=("out", "lse"), tokens=tokens,
+                      cache_dtypes=given)
     if workspace is None:
         workspace = SplitWorkspace(device)
     elif workspace.device != device:
@@ -361,4 +363,4 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
                     variant="serial" if serial else decode_variant(device.type, bool(quant),
                                                                   max_kv_len, num_splits))
     return Launch(fn, device, slots, outputs=("out", "lse"), tokens=tokens,
-                  parallel=not serial)
+                  parallel=not serial, cache_dtypes=given)

@@ -32,6 +32,14 @@ def signature(t) -> tuple:
 
 #: slots whose rows a CUDA kernel may move as 16-byte vectors
 _VECTOR_ROWS = CACHE_ARGS + ("q", "k", "v")
+#: The slots :meth:`Launch.rebind` swaps (what a step plan changes between layers).
+REBINDABLE = CACHE_ARGS + ("k", "v", "q", "out", "lse")
+
+
+def cache_dtype_names(k_cache, v_cache) -> dict:
+    """``Launch(cache_dtypes=...)``: the K/V caches' dtypes as the caller gave them (before
+    the int8 views the kernels take of float8 caches)."""
+    return {"k_cache": _dtype_name(k_cache), "v_cache": _dtype_name(v_cache)}
 
 
 def _dtype_name(t) -> str:
@@ -85,10 +93,11 @@ class Launch:
         Slots ``run()`` returns (e.g. ``("out", "lse")``); ``run()`` returns None when empty.
     """
 
-    __slots__ = ("fn", "device", "slots", "outputs", "tokens", "parallel", "_errv")
+    __slots__ = ("fn", "device", "slots", "outputs", "tokens", "parallel", "_errv",
+                 "cache_dtypes")
 
     def __init__(self, fn, device, slots: dict, outputs: tuple = (), tokens: tuple = (),
-                 _errv=None, parallel: bool = True):
+                 _errv=None, parallel: bool = True, cache_dtypes: dict | None = None):
         if "err" not in slots:
             slots = dict(slots)
             slots["err"], _errv = errflag.new_flag(device)
@@ -96,6 +105,10 @@ class Launch:
         self.tokens = tokens  # fetch tokens of the manager tables in the slots
         self.parallel = parallel  # CPU: uses TVM's thread pool (False: a serial variant)
         self._errv = _errv  # numpy view of a CPU flag (None on CUDA)
+        #: the dtypes of the K/V caches as the caller gave them (a float8 cache sits in its
+        #: slot as the int8 view the kernel takes); default: the slots' own
+        self.cache_dtypes = cache_dtypes or {n: _dtype_name(slots[n]) for n in CACHE_ARGS
+                                             if n in slots}
 
     def run(self):
         """Call the kernel; returns the output slots (a tuple), or None when there are none.
@@ -135,10 +148,15 @@ class Launch:
     def rebind(self, **tensors) -> "Launch":
         """A copy with ``tensors`` in the slots of the same names.
 
+        Only the tensors a step plan swaps between layers are rebound: the K/V caches, the
+        new rows ``k`` / ``v``, ``q``, ``out`` and ``lse`` (the tables, checked against their
+        fetch when the call was prepared, stay).
+
         Raises
         ------
         InvalidArgumentError
-            A name is not a slot, or a tensor differs from the one in its slot in dtype,
+            A name is not one of those slots, or a tensor differs from the one in its slot in
+            dtype (a cache: the storage type it was prepared for, int8 and float8 apart),
             shape, strides or device (the caller then prepares the call afresh); or, as the
             op would refuse them: a cache view not of the fetch's manager (or K and V swapped,
             or of two layers), an output sharing memory with an input, rows not 16-byte
@@ -146,10 +164,19 @@ class Launch:
         """
         slots = dict(self.slots)
         for name, t in tensors.items():
+            if name not in REBINDABLE:  # (stale or unchecked tables were accepted)
+                raise InvalidArgumentError(describe(
+                    name, f"one of the slots rebind swaps ({', '.join(REBINDABLE)}); "
+                    "prepare the call afresh to change the others", "given"))
             old = slots.get(name)
-            if name in CACHE_ARGS and _dtype_name(t) == "float8_e4m3fn" \
-                    and _dtype_name(old) == "int8":
-                t = t.view(old.dtype)  # the int8 view the kernels take of float8 rows
+            if name in CACHE_ARGS and old is not None:
+                given = _dtype_name(t)
+                if given != self.cache_dtypes.get(name):  # (int8 rows read as float8, or
+                    raise InvalidArgumentError(describe(  # the other way, were accepted)
+                        name, f"a {self.cache_dtypes.get(name)} cache like the prepared one",
+                        f"a {given} one"))
+                if given == "float8_e4m3fn" and _dtype_name(old) == "int8":
+                    t = t.view(old.dtype)  # the int8 view the kernels take of float8 rows
             if old is None or not hasattr(t, "stride") or signature(t) != signature(old):
                 raise InvalidArgumentError(describe(
                     name, f"a tensor like the prepared one ({_describe(old)})", _describe(t)))
@@ -165,7 +192,7 @@ class Launch:
         if any(n in tensors for n in written + read):  # as the op checks its arguments
             check_no_alias({n: slots[n] for n in written}, {n: slots[n] for n in read})
         return Launch(self.fn, self.device, slots, self.outputs, self.tokens, self._errv,
-                      self.parallel)
+                      self.parallel, self.cache_dtypes)
 
     def _name(self) -> str:
         # (a TVM function has no __name__: "the kvtvm kernel skipped ...", not "kernel kernel")

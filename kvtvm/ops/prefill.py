@@ -11,7 +11,7 @@ from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_c
                      check_causal, check_flag, check_sliding_window, check_sm_scale,
                      common_device, indices_on_host, live_tokens, sync_checked_call,
                      check_no_alias)
-from .launch import Launch, kernel_for
+from .launch import Launch, cache_dtype_names, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
 __all__ = ["prefill_attention", "prepare_prefill_attention", "CUDA_SHORT_QUERY_TOKENS"]
@@ -165,6 +165,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
     sync_checked_call(device, check_indices)
     if check_indices:
         check_batch_indices(indptr, lengths, table, geo, num_tokens)
+    given = cache_dtype_names(kc, vc)  # (a float8 cache, before its int8 view)
     if quant:
         check_quant_target(device, quant, "prefill")
         kc, vc = quant.k_arg, quant.v_arg
@@ -172,11 +173,13 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
                  lookup_table=table, out=out, lse=lse, causal=int(bool(causal)),
                  sm_scale=float(sm_scale), sliding_window=int(sliding_window or 0))
     if num_tokens == 0:
-        return Launch(None, device, slots, outputs=("out", "lse"), tokens=tokens)
+        return Launch(None, device, slots, outputs=("out", "lse"), tokens=tokens,
+                      cache_dtypes=given)
     short = (device.type == "cuda" and geo.dtype != "float32"
              and num_tokens < CUDA_SHORT_QUERY_TOKENS * (len(indptr) - 1))
     fn = kernel_for(device, **(quant.spec_fields if quant else {}), op="prefill", dtype=geo.dtype, head_dim=geo.head_dim,
                     n_kv_heads=geo.n_kv_heads, group_size=group_size, layout=layout,
                     features=("sliding_window",) if sliding_window is not None else (),
                     variant="short_query" if short else "")
-    return Launch(fn, device, slots, outputs=("out", "lse"), tokens=tokens)
+    return Launch(fn, device, slots, outputs=("out", "lse"), tokens=tokens,
+                  cache_dtypes=given)

@@ -120,3 +120,47 @@ def test_a_cuda_launch_refuses_to_rebind_rows_off_16_bytes():
     with pytest.raises(InvalidArgumentError, match="16-byte aligned"):
         launch.rebind(q=base[1:385].view(3, 8, 16))      # 4 bytes off
     assert launch.rebind(q=base[4:388].view(3, 8, 16)).slots["q"].data_ptr() % 16 == 0
+
+
+def _quant_tables(storage):
+    """The K/V views of a one-layer paged ``storage`` cache holding one 9-token sequence, and
+    a decode launch over them with user-owned tables (no fetch token: the ownership check
+    does not apply)."""
+    from kvtvm import ops
+
+    params = KVCacheParams("float32", H, D, "paged", page_size=P, cache_dtype=storage)
+    mgr = PagedKVCacheManager(params, 2, 32, 1)
+    (s,) = mgr.claim(1)
+    (inp,) = mgr.fetch([BatchItem(s, list(range(9)))])
+    torch.manual_seed(0)
+    k, v = torch.randn(9, H, D), torch.randn(9, H, D)
+    views = (inp.k_cache(0), inp.v_cache(0))
+    ops.append_kv(*views, k, v, inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
+    mgr.step([BatchItem(s, list(range(9)))])
+    lengths = torch.tensor([8], dtype=torch.int32)
+    table = inp.lookup_table[:1].clone()
+    q = torch.randn(1, H * G, D)
+    return views, ops.prepare_decode_attention(q, *views, lengths, table)
+
+
+def test_rebind_refuses_a_cache_of_another_storage_type():
+    """An int8 launch rebound to float8 views (or the other way) took the bytes as its own
+    type: attention off by 1.1 with no error (the slot holds float8 as its int8 view)."""
+    (ik, iv), i8_launch = _quant_tables("int8")
+    (fk, fv), f8_launch = _quant_tables("float8_e4m3fn")
+    with pytest.raises(InvalidArgumentError, match="k_cache: expected a int8 cache"):
+        i8_launch.rebind(k_cache=fk, v_cache=fv)
+    with pytest.raises(InvalidArgumentError, match="k_cache: expected a float8_e4m3fn cache"):
+        f8_launch.rebind(k_cache=ik, v_cache=iv)
+    # its own storage rebinds (the float8 views taken as the kernel's int8 view)
+    again = f8_launch.rebind(k_cache=fk, v_cache=fv)
+    assert torch.equal(again.run()[0], f8_launch.run()[0])
+
+
+@pytest.mark.parametrize("slot", ["cache_lengths", "lookup_table", "sm_scale"])
+def test_rebind_refuses_the_slots_a_plan_does_not_swap(slot):
+    """Tables rebound skipped the op's staleness and index checks: a superseded fetch's
+    tables, or a length past the sequence's pages, ran."""
+    _, launch = _quant_tables("int8")
+    with pytest.raises(InvalidArgumentError, match=f"{slot}: expected one of the slots"):
+        launch.rebind(**{slot: launch.slots[slot]})
