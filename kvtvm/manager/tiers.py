@@ -125,7 +125,8 @@ class TierMixin:
 
     def attach_tiers(self, host_pages: int = 0, disk_dir=None,
                      disk_bytes: int = 1 << 30) -> TierStore:
-        """Give the prefix cache lower tiers.
+        """Give the prefix cache lower tiers (attached again: they replace the tiers it
+        had, whose disk tier is flushed and closed).
 
         Parameters
         ----------
@@ -161,9 +162,12 @@ class TierMixin:
         disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None else None
         host = HostTier(host_pages, pin_memory=pin, page_shape=shape, dtype=p.tensor_dtype) \
             if host_pages else None
+        tiers = TierStore(host, disk, shape, p.tensor_dtype)
         with self._lock:
-            self._tiers = TierStore(host, disk, shape, p.tensor_dtype)
-            return self._tiers
+            old, self._tiers = self._tiers, tiers
+        if old is not None and old.disk is not None:  # attached again: the replaced disk
+            old.disk.close()  # tier's writes are flushed and its writer thread stopped
+        return tiers
 
     def _page_rows(self, pages: list):
         """``[n, 2, L, P, n_kv_heads, D]`` (``[n, page_bytes]`` quantized) of ``pages``, all

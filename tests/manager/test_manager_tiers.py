@@ -408,3 +408,16 @@ def test_an_import_that_cannot_fit_promotes_nothing(room):
         assert b_mgr.held_prefix_pages(ex.header.block_hashes) == 10
     b_mgr.check_invariants()
     a_mgr.end_lease(ex.lease_id)
+
+
+def test_attaching_again_closes_the_replaced_disk_tier(tmp_path):
+    """A second attach_tiers left the first disk tier's writer thread running (its pending
+    writes never flushed by close_tiers, which closes only the current tier)."""
+    a = make()
+    first = a.attach_tiers(disk_dir=tmp_path / "one", disk_bytes=1 << 20)
+    serve(a, SYS + [1])
+    second = a.attach_tiers(disk_dir=tmp_path / "two", disk_bytes=1 << 20)
+    assert a._tiers is second is not first
+    assert not first.disk._thread.is_alive() and second.disk._thread.is_alive()
+    a.close_tiers()
+    assert not second.disk._thread.is_alive()
