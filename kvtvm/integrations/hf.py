@@ -216,6 +216,7 @@ class KVTVMCache(Cache):
             raise InvalidArgumentError(f"cache: expected 'paged' or 'continuous', got {cache!r}")
         self.config, self.max_seq_len = config, max_seq_len
         self.num_layers = config.num_hidden_layers
+        _check_layer_count(model, self.num_layers)
         dtype = next(model.parameters()).dtype
         self._device = next(model.parameters()).device
         self.params = KVCacheParams.from_hf_config(
@@ -249,14 +250,25 @@ class KVTVMCache(Cache):
     # One forward: update (every layer) -> attention (every layer; layer 0 fetches)
     # ------------------------------------------------------------------------------------
 
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) \
+                or not 0 <= layer_idx < self.num_layers:  # (was a bare IndexError)
+            raise InvalidArgumentError(
+                f"KVTVMCache: layer {layer_idx!r} of a model with more layers than the "
+                f"{self.num_layers} this cache was built for: a KVTVMCache serves the model "
+                "it was made with")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def _hand_kv(self, layer: int, k, v) -> None:
         impl = getattr(self.config, "_attn_implementation", None)
         if isinstance(impl, str) and impl != ATTN_NAME:
             # the model's own attention would read back only this forward's K/V (a KVTVMCache
             # returns no history) and silently attend to nothing before it
             raise InvalidArgumentError(
-                f"past_key_values: a KVTVMCache needs the model's attention on kvtvm, the "
-                f"model runs {impl!r}: call kvtvm.integrations.hf.use_kvtvm(model) first")
+                f"past_key_values: a KVTVMCache needs its model's attention on kvtvm; the "
+                f"model it was built for runs {impl!r}: call "
+                "kvtvm.integrations.hf.use_kvtvm(model) first (and give each model its own "
+                "cache)")
         _active.cache = self
         self._kv[layer] = (k, v)
 
@@ -503,6 +515,17 @@ class KVTVMCache(Cache):
         return new
 
 
+def _check_layer_count(model, num_layers: int) -> None:
+    """Refuse a model with fewer attention layers than its config says (layers pruned, the
+    config left): each forward would end before the cache's last layer and be rolled back as
+    a failed one, the prompt forgotten. Counted by the ``layer_idx`` of its modules."""
+    ids = {m.layer_idx for m in model.modules() if type(getattr(m, "layer_idx", None)) is int}
+    if ids and max(ids) + 1 < num_layers:
+        raise InvalidArgumentError(
+            f"model: its config says {num_layers} layers (num_hidden_layers), its modules "
+            f"have {max(ids) + 1}; make the config agree with the layers it runs")
+
+
 def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     sliding_window=None, softcap=None, **kwargs):
     """The ``"kvtvm"`` attention of ``AttentionInterface``: kvtvm's decode or prefill kernel
@@ -524,6 +547,14 @@ def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dro
             "max_seq_len)) (past_key_values= in older code); use_cache=False and options that "
             "run the model on a cache of their own (guidance_scale) are not supported on "
             "kvtvm attention: model.set_attn_implementation('sdpa') for them")
+    layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+    if isinstance(layers, int) and layers != cache.num_layers:  # another model: its forwards
+        # would end before the cache's last layer and be taken for failed ones (rolled back)
+        _active.cache = None
+        cache._kv.clear()
+        raise InvalidArgumentError(
+            f"past_key_values: a KVTVMCache of a {cache.num_layers}-layer model, used by a "
+            f"{layers}-layer one: a KVTVMCache serves the model it was made with")
     try:
         out, weights = cache.attention(module.layer_idx, query, attention_mask, scaling,
                                        sliding_window)

@@ -138,6 +138,28 @@ def test_kvtvm_cache_under_another_attention_refused(toy, attn):
         toy.set_attn_implementation("sdpa")
 
 
+def test_a_cache_serves_only_a_model_of_its_layer_count():
+    """A KVTVMCache built for another model: 2 cache layers under a 3-layer model raised a
+    bare IndexError; 3 under a 2-layer model rolled each forward back as a failed one (the
+    prompt forgotten: wrong tokens, no error); so did a model whose layers were pruned
+    without editing its config."""
+    import copy
+
+    two, three = build_toy_model(num_layers=2), build_toy_model(num_layers=3)
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(5))
+    for model in (two, three):
+        hf.use_kvtvm(model)
+    for built, runs in ((two, three), (three, two)):
+        kv = hf.KVTVMCache(built, max_seq_len=32)
+        with pytest.raises(InvalidArgumentError, match="serves the model it was made with"):
+            _generate(runs, ids, kv, n=3)
+        assert kv.get_seq_length() == 0 and len(kv.mgr.slots_remaining) == 1
+    pruned = copy.deepcopy(three)
+    pruned.model.layers = pruned.model.layers[:2]
+    with pytest.raises(InvalidArgumentError, match="config says 3 layers"):
+        hf.KVTVMCache(pruned, max_seq_len=32)
+
+
 def test_not_a_supported_model_refused(toy):
     from transformers import GPT2Config, GPT2LMHeadModel
 
