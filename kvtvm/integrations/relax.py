@@ -160,7 +160,9 @@ def _add_kernel(bb, spec: KernelSpec, flag_after: int | None, scalars: dict):
     name = f"kvtvm_{spec.uri}"
     for key in sorted(scalars):
         value = scalars[key]
-        text = f"{value:g}" if isinstance(value, float) else str(value)
+        # repr: every float64 apart ("{:g}" kept 6 digits: two scales, one symbol, and
+        # tvm.compile failed on the duplicate)
+        text = repr(float(value)) if isinstance(value, float) else str(value)
         name += f"_{key}{text}".replace(".", "p").replace("-", "m").replace("+", "")
     if flag_after is not None and flag_after != len(func.params) - 1:
         func, name = _flag_after(func, flag_after), name + "_errarg"
@@ -185,7 +187,7 @@ def _call(bb, spec, scalars, args, inplace, out_ty, error_flag, name_hint):
             call = relax.call_tir(gv, args, out_ty + [_ERR_TY()])
     else:
         flag = error_flag._expr if hasattr(error_flag, "_expr") else error_flag
-        shape, dtype = _ty(flag)
+        shape, dtype = _ty(flag, "error_flag")
         if dtype != "int32" or [_static(d, "error_flag shape") for d in shape] != \
                 [_ERR_TY().shape.values[0].value]:
             raise InvalidArgumentError(describe("error_flag", "an int32 [4] tensor "
@@ -197,12 +199,26 @@ def _call(bb, spec, scalars, args, inplace, out_ty, error_flag, name_hint):
     return bb.emit(call, name_hint=name_hint)
 
 
-def _ty(expr):
-    """(shape list, dtype) of a Relax tensor expression or an ``nn.Tensor``."""
+def _ty(expr, name: str = "argument"):
+    """(shape list, dtype) of a Relax tensor expression or an ``nn.Tensor`` of known shape;
+    anything else (a torch tensor, None, a tuple, a tensor of unknown rank) is an
+    :class:`InvalidArgumentError` naming ``name``."""
     if hasattr(expr, "_expr"):
         expr = expr._expr
-    ty = expr.ty
-    return list(ty.shape.values), str(ty.dtype)
+    ty = getattr(expr, "ty", None)
+    shape = getattr(getattr(ty, "shape", None), "values", None)
+    if shape is None or not hasattr(ty, "dtype"):
+        raise InvalidArgumentError(describe(
+            name, "a Relax tensor expression (or nn.Tensor) of known shape",
+            type(expr).__name__ if ty is None else f"{type(expr).__name__} of type {ty}"))
+    return list(shape), str(ty.dtype)
+
+
+def _same_dim(a, b) -> bool:
+    """Whether two extents of Relax shapes may be the same: equal when both are static; a
+    symbolic one (the page count) is bound when the kernel is called."""
+    static = [hasattr(x, "value") and not hasattr(x, "name") for x in (a, b)]
+    return not all(static) or int(a.value) == int(b.value)
 
 
 def _static(value, what):
@@ -221,7 +237,7 @@ def _check_layout(layout):
 def _check_rows(name, x, heads, dim, dtype):
     """``x`` must be ``[num_tokens, heads, dim]`` of ``dtype`` (``num_tokens`` may be
     symbolic)."""
-    shape, dt = _ty(x)
+    shape, dt = _ty(x, name)
     if len(shape) != 3 or dt != dtype or _static(shape[1], f"n_kv_heads of {name}") != heads \
             or _static(shape[2], f"head_dim of {name}") != dim:
         raise InvalidArgumentError(describe(name, f"[num_tokens, {heads}, {dim}] {dtype} (as "
@@ -231,7 +247,7 @@ def _check_rows(name, x, heads, dim, dtype):
 def _check_tables(**tables):
     """Each table must be int32 of its rank (``lookup_table`` 2, the others 1)."""
     for name, x in tables.items():
-        shape, dt = _ty(x)
+        shape, dt = _ty(x, name)
         rank = 2 if name == "lookup_table" else 1
         if dt != "int32" or len(shape) != rank:
             raise InvalidArgumentError(describe(name, f"an int32 tensor of rank {rank}",
@@ -247,15 +263,18 @@ def _check_scalars(causal, sm_scale, sliding_window):
 
 def _check_cache(k_cache, v_cache, layout):
     _check_layout(layout)
-    kshape, kdtype = _ty(k_cache)
-    vshape, vdtype = _ty(v_cache)
+    kshape, kdtype = _ty(k_cache, "k_cache")
+    vshape, vdtype = _ty(v_cache, "v_cache")
     refuse_quantized("k_cache dtype", kdtype)
     refuse_quantized("v_cache dtype", vdtype)
     if len(kshape) != 4:
         raise InvalidArgumentError(describe("k_cache rank", 4, len(kshape)))
-    if kdtype != vdtype or len(vshape) != 4:
-        raise InvalidArgumentError(describe("v_cache", f"like k_cache ({kdtype}, rank 4)",
-                                            f"{vdtype}, rank {len(vshape)}"))
+    # the same static extents (a v_cache of another head_dim or head count failed late,
+    # inside tvm.compile)
+    if kdtype != vdtype or len(vshape) != 4 or any(
+            not _same_dim(a, b) for a, b in zip(kshape, vshape)):
+        raise InvalidArgumentError(describe("v_cache", f"like k_cache ({kshape} {kdtype})",
+                                            f"{vshape} {vdtype}"))
     heads = kshape[2] if layout == "nhd" else kshape[1]
     return _static(heads, "n_kv_heads of k_cache"), _static(kshape[3], "head_dim of k_cache"), \
         kdtype
@@ -313,7 +332,7 @@ def _attention_spec(op, rows, q, k_cache, v_cache, layout, sm_scale, sliding_win
                     arch, knobs):
     """Check ``q`` against the caches; returns ``(spec, q shape, sm_scale)`` of ``op``."""
     heads, dim, dtype = _check_cache(k_cache, v_cache, layout)
-    qshape, qdtype = _ty(q)
+    qshape, qdtype = _ty(q, "q")
     if len(qshape) != 3 or qdtype != dtype or _static(qshape[2], "head_dim of q") != dim:
         raise InvalidArgumentError(describe("q", f"[{rows}, n_q_heads, {dim}] {dtype}",
                                             f"{qshape} {qdtype}"))

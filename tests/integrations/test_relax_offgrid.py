@@ -38,6 +38,11 @@ def _compile(mod):
     ("k", "append_d", {}), ("k", "append_h", {}), ("k", "append_f16", {}),
     ("q", "attn_q_d", {}), ("qo_indptr", "append_i64", {}),
     ("cache_lengths", "attn_len_i64", {}), ("lookup_table", "decode_tab_rank3", {}),
+    # not Relax tensors of known shape (were bare AttributeErrors), and a v_cache unlike
+    # k_cache (failed late inside tvm.compile)
+    ("q", "attn_torch_q", {}), ("lookup_table", "attn_no_table", {}),
+    ("qo_indptr", "attn_tuple_indptr", {}), ("q", "attn_q_no_shape", {}),
+    ("k_cache", "append_no_cache", {}), ("v_cache", "append_v_wide", {}),
 ])
 def test_emit_names_bad_rows_tables_and_scalars(what, call, kwargs):
     """Each emit_* checks the new rows, the tables and its scalar arguments as kvtvm.ops
@@ -51,6 +56,9 @@ def test_emit_names_bad_rows_tables_and_scalars(what, call, kwargs):
     var["k16"] = relax.Var("k16", relax.TensorType([5, H, D_], "float16"))
     var["i64"] = relax.Var("i64", relax.TensorType([3], "int64"))
     var["t3"] = relax.Var("t3", relax.TensorType([2, 4, 1], "int32"))
+    var["tup"] = relax.Var("tup", relax.TupleType([relax.TensorType([3], "int32")]))
+    var["q_any"] = relax.Var("q_any", relax.TensorType(None, "float32", ndim=3))
+    wide = kr.kv_input_vars(1, H, 2 * D_, "float32").v_caches[0]
     kc, vc, tabs = kv.k_caches[0], kv.v_caches[0], (kv.qo_indptr, kv.cache_lengths,
                                                      kv.lookup_table)
     calls = {
@@ -67,6 +75,14 @@ def test_emit_names_bad_rows_tables_and_scalars(what, call, kwargs):
                                                      var["i64"], tabs[2]),
         "decode_tab_rank3": lambda bb: kr.emit_decode_attention(bb, var["q"], kc, vc, tabs[1],
                                                                 var["t3"]),
+        "attn_torch_q": lambda bb: kr.emit_attention(bb, torch.zeros(5, HQ, D_), kc, vc, *tabs),
+        "attn_no_table": lambda bb: kr.emit_attention(bb, var["q"], kc, vc, *tabs[:2], None),
+        "attn_tuple_indptr": lambda bb: kr.emit_attention(bb, var["q"], kc, vc, var["tup"],
+                                                          *tabs[1:]),
+        "attn_q_no_shape": lambda bb: kr.emit_attention(bb, var["q_any"], kc, vc, *tabs),
+        "append_no_cache": lambda bb: kr.emit_append_kv(bb, None, vc, var["k"], var["k"],
+                                                        *tabs),
+        "append_v_wide": lambda bb: kr.emit_append_kv(bb, kc, wide, var["k"], var["k"], *tabs),
     }
     bb = relax.BlockBuilder()
     with bb.function("main", [*var.values(), *kv.params()], pure=False):
@@ -114,3 +130,23 @@ def test_off_grid_shapes_in_a_graph_match_reference():
     np.testing.assert_allclose(torch.as_tensor(out).float().numpy(), ref, rtol=2**-7,
                                atol=1e-2)
     np.testing.assert_allclose(torch.as_tensor(lse).numpy(), ref_lse, rtol=1e-4, atol=1e-3)
+
+
+def test_two_scales_alike_to_six_digits_get_two_kernels():
+    """The kernel's name held sm_scale as "{:g}" (6 digits): 0.0883883 and 128**-0.5 got one
+    global symbol, and tvm.compile failed on the duplicate."""
+    D_ = 16
+    kv = kr.kv_input_vars(1, H, D_, "float32")
+    n = tir.Var("n", "int64")
+    q = relax.Var("q", relax.TensorType([n, HQ, D_], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, *kv.params()], pure=False):
+        args = (kv.k_caches[0], kv.v_caches[0], kv.qo_indptr, kv.cache_lengths,
+                kv.lookup_table)
+        a = kr.emit_attention(bb, q, *args, sm_scale=0.0883883)
+        b = kr.emit_attention(bb, q, *args, sm_scale=128 ** -0.5)
+        bb.emit_func_output(relax.Tuple([a, b]))
+    mod = bb.get()
+    names = [gv.name_hint for gv in mod.functions if gv.name_hint.startswith("kvtvm")]
+    assert len(set(names)) == 2, names
+    _compile(mod)
