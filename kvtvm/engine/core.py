@@ -16,8 +16,9 @@ import dataclasses
 import logging
 import math
 import numbers
+import os
 import time
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Set
 from typing import Callable
 
 import torch
@@ -145,6 +146,18 @@ def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> Non
                 f"on {device.type} (kvtvm.ops.quant.QUANT_TARGETS); serve it on the CPU")
 
 
+def _check_tier_args(host_tier_pages, disk_tier_dir, disk_tier_bytes) -> None:
+    """The Engine's tier options, named as the Engine names them (the manager's own checks
+    named host_pages / disk_dir / disk_bytes, or a path of another type raised TypeError)."""
+    for name, v in (("host_tier_pages", host_tier_pages), ("disk_tier_bytes", disk_tier_bytes)):
+        if not is_int(v) or v < 0:
+            raise InvalidArgumentError(describe(name, "an int >= 0", repr(v)))
+    if disk_tier_dir is not None and (not isinstance(disk_tier_dir, (str, os.PathLike))
+                                      or not os.fspath(disk_tier_dir)):
+        raise InvalidArgumentError(describe("disk_tier_dir", "None or a non-empty path (str or "
+                                            "os.PathLike)", repr(disk_tier_dir)))
+
+
 class Engine:
     """A continuous-batching engine over one kvtvm cache manager.
 
@@ -207,6 +220,7 @@ class Engine:
                 f"max_step_tokens must be None or a positive int, got {max_step_tokens!r}")
         check_thread_count("torch_threads", torch_threads)
         check_thread_count("kernel_threads", kernel_threads)
+        _check_tier_args(host_tier_pages, disk_tier_dir, disk_tier_bytes)
         check_engine_model(model)
         (dev,) = parse_devices(device, name="device")
         model_dev = next(model.parameters()).device
@@ -217,7 +231,7 @@ class Engine:
         self.hf_model = model
         self.model = ModelRunner(model)
         self.vocab_size = model.config.vocab_size
-        self.cache, self.device = cache, torch.device(device)
+        self.cache, self.device = cache, dev
         self.max_seq_len, self.max_step_tokens = max_seq_len, max_step_tokens
         self._threads = (torch_threads, kernel_threads)
         self._threads_set = False
@@ -351,6 +365,7 @@ class Engine:
                     "(shorten it or raise the engine's max_seq_len)")
         if not is_int(req.max_new_tokens) or req.max_new_tokens < 1:
             return f"max_new_tokens must be a positive int, got {req.max_new_tokens!r}"
+        req.max_new_tokens = int(req.max_new_tokens)  # a numpy int wrapped the sum below
         if req.length > self.max_seq_len:
             return (f"prompt of {n} tokens + max_new_tokens={req.max_new_tokens} needs "
                     f"{req.length} cache positions, more than max_seq_len={self.max_seq_len}")
@@ -382,7 +397,11 @@ class Engine:
         while self.pending and self.pending[0].arrival <= self.step_no:
             req = self.pending.pop(0)
             req.t_arrived = time.perf_counter()
-            why = self._validate(req)
+            try:
+                why = self._validate(req)
+            except Exception as err:  # a prompt or stop list that raises when read (a
+                # generator, a meta tensor): rejected, the others still served
+                why = f"could not read the request: {type(err).__name__}: {str(err)[:200]}"
             if why:
                 self._reject(req, why)
             else:
@@ -538,6 +557,9 @@ class Engine:
     def serve(self, requests, progress: Callable | None = None) -> list[Request]:
         """Submit ``requests`` and step until every one is finished; returns them (a list).
         Requests already submitted to an engine are refused before any is queued."""
+        if isinstance(requests, Request) or not isinstance(requests, Iterable):
+            raise InvalidArgumentError(describe("requests", "an iterable of Request",
+                                                type(requests).__name__))
         requests = list(requests)
         self._check_fresh(requests)
         for r in requests:

@@ -77,4 +77,12 @@ def make_generator(seed, rid) -> torch.Generator:
     if seed is None:
         seed = (int(rid) % (1 << 64) if is_int(rid) else
                 zlib.crc32(repr(rid).encode("utf-8", "backslashreplace")))
-    return torch.Generator().manual_seed(int(seed))
+    return torch.Generator().manual_seed(fold_seed(int(seed)))
+
+
+def fold_seed(seed: int) -> int:
+    """A 64-bit seed folded into the 32 bits torch's CPU generator keeps (it drops the high
+    half: seeds 7 and 7 + 2**32 sampled alike): the high half xor-ed into the low one, so a
+    seed below 2**32 is unchanged."""
+    s = seed % (1 << 64)
+    return (s ^ (s >> 32)) & 0xFFFFFFFF

@@ -54,6 +54,12 @@ def test_bad_request_fields_are_rejected_and_the_rest_served(toy, cache):
         "bool prompt": Request(9, [True, False], 3),
         "arrival None": Request(10, p, 3, arrival=None),
         "arrival str": Request(11, p, 3, arrival="1"),
+        # a numpy max_new_tokens wrapped the length check (then the engine stuck on the
+        # request's failing fetch); a prompt or stop list raising when read escaped serve()
+        "max_new_tokens int64": Request(12, p, np.int64(2 ** 63 - 1)),
+        "max_new_tokens int8": Request(13, p, np.int8(100)),
+        "raising prompt": Request(14, (t if t < 10 ** 9 else 1 // 0 for t in [5, 2 ** 40]), 3),
+        "raising stop": Request(15, p, 3, stop_token_ids=(1 // 0 for _ in range(1))),
     }
     good = [Request(20, p, 4), Request(21, random_prompt(rng, 13), 3, arrival=1)]
     e = _engine(toy, cache, max_step_tokens=5)
@@ -62,7 +68,8 @@ def test_bad_request_fields_are_rejected_and_the_rest_served(toy, cache):
         assert r.status == "rejected" and r.error, name
         assert r.output == [], name
     words = {"seed": "seed", "stop": "stop_token_ids", "temperature": "temperature",
-             "float": "prompt", "bool": "prompt", "arrival": "arrival"}
+             "float": "prompt", "bool": "prompt", "arrival": "arrival",
+             "max_new_tokens": "max_new_tokens", "raising": "ZeroDivisionError"}
     for name, r in bad.items():
         assert words[name.split()[0]] in r.error, (name, r.error)
     assert [r.status for r in good] == ["done", "done"]
@@ -130,7 +137,10 @@ def test_tiny_temperature_samples_the_greedy_token(toy, temperature):
                                                       "max_step_tokens"),
     (dict(device="tpu"), "device"), (dict(eos_token_ids="x"), "eos_token_ids"),
     (dict(eos_token_ids=[1.5]), "eos_token_ids"),
-    (dict(disk_tier_dir=""), "disk_dir")])
+    (dict(disk_tier_dir=""), "disk_tier_dir"), (dict(disk_tier_dir=5), "disk_tier_dir"),
+    (dict(host_tier_pages=-1), "host_tier_pages"), (dict(disk_tier_bytes=1.5),
+                                                    "disk_tier_bytes"),
+    (dict(device=["cpu"]), "device")])
 def test_bad_engine_arguments_are_refused_by_name(toy, kw, name):
     """These were taken (threads failed at the first step, a float stop id was truncated to
     an int, an empty disk-tier path meant the current directory) or raised untyped errors."""
@@ -271,3 +281,16 @@ def test_cli_kernel_threads_bounded():
     assert ex.value.code == 2
     with pytest.raises(InvalidArgumentError, match="n"):
         runtime.set_num_threads(runtime.MAX_THREADS + 1)
+
+
+def test_seeds_apart_in_their_high_half_sample_apart():
+    """torch's CPU generator keeps a seed's low 32 bits: seeds 7 and 7 + 2**32 (and the
+    default seeds of rids 0 and 2**32) sampled alike. A seed below 2**32 is unchanged."""
+    from kvtvm.engine.sampling import fold_seed, make_generator
+
+    def draws(seed, rid=0):
+        return torch.rand(8, generator=make_generator(seed, rid)).tolist()
+
+    assert draws(7) != draws(7 + 2 ** 32) and draws(None, 0) != draws(None, 2 ** 32)
+    assert draws(7) == torch.rand(8, generator=torch.Generator().manual_seed(7)).tolist()
+    assert all(0 <= fold_seed(s) < 2 ** 32 for s in (-2 ** 63, -1, 0, 2 ** 64 - 1))
