@@ -177,11 +177,11 @@ EXPLICIT_KNOB_HEADROOM = 64
 
 
 def _check_explicit(spec: KernelSpec, explicit: dict) -> None:
-    """Refuse an explicit int knob (``KernelSpec(knobs=...)``) the tuner searches that lies
-    below the searched range's floor (1, or 0 where 0 is searched) or past
-    :data:`EXPLICIT_KNOB_HEADROOM` times its top: a zero or negative tile built a wrong
-    kernel or crashed TVM, and 10**9 hung the build. (Schedules check what else they
-    need.)"""
+    """Refuse an explicit int knob (``KernelSpec(knobs=...)``) the tuner searches that is
+    negative or past :data:`EXPLICIT_KNOB_HEADROOM` times the top searched value: a negative
+    tile built a wrong kernel or crashed TVM, and 10**9 hung the build. (0 may mean something
+    -- the CPU prefill's ``tile_q = 0`` schedules the definition itself --; schedules refuse
+    what else they cannot build.)"""
     if not explicit:
         return
     searched = searched_values(spec)
@@ -189,7 +189,7 @@ def _check_explicit(spec: KernelSpec, explicit: dict) -> None:
         options = [v for v in searched.get(name, ()) if type(v) is int]
         if type(value) is not int or not options:
             continue
-        lo, hi = (0 if 0 in options else 1), EXPLICIT_KNOB_HEADROOM * max(max(options), 1)
+        lo, hi = 0, EXPLICIT_KNOB_HEADROOM * max(max(options), 1)
         if not lo <= value <= hi:
             raise InvalidArgumentError(describe(
                 f"knobs[{name!r}] of {spec.uri}", f"an int in [{lo}, {hi}] (kvtvm.tune "

@@ -21,7 +21,9 @@ def default_knobs(spec) -> dict:
 
 def schedule(mod, spec, knobs):
     D, dtype = spec.head_dim, spec.dtype
-    RT = int(knobs["rows_per_task"])
+    RT = knobs["rows_per_task"]
+    if type(RT) is not int or RT < 1:  # (0: a TVM crash; -3 built a copy skipping rows)
+        raise ValueError(f"copy knob rows_per_task={RT!r}: a positive int is needed")
     L = vector_lanes(spec, knobs["vector_bytes"])
     DV = D // L
     align = _ITEMSIZE[dtype]

@@ -65,12 +65,23 @@ def test_a_tuning_log_that_is_deep_huge_or_a_fifo_is_corrupt_not_a_crash(
 
 
 @pytest.mark.parametrize("spec, knobs, match", [
-    (DECODE, {"tile_tokens": 0}, "tile_tokens"), (DECODE, {"tile_tokens": 10 ** 9}, "tile_tokens"),
+    (DECODE, {"tile_tokens": -8}, "tile_tokens"), (DECODE, {"tile_tokens": 10 ** 9}, "tile_tokens"),
     (COPY, {"rows_per_task": -3}, "rows_per_task"),
 ])
 def test_an_explicit_knob_far_outside_the_searched_range_is_refused(spec, knobs, match):
     with pytest.raises(InvalidArgumentError, match=match):
         compiler.resolve_knobs(compiler.KernelSpec(**{**spec.__dict__, "knobs": knobs}))
+
+
+def test_an_explicit_zero_is_left_to_the_schedule():
+    """0 can mean something (the CPU prefill's tile_q = 0 schedules the definition itself);
+    a schedule that cannot build it refuses it by name."""
+    prefill = compiler.KernelSpec("prefill", "float32", 16, 1, 1, knobs={"tile_q": 0})
+    assert compiler.resolve_knobs(prefill)["tile_q"] == 0
+    for spec, name in ((DECODE, "tile_tokens"), (COPY, "rows_per_task")):
+        zero = compiler.KernelSpec(**{**spec.__dict__, "knobs": {name: 0}})
+        with pytest.raises(ValueError, match=name):
+            compiler.lower(zero)
 
 
 @pytest.mark.parametrize("knobs, match", [
