@@ -91,6 +91,10 @@ class Launch:
         unless given (launches of one op may share it).
     outputs : tuple of str
         Slots ``run()`` returns (e.g. ``("out", "lse")``); ``run()`` returns None when empty.
+    cache_dtypes : dict, optional
+        ``{"k_cache": dtype name, "v_cache": ...}`` as the caller gave the caches
+        (:func:`cache_dtype_names`; a float8 cache's slot holds its int8 view): what
+        :meth:`rebind` accepts. Default: the slots' own dtypes.
     """
 
     __slots__ = ("fn", "device", "slots", "outputs", "tokens", "parallel", "_errv",
