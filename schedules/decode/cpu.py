@@ -72,16 +72,12 @@ def _check_knobs(spec, knobs) -> None:
                          f"{spec.n_kv_heads}")
 
 
-def _prefetch_row(spec, storage: str, enabled: bool):
-    """(row elements, elements per 64-byte line) a side prefetches, or None: 8-bit rows
-    (values, scale and padding) and float16/bfloat16 rows; never float32 rows."""
-    if not enabled:
-        return None
-    if storage:
-        return quant_row_bytes(spec.head_dim), 64
-    if spec.dtype == "float32":
-        return None
-    return spec.head_dim, 32
+def _prefetch_row(spec, storage: str, enabled: bool) -> tuple[int, int]:
+    """(row elements, elements per 64-byte line) a side prefetches -- 8-bit rows (values,
+    scale and padding) and float16/bfloat16 rows -- or ``(0, 1)``: none (float32 rows)."""
+    if not enabled or (not storage and spec.dtype == "float32"):
+        return 0, 1
+    return (quant_row_bytes(spec.head_dim), 64) if storage else (spec.head_dim, 32)
 
 
 def schedule(mod, spec, knobs):
@@ -142,8 +138,7 @@ def schedule(mod, spec, knobs):
         raise ValueError(f"decode knob prefetch_locality={LOC!r}: choose 0, 1, 2 or 3 "
                          "(LLVM's prefetch locality; 3 is prefetcht0, 2 prefetcht1)")
     K_PF, V_PF = _prefetch_row(spec, spec.k_storage, PF), _prefetch_row(spec, spec.v_storage, PF)
-    PF_K, PF_V = K_PF is not None, V_PF is not None  # (TVMScript's if takes a bool)
-    K_PF, V_PF = K_PF or (1, 1), V_PF or (1, 1)
+    PF_K, PF_V = K_PF[0] > 0, V_PF[0] > 0  # (TVMScript's if takes a bool)
 
     def scale_buffer():
         return alloc_buffer((1,), "float32") if Q else T.meta_var(None)
