@@ -15,9 +15,9 @@ Rules (``c = 16 // itemsize``: 4 elements for float32, 8 for float16 / bfloat16)
 - decode: a score is reduced over ``head_dim / v`` lanes with an xor butterfly inside a warp,
   so that count must be a power of two up to 32. Full precision: ``v`` is 1 to 5 16-byte
   vectors (``c`` to ``5c``) -- float16 / bfloat16 take 8, 16, 24, 32, 40, 48, 64, 80, 96, 128,
-  160, 192, 256, 320, 384, 512, 640, 768, 1024; float32 4 to 640 alike. 8-bit K and V: ``v`` in
-  ``(4, 8, 16, 32)`` -- powers of two from 4 to 1024 (an 8-bit head of 48, 80 or 96 decodes on
-  the CPU).
+  160, 192, 256, 320, 384, 512, 640, 768, 1024; float32 4 to 640 alike. 8-bit K and V: ``v``
+  is 1 to 8 int32 words of codes (4, 8, ..., 32), so head_dim is 4 x (1, 3, 5 or 7) x a power
+  of two, up to 1024: 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, ...
 - decode, one side 8-bit and the other full precision (K-only, V-only): the 8-bit rule, and
   a multiple of ``c`` (the full-precision rows move in 16-byte copies).
 - prefill: float16 / bfloat16 need a multiple of 16 (tensor-core fragments); float32 any.
@@ -30,6 +30,8 @@ from __future__ import annotations
 from .errors import InvalidArgumentError, describe
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+#: The 8-bit CUDA decode's slices: 1 to 8 whole int32 words of codes per thread.
+QUANT_VECTORS = tuple(range(4, 33, 4))
 
 
 def _power_of_two(n: int) -> bool:
@@ -40,9 +42,9 @@ def decode_vectors(dtype: str, head_dim: int, quantized: bool = False) -> list[i
     """The CUDA decode's choices of head_dim elements per thread (empty: unsupported): a score
     is reduced over ``head_dim / v`` lanes with an xor butterfly inside one warp, so that lane
     count must be a power of two of at most 32; ``v`` is a whole number of 16-byte vectors (1 to
-    5) at full precision, 4, 8, 16 or 32 codes for 8-bit K and V."""
+    5) at full precision, 1 to 8 int32 words of codes (4, 8, ..., 32) for 8-bit K and V."""
     if quantized:
-        sizes = (4, 8, 16, 32)
+        sizes = QUANT_VECTORS
     else:
         chunk = 16 // _ITEMSIZE[dtype]
         sizes = tuple(k * chunk for k in range(1, 6))
@@ -51,7 +53,7 @@ def decode_vectors(dtype: str, head_dim: int, quantized: bool = False) -> list[i
 
 
 def _decode_rule(dtype: str, quantized: bool) -> str:
-    sizes = (4, 8, 16, 32) if quantized else tuple(
+    sizes = QUANT_VECTORS if quantized else tuple(
         16 // _ITEMSIZE[dtype] * k for k in range(1, 6))
     return (f"head_dim = v x (a power of two up to 32) for some v in {list(sizes)} "
             "(the lanes reducing a score)")

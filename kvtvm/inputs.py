@@ -20,6 +20,7 @@ writing anything (see docs/managers.md, "Threads").
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -71,6 +72,21 @@ class FetchToken:
 
     def __repr__(self) -> str:
         return "FetchToken(live)" if self.live else f"FetchToken(dead: {self.why})"
+
+
+def token_box(manager) -> list:
+    """A one-item list for ``manager``'s latest fetch token (the manager keeps it there too),
+    killed when the manager is garbage-collected: its memory may then be handed to a new
+    manager, whose cache views would match the dead one's tables (an append with them wrote
+    into the new manager's sequences)."""
+    box: list = [None]
+    weakref.finalize(manager, _kill_boxed, box)
+    return box
+
+
+def _kill_boxed(box: list) -> None:
+    if box[0] is not None:
+        box[0].kill("its manager was garbage-collected")
 
 
 #: Attribute of a table tensor holding its fetch's token (torch tensors take attributes).

@@ -174,8 +174,9 @@ def call_cpu_kernel(fn, args, parallel: bool = True) -> None:
             _check_threads_once()  # (it went unnoticed until a parallel one)
         fn(*args)
         return
-    if getattr(_thread_state, "own_pool", False) or \
-            threading.current_thread() is threading.main_thread():
+    if (getattr(_thread_state, "own_pool", False)
+            or threading.current_thread() is threading.main_thread()) \
+            and not getattr(_thread_state, "pool_lost", False):
         configure_cpu_threads()
         fn(*args)
         return
@@ -185,6 +186,22 @@ def call_cpu_kernel(fn, args, parallel: bool = True) -> None:
             if _executor is None:
                 _executor = _CpuExecutor()
     _executor.call(fn, args)
+
+
+def _after_fork_in_child() -> None:
+    """In a process forked from one that ran parallel kernels: TVM's workers of the forking
+    thread's pool, and kvtvm's shared kernel thread, are the parent's -- a kernel waiting on
+    them hung for good. That thread's parallel kernels go to a fresh kernel thread (with a
+    fresh pool) instead; the locks held by threads that did not come along are new."""
+    global _executor, _lock
+    _executor = None
+    _lock = threading.Lock()
+    if getattr(_thread_state, "configured", None) is not None:
+        _thread_state.pool_lost = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def tvm_runtime():

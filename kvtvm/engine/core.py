@@ -12,11 +12,11 @@ being served. :class:`ModelRunner` does the model step, the adapters of
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import numbers
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping, Set
 from typing import Callable
@@ -25,8 +25,10 @@ import torch
 
 from ..errors import InvalidArgumentError, KVCacheCapacityError, describe
 from ..manager.args import parse_devices
+from ..manager.uncopyable import Uncopyable
 from ..params import KVCacheParams
 from .caches import CACHE_CHOICES, make_cache
+from .request import Request, ServeStats
 from .runner import ModelRunner, check_engine_model
 from .sampling import SEED_RANGE, is_int, make_generator, sample, token_list
 from .threads import DEFAULT_TORCH_THREADS, check_thread_count, configure_threads
@@ -35,91 +37,6 @@ from .tierdir import claim_tier_dir
 __all__ = ["Request", "ServeStats", "Engine", "sample"]
 
 _log = logging.getLogger("kvtvm.engine")
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation request.
-
-    ``prompt`` is the token ids (a sequence, a numpy array or a 1-D integer tensor; the engine
-    keeps them as a list of ints when the request arrives). ``arrival`` is the engine step at
-    which it is submitted. ``stop_token_ids`` end it (the stop token is kept in ``output``, as
-    transformers' ``generate`` does); None takes the engine's (the model's end-of-sequence
-    tokens). ``temperature`` 0 is greedy; otherwise tokens are drawn from the ``top_k`` most
-    likely tokens (None or 0: all) and within them the top-``top_p`` mass
-    (:func:`kvtvm.engine.sampling.sample`) with a generator seeded by ``seed`` (None: by
-    ``rid``, or a hash of a ``rid`` that is not an int). The engine fills ``output``,
-    ``status`` (``"waiting"``, ``"running"``, ``"done"``, ``"rejected"``, ``"aborted"``),
-    ``finish_reason`` (``"stop"`` or ``"length"``), ``error`` (why it was rejected, or aborted
-    by a step that raised), ``prefix_hit_tokens`` and the wall-clock times ``t_arrived``,
-    ``t_first``, ``t_done``.
-    """
-
-    rid: int
-    prompt: list
-    max_new_tokens: int
-    arrival: int = 0
-    stop_token_ids: tuple | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    top_k: int | None = None
-    output: list = dataclasses.field(default_factory=list)
-    status: str = "waiting"
-    finish_reason: str = ""
-    error: str = ""
-    prefix_hit_tokens: int = 0
-    seq_id: int = -1
-    admitted_step: int = -1
-    finished_step: int = -1
-    prefilled: int = 0               # prompt tokens in the cache
-    t_arrived: float = 0.0
-    t_first: float = 0.0
-    t_done: float = 0.0
-    generator: object = None
-
-    @property
-    def length(self) -> int:
-        """Tokens the cache holds at most when the request finishes (its last generated token
-        is never fed back)."""
-        return len(self.prompt) + self.max_new_tokens - 1
-
-    @property
-    def ttft(self) -> float:
-        """Seconds from arrival to the first generated token."""
-        return self.t_first - self.t_arrived if self.t_first else 0.0
-
-    @property
-    def tpot(self) -> float:
-        """Mean seconds per output token after the first."""
-        n = len(self.output) - 1
-        return (self.t_done - self.t_first) / n if n > 0 and self.t_done else 0.0
-
-
-@dataclasses.dataclass
-class ServeStats:
-    """Counters of an engine's run."""
-
-    steps: int = 0
-    prefill_tokens: int = 0          # prompt tokens computed
-    prompt_tokens: int = 0           # prompt tokens of admitted requests
-    prefix_hit_tokens: int = 0       # prompt tokens read from the prefix cache
-    generated_tokens: int = 0
-    decode_steps: int = 0            # steps run with the decode kernel
-    mixed_steps: int = 0             # steps mixing prompt chunks with ongoing decodes
-    waited: int = 0                  # requests that waited in the queue at least one step
-    peak_running: int = 0            # most requests in the cache at once
-    peak_live_bytes: int = 0
-    allocated_bytes: int = 0
-    seconds: float = 0.0             # wall time inside serve(), summed over its calls
-
-    @property
-    def hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds else 0.0
 
 
 def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> None:
@@ -158,7 +75,7 @@ def _check_tier_args(host_tier_pages, disk_tier_dir, disk_tier_bytes) -> None:
                                             "os.PathLike)", repr(disk_tier_dir)))
 
 
-class Engine:
+class Engine(Uncopyable):
     """A continuous-batching engine over one kvtvm cache manager.
 
     Parameters
@@ -235,6 +152,7 @@ class Engine:
         self.max_seq_len, self.max_step_tokens = max_seq_len, max_step_tokens
         self._threads = (torch_threads, kernel_threads)
         self._threads_set = False
+        self._stepping = threading.Lock()  # held by the step running (one thread at a time)
         if eos_token_ids is None:
             gen = getattr(model, "generation_config", None)
             eos_token_ids = getattr(gen, "eos_token_id", None)
@@ -399,9 +317,12 @@ class Engine:
             req.t_arrived = time.perf_counter()
             try:
                 why = self._validate(req)
-            except Exception as err:  # a prompt or stop list that raises when read (a
+            except BaseException as err:  # a prompt or stop list that raises when read (a
                 # generator, a meta tensor): rejected, the others still served
                 why = f"could not read the request: {type(err).__name__}: {str(err)[:200]}"
+                if not isinstance(err, Exception):  # Ctrl-C while reading it: rejected,
+                    self._reject(req, why)          # not lost (it stayed "waiting" in no
+                    raise                           # list), then raised
             if why:
                 self._reject(req, why)
             else:
@@ -477,7 +398,18 @@ class Engine:
 
     def step(self) -> None:
         """One engine step: arrivals, admission, one forward pass over every running request
-        (prompt chunks and decode tokens together), sampling, then retire finished ones."""
+        (prompt chunks and decode tokens together), sampling, then retire finished ones.
+        One thread at a time: a step while another thread's runs is an InvalidArgumentError."""
+        if not self._stepping.acquire(blocking=False):
+            raise InvalidArgumentError(describe(
+                "Engine.step", "one thread at a time (an engine is not thread-safe: one per "
+                "thread, or serve from one)", "a step running on another thread"))
+        try:
+            self._step()
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> None:
         if not self._threads_set:          # first use: the one place threads are set
             configure_threads(*self._threads)
             self._threads_set = True

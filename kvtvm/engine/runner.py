@@ -86,6 +86,30 @@ def sliding_window_of(config) -> int | None:
     return int(window)
 
 
+#: Families whose attention passes the config's ``sliding_window`` as it is (transformers
+#: windows them by that key alone, whatever ``use_sliding_window`` says).
+_CONFIG_WINDOW_TYPES = ("mistral",)
+
+
+def attention_windows(hf_model) -> list:
+    """Each layer's window as transformers' attention of ``hf_model`` applies it (None: full):
+    what the layer's attention passes to the attention function -- its own ``sliding_window``
+    (Qwen2, SmolLM3: per layer), the config's (Mistral), or none (Llama: a ``sliding_window``
+    key left in a Llama config is ignored by transformers, and so here)."""
+    cfg = hf_model.config
+    out = []
+    for layer in hf_model.model.layers:
+        attn = layer.self_attn
+        if hasattr(attn, "sliding_window"):
+            window = attn.sliding_window
+        elif cfg.model_type in _CONFIG_WINDOW_TYPES:
+            window = getattr(cfg, "sliding_window", None)
+        else:
+            window = None
+        out.append(int(window) if window else None)
+    return out
+
+
 def layer_windows(config) -> list:
     """Each layer's attention window (:func:`sliding_window_of` or None), from the config's
     ``layer_types`` where it has them: a model may mix full and sliding-window layers (Qwen2
@@ -127,9 +151,9 @@ class ModelRunner:
         self.n_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.num_layers = cfg.num_hidden_layers
-        windows = layer_windows(cfg)
+        windows = attention_windows(hf_model)
         # the layers' window, not the config's: SmolLM3 with use_sliding_window and no
-        # sliding layer in layer_types attends in full
+        # sliding layer in layer_types attends in full; a Llama ignores a sliding_window key
         self.sliding_window = windows[0]
         if len(set(windows)) > 1:
             raise UnsupportedModelError(

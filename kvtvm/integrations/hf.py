@@ -23,8 +23,9 @@ family by family against transformers' own attention (:mod:`~kvtvm.integrations.
 SmolLM3, Gemma, Gemma2 without attention softcap, Gemma3 text, Phi, Phi-3, OLMo, OLMo2,
 OLMo3, Granite, StarCoder2, Cohere, Cohere2, Helium, GLM, GLM-4, GPT-NeoX, EXAONE 4), GQA or
 multi-head, a ``head_dim`` of its own, greedy or sampled generation,
-``num_return_sequences``, beam search, sliding windows (from the config, per layer: full and
-windowed layers may mix, as ``layer_types`` says), the model's own ``scaling`` (passed by its
+``num_return_sequences``, beam search, sliding windows (the window each layer's attention
+passes, as to transformers' flash attention: full and windowed layers may mix), the model's
+own ``scaling`` (passed by its
 attention: ``head_dim**-0.5``, Gemma's ``query_pre_attn_scalar**-0.5``, Granite's
 ``attention_multiplier``), and
 
@@ -41,13 +42,11 @@ attention: ``head_dim**-0.5``, Gemma's ``query_pre_attn_scalar**-0.5``, Granite'
   sequence -- on the paged manager a ``fork`` (pages shared, the partial last page copied on
   write), on the continuous one a copy of its block -- and sequences no row takes are released.
 * **crop** (assisted generation with ``assistant_model=``, prompt lookup decoding): ``crop(-n)``
-  rolls every row back ``n`` positions, transformers 5's semantics (``crop(0)`` changes
-  nothing, a positive argument is refused); each row's sequence gives back the tokens among
-  them with the managers' ``pop``. The assistant runs on its own cache and attention.
+  rolls every row back ``n`` positions as transformers 5 does (``crop(0)``: nothing; positive:
+  refused); rows give the tokens back with ``pop``. The assistant keeps its own cache.
 * **later turns**: the same cache passed to another ``generate`` with the conversation so far
-  plus new tokens (transformers feeds only the positions the cache lacks); ``reset()`` before
-  a different batch; ``copy.deepcopy(cache)`` (a prompt's cache reused for several
-  continuations) gives a cache with a manager of its own holding copies of the rows.
+  plus new tokens; ``reset()`` before a different batch; ``copy.deepcopy(cache)`` (a prompt's
+  cache reused) gives a cache with a manager of its own holding copies of the rows.
 * **batch growth**: ``max_batch_size`` is where the manager starts; a first forward with more
   rows (a larger batch, beams, ``num_return_sequences``) rebuilds the empty manager for them.
 
@@ -55,7 +54,8 @@ Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the 
 whose new positions end with a pad after a token of the row (right padding), a mask whose
 cached part differs from the rows' token masks, a pad after a row's first token when the model
 has a sliding window (transformers' window counts pad positions, kvtvm's counts tokens), a
-prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, a backward through the
+prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, ``output_attentions``
+(kvtvm forms no weights: eager attention gives them), a backward through the
 attention (:mod:`~kvtvm.integrations.hf_autograd`), more tokens than
 ``max_seq_len`` (:class:`~kvtvm.errors.SequenceTooLongError`), a ``crop`` argument that is
 positive, not an int, or past the positions held, bad re-indexing arguments, a forward on kvtvm
@@ -201,8 +201,8 @@ class KVTVMCache(Cache):
     seq_ids : list of int
         The manager's sequence of each row.
     windows : list of int or None
-        Each layer's attention window (None: full attention), from the config's
-        ``sliding_window`` and ``layer_types``.
+        Each layer's window (None: full) by the config's ``sliding_window`` and
+        ``layer_types`` (the mask checks); the attention takes the one each layer passes.
     """
 
     def __init__(self, model, max_seq_len: int, cache: str = "paged", max_batch_size: int = 1,
@@ -349,10 +349,6 @@ class KVTVMCache(Cache):
         (a :class:`~kvtvm.integrations.hf_rows.PaddingMask`, or None without a mask).
         Outputs at pad positions are zero.
         """
-        if sliding_window is not None and sliding_window != self.windows[layer]:
-            raise InvalidArgumentError(f"kvtvm attention: layer {layer}'s sliding_window "
-                                       f"{sliding_window} differs from the config's "
-                                       f"{self.windows[layer]}")
         if mask is not None and not isinstance(mask, PaddingMask):
             raise InvalidArgumentError(
                 f"kvtvm attention: attention_mask must be the 2-D padding mask (transformers "
@@ -378,7 +374,10 @@ class KVTVMCache(Cache):
         rows = self._rows
         if rows is not None:
             k, v, q = k.index_select(0, rows), v.index_select(0, rows), q.index_select(0, rows)
-        plan = self._plan(self.windows[layer], self.scaling if scaling is None else scaling)
+        # the window the layer passes, as to flash attention (None: full); a config key the
+        # family ignores (a sliding_window left in a Llama config) windowed it: wrong tokens
+        window = int(sliding_window) if sliding_window else None
+        plan = self._plan(window, self.scaling if scaling is None else scaling)
         plan.append_kv(layer, k.contiguous(), v.contiguous())
         out, _ = plan.attention(layer, q.contiguous())
         if rows is not None:
@@ -418,6 +417,7 @@ class KVTVMCache(Cache):
         beam_idx : int Tensor ``[rows]``
             For each row, the row it continues, in ``[0, rows)``.
         """
+        self._settle()  # (a failed first forward rolled back leaves no rows to index)
         src = row_indices("beam_idx", beam_idx, len(self.seq_ids))
         if len(src) != len(self.seq_ids):
             raise InvalidArgumentError(f"beam_idx: expected {len(self.seq_ids)} entries (one "
@@ -426,6 +426,7 @@ class KVTVMCache(Cache):
 
     def batch_select_indices(self, indices) -> None:
         """Keep the rows ``indices`` (int ``[n]``, in that order); release the others."""
+        self._settle()
         self._regather(row_indices("indices", indices, len(self.seq_ids)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -433,6 +434,7 @@ class KVTVMCache(Cache):
         if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) \
                 or repeats < 1:
             raise InvalidArgumentError(f"repeats: expected an int >= 1, got {repeats!r}")
+        self._settle()
         if self.seq_ids:
             self._regather(np.repeat(np.arange(len(self.seq_ids)), int(repeats)).tolist())
 
@@ -457,13 +459,14 @@ class KVTVMCache(Cache):
                 "tokens_to_remove", "an int <= 0 (minus the positions to remove, as "
                 "transformers' DynamicCache.crop)", repr(tokens_to_remove)))
         n = -int(tokens_to_remove)
+        if n:
+            self._settle()
         if n > self.length:
             raise InvalidArgumentError(describe(
                 "tokens_to_remove", f"at least -{self.length} (the positions held)",
                 int(tokens_to_remove)))
         if n == 0:
             return
-        self._settle()
         new_length = self.length - n
         if self.token_mask is None:
             drop = np.full(len(self.seq_ids), n, dtype=np.int64)
@@ -556,6 +559,10 @@ def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dro
             f"past_key_values: a KVTVMCache of a {cache.num_layers}-layer model, used by a "
             f"{layers}-layer one: a KVTVMCache serves the model it was made with")
     try:
+        if kwargs.get("output_attentions"):  # (the weights came back as empty tuples)
+            raise InvalidArgumentError(
+                "kvtvm attention: output_attentions=True needs the attention weights, which "
+                "kvtvm's kernels do not form: model.set_attn_implementation('eager') for them")
         out, weights = cache.attention(module.layer_idx, query, attention_mask, scaling,
                                        sliding_window)
         return no_backward(out, query, key, value), weights

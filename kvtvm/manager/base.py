@@ -23,15 +23,13 @@ Choices written down here (the seeds are silent on them):
 - Atomic or nothing: every public method validates and plans first, then mutates; a call that
   raises leaves tables, lengths, refcounts and free lists as they were.
 - Thread safety: every public method holds the manager's ``RLock``; a fetch's inputs live
-  until the next fetch, their step or a release of one of their sequences, and ops given
-  them afterwards raise :class:`StaleInputsError` (the full contract: docs/managers.md).
+  until the next fetch, their step, a release of one of their sequences or the manager's
+  collection; ops given them afterwards raise :class:`StaleInputsError` (docs/managers.md).
+  A manager is never copied or pickled (:mod:`.uncopyable`).
 - ``step`` checks the tokens against the fetch's (a 64-bit fingerprint per sequence, kept at
   fetch): a batch whose tokens differ raises, so the prefix cache never learns wrong tokens.
-- Per-step tables (``cache_lengths``, ``qo_indptr``, ``lookup_table``) live in one preallocated
-  int32 buffer per device (:mod:`.tables`), filled on the host and moved with one
-  host-to-device copy per step.
-- No kernels and no TVM here: a graph's types for the inputs come from :mod:`.symbols`, page
-  copies from the copier a manager is handed (:mod:`.copier`).
+- Per-step tables live in one int32 buffer per device (:mod:`.tables`), one copy per step.
+- No kernels and no TVM here (graph types: :mod:`.symbols`; page copies: :mod:`.copier`).
 """
 
 from __future__ import annotations
@@ -48,8 +46,9 @@ from ..errors import (InvalidArgumentError, KVCacheCapacityError,
                       SequenceStateError, SequenceTooLongError, UnknownSequenceError,
                       describe)
 from ..inputs import (FetchToken, KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols,
-                      TokenBatch, stamp)
+                      TokenBatch, stamp, token_box)
 from ..collection import layer_views_by_signature
+from .uncopyable import Uncopyable
 from ..params import KVCacheParams, KVCacheStrategy
 from .args import ItemTokens as _ItemTokens, allocate, check_batch_slots, check_num_steps, \
     check_positive_int, check_size, parse_devices
@@ -63,7 +62,7 @@ _SEQ_ID = operator.attrgetter("seq_id")
 _TOKENS = operator.attrgetter("tokens")
 
 
-class KVCacheManager(abc.ABC):
+class KVCacheManager(Uncopyable, abc.ABC):
     """Abstract KV cache manager (seed 002), snake_case.
 
     Parameters
@@ -112,6 +111,7 @@ class KVCacheManager(abc.ABC):
         self._positions = np.arange(mb, dtype=np.int64)
         self._fingerprint = np.zeros(mb, dtype=np.uint64)  # of the fetched tokens per slot
         self._token: FetchToken | None = None              # of the latest fetch
+        self._token_box = token_box(self)                  # ... killed with the manager
         self._token_ids = np.zeros(0, dtype=np.int64)      # its sequences
         self._in_token = np.zeros(mb, dtype=bool)          # ... as a mask over the slots
 
@@ -422,7 +422,8 @@ class KVCacheManager(abc.ABC):
         if self._token is not None:
             self._token.kill("superseded by a later fetch of the same manager")
         self._in_token[self._token_ids] = False
-        self._token = FetchToken(self._lock, self._views_by_signature, "nhd")
+        self._token = self._token_box[0] = FetchToken(self._lock, self._views_by_signature,
+                                                      "nhd")
         self._token_ids = ids.copy()
         self._in_token[ids] = True
         out = []

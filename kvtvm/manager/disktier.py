@@ -101,9 +101,13 @@ class DiskTier:
                 pass
         self._pending: dict[int, tuple] = {}  # hash -> (fp, token bytes, meta, raw)
         self._guard = threading.Lock()
+        #: held from a put's "still open?" to its entry queued, and by close(): a page is
+        #: never queued behind the writer's stop (it was, pending for good, flush() hanging)
+        self._open_lock = threading.Lock()
+        #: the writer lives in this process: a forked child sees the tier closed (no writer)
+        self._pid = os.getpid()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(max_pending)))
-        self._thread = threading.Thread(target=_writer,
-                                        args=(self._queue, weakref.WeakMethod(self._write)),
+        self._thread = threading.Thread(target=_writer, args=(self._queue,),
                                         name="kvtvm-disk-tier", daemon=True)
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._queue, self._thread)
@@ -117,26 +121,30 @@ class DiskTier:
     def put(self, h: int, fp: int, token_bytes: bytes, data, block: bool = False) -> bool:
         """Queue the page under ``h`` for writing (a copy of its bytes; the file is written to
         a temp name then renamed, then the tier is trimmed to capacity, on the writer).
-        ``block``: wait for room in the queue instead of dropping. True if queued."""
+        ``block``: wait for room in the queue instead of dropping. True if queued; False if
+        the queue was full, ``h`` was queued already, or the tier is :attr:`closed`."""
         import torch
 
-        if self._finalizer.alive is False:
-            raise InvalidArgumentError(describe("disk tier", "open", "closed"))
+        if self.closed:
+            return False
         raw = data.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().copy()
         meta = {"tokens": np.frombuffer(token_bytes, np.int64).tolist(), "fp": fp,
                 "dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
                 "checksum": CHECKSUM_NAME, "nbytes": raw.nbytes}
-        with self._guard:
-            if h in self._pending:
+        with self._open_lock:
+            if self.closed:  # closed meanwhile (close_tiers on another thread)
                 return False
-            self._pending[h] = (fp, token_bytes, meta, raw)
-        try:
-            self._queue.put(h, block=block)
-        except queue.Full:
             with self._guard:
-                self._pending.pop(h, None)
-            self.counters["dropped"] += 1
-            return False
+                if h in self._pending:
+                    return False
+                self._pending[h] = (fp, token_bytes, meta, raw)
+            try:  # the entry holds the tier: queued writes outlive a dropped manager
+                self._queue.put((h, self), block=block)
+            except queue.Full:
+                with self._guard:
+                    self._pending.pop(h, None)
+                self.counters["dropped"] += 1
+                return False
         return True
 
     def _write(self, h: int) -> None:
@@ -195,22 +203,27 @@ class DiskTier:
             raise InvalidArgumentError(f"disk tier: {doing}: {err}") from None
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued entry is written (or failed); False on timeout."""
+        """Wait until every queued entry is written (or failed); False on timeout, or when no
+        writer is left to write them (a process forked from the tier's: its parent's)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._pending:
             if deadline is not None and time.monotonic() > deadline:
                 return False
+            if os.getpid() != self._pid or not self._thread.is_alive():
+                return not self._pending
             time.sleep(0.001)
         return True
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` ran (or the interpreter is exiting): puts are refused."""
-        return not self._finalizer.alive
+        """True once :meth:`close` ran (or the interpreter is exiting), and in a process
+        forked from the tier's (its writer thread is the parent's): puts are refused."""
+        return not self._finalizer.alive or os.getpid() != self._pid
 
     def close(self) -> None:
         """Flush and stop the writer thread (later puts are refused)."""
-        self._finalizer()
+        with self._open_lock:
+            self._finalizer()
 
     def _entries(self):
         out = []
@@ -359,20 +372,22 @@ class DiskTier:
         return c
 
 
-def _writer(q, write_ref) -> None:
-    """The disk tier's writer thread: entries in queue order until a None (or the tier is
-    gone)."""
+def _writer(q) -> None:
+    """The disk tier's writer thread: entries ``(hash, tier)`` in queue order until a None.
+    Each entry holds its tier, so a tier dropped with writes queued is collected (and its
+    writer stopped) only once they are written."""
     while True:
-        h = q.get()
+        item = q.get()
         try:
-            write = write_ref()
-            if h is None or write is None:
+            if item is None:
                 return
-            write(h)
-            del write
+            h, tier = item
+            del item
+            tier._write(h)
         except BaseException as err:  # noqa: BLE001 - the thread must keep serving
             log.error("disk tier: writer: %s", err)
         finally:
+            tier = None  # the last reference may go here: _stop then runs on this thread
             q.task_done()
 
 

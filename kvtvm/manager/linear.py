@@ -32,8 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError, KVCacheError, SequenceTooLongError, describe
-from ..inputs import FetchToken, RaggedKVCacheInputs, as_int64, host_int_array, stamp
+from ..inputs import (FetchToken, RaggedKVCacheInputs, as_int64, host_int_array, stamp,
+                      token_box)
 from ..collection import layer_views_by_signature
+from .uncopyable import Uncopyable
 from ..params import KVCacheParams, KVCacheStrategy
 from .args import (INT32_MAX, allocate, check_batch_slots, check_positive_int, check_size,
                    check_sizes, parse_devices)
@@ -55,7 +57,7 @@ class LinearCacheConfig:
     devices: tuple
 
 
-class LinearKVCache:
+class LinearKVCache(Uncopyable):
     """Static linear KV cache for synchronous batches (seed 004), snake_case.
 
     Parameters
@@ -115,6 +117,7 @@ class LinearKVCache:
                      for d in self.devices]
         self._event = None
         self._token: FetchToken | None = None  # of the latest step_inputs
+        self._token_box = token_box(self)      # ... killed with the cache
         self._upload()
 
     # ------------------------------------------------------------------------------------
@@ -365,7 +368,8 @@ class LinearKVCache:
             end = self._lengths[:b] + new
             max_lengths = torch.tensor([[int(new.max(initial=0)), int(end.max(initial=0))]],
                                        dtype=torch.int32)
-            token = self._token = FetchToken(self._lock, self._views_by_signature, "hnd")
+            token = self._token = self._token_box[0] = FetchToken(
+                self._lock, self._views_by_signature, "hnd")
             out = []
             for i, buf in enumerate(self._dev):
                 cl, qo_t = buf[:b], buf[mb:mb + b + 1]

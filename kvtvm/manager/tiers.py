@@ -197,8 +197,9 @@ class TierMixin:
             if disk is None:
                 return 0
             if disk.closed:
-                raise InvalidArgumentError(describe("persist_prefix_cache: disk tier", "open",
-                                                    "closed (close_tiers)"))
+                raise InvalidArgumentError(describe(
+                    "persist_prefix_cache: disk tier", "open",
+                    "closed (close_tiers, or a process forked from the tier's)"))
             todo = []
             for key, (kid, page) in sorted(self._prefix.table.items(), key=lambda kv: kv[1][0]):
                 chain = self._chain_of(kid)

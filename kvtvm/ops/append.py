@@ -101,9 +101,9 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
                                             f"at most {MAX_APPEND_BATCH} sequences per append "
                                             "(split the batch)", batch))
     device = common_device(tensors)
-    # (the int32 tables are left out: a table inside a cache is still bounds-checked by the
-    # kernel, and leaving them out keeps this check under 2 us)
-    check_no_alias({"k_cache": kc, "v_cache": vc}, {"k": kt, "v": vt})
+    check_no_alias({"k_cache": kc, "v_cache": vc},
+                   {"k": kt, "v": vt, "qo_indptr": indptr, "cache_lengths": lengths,
+                    "lookup_table": table})
     check_no_self_overlap("k_cache", kc)
     check_no_self_overlap("v_cache", vc)
     if device.type == "cuda":  # rows move as 16-byte vectors

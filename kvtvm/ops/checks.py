@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,22 +31,39 @@ from ..params import DTYPE_SIZES
 # ------------------------------------------------------------------------------------------
 
 
-#: Arguments the ops write in place: a read-only numpy array there is refused.
+#: Arguments an op may write in place (the caches: append; attention only reads them).
 WRITTEN = frozenset({"k_cache", "v_cache", "out", "lse", "blocks", "cache"})
 
 
-def as_tensor(name: str, value: Any):
+def as_tensor(name: str, value: Any, written: bool | None = None):
     """``value`` as a torch tensor sharing its memory (the one DLPack boundary of kvtvm).
 
-    Accepts a ``torch.Tensor`` or a numpy array (including ``ml_dtypes.bfloat16``); anything
-    else raises :class:`InvalidArgumentError`.
+    Accepts a strided ``torch.Tensor`` or a numpy array (including ``ml_dtypes.bfloat16``);
+    anything else raises :class:`InvalidArgumentError`. ``written`` (default: ``name`` in
+    :data:`WRITTEN`): the op writes it in place, so a read-only array, or a tensor that
+    requires grad (autograd would not see the write), is refused. A tensor carrying torch's
+    lazy negation bit is refused too: the kernels read and write its memory as it is.
     """
     import torch
 
+    if written is None:
+        written = name in WRITTEN
     if isinstance(value, torch.Tensor):
+        if value.layout is not torch.strided or value.is_nested:
+            raise InvalidArgumentError(describe(name, "a strided tensor",
+                                                "a nested tensor" if value.is_nested
+                                                else f"layout {value.layout}"))
+        if value.is_neg():  # (torch's own DLPack export resolves it; tvm_ffi's does not)
+            raise InvalidArgumentError(describe(
+                name, "a tensor without torch's lazy negation bit (.resolve_neg() first)",
+                "a negated view"))
+        if written and value.requires_grad:
+            raise InvalidArgumentError(describe(
+                name, "a tensor that does not require grad (kvtvm writes it in place, "
+                "unseen by autograd: pass a detached tensor)", "requires_grad=True"))
         return value
     if isinstance(value, np.ndarray):
-        if name in WRITTEN and not value.flags.writeable:
+        if written and not value.flags.writeable:
             raise InvalidArgumentError(describe(name, "a writable array (kvtvm writes it in "
                                                 "place)", "a read-only array"))
         if any(s < 0 for s in value.strides):
@@ -57,6 +75,10 @@ def as_tensor(name: str, value: Any):
         if value.dtype.name == "bfloat16":
             return torch.from_numpy(value.view(np.uint16)).view(torch.bfloat16)
         try:
+            if not value.flags.writeable:  # read only here (torch warns it cannot mark it so)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    return torch.from_numpy(value)
             return torch.from_numpy(value)
         except TypeError:
             raise DTypeMismatchError(describe(name, "a supported dtype",
@@ -378,14 +400,45 @@ def _span(t):
     return start, start + st.nbytes()
 
 
-def check_no_alias(written: dict, read: dict) -> None:
-    """Refuse a written tensor sharing memory with any other argument of the call (all on one
-    device: :func:`common_device` first).
+def _elements_meet(a, b) -> bool:
+    """Whether two views of one layout (shape, strides, item size) share a byte of their
+    elements -- not merely of their storage: K and V of a layer are interleaved views of one
+    cache, disjoint element by element. The byte offset between them is matched against the
+    differences of element offsets, axis by axis from the largest stride; for views whose axes
+    each step past everything the smaller ones span (:func:`check_no_self_overlap`), at most two
+    multiples of each stride can take part, so this is exact in at most ``2 ** rank`` steps.
+    Views of different layouts meet when their data pointers are equal; views a whole number
+    of pages apart (axis 0) do not: transformers' paged K and V are page arrays of one buffer
+    one page apart, whose page tables keep the two sides on different pages."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    size = a.element_size()
+    if a.shape != b.shape or a.stride() != b.stride() or b.element_size() != size:
+        return a.data_ptr() == b.data_ptr()
+    shift = b.data_ptr() - a.data_ptr()
+    if shift and a.dim() and shift % (a.stride(0) * size) == 0:
+        return False
+    axes = sorted(((st * size, n) for st, n in zip(a.stride(), a.shape) if n > 1),
+                  reverse=True)
 
-    Byte spans (first to last element) are compared, except for the K and V caches, which are
-    interleaved views of one cache tensor (or, transformers' paged views, page arrays one page
-    apart in one buffer whose page tables interleave them): those alias only when they are the
-    same view (same data pointer).
+    def reach(k: int, rest: int) -> bool:
+        if k == len(axes):
+            return -size < rest < size
+        step, n = axes[k]
+        first = rest // step
+        return any(reach(k + 1, rest - m * step) for m in (first, first + 1) if -n < m < n)
+
+    return reach(0, shift)
+
+
+def check_no_alias(written: dict, read: dict) -> None:
+    """Refuse a written tensor sharing memory with any other argument of the call -- the
+    int32 tables included (all on one device: :func:`common_device` first).
+
+    Byte spans (first to last element) are compared, except between the K and V caches, which
+    are interleaved views of one cache tensor (or, transformers' paged views, page arrays one
+    page apart in one buffer whose page tables interleave them): those alias when their
+    elements meet (:func:`_elements_meet`).
     """
     spans = [(n, _span(t)) for n, t in written.items()]
     spans += [(n, _span(t)) for n, t in read.items()]
@@ -393,9 +446,8 @@ def check_no_alias(written: dict, read: dict) -> None:
         for on, (o0, o1) in spans:
             if on == wn:
                 continue
-            if wn in CACHE_ARGS and on in CACHE_ARGS:  # (two empty views may share a null pointer)
-                overlap = (written[wn].data_ptr() == written[on].data_ptr()
-                           and written[wn].numel() > 0)
+            if wn in CACHE_ARGS and on in CACHE_ARGS:
+                overlap = _elements_meet(written[wn], written[on])
             else:
                 overlap = w0 < o1 and o0 < w1
             if overlap:

@@ -107,6 +107,10 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
         if int(buf.shape[-1]) % 16:
             raise InvalidArgumentError(describe(f"{name}.shape[-1]", "a multiple of 16 bytes "
                                                 "(a quantized cache's unit)", buf.shape[-1]))
+        if buf.storage_offset() % 4:
+            raise InvalidArgumentError(describe(
+                f"{name}.storage_offset()", "a multiple of 4 bytes (the bytes move as float32 "
+                "words)", buf.storage_offset()))
         buf = buf.view(torch.float32).unflatten(-1, (-1, 4))
     for n_, t in (("src", src), ("dst", dst)):
         check_dtype(n_, t, "int32")

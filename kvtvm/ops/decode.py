@@ -255,7 +255,7 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
     """
     import torch
 
-    tensors = {name: as_tensor(name, value) for name, value in (
+    tensors = {name: as_tensor(name, value, written=False) for name, value in (
         ("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
         ("cache_lengths", cache_lengths), ("lookup_table", lookup_table))}
     if out is not None:
@@ -305,7 +305,8 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
                                             repr(num_splits)))
     device = common_device(tensors)
     check_no_alias({n: tensors[n] for n in ("out", "lse") if n in tensors},
-                   {n: tensors[n] for n in ("q", "k_cache", "v_cache")})
+                   {n: tensors[n] for n in ("q", "k_cache", "v_cache", "cache_lengths",
+                                            "lookup_table")})
     sm_scale = check_sm_scale(sm_scale)
     if device.type == "cuda":  # K/V rows are staged with 16-byte cp.async copies
         check_vector_aligned({"k_cache": kc, "v_cache": vc})

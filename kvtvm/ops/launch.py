@@ -20,7 +20,8 @@ from .. import compiler, runtime
 from ..errors import InvalidArgumentError, describe
 from ..inputs import check_live
 from . import errflag
-from .checks import CACHE_ARGS, check_cache_owner, check_no_alias, check_vector_aligned
+from .checks import (CACHE_ARGS, as_tensor, check_cache_owner, check_no_alias,
+                     check_vector_aligned)
 
 __all__ = ["Launch", "LaunchSequence", "kernel_for", "signature"]
 
@@ -46,14 +47,26 @@ def _dtype_name(t) -> str:
     return str(getattr(t, "dtype", "")).replace("torch.", "")
 
 
+def _bump_versions(tensors) -> None:
+    import torch
+
+    for t in tensors:  # (one at a time: torch before 2.5 takes a single tensor)
+        torch.autograd.graph.increment_version(t)
+
+
+#: The int32 tables a kernel reads (slots that rebind keeps).
+_TABLES = ("qo_indptr", "cache_lengths", "lookup_table")
+
+
 def _roles(slots: dict) -> tuple:
     """(slots the kernel writes, slots it reads) among the tensors its op checks for aliasing:
-    attention writes out and lse and reads q and the caches; append writes the caches and
-    reads k and v."""
+    attention writes out and lse and reads q, the caches and the tables; append writes the
+    caches and reads k, v and the tables."""
+    tables = tuple(n for n in _TABLES if n in slots)
     if "out" in slots:
-        return ("out", "lse"), ("q",) + CACHE_ARGS
+        return ("out", "lse"), ("q",) + CACHE_ARGS + tables
     if "k" in slots:
-        return CACHE_ARGS, ("k", "v")
+        return CACHE_ARGS, ("k", "v") + tables
     return (), ()
 
 
@@ -98,7 +111,7 @@ class Launch:
     """
 
     __slots__ = ("fn", "device", "slots", "outputs", "tokens", "parallel", "_errv",
-                 "cache_dtypes")
+                 "cache_dtypes", "_written")
 
     def __init__(self, fn, device, slots: dict, outputs: tuple = (), tokens: tuple = (),
                  _errv=None, parallel: bool = True, cache_dtypes: dict | None = None):
@@ -113,6 +126,10 @@ class Launch:
         #: slot as the int8 view the kernel takes); default: the slots' own
         self.cache_dtypes = cache_dtypes or {n: _dtype_name(slots[n]) for n in CACHE_ARGS
                                              if n in slots}
+        #: the tensors the kernel writes: their autograd version counters are bumped after it
+        #: runs, as a torch in-place op would (a tensor saved for a backward then raises there)
+        self._written = tuple(slots[n] for n in (_roles(slots)[0] or ("blocks",))
+                              if hasattr(slots.get(n), "requires_grad"))
 
     def run(self):
         """Call the kernel; returns the output slots (a tuple), or None when there are none.
@@ -143,8 +160,10 @@ class Launch:
                     self.fn(*self.slots.values())
             else:
                 runtime.call_cpu_kernel(self.fn, tuple(self.slots.values()), self.parallel)
-                if self._errv is not None and errflag.is_set(self._errv):
-                    errflag.check_view(self._errv, f"the {self._name()} kernel")
+            if self._written:
+                _bump_versions(self._written)
+            if self._errv is not None and errflag.is_set(self._errv):
+                errflag.check_view(self._errv, f"the {self._name()} kernel")
         if self.outputs:
             return tuple(self.slots[name] for name in self.outputs)
         return None
@@ -167,11 +186,14 @@ class Launch:
             aligned on CUDA.
         """
         slots = dict(self.slots)
+        written = _roles(slots)[0]
         for name, t in tensors.items():
             if name not in REBINDABLE:  # (stale or unchecked tables were accepted)
                 raise InvalidArgumentError(describe(
                     name, f"one of the slots rebind swaps ({', '.join(REBINDABLE)}); "
                     "prepare the call afresh to change the others", "given"))
+            if hasattr(t, "requires_grad"):  # a torch tensor: the op's own boundary checks
+                t = as_tensor(name, t, written=name in written)
             old = slots.get(name)
             if name in CACHE_ARGS and old is not None:
                 given = _dtype_name(t)

@@ -107,7 +107,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
     """
     import torch
 
-    tensors = {name: as_tensor(name, value) for name, value in (
+    tensors = {name: as_tensor(name, value, written=False) for name, value in (
         ("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("qo_indptr", qo_indptr),
         ("cache_lengths", cache_lengths), ("lookup_table", lookup_table))}
     qt, kc, vc = tensors["q"], tensors["k_cache"], tensors["v_cache"]
@@ -151,8 +151,8 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
                                                 list(lse.shape)))
         check_contiguous("lse", lse)
     common_device(dict(tensors, out=out, lse=lse))
-    check_no_alias({"out": out, "lse": lse},
-                   {n: tensors[n] for n in ("q", "k_cache", "v_cache")})
+    check_no_alias({"out": out, "lse": lse}, {n: tensors[n] for n in (
+        "q", "k_cache", "v_cache", "qo_indptr", "cache_lengths", "lookup_table")})
 
     if device.type == "cuda":  # the tensor-core kernel moves q, K and V in 16-byte chunks
         check_vector_aligned({"q": qt, "k_cache": kc, "v_cache": vc})

@@ -149,6 +149,15 @@ def default_knobs(spec) -> dict:
             "vec": vec, "mma": 0}
 
 
+def _widest_piece(n: int, cap: int) -> int:
+    """The largest power of two up to ``cap`` that divides ``n``: the vector width of a
+    slice's loads (a slice of ``n`` starts at a multiple of ``n``, so such loads are aligned)."""
+    width = cap
+    while n % width:
+        width //= 2
+    return width
+
+
 def default_vec(spec) -> int:
     """The largest slice that keeps ``group * vec <= 32`` (q and the output of every head of
     the group in registers), at least one int32 word; at most 16 values when a side is full
@@ -195,8 +204,10 @@ def schedule(mod, spec, knobs):
     g = geometry(spec, knobs)
     VEC, BDX, BDZ, NT = g["vec"], g["bdx"], g["bdz"], g["threads"]
     S, TILE, RPZ, CH = g["stages"], g["tile"], g["rows_per_z"], g["chunk"]
-    WV = min(4, VEC // 4)                    # words per shared-memory load of a slice
-    FV = min(VEC, 16 // DTYPE_BYTES[dtype])  # full-precision values per shared-memory load
+    # words of a slice per shared-memory load, and full-precision values per load: the widest
+    # vectors (up to 16 bytes) that divide the slice (3, 5 or 7 words at head_dim 48, 80, 112)
+    WV = _widest_piece(VEC // 4, 4)
+    FV = _widest_piece(VEC, 16 // DTYPE_BYTES[dtype])
     merge_splits = merge_macro(spec, knobs)
     WAIT = _wait_source(S - 1)
     pages_bad = pages_bad_macro(NT)

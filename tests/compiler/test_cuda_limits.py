@@ -2,8 +2,8 @@
 a head_dim the CUDA kernels cannot take is a typed error naming head_dim -- from a CUDA
 KernelSpec and from a manager given a CUDA device, before anything is allocated -- instead of an
 IndexError or an assertion inside a schedule; the CUDA decode reduces a score over a power of two
-of lanes (head_dim 112, or 8-bit 48, used to reduce across row groups on an H100: wrong output)
-and fits its row groups into a CTA's threads and 48 KiB of static shared memory (8-bit d256
+of lanes (head_dim 112, or 8-bit 48, used to reduce across row groups on an H100: wrong output;
+an 8-bit head of 48, 80, 96 or 112 now takes 3, 5 or 7 int32 words of codes a lane) and fits its row groups into a CTA's threads and 48 KiB of static shared memory (8-bit d256
 GQA 4 used to fail in ptxas) or says why not (d80 GQA 9)."""
 
 import shutil
@@ -65,7 +65,8 @@ def test_one_8bit_side_rule_is_the_schedules_own():
 @pytest.mark.parametrize("op,dtype,head_dim,storage", [
     ("decode", "float16", 17, ""), ("decode", "float16", 264, ""),  # used to: IndexError
     ("decode", "float32", 516, ""), ("decode", "float16", 18, "int8"),
-    ("decode", "float16", 112, ""), ("decode", "float16", 48, "int8"),  # used to: wrong output
+    ("decode", "float16", 112, ""), ("decode", "float16", 144, "int8"),  # 112: was wrong output
+    ("decode", "float32", 36, "int8"),                               # 9 words: no power of two
     ("prefill", "float16", 24, ""),                                  # used to: AssertionError
     ("append", "bfloat16", 18, "int8"),                              # used to: ValueError
 ])
@@ -82,8 +83,10 @@ def test_supported_cuda_head_dims_pass():
         for op in ("append", "decode", "prefill"):
             if (op, d) != ("decode", 112):
                 _spec(op, "bfloat16", d)
-    for d in (64, 128, 256):
+    for d in (64, 128, 256, 12, 20, 24, 28, 48, 80, 96, 112, 896):  # 3, 5, 7 words a lane too
         _spec("decode", "float16", d, k_storage="int8", v_storage="float8_e4m3fn")
+    for d in (48, 80, 96, 112):  # one side 8-bit: a multiple of 8 float16 values too
+        _spec("decode", "float16", d, k_storage="int8")
     _spec("prefill", "float32", 17)
     _spec("append", "float16", 17)
 

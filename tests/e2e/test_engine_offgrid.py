@@ -294,3 +294,70 @@ def test_seeds_apart_in_their_high_half_sample_apart():
     assert draws(7) != draws(7 + 2 ** 32) and draws(None, 0) != draws(None, 2 ** 32)
     assert draws(7) == torch.rand(8, generator=torch.Generator().manual_seed(7)).tolist()
     assert all(0 <= fold_seed(s) < 2 ** 32 for s in (-2 ** 63, -1, 0, 2 ** 64 - 1))
+
+
+def test_ctrl_c_while_reading_a_prompt_rejects_that_request(toy):
+    """A prompt generator raising KeyboardInterrupt: the interrupt reaches the caller, the
+    request is rejected (it was left "waiting" in no list, never served) and the others are
+    served by the next steps."""
+    from kvtvm.engine import Engine, Request
+
+    def prompt():
+        yield 5
+        raise KeyboardInterrupt
+
+    e = Engine(toy, "paged", max_batch_size=2, max_seq_len=32, page_size=8)
+    e.log = lambda s: None
+    good = [Request(0, [5, 6, 7], 3), Request(2, [8, 9], 3)]
+    bad = Request(1, prompt(), 3)
+    for r in (good[0], bad, good[1]):
+        e.submit(r)
+    with pytest.raises(KeyboardInterrupt):
+        while not e.idle:
+            e.step()
+    while not e.idle:
+        e.step()
+    assert bad.status == "rejected" and "KeyboardInterrupt" in bad.error
+    assert [r.status for r in good] == ["done", "done"]
+
+
+def test_one_thread_steps_an_engine_at_a_time(toy):
+    import threading
+
+    from kvtvm.engine import Engine, Request
+    from kvtvm.errors import InvalidArgumentError
+
+    e = Engine(toy, "paged", max_batch_size=2, max_seq_len=32, page_size=8)
+    e.log = lambda s: None
+    inside, leave = threading.Event(), threading.Event()
+    step = e._step
+
+    def slow_step():
+        inside.set()
+        leave.wait(10)
+        step()
+
+    e._step = slow_step
+    e.submit(Request(0, [5, 6, 7], 2))
+    t = threading.Thread(target=e.step)
+    t.start()
+    inside.wait(10)
+    with pytest.raises(InvalidArgumentError, match="another thread"):
+        e.step()
+    leave.set()
+    t.join(10)
+    e._step = step
+    e.serve([])
+    assert e.idle
+
+
+def test_an_engine_is_not_copied(toy):
+    import copy
+
+    from kvtvm.engine import Engine
+    from kvtvm.errors import InvalidArgumentError
+
+    e = Engine(toy, "paged", max_batch_size=2, max_seq_len=32, page_size=8)
+    for how in (copy.copy, copy.deepcopy):
+        with pytest.raises(InvalidArgumentError, match="Engine"):
+            how(e)

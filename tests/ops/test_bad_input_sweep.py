@@ -68,7 +68,6 @@ def _mutations(op, a):
         ("negative page", "lookup_table", lambda a: a.__setitem__(
             "lookup_table", torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32))),
         ("cache dtype", "v_cache", lambda a: a.__setitem__("v_cache", a["v_cache"].double())),
-        ("read-only cache", "k_cache", lambda a: a.__setitem__("k_cache", _readonly(a))),
         ("negative strides", "k_cache", lambda a: a.__setitem__(
             "k_cache", a["k_cache"].numpy()[::-1])),
         # an empty cache axis: a typed error naming it (was a ZeroDivisionError for head_dim,
@@ -90,13 +89,32 @@ def _mutations(op, a):
             ("bool sliding_window", "sliding_window",
              lambda a: a.__setitem__("kw", {"sliding_window": True})),
             ("out aliases q", "out", lambda a: a.__setitem__("kw", {"out": a["q"]})),
+            ("out requires grad", "out", lambda a: a.__setitem__(
+                "kw", {"out": torch.empty_like(a["q"]).requires_grad_()})),
+            ("lse over the page table", "lse and lookup_table", _lse_over_the_table),
             ("out aliases the cache", "out", lambda a: a.__setitem__(
                 "kw", {"out": a["_blocks"][1].view(-1)[:a["q"].numel()].view(a["q"].shape)})),
         ]
-    else:
+    else:  # (attention only reads the caches: a read-only array will do there)
         out.append(("k aliases the cache", "k_cache", lambda a: a.__setitem__(
             "k", a["_blocks"][0].view(-1)[:a["k"].numel()].view(a["k"].shape))))
+        out.append(("read-only cache", "k_cache",
+                    lambda a: a.__setitem__("k_cache", _readonly(a))))
+        out.append(("cache requires grad", "v_cache", lambda a: a.__setitem__(
+            "v_cache", a["v_cache"].clone().requires_grad_())))
+    out.append(("negated view", first, lambda a: a.__setitem__(
+        first, torch._neg_view(a[first]))))
+    out.append(("sparse tensor", first, lambda a: a.__setitem__(first, a[first].to_sparse())))
     return out
+
+
+def _lse_over_the_table(a):
+    """``lse`` sharing the page table's memory: the kernel would overwrite the table it reads
+    (it did, then raised KernelIndexError over float bits)."""
+    lse = torch.empty(a["q"].shape[:2], dtype=torch.float32)
+    table = lse.view(-1).view(torch.int32)[:a["lookup_table"].numel()]
+    a["lookup_table"] = table.view(a["lookup_table"].shape).copy_(a["lookup_table"])
+    a["kw"] = {"lse": lse}
 
 
 def _rows_without_a_batch(a):

@@ -166,3 +166,42 @@ def test_a_bad_kvtvm_num_threads_is_named_by_a_serial_call_too(monkeypatch):
     runtime.call_cpu_kernel(lambda: ran.append(1), (), parallel=False)
     runtime.call_cpu_kernel(lambda: ran.append(2), (), parallel=False)
     assert ran == [1, 2] and runtime._threads_checked
+
+
+FORK = r"""
+import os, sys, threading, time, torch
+from kvtvm import ops
+torch.set_num_threads(1)
+kc = torch.randn(600, 16, 2, 64); vc = torch.randn_like(kc)
+q = torch.randn(1, 4, 64)
+lengths = torch.tensor([9000], dtype=torch.int32)
+table = torch.arange(600, dtype=torch.int32).view(1, -1)
+def decode():
+    return ops.decode_attention(q, kc, vc, lengths, table, num_splits=4)[0]
+want = decode()  # the main thread's pool
+if sys.argv[1] == "worker":  # and kvtvm's shared kernel thread
+    t = threading.Thread(target=decode); t.start(); t.join()
+pid = os.fork()
+if pid == 0:
+    got = [decode()]
+    t = threading.Thread(target=lambda: got.append(decode())); t.start(); t.join()
+    os._exit(0 if all(torch.equal(g, want) for g in got) else 3)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print(os.waitstatus_to_exitcode(status)); break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9); print("hung")
+"""
+
+
+@pytest.mark.parametrize("where", ["main", "worker"])
+def test_kernels_run_in_a_forked_child(where):
+    """A child forked after kernels ran in the parent (its TVM workers and kvtvm's kernel
+    thread did not come along) runs parallel kernels, equal to the parent's; it hung."""
+    import os
+
+    env = dict(os.environ, KVTVM_NUM_THREADS="2")
+    assert run_python(FORK, where, env=env).split()[-1] == "0"

@@ -1,0 +1,111 @@
+"""The disk tier's writer across close, garbage collection and fork:
+
+- a page queued while ``close_tiers()`` runs on another thread is written or refused, never left
+  pending (it was queued behind the writer's stop: pending for good, ``flush_tiers()`` hung);
+  a demotion racing the close no longer fails the fetch;
+- a manager dropped (garbage-collected) with writes queued still writes them all (the writer
+  used to stop at the first entry after the tier was collected, dropping the rest);
+- in a process forked from the tier's, the tier is closed (its writer thread is the parent's):
+  ``flush_tiers()`` returns, ``persist_prefix_cache()`` is a typed error, the parent's tier
+  goes on (it hung in ``flush()``).
+"""
+
+import gc
+import os
+import threading
+import time
+
+import pytest
+
+from kvtvm.errors import InvalidArgumentError
+
+from test_manager_tiers import SYS, make, serve
+
+
+def _cached(mgr, n_prompts):
+    for i in range(n_prompts):
+        serve(mgr, list(range(1000 * (i + 1), 1000 * (i + 1) + 13)))
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_close_racing_persist_leaves_nothing_pending(tmp_path, trial):
+    mgr = make(pages=24)
+    mgr.attach_tiers(disk_dir=tmp_path, disk_bytes=1 << 24)
+    _cached(mgr, 6)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(n=mgr.persist_prefix_cache()), daemon=True)
+    t.start()
+    time.sleep(0.0005 * trial)
+    mgr.close_tiers()
+    t.join(20)
+    assert not t.is_alive()
+    disk = mgr.stats().tiers["disk"]
+    assert disk["pending"] == 0, disk
+    assert mgr.flush_tiers(5.0)
+    assert len(list(tmp_path.glob("*.kvp"))) == disk["demotions"]
+
+
+def test_put_after_close_is_refused_quietly(tmp_path):
+    mgr = make(pages=4)
+    mgr.attach_tiers(disk_dir=tmp_path, disk_bytes=1 << 20)
+    mgr.close_tiers()
+    disk = mgr._tiers.disk
+    assert disk.put(123, 0, b"", mgr.blocks[0][0]) is False
+    assert disk.flush(1.0) and mgr.stats().tiers["disk"]["pending"] == 0
+    serve(mgr, SYS + [1])
+    serve(mgr, list(range(900, 913)))  # evicts past the closed disk tier: no error
+
+
+def test_a_dropped_manager_still_writes_its_queued_pages(tmp_path):
+    mgr = make(pages=6)
+    mgr.attach_tiers(disk_dir=tmp_path, disk_bytes=1 << 24)
+    for i in range(8):  # every prompt evicts the one before it
+        serve(mgr, list(range(1000 * (i + 1), 1000 * (i + 1) + 13)))
+    disk = mgr.stats().tiers["disk"]
+    queued = disk["pending"] + disk["demotions"]
+    assert queued >= 18
+    writer = mgr._tiers.disk._thread
+    del mgr, disk
+    gc.collect()
+    writer.join(20)  # the tier goes once its last entry is written; then its writer stops
+    assert not writer.is_alive()
+    assert len(list(tmp_path.glob("*.kvp"))) == queued
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_sees_the_tier_closed(tmp_path):
+    mgr = make(pages=6)
+    mgr.attach_tiers(disk_dir=tmp_path, disk_bytes=1 << 24)
+    _, want = serve(mgr, SYS + [1])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, never hang (killed by the parent after 30 s)
+        code = 1
+        try:
+            os.close(r)
+            ok = mgr.flush_tiers() is not None and mgr._tiers.disk.closed
+            try:
+                mgr.persist_prefix_cache()
+            except InvalidArgumentError as err:
+                ok = ok and "closed" in str(err)
+            else:
+                ok = False
+            serve(mgr, list(range(900, 913)))  # evicting skips the disk
+            code = 0 if ok else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.read(r, 1) == b"\x00" and os.waitstatus_to_exitcode(status) == 0
+    os.close(r)
+    assert mgr.persist_prefix_cache() == 3  # the parent's tier goes on
