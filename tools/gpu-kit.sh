@@ -61,6 +61,16 @@ build --ops decode --dtypes float32 --head-dims 128 --kv-heads 2 --group-sizes 4
       --cache-dtypes none/float8_e4m3fn  # test_quant_decode_mixed_cuda
 build --ops decode --dtypes float32 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \
       --cache-dtypes float8_e4m3fn  # test_quant_decode_mixed_cuda
+build --ops decode --dtypes float16 --head-dims 80 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --cache-dtypes int8/none  # test_quant_decode_mixed_cuda
+build --ops decode --dtypes float16 --head-dims 48 --kv-heads 2 --group-sizes 1 --layouts hnd \
+      --cache-dtypes none/float8_e4m3fn  # test_quant_decode_mixed_cuda
+build --ops decode --dtypes float32 --head-dims 48 --kv-heads 2 --group-sizes 2 --layouts nhd \
+      --cache-dtypes int8/float8_e4m3fn  # test_quant_decode_mixed_cuda
+build --ops decode --dtypes float32 --head-dims 96 --kv-heads 2 --group-sizes 1 --layouts nhd \
+      --cache-dtypes int8  # test_quant_decode_mixed_cuda
+build --ops decode --dtypes bfloat16 --head-dims 112 --kv-heads 2 --group-sizes 2 --layouts nhd \
+      --cache-dtypes int8  # test_quant_decode_mixed_cuda
 # decode at head shapes off the grid (tests/ops/test_decode_cuda_shapes.py): heads of 3 or 5
 # vectors a lane, and the shapes fit_row_groups refits
 build --ops decode --dtypes float16 --head-dims 96 --kv-heads 2 --group-sizes 3 --layouts nhd
@@ -73,6 +83,17 @@ build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 4
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 8 --layouts nhd \
       --cache-dtypes int8,float8_e4m3fn
+# 8-bit heads of 3, 5 or 7 words a lane (96: the tensor cores at GQA 4 and 8)
+build --ops decode --dtypes float16 --head-dims 48 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --cache-dtypes int8
+build --ops decode --dtypes float16 --head-dims 80 --kv-heads 2 --group-sizes 2 --layouts nhd \
+      --cache-dtypes float8_e4m3fn
+build --ops decode --dtypes float16 --head-dims 96 --kv-heads 2 --group-sizes 4 --layouts nhd \
+      --cache-dtypes int8
+build --ops decode --dtypes float16 --head-dims 96 --kv-heads 2 --group-sizes 8 --layouts nhd \
+      --cache-dtypes float8_e4m3fn
+build --ops decode --dtypes float16 --head-dims 112 --kv-heads 2 --group-sizes 2 --layouts nhd \
+      --cache-dtypes int8
 # CUDA prefill over 8-bit caches (tests/quant/test_quant_prefill_cuda.py: one line a case;
 # K-only, V-only and mixed formats; float32 queries through the simt kernel)
 build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \

@@ -1,6 +1,6 @@
 """The TENSOR-CORE CUDA decode over an 8-bit cache (hand-written TIR; :mod:`.cuda_quant` runs it
 where :func:`runs_by_default`, knob ``mma``, the default there): K and V both int8 /
-float8_e4m3fn, float16 or bfloat16 queries, GQA up to 8, head_dim 32, 64 or 128. bfloat16
+float8_e4m3fn, float16 or bfloat16 queries, GQA up to 8, head_dim 32, 64, 96 or 128. bfloat16
 queries take bfloat16 operands (``mma.sync ... .bf16``), the codes converted through float32
 (exact), and ``P'`` split into bfloat16 high and low parts. A K-only or V-only cache (the other
 side 16-bit rows of the queries' dtype) runs here by default at head_dim 128 and GQA up to 4

@@ -1,6 +1,7 @@
 """CUDA decode at head shapes off the common grid: heads that are not a power of two (a score is
-reduced over a power of two of lanes of 3 or 5 16-byte vectors each: head_dim 112 and 8-bit 48
-reduced across row groups before and gave wrong output on an H100) and the shapes whose layout
+reduced over a power of two of lanes of 3 or 5 16-byte vectors each, or, 8-bit, of 3, 5 or 7
+int32 words of codes: head_dim 112 and 8-bit 48 reduced across row groups before and gave wrong
+output on an H100) and the shapes whose layout
 ``fit_row_groups`` refits (fewer row groups or shorter K/V tiles, to stay within 1024 threads
 and 48 KiB of static shared memory); full precision and 8-bit caches, against the numpy
 reference over random pages. The kernels come
@@ -18,7 +19,11 @@ pytestmark = [pytest.mark.gpu,
 #: (storage, head_dim, group_size): "" is a float16 cache. Keep in step with tools/gpu-kit.sh.
 SHAPES = [("", 96, 3), ("", 80, 4), ("", 160, 2), ("", 256, 4), ("", 256, 8), ("", 64, 16),
           ("int8", 64, 16), ("int8", 256, 4), ("int8", 256, 8),
-          ("float8_e4m3fn", 64, 16), ("float8_e4m3fn", 256, 8)]
+          ("float8_e4m3fn", 64, 16), ("float8_e4m3fn", 256, 8),
+          # 8-bit heads of 3, 5 or 7 int32 words a lane (refused until 2026-11-28; 96 at GQA
+          # up to 8 on the tensor cores)
+          ("int8", 48, 4), ("float8_e4m3fn", 80, 2), ("int8", 96, 4),
+          ("float8_e4m3fn", 96, 8), ("int8", 112, 2)]
 H = 2  # KV heads
 
 

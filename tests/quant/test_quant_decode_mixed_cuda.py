@@ -6,7 +6,8 @@ covering subset by default, every kernel the GPU tests load with ``KVTVM_CUDA_BU
 (minutes on 2 cores). On a GPU: decode equals the numpy reference over the same views
 (dequantized 8-bit side, the full side as stored) on random page tables, page sizes 1/16/256,
 lengths 0 / 1 / crossing pages / 300, one and several KV splits, both layouts, GQA 1/4/8,
-head_dim 64/128, a sliding window, bfloat16 and float32 rows, and a page outside the pool is
+head_dim 64/128 (and 48/80/96/112: 3, 5 or 7 words a lane), a sliding window, bfloat16 and
+float32 rows, and a page outside the pool is
 skipped and flagged. The GPU machine has no compiler: tools/gpu-kit.sh builds exactly
 :data:`KIT` (keep them in step).
 """
@@ -34,12 +35,20 @@ EXTRA = [("int8", "", "float16", 128, 4, "nhd", ("sliding_window",)),
          ("int8", "", "bfloat16", 128, 4, "nhd", ()),
          ("", "float8_e4m3fn", "float32", 128, 4, "hnd", ()),
          # not mixed: float32 rows over float8 K and V did not compile (cuda_fp16.h missing)
-         ("float8_e4m3fn", "float8_e4m3fn", "float32", 128, 4, "nhd", ())]
+         ("float8_e4m3fn", "float8_e4m3fn", "float32", 128, 4, "nhd", ()),
+         # heads of 3, 5 or 7 int32 words of codes a lane (refused until 2026-11-28), on the
+         # CUDA cores: the full side's slices in 8-byte loads (80), float32 and bfloat16 rows
+         ("int8", "", "float16", 80, 4, "nhd", ()),
+         ("", "float8_e4m3fn", "float16", 48, 1, "hnd", ()),
+         ("int8", "float8_e4m3fn", "float32", 48, 2, "nhd", ()),
+         ("int8", "int8", "float32", 96, 1, "nhd", ()),
+         ("int8", "int8", "bfloat16", 112, 2, "nhd", ())]
 KIT = GRID + EXTRA
 #: Built by default here: every combo, head_dim, group, layout, row dtype and the window.
 COVERING = [("int8", "", "float16", 64, 1, "nhd", ()), ("", "int8", "float16", 128, 4, "hnd", ()),
             ("float8_e4m3fn", "", "float16", 64, 8, "hnd", ()),
-            ("int8", "float8_e4m3fn", "float16", 128, 1, "nhd", ()), *EXTRA]
+            ("int8", "float8_e4m3fn", "float16", 128, 1, "nhd", ()),
+            *EXTRA[:5], EXTRA[5], EXTRA[9]]
 
 
 def _spec(ks, vs, dtype, D, G, layout, features, arch="sm_90a"):

@@ -160,6 +160,7 @@ def _spills(text):
     ("float8_e4m3fn", "int8", 64, 8, "hnd", {"p_split": 0, "threads": 64, "stages": 3}),
     ("int8", "float8_e4m3fn", 128, 4, "nhd", {"dtype": "bfloat16"}),
     ("float8_e4m3fn", "int8", 128, 8, "nhd", {}),   # GQA 8, the default knobs
+    ("int8", "int8", 96, 4, "nhd", {}),              # 6 k-steps, 3 groups of V columns
     ("float8_e4m3fn", "float8_e4m3fn", 64, 8, "hnd", {"dtype": "bfloat16"}),
     # one side 16-bit, with the knobs that take it to the tensor cores (not the default)
     ("int8", None, 128, 4, "nhd", {"one_sided": True}),
