@@ -160,14 +160,28 @@ def unwritable_dir(path) -> str:
     return ""
 
 
+def quant_storage(text: str) -> str:
+    """An 8-bit storage type: one of :data:`CACHE_DTYPES` or an alias
+    :class:`~kvtvm.params.KVCacheParams` takes (``fp8``, ``e4m3``, ...), canonical."""
+    from .params import _CACHE_DTYPE_ALIASES
+
+    if text not in _CACHE_DTYPE_ALIASES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CACHE_DTYPES)} (or "
+                                         f"fp8, e4m3), got {text!r}")
+    return _CACHE_DTYPE_ALIASES[text]
+
+
 def cache_storage(text: str) -> str:
-    """A storage type of K or V: one of :data:`CACHE_DTYPES`, or a float dtype (the model's:
-    that half kept at full precision)."""
-    if text not in CACHE_DTYPES + FLOAT_DTYPES:
+    """A storage type of K or V: one of :data:`CACHE_DTYPES` (or an alias of one), or a float
+    dtype (the model's: that half kept at full precision)."""
+    if text in FLOAT_DTYPES:
+        return text
+    try:
+        return quant_storage(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(CACHE_DTYPES)} or the "
                                          f"model's dtype ({', '.join(FLOAT_DTYPES)}), got "
-                                         f"{text!r}")
-    return text
+                                         f"{text!r}") from None
 
 
 def storage_pair(text: str) -> tuple[str, str]:
@@ -187,7 +201,7 @@ def add_cache_storage_options(parser: argparse.ArgumentParser) -> None:
     """``--cache-dtype``, ``--k-cache-dtype``, ``--v-cache-dtype`` and ``--skip-layers``: an
     8-bit KV cache (:class:`kvtvm.params.KVCacheParams`); read back by
     :func:`cache_storage_kwargs`."""
-    parser.add_argument("--cache-dtype", choices=CACHE_DTYPES, default=None,
+    parser.add_argument("--cache-dtype", type=quant_storage, default=None,
                         help="store K and V in 8 bits (one scale per token and head; default: "
                         "the model's dtype)")
     parser.add_argument("--k-cache-dtype", type=cache_storage, default=None,

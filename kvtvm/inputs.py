@@ -74,19 +74,31 @@ class FetchToken:
         return "FetchToken(live)" if self.live else f"FetchToken(dead: {self.why})"
 
 
-def token_box(manager) -> list:
-    """A one-item list for ``manager``'s latest fetch token (the manager keeps it there too),
-    killed when the manager is garbage-collected: its memory may then be handed to a new
-    manager, whose cache views would match the dead one's tables (an append with them wrote
-    into the new manager's sequences)."""
-    box: list = [None]
-    weakref.finalize(manager, _kill_boxed, box)
-    return box
+class TokenSlot:
+    """A manager's latest fetch token, killed when the manager's cache memory goes: a new
+    manager may then be given the same memory, and its cache views would match the dead
+    tables (an append with them wrote into the new manager's sequences). Watched is the
+    manager's first cache tensor, which its inputs hold too: inputs kept alive keep their
+    memory, and stay usable."""
+
+    __slots__ = ("token", "_watched")
+
+    def __init__(self):
+        self.token: FetchToken | None = None
+        self._watched = False
+
+    def set(self, token: FetchToken, cache) -> FetchToken:
+        """Hold ``token`` (returned) of the manager whose first cache tensor is ``cache``."""
+        if not self._watched:
+            weakref.finalize(cache, _kill_held, self)
+            self._watched = True
+        self.token = token
+        return token
 
 
-def _kill_boxed(box: list) -> None:
-    if box[0] is not None:
-        box[0].kill("its manager was garbage-collected")
+def _kill_held(slot: TokenSlot) -> None:
+    if slot.token is not None:
+        slot.token.kill("its manager's cache memory was freed")
 
 
 #: Attribute of a table tensor holding its fetch's token (torch tensors take attributes).

@@ -383,11 +383,15 @@ class KVCacheParams:
         return out
 
     def storage_key(self, num_layers: int) -> str:
-        """The cache format, as a string: element type, head shape and each layer's K/V
-        storage. Prefix-cache keys start from it, so pages of two formats never alias."""
+        """The cache format, as a string: element type, head shape, each layer's K/V storage
+        and, for a :attr:`quantized` cache, its byte rows (padded to 16 bytes even in the
+        full-precision layers: an 8-bit cache with every layer skipped is not the plain
+        cache's format). Prefix-cache keys start from it, so pages of two formats never
+        alias."""
         layers = ",".join(f"{self.storage(i, 0, num_layers)}/{self.storage(i, 1, num_layers)}"
                           for i in range(num_layers))
-        return f"{self.dtype}:H{self.n_kv_heads}:D{self.head_dim}:[{layers}]"
+        rows = ":byte-rows" if self.quantized else ""
+        return f"{self.dtype}:H{self.n_kv_heads}:D{self.head_dim}:[{layers}]{rows}"
 
     def heads_per_device(self, n_devices: int = 1) -> int:
         """KV heads each device holds when the heads are split evenly over ``n_devices``."""

@@ -33,9 +33,11 @@ from .quant import QUANT_DTYPES, quant_row_bytes
 
 __all__ = ["layer_view", "view_storage", "split_rows"]
 
-#: Attribute of an 8-bit view :func:`layer_view` cut: the ``head_dim`` of its params. Rows of
-#: several head_dims have one byte length (96, 100, 104 and 108 are all 112-byte rows), so the
-#: last extent alone cannot tell a view of another ``params``; :func:`view_storage` checks it.
+#: Attribute of an 8-bit view :func:`layer_view` cut: ``(head_dim, dtype)`` of its params. Rows
+#: of several head_dims have one byte length (96, 100, 104 and 108 are all 112-byte rows), and
+#: 8-bit rows do not say which q/k/v dtype the cache was made for, so the last extent alone
+#: cannot tell a view of another ``params``; :func:`view_storage` checks it. (It lives on the
+#: view object: a re-view, ``view[:]``, is checked by its row length only.)
 _HEAD_DIM_ATTR = "_kvtvm_head_dim"
 
 
@@ -77,7 +79,7 @@ def layer_view(cache, params: KVCacheParams, num_layers: int, layer: int, kv: in
     view = seg.unflatten(1, dims)
     if storage not in QUANT_DTYPES:
         return view[..., :params.head_dim]
-    setattr(view, _HEAD_DIM_ATTR, params.head_dim)
+    setattr(view, _HEAD_DIM_ATTR, (params.head_dim, params.dtype))
     return view
 
 
@@ -105,11 +107,16 @@ def view_storage(name: str, view: Any, head_dim: int, dtype: str) -> str:
         raise InvalidArgumentError(describe(
             f"{name}.shape[-1]", f"{want} (a {storage} row of head_dim={head_dim})",
             int(view.shape[-1])))
-    made = getattr(view, _HEAD_DIM_ATTR, head_dim)
-    if made != head_dim:
+    made_dim, made_dtype = getattr(view, _HEAD_DIM_ATTR, (head_dim, dtype))
+    if made_dim != head_dim:
         raise InvalidArgumentError(describe(
             name, f"a view of a head_dim={head_dim} cache (the call's head_dim)",
-            f"a view of a head_dim={made} cache (its {want}-byte rows hold {made} values)"))
+            f"a view of a head_dim={made_dim} cache (its {want}-byte rows hold {made_dim} "
+            "values)"))
+    if made_dtype != dtype:
+        raise DTypeMismatchError(describe(
+            name, f"a view of a cache for {dtype} q/k/v (the call's)",
+            f"a view of a cache for {made_dtype} ones"))
     return storage
 
 

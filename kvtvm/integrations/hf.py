@@ -374,8 +374,7 @@ class KVTVMCache(Cache):
         rows = self._rows
         if rows is not None:
             k, v, q = k.index_select(0, rows), v.index_select(0, rows), q.index_select(0, rows)
-        # the window the layer passes, as to flash attention (None: full); a config key the
-        # family ignores (a sliding_window left in a Llama config) windowed it: wrong tokens
+        # the window the layer passes (None: full), not the config's (a stray key windowed Llama)
         window = int(sliding_window) if sliding_window else None
         plan = self._plan(window, self.scaling if scaling is None else scaling)
         plan.append_kv(layer, k.contiguous(), v.contiguous())
@@ -417,7 +416,7 @@ class KVTVMCache(Cache):
         beam_idx : int Tensor ``[rows]``
             For each row, the row it continues, in ``[0, rows)``.
         """
-        self._settle()  # (a failed first forward rolled back leaves no rows to index)
+        self._roll_back_unfinished()  # (a failed first forward leaves no rows to index)
         src = row_indices("beam_idx", beam_idx, len(self.seq_ids))
         if len(src) != len(self.seq_ids):
             raise InvalidArgumentError(f"beam_idx: expected {len(self.seq_ids)} entries (one "
@@ -426,7 +425,7 @@ class KVTVMCache(Cache):
 
     def batch_select_indices(self, indices) -> None:
         """Keep the rows ``indices`` (int ``[n]``, in that order); release the others."""
-        self._settle()
+        self._roll_back_unfinished()
         self._regather(row_indices("indices", indices, len(self.seq_ids)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -434,7 +433,7 @@ class KVTVMCache(Cache):
         if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) \
                 or repeats < 1:
             raise InvalidArgumentError(f"repeats: expected an int >= 1, got {repeats!r}")
-        self._settle()
+        self._roll_back_unfinished()
         if self.seq_ids:
             self._regather(np.repeat(np.arange(len(self.seq_ids)), int(repeats)).tolist())
 
@@ -460,13 +459,14 @@ class KVTVMCache(Cache):
                 "transformers' DynamicCache.crop)", repr(tokens_to_remove)))
         n = -int(tokens_to_remove)
         if n:
-            self._settle()
+            self._roll_back_unfinished()
         if n > self.length:
             raise InvalidArgumentError(describe(
                 "tokens_to_remove", f"at least -{self.length} (the positions held)",
                 int(tokens_to_remove)))
         if n == 0:
             return
+        self._settle()
         new_length = self.length - n
         if self.token_mask is None:
             drop = np.full(len(self.seq_ids), n, dtype=np.int64)

@@ -23,8 +23,8 @@ Choices written down here (the seeds are silent on them):
 - Atomic or nothing: every public method validates and plans first, then mutates; a call that
   raises leaves tables, lengths, refcounts and free lists as they were.
 - Thread safety: every public method holds the manager's ``RLock``; a fetch's inputs live
-  until the next fetch, their step, a release of one of their sequences or the manager's
-  collection; ops given them afterwards raise :class:`StaleInputsError` (docs/managers.md).
+  until the next fetch, their step, a release of one of their sequences or the freeing of
+  the cache memory; ops given them then raise :class:`StaleInputsError` (docs/managers.md).
   A manager is never copied or pickled (:mod:`.uncopyable`).
 - ``step`` checks the tokens against the fetch's (a 64-bit fingerprint per sequence, kept at
   fetch): a batch whose tokens differ raises, so the prefix cache never learns wrong tokens.
@@ -46,7 +46,7 @@ from ..errors import (InvalidArgumentError, KVCacheCapacityError,
                       SequenceStateError, SequenceTooLongError, UnknownSequenceError,
                       describe)
 from ..inputs import (FetchToken, KVCacheInputs, RaggedKVCacheInputs, RaggedKVCacheInputSymbols,
-                      TokenBatch, stamp, token_box)
+                      TokenBatch, TokenSlot, stamp)
 from ..collection import layer_views_by_signature
 from .uncopyable import Uncopyable
 from ..params import KVCacheParams, KVCacheStrategy
@@ -111,7 +111,7 @@ class KVCacheManager(Uncopyable, abc.ABC):
         self._positions = np.arange(mb, dtype=np.int64)
         self._fingerprint = np.zeros(mb, dtype=np.uint64)  # of the fetched tokens per slot
         self._token: FetchToken | None = None              # of the latest fetch
-        self._token_box = token_box(self)                  # ... killed with the manager
+        self._token_slot = TokenSlot()                     # ... killed with the memory
         self._token_ids = np.zeros(0, dtype=np.int64)      # its sequences
         self._in_token = np.zeros(mb, dtype=bool)          # ... as a mask over the slots
 
@@ -422,8 +422,8 @@ class KVCacheManager(Uncopyable, abc.ABC):
         if self._token is not None:
             self._token.kill("superseded by a later fetch of the same manager")
         self._in_token[self._token_ids] = False
-        self._token = self._token_box[0] = FetchToken(self._lock, self._views_by_signature,
-                                                      "nhd")
+        self._token = self._token_slot.set(
+            FetchToken(self._lock, self._views_by_signature, "nhd"), self._blocks[0])
         self._token_ids = ids.copy()
         self._in_token[ids] = True
         out = []

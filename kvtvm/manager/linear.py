@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError, KVCacheError, SequenceTooLongError, describe
-from ..inputs import (FetchToken, RaggedKVCacheInputs, as_int64, host_int_array, stamp,
-                      token_box)
+from ..inputs import (FetchToken, RaggedKVCacheInputs, TokenSlot, as_int64, host_int_array,
+                      stamp)
 from ..collection import layer_views_by_signature
 from .uncopyable import Uncopyable
 from ..params import KVCacheParams, KVCacheStrategy
@@ -117,7 +117,7 @@ class LinearKVCache(Uncopyable):
                      for d in self.devices]
         self._event = None
         self._token: FetchToken | None = None  # of the latest step_inputs
-        self._token_box = token_box(self)      # ... killed with the cache
+        self._token_slot = TokenSlot()         # ... killed with the memory
         self._upload()
 
     # ------------------------------------------------------------------------------------
@@ -368,8 +368,8 @@ class LinearKVCache(Uncopyable):
             end = self._lengths[:b] + new
             max_lengths = torch.tensor([[int(new.max(initial=0)), int(end.max(initial=0))]],
                                        dtype=torch.int32)
-            token = self._token = self._token_box[0] = FetchToken(
-                self._lock, self._views_by_signature, "hnd")
+            token = self._token = self._token_slot.set(
+                FetchToken(self._lock, self._views_by_signature, "hnd"), self._cache[0])
             out = []
             for i, buf in enumerate(self._dev):
                 cl, qo_t = buf[:b], buf[mb:mb + b + 1]

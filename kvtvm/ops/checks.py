@@ -342,14 +342,22 @@ def _is_bool(value) -> bool:
     return isinstance(value, (bool, np.bool_))
 
 
+#: The largest finite float32: the kernels take ``sm_scale`` as one (1e39 became inf there).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check_sm_scale(sm_scale) -> float | None:
-    """``sm_scale`` as a float: None, or any finite real number (int, float, numpy scalar;
-    not a bool, a string or a tensor)."""
+    """``sm_scale`` as a float: None, or a real number finite in float32 (int, float, numpy
+    scalar; not a bool, a string or a tensor)."""
     if sm_scale is None:
         return None
-    if _is_bool(sm_scale) or not isinstance(sm_scale, numbers.Real) \
-            or not math.isfinite(float(sm_scale)):
-        raise InvalidArgumentError(describe("sm_scale", "a finite float", repr(sm_scale)))
+    try:
+        finite = abs(float(sm_scale)) <= FLOAT32_MAX
+    except (TypeError, ValueError, OverflowError):  # (an int of 400 digits, a string)
+        finite = False
+    if _is_bool(sm_scale) or not isinstance(sm_scale, numbers.Real) or not finite:
+        raise InvalidArgumentError(describe("sm_scale", "a float finite in float32 (at most "
+                                            "3.4e38 in magnitude)", repr(sm_scale)))
     return float(sm_scale)
 
 

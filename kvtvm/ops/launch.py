@@ -17,6 +17,7 @@ import functools
 from typing import Any, Callable
 
 from .. import compiler, runtime
+from ..storage import view_storage
 from ..errors import InvalidArgumentError, describe
 from ..inputs import check_live
 from . import errflag
@@ -196,6 +197,8 @@ class Launch:
                 t = as_tensor(name, t, written=name in written)
             old = slots.get(name)
             if name in CACHE_ARGS and old is not None:
+                ref = slots["q"] if "q" in slots else slots["k"]  # the call's head_dim, dtype
+                view_storage(name, t, int(ref.shape[-1]), _dtype_name(ref))  # (another params')
                 given = _dtype_name(t)
                 if given != self.cache_dtypes.get(name):  # (int8 rows read as float8, or
                     raise InvalidArgumentError(describe(  # the other way, were accepted)

@@ -26,7 +26,7 @@ CASES = [
     ([*GEN, "--disk-tier-dir", "/proc/kvtvm-x"], "--disk-tier-dir"),
     (["generate", "--model", "/nonexistent/model", "--prompt", "hi"], "--model"),
     ([*GEN, "--cache-dtype", "int4"], "--cache-dtype"),
-    ([*GEN, "--k-cache-dtype", "fp8"], "--k-cache-dtype"),
+    ([*GEN, "--k-cache-dtype", "fp16"], "--k-cache-dtype"),
     ([*GEN, "--skip-layers", "0"], "--skip-layers"),
     ([*GEN, "--cache-dtype", "int8", "--skip-layers", "9"], "skip_layers"),
     ([*GEN, "--cache-dtype", "int8", "--v-cache-dtype", "bfloat16"], "v_cache_dtype"),
@@ -156,3 +156,17 @@ def test_load_model_refuses_a_bad_device_by_name():
     if NO_CUDA:
         with pytest.raises(DeviceUnavailableError, match="^device: cuda"):
             load_model("toy", device="cuda")
+
+
+def test_cache_dtype_aliases_are_those_the_params_take():
+    """``--cache-dtype fp8`` (an alias KVCacheParams takes) was refused by the CLI."""
+    import argparse
+
+    from kvtvm.cliargs import add_cache_storage_options
+
+    parser = argparse.ArgumentParser()
+    add_cache_storage_options(parser)
+    args = parser.parse_args(["--cache-dtype", "fp8", "--k-cache-dtype", "e4m3",
+                              "--v-cache-dtype", "float16"])
+    assert (args.cache_dtype, args.k_cache_dtype, args.v_cache_dtype) == (
+        "float8_e4m3fn", "float8_e4m3fn", "float16")

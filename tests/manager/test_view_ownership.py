@@ -154,3 +154,32 @@ def test_a_view_as_another_float_type_is_refused():
         ops.append_kv(inp.k_cache(0).view(torch.bfloat16), inp.v_cache(0).view(torch.bfloat16),
                       ones, ones, inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
     assert torch.equal(mgr.blocks[0], saved)
+
+
+def test_8bit_views_refuse_another_dtype_and_rebind_checks_their_params():
+    """An 8-bit view says which q/k/v dtype and head_dim its cache was made for: float16 rows
+    into a float32 manager's int8 cache were accepted (the K-only cache refused them), and a
+    launch rebound to the views of a head_dim 136 cache (144-byte rows, as 128's) wrote
+    head_dim 128 rows into them."""
+    from kvtvm.errors import DTypeMismatchError
+    from kvtvm.ops import prepare_append_kv
+    from kvtvm.storage import layer_view
+
+    def views(head_dim):
+        params = KVCacheParams("float32", 2, head_dim, "paged", page_size=4,
+                               cache_dtype="int8")
+        blocks = torch.zeros(6, params.bytes_per_page(1), dtype=torch.uint8)
+        return blocks, [layer_view(blocks, params, 1, 0, kv) for kv in (0, 1)]
+
+    blocks, (kc, vc) = views(128)
+    tables = (torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+              torch.tensor([[0, 1]], dtype=torch.int32))
+    half = torch.randn(3, 2, 128, dtype=torch.float16)
+    with pytest.raises(DTypeMismatchError, match="float32"):
+        ops.append_kv(kc, vc, half, half, *tables)
+    k = torch.randn(3, 2, 128)
+    launch = prepare_append_kv(kc, vc, k, k, *tables)
+    other, (kc2, vc2) = views(136)
+    with pytest.raises(InvalidArgumentError, match="head_dim=136"):
+        launch.rebind(k_cache=kc2, v_cache=vc2)
+    assert not blocks.any() and not other.any()

@@ -86,6 +86,11 @@ def _mutations(op, a):
         out += [
             ("nan sm_scale", "sm_scale", lambda a: a.__setitem__("kw", {"sm_scale": math.nan})),
             ("inf sm_scale", "sm_scale", lambda a: a.__setitem__("kw", {"sm_scale": math.inf})),
+            # finite in float64, inf in the kernels' float32: out and lse were NaN
+            ("float32-inf sm_scale", "sm_scale",
+             lambda a: a.__setitem__("kw", {"sm_scale": 1e39})),
+            ("huge int sm_scale", "sm_scale",
+             lambda a: a.__setitem__("kw", {"sm_scale": 10 ** 400})),
             ("bool sliding_window", "sliding_window",
              lambda a: a.__setitem__("kw", {"sliding_window": True})),
             ("out aliases q", "out", lambda a: a.__setitem__("kw", {"out": a["q"]})),

@@ -282,6 +282,12 @@ def test_prefix_keys_include_the_storage_format():
                       skip_layers=(0,))
     assert a.storage_key(3) != a.__class__("float32", 2, 64, "paged", page_size=4,
                                            cache_dtype="int8", skip_layers=(1,)).storage_key(3)
+    # every layer skipped: full-precision rows, but padded byte rows -- not the plain format
+    skipped = a.__class__("float16", 2, 3, "paged", page_size=4, cache_dtype="int8",
+                          skip_layers=(0, -1))
+    plain = a.__class__("float16", 2, 3, "paged", page_size=4)
+    assert skipped.bytes_per_page(2) != plain.bytes_per_page(2)
+    assert skipped.storage_key(2) != plain.storage_key(2)
     # the same format still hits
     m = _managers(dict(cache_dtype="int8"), prefix=True)[0]
     (s1,) = m.claim(1)
