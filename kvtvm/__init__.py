@@ -26,6 +26,7 @@ from ._version import __version__
 
 _LAZY = {
     "ops": "kvtvm.ops",
+    "plan": "kvtvm.plan",
     "plan_step": "kvtvm.plan",
     "StepPlan": "kvtvm.plan",
     "compiler": "kvtvm.compiler",

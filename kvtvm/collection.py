@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidArgumentError, describe
+from .inputs import check_live
 from .params import KVCacheStrategy
 from .storage import layer_view
 
@@ -94,13 +95,14 @@ class LayerKVCache:
         return self._lookup_host
 
     def _batch_index(self, batch_idx) -> int:
+        """``batch_idx`` checked: live inputs, an entry of the batch."""
+        if self.token is not None:  # (a FetchToken: StaleInputsError when superseded)
+            self.token.check("kv_cache_inputs")
         return _index_arg("batch_idx", batch_idx, len(self.cache_lengths_host))
 
     def _position(self, batch_idx, tok_idx) -> tuple[int, int]:
         """``(batch_idx, tok_idx)`` checked: live inputs, an entry of the batch, a position
         the step's pages hold (below the cache length plus this step's new tokens)."""
-        if self.token is not None:  # (a FetchToken: StaleInputsError when superseded)
-            self.token.check("kv_cache_inputs")
         b = self._batch_index(batch_idx)
         end = int(self.cache_lengths_host[b])
         if self.new_tokens_host is not None:
@@ -154,7 +156,10 @@ class LayerKVCache:
 
     def store(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx, val) -> None:
         """Write ``val`` at element(s) ``[head_dim_idx]`` of head ``head_idx``, token
-        ``tok_idx`` of ``bs``."""
+        ``tok_idx`` of ``bs`` (its values only: a tensor that requires grad would have drawn
+        the manager's whole cache into its graph)."""
+        if hasattr(val, "detach"):
+            val = val.detach()
         self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx] = val
 
 
@@ -227,6 +232,7 @@ class KVCacheCollection:
 
     def cache_length(self, bs_idx: int) -> int:
         """Tokens cached for batch entry ``bs_idx`` before this step's tokens."""
+        check_live("kv_cache_inputs", getattr(self.inputs, "token", None))
         lengths = self.inputs.cache_lengths_host
         return int(lengths[_index_arg("bs_idx", bs_idx, len(lengths))])
 

@@ -97,11 +97,18 @@ def near_greedy_gap(model, prompt, output) -> tuple[float, int]:
 @torch.no_grad()
 def reference_tokens(model, prompt, max_new_tokens: int, stop_token_ids=()) -> list[int]:
     """Greedy tokens of ``transformers``' ``generate`` on this prompt alone (ending with the
-    first stop token, if any)."""
+    first stop token, if any). Without a cache where the config holds a ``sliding_window`` no
+    layer applies (a stray key): transformers' DynamicCache keeps only that many tokens of
+    such a config, and decodes wrong tokens itself."""
+    from .runner import attention_windows
+
     ids = torch.tensor([list(prompt)], dtype=torch.int64, device=model.device)
     stop = list(stop_token_ids or ())
     pad = model.generation_config.pad_token_id
+    stray = getattr(model.config, "sliding_window", None) and \
+        not any(attention_windows(model))
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         use_cache=not stray,
                          max_new_tokens=max_new_tokens, eos_token_id=stop or None,
                          pad_token_id=pad if pad is not None else 0, temperature=None,
                          top_p=None, top_k=None)

@@ -205,7 +205,9 @@ class Engine(Uncopyable):
         mgr = getattr(self.kv, "mgr", None)
         if getattr(mgr, "_tiers", None) is None:
             return 0
-        n = mgr.persist_prefix_cache() if persist else 0
+        disk = mgr._tiers.disk  # (closed: close_tiers ran, or a process forked from ours)
+        n = mgr.persist_prefix_cache() if persist and not (disk is not None and disk.closed) \
+            else 0
         mgr.close_tiers()
         return n
 

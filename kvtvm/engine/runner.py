@@ -78,48 +78,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def sliding_window_of(config) -> int | None:
-    """The attention window of ``config`` in kvtvm's convention (None: full attention)."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
 #: Families whose attention passes the config's ``sliding_window`` as it is (transformers
 #: windows them by that key alone, whatever ``use_sliding_window`` says).
-_CONFIG_WINDOW_TYPES = ("mistral",)
+_CONFIG_WINDOW_TYPES = ("mistral", "mixtral", "phi3", "starcoder2")
 
 
-def attention_windows(hf_model) -> list:
+def attention_windows(hf_model, config=None) -> list:
     """Each layer's window as transformers' attention of ``hf_model`` applies it (None: full):
-    what the layer's attention passes to the attention function -- its own ``sliding_window``
-    (Qwen2, SmolLM3: per layer), the config's (Mistral), or none (Llama: a ``sliding_window``
-    key left in a Llama config is ignored by transformers, and so here)."""
-    cfg = hf_model.config
-    out = []
-    for layer in hf_model.model.layers:
-        attn = layer.self_attn
-        if hasattr(attn, "sliding_window"):
-            window = attn.sliding_window
+    what each attention module passes to the attention function -- its own
+    ``sliding_window`` where it has one (Qwen2, Gemma 2/3, SmolLM3, ...: per layer; EXAONE 4
+    only on its sliding layers), the config's (Mistral, Mixtral, Phi-3, StarCoder2), or none
+    (Llama and the other full-attention families: a ``sliding_window`` key left in their
+    config is ignored by transformers, and so here). ``config``: the text config (default
+    ``hf_model.config``)."""
+    cfg = config if config is not None else hf_model.config
+    n = cfg.num_hidden_layers
+    windows: list = [None] * n
+    for module in hf_model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if type(idx) is not int or not 0 <= idx < n \
+                or not type(module).__name__.endswith("Attention"):
+            continue
+        if hasattr(module, "sliding_window"):
+            window = module.sliding_window if getattr(module, "is_sliding", True) else None
         elif cfg.model_type in _CONFIG_WINDOW_TYPES:
             window = getattr(cfg, "sliding_window", None)
         else:
             window = None
-        out.append(int(window) if window else None)
-    return out
-
-
-def layer_windows(config) -> list:
-    """Each layer's attention window (:func:`sliding_window_of` or None), from the config's
-    ``layer_types`` where it has them: a model may mix full and sliding-window layers (Qwen2
-    with ``use_sliding_window`` and ``max_window_layers``, SmolLM3)."""
-    window = sliding_window_of(config)
-    types = getattr(config, "layer_types", None)
-    n = config.num_hidden_layers
-    if window is None or not types:
-        return [window] * n
-    return [window if t == "sliding_attention" else None for t in types]
+        windows[idx] = int(window) if window else None
+    return windows
 
 
 class ModelRunner:

@@ -47,8 +47,8 @@ attention: ``head_dim**-0.5``, Gemma's ``query_pre_attn_scalar**-0.5``, Granite'
 * **later turns**: the same cache passed to another ``generate`` with the conversation so far
   plus new tokens; ``reset()`` before a different batch; ``copy.deepcopy(cache)`` (a prompt's
   cache reused) gives a cache with a manager of its own holding copies of the rows.
-* **batch growth**: ``max_batch_size`` is where the manager starts; a first forward with more
-  rows (a larger batch, beams, ``num_return_sequences``) rebuilds the empty manager for them.
+* **batch growth**: ``max_batch_size`` is where the manager starts; more rows in a first
+  forward (a larger batch, beams) rebuild the empty manager.
 
 Refused with :class:`kvtvm.errors.InvalidArgumentError` (nothing changes in the manager): a row
 whose new positions end with a pad after a token of the row (right padding), a mask whose
@@ -201,15 +201,15 @@ class KVTVMCache(Cache):
     seq_ids : list of int
         The manager's sequence of each row.
     windows : list of int or None
-        Each layer's window (None: full) by the config's ``sliding_window`` and
-        ``layer_types`` (the mask checks); the attention takes the one each layer passes.
+        Each layer's window (None: full), as its attention module passes it
+        (:func:`kvtvm.engine.runner.attention_windows`: a stray config key is ignored).
     """
 
     def __init__(self, model, max_seq_len: int, cache: str = "paged", max_batch_size: int = 1,
                  page_size: int = 16, *, cache_dtype: str | None = None,
                  k_cache_dtype: str | None = None, v_cache_dtype: str | None = None,
                  skip_layers=()):
-        from ..engine.runner import layer_windows
+        from ..engine.runner import attention_windows
 
         config = _text_config(model)
         if cache not in ("paged", "continuous"):
@@ -226,7 +226,7 @@ class KVTVMCache(Cache):
         self._manager_cls = PagedKVCacheManager if cache == "paged" \
             else ContinuousBatchingKVCacheManager
         self.mgr = self._new_manager(max_batch_size)
-        self.windows = layer_windows(config)       # each layer's window (None: full)
+        self.windows = attention_windows(model, config)  # each layer's (None: full)
         self.sliding_window = next((w for w in self.windows if w), None)
         self.scaling = self.params.head_dim ** -0.5  # when the attention passes no scaling
         self.seq_ids: list[int] = []
@@ -273,10 +273,9 @@ class KVTVMCache(Cache):
         self._kv[layer] = (k, v)
 
     def _begin_step(self, batch: int, new: int, mask) -> None:
-        """Fetch this forward's tokens: validate everything first, then commit the previous
-        forward, claim the rows' sequences (growing the manager if it is empty and small),
-        fetch and plan. A previous forward that stopped midway is rolled back first: the rows
-        are checked against what they really hold."""
+        """Fetch this forward's tokens: validate everything, commit the previous forward, claim
+        the rows' sequences (growing an empty, small manager), fetch and plan. A previous forward
+        that stopped midway is rolled back first (the rows are checked against what they hold)."""
         self._roll_back_unfinished()
         n_held = len(self.seq_ids)
         if n_held and n_held != batch:
@@ -374,8 +373,10 @@ class KVTVMCache(Cache):
         rows = self._rows
         if rows is not None:
             k, v, q = k.index_select(0, rows), v.index_select(0, rows), q.index_select(0, rows)
-        # the window the layer passes (None: full), not the config's (a stray key windowed Llama)
-        window = int(sliding_window) if sliding_window else None
+        window = int(sliding_window) if sliding_window else None  # (None: full)
+        if window != self.windows[layer]:  # (the mask checks assumed the module's)
+            raise InvalidArgumentError(f"kvtvm attention: layer {layer}'s sliding_window "
+                                       f"{sliding_window}, its module's {self.windows[layer]}")
         plan = self._plan(window, self.scaling if scaling is None else scaling)
         plan.append_kv(layer, k.contiguous(), v.contiguous())
         out, _ = plan.attention(layer, q.contiguous())
@@ -386,9 +387,8 @@ class KVTVMCache(Cache):
         return out.view(B, T, Hq, D), None
 
     def _plan(self, window, scale: float):
-        """This forward's plan for ``window`` and softmax ``scale`` (the model's ``scaling``:
-        ``head_dim**-0.5``, Gemma's ``query_pre_attn_scalar**-0.5``, Granite's
-        ``attention_multiplier``), made once per forward for each pair the layers use."""
+        """This forward's plan for ``window`` and softmax ``scale`` (the model's ``scaling``),
+        made once per forward for each pair the layers use."""
         key = (window, float(scale))
         plan = self.plan.get(key)
         if plan is None:

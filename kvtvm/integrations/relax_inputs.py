@@ -292,8 +292,13 @@ def kv_call_args(inputs) -> list:
     ------
     StaleInputsError
         ``inputs`` were superseded (a later fetch, their step, a release).
+    DTypeMismatchError
+        ``inputs`` of a quantized cache (:func:`refuse_quantized`).
     """
     inputs.check_live()
+    params = getattr(inputs, "params", None)
+    for name in ("k_cache_dtype", "v_cache_dtype") if params is not None else ():
+        refuse_quantized(f"inputs.params.{name}", str(getattr(params, name, params.dtype)))
     coll = inputs.collection()
     out = []
     for layer in range(inputs.num_layers):

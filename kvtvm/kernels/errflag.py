@@ -30,8 +30,8 @@ ERR_SLOTS = 4
 
 #: slot -> (argument, what was out of range), for the typed error.
 ERR_MEANING = {
-    ERR_PAGE: ("lookup_table", "a page index outside [0, num_pages) (or a copy index outside "
-               "the rows of the tensor)"),
+    ERR_PAGE: ("lookup_table (a copy: src / dst)", "a page index outside [0, num_pages) (or "
+               "a copy index outside the rows of the tensor)"),
     ERR_POSITION: ("cache_lengths", "a negative length or a sequence longer than its "
                    "lookup_table row's capacity (max_pages * page_size)"),
     ERR_INDPTR: ("qo_indptr", "row offsets not running from 0 to num_tokens without "

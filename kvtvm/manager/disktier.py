@@ -221,9 +221,13 @@ class DiskTier:
         return not self._finalizer.alive or os.getpid() != self._pid
 
     def close(self) -> None:
-        """Flush and stop the writer thread (later puts are refused)."""
+        """Flush and stop the writer thread (later puts are refused). In a process forked from
+        the tier's, only marks it closed: the writer and its queue are the parent's."""
         with self._open_lock:
-            self._finalizer()
+            if os.getpid() != self._pid:
+                self._finalizer.detach()
+            else:
+                self._finalizer()
 
     def _entries(self):
         out = []
@@ -392,7 +396,10 @@ def _writer(q) -> None:
 
 
 def _stop(q, thread) -> None:
-    """Flush and stop a disk tier's writer (close(), garbage collection or exit)."""
+    """Flush and stop a disk tier's writer (close(), garbage collection or exit); nothing to do
+    when it is gone (a forked child's exit: its queue, perhaps full, has no reader)."""
+    if not thread.is_alive():
+        return
     if thread is threading.current_thread():  # collected on the writer itself: it stops
         try:                                   # at its next item (the tier is gone)
             q.put_nowait(None)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
-                     check_contiguous, check_dim, check_dtype, check_flag, check_rank,
-                     check_vector_aligned, check_no_alias, check_no_self_overlap,
-                     common_device, indices_on_host, live_tokens, sync_checked_call)
+                     check_contiguous, check_dim, check_dtype, check_flag,
+                     check_no_alias, check_no_self_overlap, check_pages_kept_apart,
+                     check_rank, check_vector_aligned, common_device, indices_on_host,
+                     live_tokens, pages_apart, sync_checked_call)
 from .launch import Launch, cache_dtype_names, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -106,6 +107,9 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
                     "lookup_table": table})
     check_no_self_overlap("k_cache", kc)
     check_no_self_overlap("v_cache", vc)
+    apart = pages_apart(kc, vc)  # page arrays of one buffer: the table keeps them apart
+    if apart and table.device.type == "cpu":
+        check_pages_kept_apart(table, apart)
     if device.type == "cuda":  # rows move as 16-byte vectors
         check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,

@@ -398,14 +398,38 @@ def sync_checked_call(device, check_indices: bool) -> None:
 
 
 def _span(t):
-    """Byte addresses ``(first, end)`` a tensor may touch: its elements when contiguous, else
-    (a strided cache view) its whole storage -- conservative and cheap (no Python loop)."""
-    if t.is_contiguous():
-        start = t.data_ptr()
+    """Byte addresses ``(first, end)`` from a tensor's first element to past its last (strides
+    are never negative in torch): a strided cache view's, not its whole storage's (a cache and
+    its tables in one arena were refused)."""
+    start = t.data_ptr()
+    if t.is_contiguous() or t.numel() == 0:
         return start, start + t.nbytes
-    st = t.untyped_storage()
-    start = st.data_ptr()
-    return start, start + st.nbytes()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def pages_apart(a, b) -> int:
+    """How many pages (axis 0) view ``b`` lies past view ``a`` of the same layout, when that is
+    a whole non-zero number (transformers' paged K and V, one page apart); else 0."""
+    if a.dim() == 0 or a.shape[0] < 2 or a.stride(0) <= 0 or a.shape != b.shape \
+            or a.stride() != b.stride() or a.element_size() != b.element_size():
+        return 0
+    step = a.stride(0) * a.element_size()
+    shift = b.data_ptr() - a.data_ptr()
+    return shift // step if shift and shift % step == 0 else 0
+
+
+def check_pages_kept_apart(table, apart: int) -> None:
+    """K and V page arrays ``apart`` pages apart in one buffer (:func:`pages_apart`): K's page
+    ``p`` is V's page ``p - apart``, so a table naming both would have V written over K."""
+    pages = np.unique(host_array(table))
+    pages = pages[pages >= 0]
+    hit = np.intersect1d(pages, pages + apart)
+    if hit.size:
+        raise InvalidArgumentError(describe(
+            "lookup_table", f"pages that keep K and V apart (v_cache starts {apart} pages into "
+            f"k_cache: K's page p is V's page p - {apart})",
+            f"pages {int(hit[0])} and {int(hit[0]) - apart}"))
 
 
 def _elements_meet(a, b) -> bool:
@@ -424,7 +448,7 @@ def _elements_meet(a, b) -> bool:
     if a.shape != b.shape or a.stride() != b.stride() or b.element_size() != size:
         return a.data_ptr() == b.data_ptr()
     shift = b.data_ptr() - a.data_ptr()
-    if shift and a.dim() and shift % (a.stride(0) * size) == 0:
+    if pages_apart(a, b):
         return False
     axes = sorted(((st * size, n) for st, n in zip(a.stride(), a.shape) if n > 1),
                   reverse=True)

@@ -16,8 +16,8 @@ import numpy as np
 
 from ..errors import DeviceMismatchError, InvalidArgumentError, describe
 from ..params import DTYPE_SIZES
-from .checks import (as_tensor, check_contiguous, check_dtype, check_flag, check_vector_aligned,
-                     host_array)
+from .checks import (as_tensor, check_contiguous, check_dtype, check_flag, check_no_alias,
+                     check_vector_aligned, host_array)
 from .launch import Launch, LaunchSequence, kernel_for
 
 __all__ = ["copy_pages", "copy_slots", "prepare_copy_pages", "prepare_copy_slots",
@@ -155,7 +155,8 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
                 list(buf.shape[:axis])))
     fn = kernel_for(buf.device, op="copy", dtype=str(buf.dtype).replace("torch.", ""),
                     head_dim=head_dim, n_kv_heads=1, layout="nhd")
-    if not on_host:
+    if not on_host:  # the kernel reads the indices where they are: not inside the pages
+        check_no_alias({name: view}, {"src": src, "dst": dst})
         return LaunchSequence([Launch(fn, buf.device, dict(blocks=view, src=src, dst=dst))])
 
     def indices(values):

@@ -48,11 +48,14 @@ def _dtype_name(t) -> str:
     return str(getattr(t, "dtype", "")).replace("torch.", "")
 
 
-def _bump_versions(tensors) -> None:
+def _bump_versions(tensors: tuple) -> None:
     import torch
 
-    for t in tensors:  # (one at a time: torch before 2.5 takes a single tensor)
-        torch.autograd.graph.increment_version(t)
+    try:
+        torch.autograd.graph.increment_version(tensors)  # (a sequence: torch 2.5 and later)
+    except TypeError:
+        for t in tensors:
+            torch.autograd.graph.increment_version(t)
 
 
 #: The int32 tables a kernel reads (slots that rebind keeps).

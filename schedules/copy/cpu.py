@@ -7,6 +7,7 @@ of head_dim, vectorized. Written by hand so that the bounds check sits outside t
 
 from __future__ import annotations
 
+from kvtvm.errors import InvalidArgumentError
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func  # noqa: F401
 from kvtvm.kernels.accessor import _ITEMSIZE, match_err, match_tensor
 from kvtvm.kernels.copy import in_rows
@@ -23,7 +24,7 @@ def schedule(mod, spec, knobs):
     D, dtype = spec.head_dim, spec.dtype
     RT = knobs["rows_per_task"]
     if type(RT) is not int or RT < 1:  # (0: a TVM crash; -3 built a copy skipping rows)
-        raise ValueError(f"copy knob rows_per_task={RT!r}: a positive int is needed")
+        raise InvalidArgumentError(f"copy knob rows_per_task={RT!r}: a positive int is needed")
     L = vector_lanes(spec, knobs["vector_bytes"])
     DV = D // L
     align = _ITEMSIZE[dtype]

@@ -13,6 +13,7 @@ V rows of all heads as one contiguous run (nhd).
 
 from __future__ import annotations
 
+from kvtvm.errors import InvalidArgumentError
 from kvtvm.kernels._tvm import ATTR_NOALIAS, T, alloc_buffer, block, prim_func, tir
 from kvtvm.kernels.accessor import cache_index
 from kvtvm.kernels.decode import (LN2, LOG2E, NAN, NEG, NEG_INFINITY, length_ok, match_params,
@@ -62,14 +63,14 @@ def _check_knobs(spec, knobs) -> None:
     def power_of_two(name):
         v = knobs.get(name)
         if type(v) is not int or v < 1 or v & (v - 1):
-            raise ValueError(f"decode knob {name}={v!r}: a power of two is needed")
+            raise InvalidArgumentError(f"decode knob {name}={v!r}: a power of two is needed")
 
     power_of_two("tile_tokens")
     power_of_two("vector_bytes")
     hb = knobs.get("head_block", 1)
     if type(hb) is not int or hb < 1 or spec.n_kv_heads % hb:
-        raise ValueError(f"decode knob head_block={hb!r} must divide n_kv_heads "
-                         f"{spec.n_kv_heads}")
+        raise InvalidArgumentError(f"decode knob head_block={hb!r} must divide n_kv_heads "
+                                   f"{spec.n_kv_heads}")
 
 
 def _prefetch_row(spec, storage: str, enabled: bool) -> tuple[int, int]:
@@ -135,8 +136,8 @@ def schedule(mod, spec, knobs):
     PF = bool(knobs.get("prefetch", True))
     LOC = knobs.get("prefetch_locality", 2)
     if LOC not in (0, 1, 2, 3) or isinstance(LOC, bool):
-        raise ValueError(f"decode knob prefetch_locality={LOC!r}: choose 0, 1, 2 or 3 "
-                         "(LLVM's prefetch locality; 3 is prefetcht0, 2 prefetcht1)")
+        raise InvalidArgumentError(f"decode knob prefetch_locality={LOC!r}: choose 0, 1, 2 or 3 "
+                                   "(LLVM's prefetch locality; 3 is prefetcht0, 2 prefetcht1)")
     K_PF, V_PF = _prefetch_row(spec, spec.k_storage, PF), _prefetch_row(spec, spec.v_storage, PF)
     PF_K, PF_V = K_PF[0] > 0, V_PF[0] > 0  # (TVMScript's if takes a bool)
 

@@ -26,6 +26,7 @@ meet in shared memory (a single sequence's 64 splits no longer run as one serial
 
 from __future__ import annotations
 
+from kvtvm.errors import InvalidArgumentError
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func, tir)
 from kvtvm.kernels.accessor import cache_index
@@ -65,7 +66,7 @@ def fit_row_groups(spec, lanes: int, bdz: int, tile: int, smem) -> tuple[int, in
     head_dim 80 with GQA 7)."""
     from math import gcd
 
-    from kvtvm.errors import InvalidArgumentError, describe
+    from kvtvm.errors import describe
 
     step = 32 // gcd(lanes, 32)               # fewest row groups making whole warps
     while bdz > step and (smem(bdz, tile) > SMEM_STATIC_BYTES
@@ -155,8 +156,8 @@ def geometry(spec, knobs) -> dict:
     esize = DTYPE_BYTES[dtype]
     vec = int(knobs.get("vec") or vec_choices(spec)[0])  # elements per thread along head_dim
     if vec not in vec_choices(spec):
-        raise ValueError(f"decode knob vec={vec} for head_dim {D} {dtype}: choose from "
-                         f"{vec_choices(spec)}")
+        raise InvalidArgumentError(f"decode knob vec={vec} for head_dim {D} {dtype}: choose from "
+                                   f"{vec_choices(spec)}")
     bdx = D // vec                           # <= 32: one warp segment reduces a score
     # row groups; more than 8 leaves 1-2 rows per group per tile (no ILP) and made ptxas
     # spill on sm_80 (head_dim 64, group 1)

@@ -21,6 +21,7 @@ converter per side.
 
 from __future__ import annotations
 
+from kvtvm.errors import InvalidArgumentError
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func, tir)
 from kvtvm.kernels.accessor import cache_index
@@ -174,8 +175,8 @@ def geometry(spec, knobs) -> dict:
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     vec = int(knobs.get("vec") or default_vec(spec))  # elements per thread along head_dim
     if vec not in quant_vec_choices(spec):
-        raise ValueError(f"decode knob vec={vec} for head_dim {D} {dtype}: choose from "
-                         f"{quant_vec_choices(spec)}")
+        raise InvalidArgumentError(f"decode knob vec={vec} for head_dim {D} {dtype}: choose from "
+                                   f"{quant_vec_choices(spec)}")
     bdx = D // vec                           # <= 32: one warp segment reduces a score
     bdz = max(1, int(knobs["threads"]) // bdx)
     while (bdx * bdz) % 32:                  # whole warps: the shuffles use a full lane mask

@@ -577,3 +577,18 @@ def test_kv_input_vars_for_names_a_bad_device(device):
         with pytest.raises(InvalidArgumentError, match="device"):
             kr.kv_input_vars_for(mgr, device=device)
         kr.kv_input_vars_for(mgr, device=0)
+
+
+def test_a_quantized_cache_is_refused_by_the_relax_calls_too():
+    """``kv_call_args`` handed an 8-bit cache's int8 views to a graph built for float views;
+    it is the DTypeMismatchError ``kv_input_vars_for`` gives."""
+    from kvtvm.errors import DTypeMismatchError
+    from kvtvm.integrations.relax_inputs import kv_call_args, kv_input_vars_for
+
+    params = KVCacheParams("float32", H, D, "paged", page_size=4, cache_dtype="int8")
+    mgr = PagedKVCacheManager(params, 2, 32, LAYERS)
+    (s,) = mgr.claim(1)
+    (inp,) = mgr.fetch([BatchItem(s, [1, 2, 3])])
+    for call in (lambda: kv_input_vars_for(mgr), lambda: kv_call_args(inp)):
+        with pytest.raises(DTypeMismatchError, match="k_cache_dtype"):
+            call()

@@ -109,3 +109,66 @@ def test_a_forked_child_sees_the_tier_closed(tmp_path):
     assert os.read(r, 1) == b"\x00" and os.waitstatus_to_exitcode(status) == 0
     os.close(r)
     assert mgr.persist_prefix_cache() == 3  # the parent's tier goes on
+
+
+def _wait_child(pid, seconds=30):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_closes_a_tier_whose_queue_was_full(tmp_path, monkeypatch):
+    """The parent's writer stalled and its queue full at the fork: the child's close() (and its
+    exit) waited for good to queue the writer's stop."""
+    import torch
+
+    from kvtvm.manager.disktier import DiskTier
+
+    gate = threading.Event()
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (gate.wait(20), real_fsync(fd)))
+    tier = DiskTier(tmp_path, 1 << 20, max_pending=1)
+    page = torch.arange(16, dtype=torch.float32)
+    assert tier.put(1, 1, b"\0" * 8, page)              # taken by the writer, stalled
+    deadline = time.monotonic() + 10
+    while tier._queue.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tier.put(2, 2, b"\1" * 8, page, block=True)  # fills the queue
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            tier.close()
+            code = 0 if tier.closed else 2
+        finally:
+            os._exit(code)
+    assert _wait_child(pid) == 0
+    gate.set()
+    tier.close()
+    assert len(list(tmp_path.glob("*.kvp"))) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_an_engine_closes_in_a_forked_child(tmp_path):
+    from kvtvm.engine import Engine, Request, build_toy_model
+
+    e = Engine(build_toy_model(num_layers=2), "paged", max_batch_size=2, max_seq_len=48,
+               page_size=8, disk_tier_dir=tmp_path)
+    e.log = lambda s: None
+    e.serve([Request(0, list(range(5, 30)), 2)])
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if e.close() == 0 else 2
+        finally:
+            os._exit(code)
+    assert _wait_child(pid) == 0
+    assert e.close() > 0  # the parent's tier persists its pages

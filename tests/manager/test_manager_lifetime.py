@@ -81,3 +81,27 @@ def test_managers_refuse_copies(how):
                 copy.deepcopy(mgr)
             else:
                 pickle.dumps(mgr)
+
+
+def test_store_writes_values_not_autograd_history():
+    """``store`` of a tensor that requires grad drew the manager's whole cache into its graph:
+    every later append and copy on the manager was refused."""
+    mgr = _paged()
+    inp = _fetch(mgr)
+    w = torch.randn(D, requires_grad=True)
+    inp.collection().get_key_cache(0).store(0, 0, 0, slice(None), w * 2)
+    assert not mgr.blocks[0].requires_grad
+    k = torch.randn(6, H, D)
+    ops.append_kv(inp.k_cache(0), inp.v_cache(0), k, k, inp.qo_indptr, inp.cache_lengths,
+                  inp.lookup_table)
+
+
+def test_cache_length_of_stale_inputs_is_refused():
+    mgr = _paged()
+    inp = _fetch(mgr)
+    coll = inp.collection()
+    layer = coll.get_key_cache(0)
+    mgr.step([BatchItem(inp.seq_ids[0], list(range(6)))])
+    for call in (lambda: coll.cache_length(0), lambda: layer.cache_length(0)):
+        with pytest.raises(StaleInputsError):
+            call()

@@ -238,3 +238,43 @@ def test_non_strided_tensors_are_typed_errors():
     with pytest.raises(InvalidArgumentError, match="blocks: expected a strided tensor"):
         ops.copy_pages(blocks.view(P, -1).to_mkldnn(), torch.tensor([1], dtype=torch.int32),
                        torch.tensor([2], dtype=torch.int32))
+
+
+def test_a_one_page_cache_with_a_zero_page_stride_is_written():
+    """numpy's ``blocks[0][None]``: the page axis of one page has stride 0 (a
+    ZeroDivisionError in the element test)."""
+    blocks = np.zeros((1, 2, PS, H, D), np.float32)
+    kc, vc = blocks[0, 0][None], blocks[0, 1][None]
+    k, v = _rows(2)
+    ops.append_kv(kc, vc, k, v, torch.tensor([0, 2], dtype=torch.int32),
+                  torch.tensor([0], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32))
+    assert np.array_equal(blocks[0, 0, :2], k.numpy()) and np.array_equal(blocks[0, 1, :2],
+                                                                          v.numpy())
+
+
+def test_page_arrays_one_page_apart_need_a_table_that_keeps_them_apart():
+    buf = torch.zeros(P + 1, PS, H, D)
+    kc, vc = buf[:-1], buf[1:]         # V's page i is K's page i + 1
+    k, v = _rows(6)
+    indptr, lengths = torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(InvalidArgumentError, match="lookup_table.*keep K and V apart"):
+        ops.append_kv(kc, vc, k, v, indptr, lengths, torch.tensor([[0, 1]], dtype=torch.int32))
+    assert not buf.any()
+    ops.append_kv(kc, vc, k, v, indptr, lengths, torch.tensor([[0, 2]], dtype=torch.int32))
+    assert torch.equal(kc[0], k[:4]) and torch.equal(kc[2, :2], k[4:])
+    assert torch.equal(vc[0], v[:4]) and torch.equal(vc[2, :2], v[4:])
+
+
+def test_a_cache_and_its_tables_in_one_arena():
+    """Disjoint bytes of one buffer: the strided cache views' element range, not their whole
+    storage, is compared with the tables (it was refused)."""
+    n_cache = P * 2 * PS * H * D
+    arena = torch.zeros(n_cache + 16)
+    blocks = arena[:n_cache].view(P, 2, PS, H, D)
+    ints = arena[n_cache:].view(torch.int32)
+    indptr, lengths, table = ints[0:3], ints[3:5], ints[5:9].view(2, 2)
+    for dst, src in zip((indptr, lengths, table), _tables()):
+        dst.copy_(src)
+    k, v = _rows()
+    ops.append_kv(blocks[:, 0], blocks[:, 1], k, v, indptr, lengths, table)
+    assert torch.equal(blocks[0, 0, 2], k[0])

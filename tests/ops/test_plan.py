@@ -164,3 +164,12 @@ def test_rebind_refuses_the_slots_a_plan_does_not_swap(slot):
     _, launch = _quant_tables("int8")
     with pytest.raises(InvalidArgumentError, match=f"{slot}: expected one of the slots"):
         launch.rebind(**{slot: launch.slots[slot]})
+
+
+def test_kvtvm_plan_is_reachable_from_import_kvtvm():
+    """docs/kernels.md writes ``kvtvm.plan.plan_step(inputs)``: after ``import kvtvm`` alone
+    that was an AttributeError."""
+    from helpers import run_python
+
+    out = run_python("import kvtvm; print(kvtvm.plan.plan_step is kvtvm.plan_step)")
+    assert out.split()[-1] == "True"

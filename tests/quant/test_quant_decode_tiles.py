@@ -111,5 +111,7 @@ def test_tiled_quantized_decode_equals_the_reference(ks, vs, dtype, layout, H, G
 def test_a_prefetch_locality_llvm_has_not_is_refused(locality):
     spec = compiler.KernelSpec("decode", "float16", 64, 2, 2, "nhd",
                                knobs={"prefetch_locality": locality})
-    with pytest.raises(ValueError, match="prefetch_locality"):
+    from kvtvm.errors import InvalidArgumentError  # (typed: it was a bare ValueError)
+
+    with pytest.raises(InvalidArgumentError, match="prefetch_locality"):
         compiler.lower(spec)
