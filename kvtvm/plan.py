@@ -91,12 +91,12 @@ class StepPlan:
         return self._caches[layer]
 
     @staticmethod
-    def _rebound(launch: Launch | None, **tensors) -> Launch | None:
+    def _rebound(launch: Launch | None, _fresh: tuple = (), **tensors) -> Launch | None:
         """``launch`` with ``tensors`` in its slots, or None when they don't fit it."""
         if launch is None:
             return None
         try:
-            return launch.rebind(**tensors)
+            return launch.rebind(_fresh, **tensors)
         except InvalidArgumentError:
             return None
 
@@ -133,7 +133,9 @@ class StepPlan:
             p_out, p_lse = prev.slots["out"], prev.slots["lse"]
             o = as_tensor("out", out) if out is not None else torch.empty_like(p_out)
             ls = as_tensor("lse", lse) if lse is not None else torch.empty_like(p_lse)
-            launch = self._rebound(prev, q=q, k_cache=kc, v_cache=vc, out=o, lse=ls)
+            fresh = tuple(n for n, given in (("out", out), ("lse", lse)) if given is None)
+            launch = self._rebound(prev, _fresh=fresh, q=q, k_cache=kc, v_cache=vc, out=o,
+                                   lse=ls)
         if launch is None:
             inp = self.inputs
             if self.decode:

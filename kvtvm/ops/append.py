@@ -102,19 +102,19 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
                                             f"at most {MAX_APPEND_BATCH} sequences per append "
                                             "(split the batch)", batch))
     device = common_device(tensors)
-    check_no_alias({"k_cache": kc, "v_cache": vc},
-                   {"k": kt, "v": vt, "qo_indptr": indptr, "cache_lengths": lengths,
-                    "lookup_table": table})
-    check_no_self_overlap("k_cache", kc)
-    check_no_self_overlap("v_cache", vc)
-    apart = pages_apart(kc, vc)  # page arrays of one buffer: the table keeps them apart
-    if apart and table.device.type == "cpu":
-        check_pages_kept_apart(table, apart)
-    if device.type == "cuda":  # rows move as 16-byte vectors
-        check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
                           "lookup_table": table}, {"k_cache": kc, "v_cache": vc},
                          layout)
+    check_no_alias({"k_cache": kc, "v_cache": vc},
+                   {"k": kt, "v": vt, "qo_indptr": indptr, "cache_lengths": lengths,
+                    "lookup_table": table}, kv_owned=bool(tokens))
+    check_no_self_overlap("k_cache", kc)
+    check_no_self_overlap("v_cache", vc)
+    apart = 0 if tokens else pages_apart(kc, vc)  # page arrays of one buffer: the table
+    if apart and table.device.type == "cpu":      # must keep K and V apart
+        check_pages_kept_apart(table, apart)
+    if device.type == "cuda":  # rows move as 16-byte vectors
+        check_vector_aligned({"k_cache": kc, "v_cache": vc, "k": kt, "v": vt})
     check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)

@@ -404,7 +404,9 @@ def _span(t):
     start = t.data_ptr()
     if t.is_contiguous() or t.numel() == 0:
         return start, start + t.nbytes
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    last = 0
+    for n, st in zip(t.shape, t.stride()):
+        last += (n - 1) * st
     return start, start + (last + 1) * t.element_size()
 
 
@@ -463,14 +465,15 @@ def _elements_meet(a, b) -> bool:
     return reach(0, shift)
 
 
-def check_no_alias(written: dict, read: dict) -> None:
+def check_no_alias(written: dict, read: dict, kv_owned: bool = False) -> None:
     """Refuse a written tensor sharing memory with any other argument of the call -- the
     int32 tables included (all on one device: :func:`common_device` first).
 
     Byte spans (first to last element) are compared, except between the K and V caches, which
     are interleaved views of one cache tensor (or, transformers' paged views, page arrays one
     page apart in one buffer whose page tables interleave them): those alias when their
-    elements meet (:func:`_elements_meet`).
+    elements meet (:func:`_elements_meet`) -- unless ``kv_owned``: the caller found them a
+    manager's own K and V views of one layer (:func:`check_cache_owner`), disjoint by make.
     """
     spans = [(n, _span(t)) for n, t in written.items()]
     spans += [(n, _span(t)) for n, t in read.items()]
@@ -479,7 +482,7 @@ def check_no_alias(written: dict, read: dict) -> None:
             if on == wn:
                 continue
             if wn in CACHE_ARGS and on in CACHE_ARGS:
-                overlap = _elements_meet(written[wn], written[on])
+                overlap = not kv_owned and _elements_meet(written[wn], written[on])
             else:
                 overlap = w0 < o1 and o0 < w1
             if overlap:

@@ -130,9 +130,9 @@ class Launch:
         #: slot as the int8 view the kernel takes); default: the slots' own
         self.cache_dtypes = cache_dtypes or {n: _dtype_name(slots[n]) for n in CACHE_ARGS
                                              if n in slots}
-        #: the tensors the kernel writes: their autograd version counters are bumped after it
+        #: the slots the kernel writes: their autograd version counters are bumped after it
         #: runs, as a torch in-place op would (a tensor saved for a backward then raises there)
-        self._written = tuple(slots[n] for n in (_roles(slots)[0] or ("blocks",))
+        self._written = tuple(n for n in (_roles(slots)[0] or ("blocks",))
                               if hasattr(slots.get(n), "requires_grad"))
 
     def run(self):
@@ -165,15 +165,17 @@ class Launch:
             else:
                 runtime.call_cpu_kernel(self.fn, tuple(self.slots.values()), self.parallel)
             if self._written:
-                _bump_versions(self._written)
+                slots = self.slots
+                _bump_versions(tuple([slots[n] for n in self._written]))
             if self._errv is not None and errflag.is_set(self._errv):
                 errflag.check_view(self._errv, f"the {self._name()} kernel")
         if self.outputs:
             return tuple(self.slots[name] for name in self.outputs)
         return None
 
-    def rebind(self, **tensors) -> "Launch":
-        """A copy with ``tensors`` in the slots of the same names.
+    def rebind(self, _fresh: tuple = (), **tensors) -> "Launch":
+        """A copy with ``tensors`` in the slots of the same names (``_fresh``: the names of
+        those just allocated by the caller, which can share memory with nothing).
 
         Only the tensors a step plan swaps between layers are rebound: the K/V caches, the
         new rows ``k`` / ``v``, ``q``, ``out`` and ``lse`` (the tables, checked against their
@@ -190,18 +192,20 @@ class Launch:
             aligned on CUDA.
         """
         slots = dict(self.slots)
-        written = _roles(slots)[0]
+        written, read = _roles(slots)
         for name, t in tensors.items():
             if name not in REBINDABLE:  # (stale or unchecked tables were accepted)
                 raise InvalidArgumentError(describe(
                     name, f"one of the slots rebind swaps ({', '.join(REBINDABLE)}); "
                     "prepare the call afresh to change the others", "given"))
-            if hasattr(t, "requires_grad"):  # a torch tensor: the op's own boundary checks
-                t = as_tensor(name, t, written=name in written)
+            if hasattr(t, "requires_grad") and name not in _fresh and not (
+                    self.tokens and name in CACHE_ARGS):  # (a fetch's views: vouched below)
+                t = as_tensor(name, t, written=name in written)  # the op's boundary checks
             old = slots.get(name)
             if name in CACHE_ARGS and old is not None:
-                ref = slots["q"] if "q" in slots else slots["k"]  # the call's head_dim, dtype
-                view_storage(name, t, int(ref.shape[-1]), _dtype_name(ref))  # (another params')
+                if not self.tokens:  # (a fetch's: check_cache_owner below vouches for them)
+                    ref = slots["q"] if "q" in slots else slots["k"]  # head_dim, dtype
+                    view_storage(name, t, int(ref.shape[-1]), _dtype_name(ref))
                 given = _dtype_name(t)
                 if given != self.cache_dtypes.get(name):  # (int8 rows read as float8, or
                     raise InvalidArgumentError(describe(  # the other way, were accepted)
@@ -213,18 +217,25 @@ class Launch:
                 raise InvalidArgumentError(describe(
                     name, f"a tensor like the prepared one ({_describe(old)})", _describe(t)))
             slots[name] = t
-        if self.tokens and any(n in tensors for n in CACHE_ARGS):
+        owned = bool(self.tokens)  # (the prepared caches were checked against the fetch)
+        if owned and any(n in tensors for n in CACHE_ARGS):
             # K as K, V as V, of one layer, of the fetch's manager
             kept = {n for n in CACHE_ARGS if n in slots and n not in tensors}
             check_cache_owner(self.tokens[0], {n: tensors.get(n, slots[n]) for n in CACHE_ARGS
                                                if n in slots}, kernel_args=kept)
         if self.device.type == "cuda":  # as prepare_* checks: rows move in 16-byte vectors
             check_vector_aligned({n: t for n, t in tensors.items() if n in _VECTOR_ROWS})
-        written, read = _roles(slots)
-        if any(n in tensors for n in written + read):  # as the op checks its arguments
-            check_no_alias({n: slots[n] for n in written}, {n: slots[n] for n in read})
-        return Launch(self.fn, self.device, slots, self.outputs, self.tokens, self._errv,
-                      self.parallel, self.cache_dtypes)
+        checked = [n for n in written if n not in _fresh]
+        if checked and any(n in tensors for n in written + read):  # as the op checks them
+            check_no_alias({n: slots[n] for n in checked},
+                           {n: slots[n] for n in read + tuple(set(written) - set(checked))},
+                           kv_owned=owned)
+        new = Launch.__new__(Launch)  # (this launch's other fields as they are)
+        new.fn, new.device, new.slots, new.outputs, new.tokens = (
+            self.fn, self.device, slots, self.outputs, self.tokens)
+        new.parallel, new._errv, new.cache_dtypes, new._written = (
+            self.parallel, self._errv, self.cache_dtypes, self._written)
+        return new
 
     def _name(self) -> str:
         # (a TVM function has no __name__: "the kvtvm kernel skipped ...", not "kernel kernel")
