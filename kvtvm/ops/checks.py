@@ -83,6 +83,10 @@ def as_tensor(name: str, value: Any, written: bool | None = None):
         except TypeError:
             raise DTypeMismatchError(describe(name, "a supported dtype",
                                               value.dtype)) from None
+        except ValueError:  # (a structured array's field: strides not whole items)
+            raise InvalidArgumentError(describe(
+                name, "an array whose strides are whole items",
+                f"strides {list(value.strides)} of {value.dtype.itemsize}-byte items")) from None
     raise InvalidArgumentError(describe(name, "a torch.Tensor or numpy.ndarray",
                                         type(value).__name__))
 

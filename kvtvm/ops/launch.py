@@ -17,9 +17,9 @@ import functools
 from typing import Any, Callable
 
 from .. import compiler, runtime
-from ..storage import view_storage
 from ..errors import InvalidArgumentError, describe
 from ..inputs import check_live
+from ..storage import view_storage
 from . import errflag
 from .checks import (CACHE_ARGS, as_tensor, check_cache_owner, check_no_alias,
                      check_vector_aligned)
@@ -231,10 +231,9 @@ class Launch:
                            {n: slots[n] for n in read + tuple(set(written) - set(checked))},
                            kv_owned=owned)
         new = Launch.__new__(Launch)  # (this launch's other fields as they are)
-        new.fn, new.device, new.slots, new.outputs, new.tokens = (
-            self.fn, self.device, slots, self.outputs, self.tokens)
-        new.parallel, new._errv, new.cache_dtypes, new._written = (
-            self.parallel, self._errv, self.cache_dtypes, self._written)
+        for field in Launch.__slots__:
+            setattr(new, field, getattr(self, field))
+        new.slots = slots
         return new
 
     def _name(self) -> str:

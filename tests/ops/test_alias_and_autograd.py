@@ -278,3 +278,13 @@ def test_a_cache_and_its_tables_in_one_arena():
     k, v = _rows()
     ops.append_kv(blocks[:, 0], blocks[:, 1], k, v, indptr, lengths, table)
     assert torch.equal(blocks[0, 0, 2], k[0])
+
+
+def test_a_structured_array_field_is_a_typed_error():
+    """Strides that are not whole items (a field of a structured array): torch's bare
+    ValueError before."""
+    rows = np.zeros((2, 2 * H, D), dtype=[("x", np.float32), ("pad", np.int8)])
+    blocks = torch.randn(P, 2, PS, H, D)
+    _, lengths, table = _tables()
+    with pytest.raises(InvalidArgumentError, match="q: expected an array whose strides"):
+        ops.decode_attention(rows["x"], blocks[:, 0], blocks[:, 1], lengths, table)
