@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidArgumentError, describe
-from .inputs import check_live
 from .params import KVCacheStrategy
 from .storage import layer_view
 
@@ -232,7 +231,9 @@ class KVCacheCollection:
 
     def cache_length(self, bs_idx: int) -> int:
         """Tokens cached for batch entry ``bs_idx`` before this step's tokens."""
-        check_live("kv_cache_inputs", getattr(self.inputs, "token", None))
+        token = getattr(self.inputs, "token", None)
+        if token is not None:  # (a FetchToken: StaleInputsError when superseded)
+            token.check("kv_cache_inputs")
         lengths = self.inputs.cache_lengths_host
         return int(lengths[_index_arg("bs_idx", bs_idx, len(lengths))])
 
