@@ -206,9 +206,14 @@ def cmd_generate(args) -> int:
     if why:  # (else named as the manager's disk_dir)
         print(f"error: --disk-tier-dir {args.disk_tier_dir}: {why}", file=sys.stderr)
         return 2
+    max_seq_len = max(len(ids), 1) + args.max_new_tokens
+    if max_seq_len >= 1 << 31:  # (named as the engine's max_seq_len)
+        print(f"error: --max-new-tokens {args.max_new_tokens}: the prompt's {len(ids)} tokens "
+              f"+ {args.max_new_tokens} pass the int32 tables' {(1 << 31) - 1}", file=sys.stderr)
+        return 2
     try:
-        engine = Engine(model, "paged", max_batch_size=1,
-                        max_seq_len=max(len(ids), 1) + args.max_new_tokens, device=args.device,
+        engine = Engine(model, "paged", max_batch_size=1, max_seq_len=max_seq_len,
+                        device=args.device,
                         torch_threads=args.torch_threads, kernel_threads=args.kernel_threads,
                         host_tier_pages=args.host_tier_pages, disk_tier_dir=args.disk_tier_dir,
                         **args.cache_storage)

@@ -104,8 +104,27 @@ def configure_cpu_threads() -> None:
     # mode -3 (kSpecifyThreadShareAllCore): n workers, each free to run on every allowed CPU;
     # TVM caps the pool at the length of the CPU list, so it is repeated when n exceeds it
     cpu_list = [str(cpus[i % len(cpus)]) for i in range(max(n, len(cpus)))]
+    if n > len(cpus) and not _warned_oversubscribed:
+        _warn_oversubscribed(n, len(cpus))
     tvm_ffi.get_global_func("runtime.config_threadpool")(-3, n, cpu_list)
     _thread_state.configured = n
+
+
+_warned_oversubscribed = False
+
+
+def _warn_oversubscribed(n: int, cpus: int) -> None:
+    """Say once that ``n`` kernel threads exceed the ``cpus`` this process may run on: TVM's
+    workers spin waiting for work, so extra ones slow the kernels, and the exit (64 threads
+    on 2 CPUs: 22 s of teardown after the answer)."""
+    global _warned_oversubscribed
+    _warned_oversubscribed = True
+    import logging
+
+    logging.getLogger("kvtvm.runtime").warning(
+        "%d kernel threads on %d CPUs: TVM's workers spin, so threads past the CPUs slow the "
+        "kernels (and the exit); KVTVM_NUM_THREADS / kernel_threads of at most %d is faster",
+        n, cpus, cpus)
 
 
 class _CpuExecutor:

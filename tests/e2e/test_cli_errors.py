@@ -170,3 +170,16 @@ def test_cache_dtype_aliases_are_those_the_params_take():
                               "--v-cache-dtype", "float16"])
     assert (args.cache_dtype, args.k_cache_dtype, args.v_cache_dtype) == (
         "float8_e4m3fn", "float8_e4m3fn", "float16")
+
+
+def test_max_new_tokens_past_the_int32_tables_names_the_option():
+    """It named ``max_seq_len``, which is no option of ``generate``."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvtvm", "generate", "--model", "toy",
+                           "--prompt", "5 6", "--max-new-tokens", "99999999999"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: --max-new-tokens 99999999999")
+    assert "max_seq_len" not in proc.stderr

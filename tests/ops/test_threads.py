@@ -205,3 +205,28 @@ def test_kernels_run_in_a_forked_child(where):
 
     env = dict(os.environ, KVTVM_NUM_THREADS="2")
     assert run_python(FORK, where, env=env).split()[-1] == "0"
+
+
+def test_more_kernel_threads_than_cpus_are_warned_about(monkeypatch, caplog):
+    """TVM's workers spin: threads past the CPUs slow the kernels, and the exit (a generate
+    with 64 kernel threads on 2 CPUs spent 22 s after its answer)."""
+    import logging
+    import os
+
+    import torch
+
+    from kvtvm import ops, runtime
+
+    monkeypatch.setattr(runtime, "_warned_oversubscribed", False)
+    cpus = len(os.sched_getaffinity(0))
+    kc = torch.randn(600, 16, 2, 64)  # (a parallel kernel: a small one runs serially)
+    table = torch.arange(600, dtype=torch.int32).view(1, -1)
+    lengths = torch.tensor([9000], dtype=torch.int32)
+    runtime.set_num_threads(cpus + 1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtvm.runtime"):
+            ops.decode_attention(torch.randn(1, 4, 64), kc, kc.clone(), lengths, table,
+                                 num_splits=4)
+    finally:
+        runtime.set_num_threads(None)
+    assert f"{cpus + 1} kernel threads on {cpus} CPUs" in caplog.text
