@@ -485,6 +485,9 @@ class DistributedTransport(PageTransport):
                 kind, _, raw = self._read_msg(peer, "checksums")
                 if kind != SUMS:
                     raise self._desync(f"expected checksums (kind {SUMS}), got kind {kind}")
+                if len(raw) % 8:  # (a whole message: the wire is still in step)
+                    raise CorruptTransferError(f"transport: checksums: {len(raw)} bytes, not "
+                                               "whole uint64 values")
                 header = header.with_checksums(np.frombuffer(raw, np.uint64).tolist())
             if inline:
                 bad = next((i for i in range(first_row, len(got))
@@ -552,7 +555,10 @@ class DistributedTransport(PageTransport):
         """Receive and drop the runs (and checksums) of a refused import (the sender sends
         them regardless)."""
         if lengths:
-            buf = self._staging((max(lengths), *page_shape), dtype)
+            try:
+                buf = self._staging((max(lengths), *page_shape), dtype)
+            except (RuntimeError, MemoryError) as err:  # (an absurd page size in the header)
+                raise self._desync(f"cannot take the refused runs off the wire: {err}") from None
             for n in lengths:
                 self._wait(self._irecv(buf[:n], peer, "page data"), "page data")
         if sums:

@@ -362,3 +362,62 @@ def test_late_runs_and_a_late_acknowledgement(tmp_path):
     assert snd["took"] < 1.2 and snd["leased"] == 11
     assert snd["second"] == 11 and snd["again"] == 10 and snd["conserved"]
     assert rcv["late_ack_error"] is None
+
+
+CRAFTED = r'''
+import dataclasses
+import numpy as np
+m = PagedKVCacheManager(KVCacheParams("float16", 2, 16, "paged", page_size=4,
+                                      enable_prefix_caching=True, cache_dtype="int8"),
+                        2, 64, 2, num_pages=64)  # (8-bit pages travel as bytes)
+tr = T.DistributedTransport(timeout=5.0)
+tr.register(m)
+if rank == 0:
+    s = seq(m, list(range(10)))
+    ex = m.export_pages(s)
+    res = {}
+    # (1) checksums after the data, in a message of 7 bytes: not whole uint64 values
+    hdr = ex.header._replace_checksums(None)
+    raw = hdr.to_bytes()
+    tr._send_msg(1, T.PAGES, 0, T._LEN.pack(len(raw)) + raw
+                 + np.asarray([hdr.n_carried], np.int64).tobytes(), "header")
+    tr._recv_msg(1, "ready")
+    for _, v in ex.page_runs(0):
+        tr._isend(v, 1, "data").wait()
+    tr._send_msg(1, T.SUMS, 0, b"\x01" * 7, "sums")
+    try:
+        T._read_ack(tr._expect(1, T.ACK, "ack")[1])
+        res["sums"] = None
+    except Exception as e:
+        res["sums"] = err(e)
+    # (2) a header whose page size no buffer can hold: the receiver cannot drain the runs
+    raw2 = dataclasses.replace(ex.header, page_bytes=1 << 44).to_bytes()
+    tr._send_msg(1, T.PAGES, 1, T._LEN.pack(len(raw2)) + raw2
+                 + np.asarray([hdr.n_carried], np.int64).tobytes(), "header")
+    tr._recv_msg(1, "ready")
+    out(**res)
+    time.sleep(2)
+else:
+    r = tr.handle(0, timeout=20)
+    got = {"sums": err(r.error) if r.error is not None else None}
+    try:
+        tr.handle(0, timeout=20)
+        got["huge"] = None
+    except Exception as e:
+        got["huge"] = err(e)
+    got["broken"] = bool(tr._broken)
+    got["conserved"] = conserved(m)
+    out(**got)
+'''
+
+
+def test_crafted_checksums_and_page_sizes_are_typed(tmp_path):
+    """A checksum message of 7 bytes was a bare ValueError (the sender's a generic
+    TransferError); a header whose page size no buffer holds raised torch's RuntimeError and
+    left the wire looking usable."""
+    results, _ = run_pair(tmp_path, "crafted", CRAFTED)
+    send, recv = results[0], results[1]
+    assert recv["sums"][0] == "CorruptTransferError" and "7 bytes" in recv["sums"][1]
+    assert send["sums"][0] == "CorruptTransferError"
+    assert recv["huge"][0] == "CorruptTransferError" and recv["broken"]
+    assert recv["conserved"]
