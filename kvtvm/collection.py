@@ -231,9 +231,7 @@ class KVCacheCollection:
 
     def cache_length(self, bs_idx: int) -> int:
         """Tokens cached for batch entry ``bs_idx`` before this step's tokens."""
-        token = getattr(self.inputs, "token", None)
-        if token is not None:  # (a FetchToken: StaleInputsError when superseded)
-            token.check("kv_cache_inputs")
+        self.inputs.check_live()  # StaleInputsError when superseded
         lengths = self.inputs.cache_lengths_host
         return int(lengths[_index_arg("bs_idx", bs_idx, len(lengths))])
 

@@ -110,8 +110,7 @@ class KVCacheManager(Uncopyable, abc.ABC):
         self._mark = np.zeros(mb, dtype=np.int64)         # scratch of the duplicate check
         self._positions = np.arange(mb, dtype=np.int64)
         self._fingerprint = np.zeros(mb, dtype=np.uint64)  # of the fetched tokens per slot
-        self._token: FetchToken | None = None              # of the latest fetch
-        self._token_slot = TokenSlot()                     # ... killed with the memory
+        self._token_slot = TokenSlot()  # the latest fetch's token, killed with the memory
         self._token_ids = np.zeros(0, dtype=np.int64)      # its sequences
         self._in_token = np.zeros(mb, dtype=bool)          # ... as a mask over the slots
 
@@ -261,8 +260,8 @@ class KVCacheManager(Uncopyable, abc.ABC):
 
     def _kill_token_of(self, ids: np.ndarray, why: str) -> None:
         """Kill the latest fetch's token when ``ids`` share a sequence with its batch."""
-        if self._token is not None and self._in_token[ids].any():
-            self._token.kill(why)
+        if self._token_slot.token is not None and self._in_token[ids].any():
+            self._token_slot.token.kill(why)
 
     def _check_known(self, seq_id, what: str) -> int:
         if not isinstance(seq_id, (int, np.integer)) or isinstance(seq_id, bool):
@@ -419,23 +418,23 @@ class KVCacheManager(Uncopyable, abc.ABC):
         cl_host = tables.cache_lengths[:n].copy()
         qo_host = tables.qo_indptr[:n + 1].copy()
         max_t = torch.from_numpy(max_lengths)
-        if self._token is not None:
-            self._token.kill("superseded by a later fetch of the same manager")
+        if self._token_slot.token is not None:
+            self._token_slot.token.kill("superseded by a later fetch of the same manager")
         self._in_token[self._token_ids] = False
-        self._token = self._token_slot.set(
-            FetchToken(self._lock, self._views_by_signature, "nhd"), self._blocks[0])
+        token = self._token_slot.set(FetchToken(self._lock, self._views_by_signature, "nhd"),
+                                     self._blocks[0])
         self._token_ids = ids.copy()
         self._in_token[ids] = True
         out = []
         for dev in range(self.n_devices):
             cl, qo, lt = tables.views(dev, n)
-            stamp(self._token, cl, qo, lt)
+            stamp(token, cl, qo, lt)
             out.append(RaggedKVCacheInputs(
                 blocks=self._blocks[dev], cache_lengths=cl, lookup_table=lt,
                 max_lengths=max_t, qo_indptr=qo, seq_ids=seq_ids, num_cached_tokens=cached,
                 cache_lengths_host=cl_host, qo_indptr_host=qo_host, params=self.device_params,
                 num_layers=self.num_layers, max_seq_len=self.max_seq_len, device_index=dev,
-                token=self._token))
+                token=token))
         return out
 
     def step(self, batch: Sequence[Any]) -> None:
@@ -517,7 +516,7 @@ class KVCacheManager(Uncopyable, abc.ABC):
                 raise InvalidArgumentError(describe("kv_cache_inputs", "RaggedKVCacheInputs",
                                                     type(inp).__name__))
             inp.check_live()  # StaleInputsError: a later fetch, their step, a release
-            if inp.token is None or inp.token is not self._token:  # another manager's
+            if inp.token is None or inp.token is not self._token_slot.token:  # another's
                 raise InvalidArgumentError(describe("kv_cache_inputs", "inputs of this "
                                                     "manager's latest fetch", "other inputs"))
             if inp.max_lengths.shape[0] < 2:

@@ -104,8 +104,6 @@ class DiskTier:
         #: held from a put's "still open?" to its entry queued, and by close(): a page is
         #: never queued behind the writer's stop (it was, pending for good, flush() hanging)
         self._open_lock = threading.Lock()
-        #: the writer lives in this process: a forked child sees the tier closed (no writer)
-        self._pid = os.getpid()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, int(max_pending)))
         self._thread = threading.Thread(target=_writer, args=(self._queue,),
                                         name="kvtvm-disk-tier", daemon=True)
@@ -209,7 +207,7 @@ class DiskTier:
         while self._pending:
             if deadline is not None and time.monotonic() > deadline:
                 return False
-            if os.getpid() != self._pid or not self._thread.is_alive():
+            if not self._thread.is_alive():  # (a forked child's: the writer is the parent's)
                 return not self._pending
             time.sleep(0.001)
         return True
@@ -217,17 +215,14 @@ class DiskTier:
     @property
     def closed(self) -> bool:
         """True once :meth:`close` ran (or the interpreter is exiting), and in a process
-        forked from the tier's (its writer thread is the parent's): puts are refused."""
-        return not self._finalizer.alive or os.getpid() != self._pid
+        forked from the tier's (its writer thread stayed with the parent): puts are refused."""
+        return not self._finalizer.alive or not self._thread.is_alive()
 
     def close(self) -> None:
         """Flush and stop the writer thread (later puts are refused). In a process forked from
-        the tier's, only marks it closed: the writer and its queue are the parent's."""
+        the tier's, only marks it closed (:func:`_stop`: no writer here to stop)."""
         with self._open_lock:
-            if os.getpid() != self._pid:
-                self._finalizer.detach()
-            else:
-                self._finalizer()
+            self._finalizer()
 
     def _entries(self):
         out = []

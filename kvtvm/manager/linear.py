@@ -116,8 +116,7 @@ class LinearKVCache(Uncopyable):
                      allocate("step tables", (3 * mb + 1,), torch.int32, d)
                      for d in self.devices]
         self._event = None
-        self._token: FetchToken | None = None  # of the latest step_inputs
-        self._token_slot = TokenSlot()         # ... killed with the memory
+        self._token_slot = TokenSlot()  # the latest step_inputs' token, killed with the memory
         self._upload()
 
     # ------------------------------------------------------------------------------------
@@ -368,7 +367,7 @@ class LinearKVCache(Uncopyable):
             end = self._lengths[:b] + new
             max_lengths = torch.tensor([[int(new.max(initial=0)), int(end.max(initial=0))]],
                                        dtype=torch.int32)
-            token = self._token = self._token_slot.set(
+            token = self._token_slot.set(
                 FetchToken(self._lock, self._views_by_signature, "hnd"), self._cache[0])
             out = []
             for i, buf in enumerate(self._dev):
@@ -438,9 +437,8 @@ class LinearKVCache(Uncopyable):
         of the latest ``step_inputs`` no longer describe the buffer: their token dies."""
         import torch
 
-        if self._token is not None:
-            self._token.kill(why)
-            self._token = None
+        if self._token_slot.token is not None:
+            self._token_slot.token.kill(why)
         mb = self.max_batch_size
         self._wait_host()
         self._host_np[:mb] = self._lengths

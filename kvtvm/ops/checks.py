@@ -453,7 +453,6 @@ def _elements_meet(a, b) -> bool:
     size = a.element_size()
     if a.shape != b.shape or a.stride() != b.stride() or b.element_size() != size:
         return a.data_ptr() == b.data_ptr()
-    shift = b.data_ptr() - a.data_ptr()
     if pages_apart(a, b):
         return False
     axes = sorted(((st * size, n) for st, n in zip(a.stride(), a.shape) if n > 1),
@@ -466,7 +465,7 @@ def _elements_meet(a, b) -> bool:
         first = rest // step
         return any(reach(k + 1, rest - m * step) for m in (first, first + 1) if -n < m < n)
 
-    return reach(0, shift)
+    return reach(0, b.data_ptr() - a.data_ptr())
 
 
 def check_no_alias(written: dict, read: dict, kv_owned: bool = False) -> None:

@@ -132,8 +132,7 @@ class Launch:
                                              if n in slots}
         #: the slots the kernel writes: their autograd version counters are bumped after it
         #: runs, as a torch in-place op would (a tensor saved for a backward then raises there)
-        self._written = tuple(n for n in (_roles(slots)[0] or ("blocks",))
-                              if hasattr(slots.get(n), "requires_grad"))
+        self._written = tuple(n for n in (_roles(slots)[0] or ("blocks",)) if n in slots)
 
     def run(self):
         """Call the kernel; returns the output slots (a tuple), or None when there are none.
