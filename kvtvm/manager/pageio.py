@@ -336,12 +336,13 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
             toks = header.token_array()
             chunks = [toks[i * P:(i + 1) * P].tobytes() for i in range(toks.size // P)]
             if getattr(self, "_tiers", None) is not None:  # nothing promoted unless the
-                # import can go through: every page not on the device is promoted or taken
+                # import can go through: every page not on the device is promoted or taken,
+                # and the tiers' content-checked hits cover what the peer did not send
                 on_device = self._prefix.lookup(chunks)[0]
                 self._import_room(header, on_device, skip=len(on_device))
-                _check_sent_from(header, len(on_device) + self._tiers.count_prefix(
-                    [int(h) for h in header.block_hashes[len(on_device):]]))
-                self._promote(chunks)
+                hits = self._tier_hits(chunks)
+                _check_sent_from(header, len(hits[0]) + len(hits[2]))
+                self._promote(chunks, hits=hits)
             held, kids = self._prefix.lookup(chunks)
             k = len(held)
             _check_sent_from(header, k)

@@ -67,25 +67,21 @@ class TierStore:
 
     def find(self, h, fp, token_bytes):
         """A content-verified hit: ``("host", slot)`` or ``("disk", page tensor)``; None on a
-        miss in every tier. Counts the hit as a promotion."""
+        miss in every tier (a promotion is counted by :meth:`promoted`, once it happened)."""
         if self.host is not None:
             slot = self.host.find(h, fp, token_bytes)
             if slot is not None:
-                self.host.counters["promotions"] += 1
                 return "host", slot
         if self.disk is not None:
             hit = self.disk.get(h, fp, token_bytes, self.page_shape, self.dtype)
             if hit is not None:
-                self.disk.counters["promotions"] += 1
                 return "disk", hit
         return None
 
-    def get(self, h, fp, token_bytes):
-        """The page (a host tensor) of a hit (:meth:`find`), else None."""
-        hit = self.find(h, fp, token_bytes)
-        if hit is None:
-            return None
-        return self.host.slot_view(hit[1]) if hit[0] == "host" else hit[1]
+    def promoted(self, hits) -> None:
+        """Count ``hits`` (from :meth:`find`) as promotions, each in its own tier."""
+        for tier, _ in hits:
+            (self.host if tier == "host" else self.disk).counters["promotions"] += 1
 
     def stage(self, hits: list, device) -> list:
         """Rows of ``hits`` (from :meth:`find`) on ``device``, grouped by tier:
@@ -260,24 +256,20 @@ class TierMixin:
                 n += self._tiers.count_prefix(hashes)
         return n * P
 
-    def _promote(self, chunks: list, keep=()) -> int:
-        """Bring back from the tiers the pages of ``chunks`` (token bytes of full pages, from
-        page 0) past the device's longest cached chain, as cached device pages; never evicts
-        the pages of ``keep`` or of that chain. The pages found move together: their rows
-        are staged on the device (one copy per run of host slots) before any page is taken,
-        then written with one scatter per tier. Returns the pages promoted.
-
-        If the scatter fails, nothing is registered and the pages taken go back to the free
-        list (pages that were evicted for them stay evicted: they were demoted first)."""
+    def _tier_hits(self, chunks: list, keep=()) -> tuple[list, list, list]:
+        """What :meth:`_promote` would bring back, without taking a page: ``(held, kids,
+        found)`` with the device's cached chain of ``chunks`` (pages, prefix-tree ids) and
+        the content-verified tier hits past it, ``[((chunk, hash, fingerprint), hit)]``, as
+        many as free or evictable pages (outside ``keep`` and that chain) can take."""
         prefix, tiers = self._prefix, self._tiers
         held, kids = prefix.lookup(chunks)
-        if len(held) == len(chunks):
-            return 0
-        chain = self._chain_of(kids[-1]) if kids else self._root_chain()
+        chain = None
+        if len(held) < len(chunks):
+            chain = self._chain_of(kids[-1]) if kids else self._root_chain()
         if chain is None:
-            return 0
+            return held, kids, []
         h, fp = chain
-        found = []  # (chunk, hash, fingerprint), (tier, slot or tensor)
+        found = []
         for chunk in chunks[len(held):]:
             h, fp = chain_hash(h, chunk, self.hash_bits), fingerprint(fp, chunk)
             hit = tiers.find(h, fp, chunk)
@@ -286,9 +278,24 @@ class TierMixin:
             found.append(((chunk, h, fp), hit))
         n = min(len(found), self._available_pages() - sum(p in prefix.lru for p in
                                                           set(keep) | set(held)))
-        if n <= 0:
+        return held, kids, found[:max(n, 0)]
+
+    def _promote(self, chunks: list, keep=(), hits=None) -> int:
+        """Bring back from the tiers the pages of ``chunks`` (token bytes of full pages, from
+        page 0) past the device's longest cached chain, as cached device pages; never evicts
+        the pages of ``keep`` or of that chain. The pages found move together: their rows
+        are staged on the device (one copy per run of host slots) before any page is taken,
+        then written with one scatter per tier. Returns the pages promoted. ``hits``: what
+        :meth:`_tier_hits` answered for these arguments (under the same lock hold), when
+        the caller looked first.
+
+        If the scatter fails, nothing is registered and the pages taken go back to the free
+        list (pages that were evicted for them stay evicted: they were demoted first)."""
+        prefix, tiers = self._prefix, self._tiers
+        held, kids, found = self._tier_hits(chunks, keep) if hits is None else hits
+        n = len(found)
+        if not n:
             return 0
-        found = found[:n]
         device = self._blocks[0].device if self.n_devices == 1 else "cpu"
         slots = [hit[1] for _, hit in found if hit[0] == "host"]
         pins = list(dict.fromkeys(list(keep) + list(held)))
@@ -317,4 +324,5 @@ class TierMixin:
                 prefix.lru[page] = None
             else:
                 self._free.append(page)
+        tiers.promoted([hit for _, hit in found])
         return len(pages)

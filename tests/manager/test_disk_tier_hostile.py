@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtvm.errors import InvalidArgumentError
-from kvtvm.manager import disktier
+from kvtvm.errors import InvalidArgumentError, TransferError
+from kvtvm.manager import BatchItem, disktier
 from kvtvm.manager.hashing import checksum
 
 from test_manager_tiers import SYS, P, make, serve
@@ -323,3 +323,41 @@ def test_lock_held_by_a_stuck_process_fails_writes_instead_of_hanging(tmp_path, 
     time.sleep(0.35)  # past the fail-fast window; the dead holder's lock is gone
     assert mgr.persist_prefix_cache() == 3
     mgr.close_tiers()
+
+
+@pytest.mark.parametrize("full_pool", [False, True])
+def test_import_refused_over_a_damaged_entry_promotes_nothing(tmp_path, full_pool):
+    """The peer counted three pages on our disk (the files exist) and sent from page 3, but
+    page 2's entry is damaged: the import is refused ("resend from page 2") and changes
+    nothing -- no page promoted, none evicted for it, no promotion counted; the resend from
+    page 2 then goes through with the right bytes."""
+    rx, files, want = _fresh(tmp_path)
+    blob = bytearray(files[-1].read_bytes())  # the newest: page 2
+    blob[-1] ^= 0xFF
+    files[-1].write_bytes(bytes(blob))
+    if full_pool:  # every device page cached: a promotion would have to evict
+        serve(rx, list(range(900, 909)))
+        serve(rx, list(range(950, 959)))
+    src = make()
+    (s,) = src.claim(1)
+    src.fetch([BatchItem(s, SYS + [1])])
+    src.step([BatchItem(s, SYS + [1])])
+    assert rx.held_prefix_pages(src.block_hashes_of(s)) == 3  # by file name only
+    st0, bytes0 = rx.stats(), [b.clone() for b in rx.blocks]
+    ex = src.export_pages(s, first_page=3)
+    with pytest.raises(TransferError, match="resend from page 2"):
+        rx.import_pages(ex.header, ex.data)
+    st1 = rx.stats()
+    assert (st1.pages_free, st1.pages_cached) == (st0.pages_free, st0.pages_cached)
+    assert st1.tiers["disk"]["promotions"] == st0.tiers["disk"]["promotions"]
+    assert all(torch.equal(a, b) for a, b in zip(bytes0, rx.blocks))
+    rx.check_invariants()
+    ex = src.export_pages(s, first_page=2)
+    assert rx.import_pages(ex.header, ex.data) == 2  # page 2 (damaged on disk) and page 3
+    (t,) = rx.claim(1)
+    (inp,) = rx.fetch([BatchItem(t, SYS + [1])])
+    assert int(inp.num_cached_tokens[0]) == 12
+    got = rx.blocks[0][rx.pages_of(t)[:3]]
+    assert torch.equal(got[:2], want[:2])  # pages 0-1 from the disk tier
+    assert torch.equal(got[2], src.blocks[0][src.pages_of(s)[2]])  # page 2 from the peer
+    rx.check_invariants()
