@@ -90,8 +90,8 @@ from ..params import KVCacheParams
 from ..plan import plan_step
 from .hf_autograd import no_backward
 from .hf_support import check_model
-from .hf_rows import (PaddingMask, check_room, copy_sequences, regather, row_indices,
-                      step_rows)
+from .hf_rows import (NEEDS_KVTVM_CACHE, PaddingMask, check_room, copy_sequences, regather,
+                      row_indices, step_rows)
 
 try:
     import transformers
@@ -545,11 +545,7 @@ def kvtvm_attention(module, query, key, value, attention_mask, scaling=None, dro
         # no KVTVMCache took this forward's K/V (``_active`` may name the cache of an earlier
         # forward that stopped with an error: it must not be appended to)
         _active.cache = None
-        raise InvalidArgumentError(
-            "kvtvm attention needs a KVTVMCache: generate(..., cache=KVTVMCache(model, "
-            "max_seq_len)) (past_key_values= in older code); use_cache=False and options that "
-            "run the model on a cache of their own (guidance_scale) are not supported on "
-            "kvtvm attention: model.set_attn_implementation('sdpa') for them")
+        raise InvalidArgumentError(NEEDS_KVTVM_CACHE)
     layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
     if isinstance(layers, int) and layers != cache.num_layers:  # another model: its forwards
         # would end before the cache's last layer and be taken for failed ones (rolled back)

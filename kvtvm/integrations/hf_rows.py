@@ -28,10 +28,17 @@ from ..errors import InvalidArgumentError, KVCacheCapacityError, describe
 from ..inputs import BatchItem
 from ..manager import PagedKVCacheManager
 
-__all__ = ["PaddingMask", "step_rows", "row_indices", "check_room", "regather",
+__all__ = ["NEEDS_KVTVM_CACHE", "PaddingMask", "step_rows", "row_indices", "check_room", "regather",
            "copy_sequences"]
 
 _LEFT_ONLY = "kvtvm supports left padding only (tokenizer(..., padding_side='left'))"
+
+#: Why a forward on kvtvm attention without a KVTVMCache is refused.
+NEEDS_KVTVM_CACHE = (
+    "kvtvm attention needs a KVTVMCache: generate(..., cache=KVTVMCache(model, max_seq_len)) "
+    "(past_key_values= in older code); use_cache=False, cache_implementation= and options "
+    "that run the model on a cache of their own (guidance_scale) are not supported on kvtvm "
+    "attention: model.set_attn_implementation('sdpa') for them")
 
 
 class PaddingMask:
@@ -44,6 +51,14 @@ class PaddingMask:
 
     def __init__(self, mask: torch.Tensor):
         self.mask = mask
+
+    @property
+    def ndim(self):
+        """Never a tensor: transformers asks a mask it built ahead of a forward for its rank,
+        which only happens for a cache of its own (``cache_implementation="static"``, a
+        ``StaticCache``): refused as kvtvm attention refuses any forward without a
+        KVTVMCache."""
+        raise InvalidArgumentError(NEEDS_KVTVM_CACHE)
 
 
 def step_rows(mask: torch.Tensor | None, past: int, token_mask: torch.Tensor | None,

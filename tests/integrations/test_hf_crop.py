@@ -10,6 +10,7 @@ from kvtvm.engine import build_toy_model
 from kvtvm.errors import InvalidArgumentError
 
 hf = pytest.importorskip("kvtvm.integrations.hf")
+import transformers  # noqa: E402
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -287,6 +288,25 @@ def test_a_forward_without_the_cache_never_touches_it(toy, draft):
         with pytest.raises(InvalidArgumentError, match=r"needs a KVTVMCache.*cache="):
             on_kvtvm(draft, lambda: draft(ids[:, :3], **kw))
         assert _state(kv) == before
+
+
+@pytest.mark.parametrize("cache", ["static", "sliding_window", "StaticCache"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_generate_on_a_transformers_cache_is_refused_typed(toy, cache, padded):
+    """generate on kvtvm attention with a cache transformers builds its masks for ahead of the
+    forward (a static one) is refused with the cure, typed (it was an AttributeError from
+    transformers' mask code), and the model then generates on a KVTVMCache as sdpa does."""
+    ids = _random_ids(17, 2, 5)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :2] = 0
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=3, pad_token_id=0)
+    extra = (dict(cache_implementation=cache) if cache != "StaticCache" else dict(
+        cache=transformers.StaticCache(config=toy.config, max_cache_len=16)))
+    with pytest.raises(InvalidArgumentError, match=r"needs a KVTVMCache.*cache="):
+        on_kvtvm(toy, lambda: toy.generate(ids, **kw, **extra))
+    got = on_kvtvm(toy, lambda: toy.generate(ids, **kw, cache=hf.KVTVMCache(toy, 16)))
+    assert torch.equal(got, toy.generate(ids, **kw))
 
 
 @pytest.mark.parametrize("refused", ["4-D mask", "too long"])
