@@ -185,7 +185,8 @@ class LinearKVCache(Uncopyable):
             raise InvalidArgumentError(describe(
                 "get_kv_cache_for_decoder_layer", "a full-precision cache (a quantized cache "
                 "is one byte tensor: take step_inputs(...)[d].k_cache(layer) / v_cache(layer))",
-                f"cache_dtype={self.params.cache_dtype}"))
+                f"k_cache_dtype={self.params.k_cache_dtype}, "
+                f"v_cache_dtype={self.params.v_cache_dtype}"))
         return self._cache[device][layer]
 
     def __repr__(self) -> str:

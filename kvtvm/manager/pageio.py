@@ -442,21 +442,31 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
                     raise CorruptTransferError(describe("import data",
                                                         f"{want} {hdr.tensor_dtype}",
                                                         got))
-                dev = self._blocks[0].device
-                if not in_place and hdr.checksum == DEVICE and dev.type == "cuda":
-                    data = rows = data.to(dev)  # checked where the pages go, on the device
-                sums = [] if verified else page_checksums(rows, hdr.checksum)
-                for i, s in enumerate(sums):
-                    if s != hdr.checksums[r0 + i]:
-                        raise CorruptTransferError(
-                            f"import data: page {hdr.first_page + r0 + i} fails its "
-                            f"{hdr.checksum} checksum (sent {hdr.checksums[r0 + i]:#x})")
+                if not in_place:
+                    data = self._checked_rows(hdr, data, r0, verified)
+                elif not verified:
+                    self._checked_rows(hdr, rows, r0)
             except BaseException:
                 self.end_lease(lease_id)
                 raise
             self._write_import(lease, data)
             self.end_lease(lease_id)
             return len(lease.pages) - lease.held  # the pages it did not find cached
+
+    def _checked_rows(self, hdr: PageHeader, rows, r0: int, verified: bool = False):
+        """``rows`` (rows ``[r0, n_carried)`` of ``hdr``'s pages), on the device when the
+        header's checksum is the device one and the cache is on CUDA (checked where the pages
+        go); CorruptTransferError naming the first page whose checksum differs."""
+        dev = self._blocks[0].device
+        if not isinstance(rows, list) and hdr.checksum == DEVICE and dev.type == "cuda":
+            rows = rows.to(dev)
+        if not verified:
+            for i, s in enumerate(page_checksums(rows, hdr.checksum)):
+                if s != hdr.checksums[r0 + i]:
+                    raise CorruptTransferError(
+                        f"import data: page {hdr.first_page + r0 + i} fails its "
+                        f"{hdr.checksum} checksum (sent {hdr.checksums[r0 + i]:#x})")
+        return rows
 
     def _write_import(self, lease: _Lease, data) -> None:
         import torch
@@ -510,8 +520,10 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
             if data.dtype != self._blocks[0].dtype:
                 raise CorruptTransferError(describe("import data dtype", self._blocks[0].dtype,
                                                     data.dtype))
+            # every checksum before a page is taken: a refused import evicts no cached page
+            data = self._checked_rows(header, data, 0)
             lid, first_row = self.begin_import(header, seq_id)
-            return self.finish_import(lid, data[first_row:])
+            return self.finish_import(lid, data[first_row:], verified=True)
 
 
 def _check_sent_from(header: PageHeader, held: int) -> None:

@@ -229,7 +229,8 @@ def check_batch_indices(qo_indptr, cache_lengths, lookup_table, geometry: CacheG
                         num_tokens: int | None, extra_tokens=None) -> None:
     """Check index ranges on the host: ``qo_indptr`` runs from 0 to ``num_tokens`` without
     decreasing, no length is negative, every sequence's final length fits the pages its
-    lookup-table row holds, and every page it touches is in ``[0, num_pages)``."""
+    lookup-table row holds, and every page of the row up to that length is in ``[0,
+    num_pages)`` -- with a sliding window too, where the kernels skip the pages before it."""
     indptr = host_array(qo_indptr).astype(np.int64)
     lengths = host_array(cache_lengths).astype(np.int64)
     table = host_array(lookup_table)

@@ -193,6 +193,29 @@ def test_corrupt_and_truncated_data_write_nothing():
     conserved(b)
 
 
+def test_corrupt_import_into_a_full_prefix_cache_evicts_nothing():
+    """Every page cached and unreferenced: a corrupt import is refused before a page is
+    taken, so no cached page is evicted for it (it flushed the receiver's warm prefix cache),
+    and the prompts it held still hit."""
+    a, b = make(), make(pages=4)
+    prompts = [list(range(100 + 10 * i, 108 + 10 * i)) for i in range(2)]  # 2 full pages each
+    for toks in prompts:
+        b.release(run_prompt(b, toks))
+    assert stats(b) == (0, 0, 4, 0, 0)
+    snapshot = [x.clone() for x in b.blocks]
+    ex = a.export_pages(run_prompt(a, list(range(13))))
+    for i in range(ex.data.shape[0]):
+        bad = ex.data.clone()
+        bad[i].view(-1)[i * 7] += 1.0
+        with pytest.raises(CorruptTransferError, match=f"page {i}"):
+            b.import_pages(ex.header, bad)
+        assert stats(b) == (0, 0, 4, 0, 0)
+        assert b.stats().evictions == 0
+        assert [b.cached_prefix_tokens(t + [1]) for t in prompts] == [8, 8]
+    assert all(torch.equal(x, y) for x, y in zip(snapshot, b.blocks))
+    conserved(b)
+
+
 def test_import_into_full_cache_and_unknown_sequences():
     a, b = make(), make(pages=2)
     s = run_prompt(a, list(range(13)))

@@ -135,6 +135,29 @@ def test_many_decode_like_rows():
     check(args)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_key_far_below_the_max_weighs_nothing(dtype):
+    """A visible key scoring ~205 (log2 units) below its row's max has weight ~2**-205, not
+    the 2**-125 floor the exponential once had: a finite V of 1e37 on it left the output at
+    1.24 instead of 1. Both kernels agree with the reference, lse too."""
+    D, H, G = 40, 3, 2
+    torch.manual_seed(5)
+    kc, vc = torch.randn(1, 5, H, D) * 0.01, torch.randn(1, 5, H, D) * 0.01
+    q = torch.zeros(1, H * G, D)
+    q[..., 0] = 30.0
+    kc[0, 0, :, 0], kc[0, 1, :, 0] = 30.0, 0.0  # scores 142 and ~0 (natural units)
+    vc[0, 0], vc[0, 1] = 1.0, 1e37
+    q, kc, vc = (t.to(getattr(torch, dtype)) for t in (q, kc, vc))
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    lengths = torch.tensor([1], dtype=torch.int32)  # 1 cached + 1 new position
+    ip = torch.tensor([0, 1], dtype=torch.int32)
+    out, lse = ops.prefill_attention(q, kc, vc, ip, lengths, table)
+    dout, dlse = ops.decode_attention(q, kc, vc, lengths, table)
+    assert torch.allclose(out.float(), torch.ones_like(out.float()), atol=1e-2), out[0, :, :2]
+    assert torch.allclose(dout.float(), out.float(), atol=1e-2)
+    assert torch.allclose(lse, dlse, rtol=1e-5)
+
+
 def test_numpy_inputs_and_default_outputs():
     rng = np.random.default_rng(9)
     q, kc, vc, indptr, lengths, table = make_batch(rng, H=1, G=2, D=64, page_size=8,
