@@ -45,19 +45,19 @@ _EXP2_P = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3,
 def fast_exp2(x):
     """Vectorizable 2**x for x <= 0 (LLVM scalarizes ``llvm.exp2`` on vectors): round to
     the nearest integer n, polynomial for the fraction, exponent bits for 2**n; exactly 0
-    below -125 (the clamp alone gave such a key the weight 2**-125, which a V of 1e34 or
-    more made visible). A NaN ``x`` (``inf - inf``: a score of +inf, from an infinite key or
-    an overflowing q.k) gives NaN, as ``exp2`` does."""
-    xc = T.max(x, T.float32(-125.0))
+    below -126.5, where n = -127 makes the exponent bits 0 (a clamp at -125 gave such a key
+    the weight 2**-125, which a V of 1e34 or more made visible). A NaN ``x`` (``inf - inf``:
+    a score of +inf, from an infinite key or an overflowing q.k) gives NaN, as ``exp2``
+    does."""
+    xc = T.max(x, T.float32(-127.0))
     n = T.round(xc)
     f = xc - n
     p = T.float32(_EXP2_P[0])
     for c in _EXP2_P[1:]:
         p = p * f + T.float32(c)
     p = p * f + T.float32(1.0)
-    return T.Select(T.isnan(x), x, T.Select(
-        x < T.float32(-125.0), T.float32(0),
-        p * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))))
+    return T.Select(T.isnan(x), x,
+                    p * T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23)))
 
 
 def default_knobs(spec) -> dict:
