@@ -467,15 +467,16 @@ class KVCacheManager(Uncopyable, abc.ABC):
                 b = int(np.argmax(bad))
                 lo = int(pending[b])
                 hi = lo + int(self._pending_steps[ids[b]]) - 1
-                raise SequenceStateError(describe(
-                    f"step: tokens of seq_id {int(ids[b])}",
-                    f"between {lo} and {hi} tokens (as fetched)", int(counts[b])))
+                raise SequenceStateError(describe(f"step: tokens of seq_id {int(ids[b])}", (
+                    f"between {lo} and {hi} tokens (as fetched)" if hi > lo else f"the {lo} "
+                    "tokens fetched (more only after fetch(..., num_steps=n))"), int(counts[b])))
             differs = fingerprints(tokens.tokens, counts, pending) != self._fingerprint[ids]
             if np.count_nonzero(differs):
                 b = int(np.argmax(differs))
+                later = ", then any later ones" if self._pending_steps[ids[b]] > 1 else ""
                 raise SequenceStateError(describe(
                     f"step: tokens of seq_id {int(ids[b])}",
-                    f"the {int(pending[b])} tokens fetched, then any later ones",
+                    f"the {int(pending[b])} tokens fetched{later}",
                     "different tokens (the cache holds K/V of the fetched ones)"))
             self._kill_token_of(ids, "its batch was committed by step()")
             self._commit(tokens, ids, counts)

@@ -98,6 +98,7 @@ def test_export_import_block():
     t = ns["t"]
     assert decode_mgr.cache_length(t) == 40        # continues at the exported length
     assert prefill_mgr.end_lease(ns["ex"].lease_id) is False   # the block ended it once
+    assert ns["sent"] == 1   # send_sequence: the full pages were there, the partial one not
     sent, got = prefill_mgr.export_pages(seq_id), decode_mgr.export_pages(t)
     assert torch.equal(sent.data, got.data) and sent.data.abs().sum() > 0
     assert list(got.header.tokens) == list(range(100, 140))
