@@ -298,16 +298,16 @@ def make_collection(inputs) -> KVCacheCollection:
 def layer_views_by_signature(caches, params, num_layers: int) -> dict:
     """Every per-layer K and V view the collections cut from a manager's cache tensors
     (``caches``: one per device; ``params``: the per-device parameters), keyed by
-    :func:`view_signature`: ``signature -> (layer, kv, dtype)``. The ops look a
-    cache argument up here to refuse another view of the same memory (a slice, K and V
-    swapped, two layers, another dtype) with a fetch's tables."""
+    :func:`view_signature`: ``signature -> (layer, kv, dtype, device index)``. The ops look
+    a cache argument up here to refuse another view of the same memory (a slice, K and V
+    swapped, two layers, two devices' head shards, another dtype) with a fetch's tables."""
     cls = _COLLECTIONS[params.cache_strategy]
     out = {}
-    for blocks in caches:
+    for dev, blocks in enumerate(caches):
         for layer in range(num_layers):
             for kv in (0, 1):
                 view = cls.view_of(blocks, params, num_layers, layer, kv)
-                out[view_signature(view)] = (layer, kv, view.dtype)
+                out[view_signature(view)] = (layer, kv, view.dtype, dev)
     return out
 
 

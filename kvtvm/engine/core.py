@@ -139,6 +139,9 @@ class Engine(Uncopyable):
         check_thread_count("kernel_threads", kernel_threads)
         _check_tier_args(host_tier_pages, disk_tier_dir, disk_tier_bytes)
         check_engine_model(model)
+        if not isinstance(device, (str, torch.device)):  # one device: the model's
+            raise InvalidArgumentError(describe("device", "one device (a str or torch.device: "
+                                                "the model's)", repr(device)))
         (dev,) = parse_devices(device, name="device")
         model_dev = next(model.parameters()).device
         if model_dev.type != dev.type or (dev.type == "cuda" and dev.index is not None

@@ -180,7 +180,7 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
         first_page : int
             Carry pages ``[first_page, n_pages)`` only (the peer holds the others).
         heads : (int, int), optional
-            Head range to carry (default: all).
+            Head range to carry (default: all; an 8-bit cache carries all heads only).
         timeout : float, optional
             Seconds after which :meth:`expire_leases` ends the lease.
         defer_checksums : bool

@@ -304,9 +304,10 @@ _SIDE = {name: side for side, name in enumerate(CACHE_ARGS)}
 def check_cache_owner(token, caches: dict, kernel_args=()) -> None:
     """Each cache view (name -> tensor) is one of the per-layer views of the manager that made
     ``token``'s fetch -- ``k_cache`` a K view, ``v_cache`` a V view, both of one layer, of the
-    view's dtype -- else InvalidArgumentError naming it (another manager's cache, a copy, a
-    shifted slice, K and V swapped or of two layers, another dtype: the kernel would write or
-    read other positions, or read the bytes as another type). ``kernel_args``: names of
+    view's dtype, K and V of one device's head shard -- else InvalidArgumentError naming it
+    (another manager's cache, a copy, a shifted slice, K and V swapped or of two layers or
+    shards, another dtype: the kernel would write or read other positions or heads, or read
+    the bytes as another type). ``kernel_args``: names of
     tensors a prepared launch holds, where a float8 cache is its int8 view."""
     if not token.views:
         return
@@ -319,7 +320,7 @@ def check_cache_owner(token, caches: dict, kernel_args=()) -> None:
                 "tables (k_cache(layer) / v_cache(layer))",
                 "other memory or another view of it (another manager's cache, a copy, a "
                 "slice)"))
-        layer, side, dtype = where
+        layer, side, dtype, shard = where
         if _SIDE.get(name, side) != side:
             raise InvalidArgumentError(describe(
                 name, f"a {'KV'[_SIDE[name]]} view", f"layer {layer}'s {'KV'[side]} view"))
@@ -328,11 +329,16 @@ def check_cache_owner(token, caches: dict, kernel_args=()) -> None:
             raise InvalidArgumentError(describe(
                 name, f"the cache's {str(dtype).removeprefix('torch.')} view",
                 f"a {str(t.dtype).removeprefix('torch.')} view of it"))
-        found[name] = layer
-    if len(set(found.values())) > 1:
+        found[name] = layer, shard
+    if len({layer for layer, _ in found.values()}) > 1:
         raise InvalidArgumentError(describe(
             " / ".join(found), "views of one layer",
-            ", ".join(f"{n} of layer {layer}" for n, layer in found.items())))
+            ", ".join(f"{n} of layer {layer}" for n, (layer, _) in found.items())))
+    if len({shard for _, shard in found.values()}) > 1:  # heads split over devices
+        raise InvalidArgumentError(describe(
+            " / ".join(found), "views of one device's head shard (inputs[d].k_cache(layer) "
+            "with inputs[d].v_cache(layer))",
+            ", ".join(f"{n} of device {shard}" for n, (_, shard) in found.items())))
 
 
 # ------------------------------------------------------------------------------------------

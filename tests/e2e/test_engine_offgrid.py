@@ -140,7 +140,8 @@ def test_tiny_temperature_samples_the_greedy_token(toy, temperature):
     (dict(disk_tier_dir=""), "disk_tier_dir"), (dict(disk_tier_dir=5), "disk_tier_dir"),
     (dict(host_tier_pages=-1), "host_tier_pages"), (dict(disk_tier_bytes=1.5),
                                                     "disk_tier_bytes"),
-    (dict(device=["cpu"]), "device")])
+    (dict(device=["cpu"]), "device"), (dict(device=("cpu", "cpu")), "device"),
+    (dict(device=("cpu",)), "device")])
 def test_bad_engine_arguments_are_refused_by_name(toy, kw, name):
     """These were taken (threads failed at the first step, a float stop id was truncated to
     an int, an empty disk-tier path meant the current directory) or raised untyped errors."""

@@ -86,6 +86,38 @@ def test_other_views_of_the_same_cache_are_refused(kind, cache_dtype, op):
     inp.check_live()
 
 
+@pytest.mark.parametrize("kind", ["paged", "continuous", "linear"])
+@pytest.mark.parametrize("op", ["append", "prefill", "decode", "plan rebind"])
+def test_k_and_v_of_two_devices_head_shards_are_refused(kind, op):
+    """Heads split over two devices of one machine: K of device 0's shard with V of device
+    1's (one layer) read K of heads 0-1 with V of heads 2-3, and the append wrote device 0's
+    V rows over device 1's heads."""
+    params = KVCacheParams("float32", 2 * H, D, kind, page_size=2 if kind == "paged" else None)
+    if kind == "linear":
+        mgr = LinearKVCache(params, 3, 12, LAYERS, devices=("cpu", "cpu"))
+        mgr.reset_for_new_sequences([0, 1])
+        i0, i1 = mgr.step_inputs([3, 2])
+        caches = mgr.get_kv_cache_buffer(0), mgr.get_kv_cache_buffer(1)
+    else:
+        cls = PagedKVCacheManager if kind == "paged" else ContinuousBatchingKVCacheManager
+        mgr = cls(params, 3, 24, LAYERS, devices=("cpu", "cpu"))
+        a, b = mgr.claim(2)
+        i0, i1 = mgr.fetch([BatchItem(a, [1, 2, 3]), BatchItem(b, [4, 5])])
+        caches = tuple(mgr.blocks)
+    plan = None
+    if op == "plan rebind":
+        plan = plan_step(i0)  # a launch prepared for device 0's layer 0
+        n = int(i0.qo_indptr_host[-1])
+        plan.append_kv(0, torch.randn(n, H, D), torch.randn(n, H, D))
+    saved = [c.clone() for c in caches]
+    for kc, vc in ((i0.k_cache(1), i1.v_cache(1)), (i1.k_cache(1), i0.v_cache(1))):
+        with pytest.raises(InvalidArgumentError, match="head shard"):
+            _call(op, i0, kc, vc, plan)
+    assert all(torch.equal(c, s) for c, s in zip(caches, saved))
+    _call("append", i0, i0.k_cache(1), i0.v_cache(1))  # one shard's own pair still works
+    i0.check_live()
+
+
 def test_a_plans_rebound_attention_refuses_an_output_over_its_queries():
     """The op refused ``out`` sharing memory with ``q``; the plan's later layers took it and
     the kernel overwrote query rows before reading them."""
