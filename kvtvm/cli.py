@@ -223,7 +223,8 @@ def cmd_generate(args) -> int:
         return 2
     req = Request(0, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   seed=args.seed, top_k=args.top_k)
-    engine.log = lambda s: print(s, file=sys.stderr)
+    rejected = f"request {req.rid}: rejected: "  # said once, below, as --prompt's error
+    engine.log = lambda s: s.startswith(rejected) or print(s, file=sys.stderr)
     engine.serve([req])
     if args.disk_tier_dir is not None or args.host_tier_pages:
         written = engine.close()
@@ -234,7 +235,7 @@ def cmd_generate(args) -> int:
         return 2
     print(" ".join(map(str, req.output)) if tok is None else
           tok.decode(req.output, skip_special_tokens=True).strip())
-    if args.check and req.temperature == 0:
+    if args.check:  # greedy (checked with the options)
         tol = reference_tolerance(model, engine.params)  # None: float32, exact
         with quantized_reference(model, engine.params):  # K/V quantized as the cache does
             want = reference_tokens(model, ids, args.max_new_tokens, req.stop_token_ids)
@@ -251,9 +252,6 @@ def cmd_generate(args) -> int:
                   f"{len(want)} tokens)", file=sys.stderr)
         else:
             print(f"checked: {len(want)} tokens equal {ref}", file=sys.stderr)
-    elif args.check:
-        print(f"--check: not done: it compares greedy tokens, and --temperature is "
-              f"{args.temperature}", file=sys.stderr)
     return 0
 
 
@@ -296,7 +294,7 @@ def main(argv=None) -> int:
     sub.add_parser("tune", help="autotune kernel knobs (python -m kvtvm tune --help)",
                    add_help=False)
     g = sub.add_parser("generate", help="answer a prompt with kvtvm's engine (SmolLM2 default)")
-    g.add_argument("--model", default="smollm2",
+    g.add_argument("--model", default="smollm2", type=cliargs.nonempty,
                    help="'smollm2', a local model directory, or 'toy' (prompt = token ids)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=cliargs.positive_int, default=64)
@@ -335,6 +333,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         args.cache_storage = cliargs.cache_storage_kwargs(g, args)
+        if args.check and args.temperature != 0:  # before the model loads
+            g.error(f"--check compares greedy tokens: it needs --temperature 0, got "
+                    f"{args.temperature}")
     if getattr(args, "verbose", False):
         import logging
 
@@ -343,7 +344,11 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except KVCacheError as err:  # a value the options let through that kvtvm refuses
-        print(f"python -m kvtvm {args.command}: error: {err}", file=sys.stderr)
+        text = str(err)
+        name = text.partition(":")[0]
+        if name in vars(args) and name != "command":  # named as the option, not the keyword
+            text = f"argument --{name.replace('_', '-')}:{text.partition(':')[2]}"
+        print(f"python -m kvtvm {args.command}: error: {text}", file=sys.stderr)
         return 2
 
 

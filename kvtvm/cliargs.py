@@ -138,6 +138,14 @@ def output_file(text: str) -> str:
     return text
 
 
+def nonempty(text: str) -> str:
+    """A name or path that is not empty or blank (an unset shell variable: ``--model ""``
+    would load the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a name or a path, got {text!r}")
+    return text
+
+
 def dir_path(text: str) -> Path:
     """A directory path, not empty (``Path("")`` is the current directory: an unset shell
     variable would write there)."""
@@ -215,11 +223,21 @@ def add_cache_storage_options(parser: argparse.ArgumentParser) -> None:
 
 
 def cache_storage_kwargs(parser: argparse.ArgumentParser, args) -> dict:
-    """The ``Engine`` keywords of :func:`add_cache_storage_options`' options; ``--skip-layers``
-    without an 8-bit K or V is a usage error (exits 2)."""
+    """The ``Engine`` keywords of :func:`add_cache_storage_options`' options. Usage errors
+    (exit 2, naming the option): ``--skip-layers`` without an 8-bit K or V, or naming a layer
+    twice; a full-precision ``--k-cache-dtype`` / ``--v-cache-dtype`` other than ``--dtype``
+    (when the command has one: the model's)."""
     chosen = (args.cache_dtype, args.k_cache_dtype, args.v_cache_dtype)
     if args.skip_layers and not any(d in CACHE_DTYPES for d in chosen):
         parser.error("--skip-layers needs an 8-bit cache: give --cache-dtype, --k-cache-dtype "
                      f"or --v-cache-dtype one of {', '.join(CACHE_DTYPES)}")
+    if len(set(args.skip_layers)) != len(args.skip_layers):
+        parser.error(f"--skip-layers: each layer once, got {args.skip_layers}")
+    dtype = getattr(args, "dtype", None)
+    for option, given in (("--k-cache-dtype", args.k_cache_dtype),
+                          ("--v-cache-dtype", args.v_cache_dtype)):
+        if dtype is not None and given in FLOAT_DTYPES and given != dtype:
+            parser.error(f"argument {option}: expected one of {', '.join(CACHE_DTYPES)} or the "
+                         f"model's dtype --dtype {dtype}, got {given!r}")
     return dict(cache_dtype=args.cache_dtype, k_cache_dtype=args.k_cache_dtype,
                 v_cache_dtype=args.v_cache_dtype, skip_layers=tuple(args.skip_layers))

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .. import cliargs
+from .common import plot_path
 
 WAYS = ("engine", "hf-batch-sdpa", "hf-batch-paged-eager", "hf-batch-kvtvm",
         "hf-generate-sdpa", "hf-generate-kvtvm")
@@ -238,7 +239,8 @@ def main(argv=None) -> int:
                         default=True, help="run the hf-*-kvtvm ways with torch on one thread, "
                         "as the engine (default yes)")
     parser.add_argument("--json", type=cliargs.output_file, default=None, metavar="PATH")
-    parser.add_argument("--plot", type=cliargs.output_file, default=None, metavar="PATH.png")
+    parser.add_argument("--plot", type=plot_path, default=None, metavar="PATH.png",
+                        help="also draw the results as a bar chart (needs matplotlib)")
     args = parser.parse_args(argv)
     from ..engine import load_model
 

@@ -205,7 +205,7 @@ def tuning_workload(spec, device: str):
     features and K/V storage."""
     import torch
 
-    mix = TUNING_MIX["cpu" if device == "cpu" else "cuda"]
+    mix = TUNING_MIX["cuda" if str(device).startswith("cuda") else "cpu"]
     batch = len(mix)
     H, G, D = spec.n_kv_heads, spec.group_size, spec.head_dim
     tdt = getattr(torch, spec.dtype)
@@ -258,15 +258,22 @@ def main(argv=None) -> int:
                         help="also run kvtvm over the same K/V stored as these types (int8, "
                              "float8_e4m3fn, or another full-precision type), side by side")
     add_skip_arg(parser)
+    parser.set_defaults(repeat=None, warmup=None)  # per device: CPU runs are long
+    for action in parser._actions:
+        if action.dest in ("repeat", "warmup"):
+            action.help += " (default: 5 / 1 on the CPU, 20 / 3 on CUDA)"
     args = parser.parse_args(argv)
     device = args.device
     import torch
 
-    if device == "cpu":
+    cpu = not device.startswith("cuda")
+    if args.repeat is None:
+        args.repeat = 5 if cpu else 20
+    if args.warmup is None:
+        args.warmup = 1 if cpu else 3
+    if cpu:
         torch.set_num_threads(max(1, __import__("os").cpu_count() or 1))
-        if args.repeat == 20:  # the shared default; CPU runs are long
-            args.repeat, args.warmup = 5, 1
-    cases = CPU_CASES if device == "cpu" else GPU_CASES
+    cases = CPU_CASES if cpu else GPU_CASES
     if args.cases:
         cases = args.cases
     skip = parse_skip(args)
@@ -278,8 +285,10 @@ def main(argv=None) -> int:
         peers = [("kvtvm", None, lambda: run_kvtvm(case)),
                  (PEERS["dense"], "dense", lambda: run_sdpa(case)),
                  (PEERS["gather"], "gather", lambda: run_gather_sdpa(case)),
-                 (PEERS["tvm"], "tvm", lambda: run_tvm_builtin(case, args.dtype, device)[0]),
-                 (PEERS["flashinfer"], "flashinfer", lambda: run_flashinfer(case, args.dtype))]
+                 (PEERS["tvm"], "tvm", lambda: run_tvm_builtin(case, args.dtype, device)[0])]
+        if not cpu:  # a CUDA library: not tried on the CPU (as decode)
+            peers.append((PEERS["flashinfer"], "flashinfer",
+                          lambda: run_flashinfer(case, args.dtype)))
         peers[1:1] = [(f"kvtvm {st}", None, lambda st=st: run_kvtvm_stored(case, st))
                       for st in dict.fromkeys(args.cache_dtype) if st != args.dtype]
         for impl, key, make in peers:

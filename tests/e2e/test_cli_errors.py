@@ -28,8 +28,8 @@ CASES = [
     ([*GEN, "--cache-dtype", "int4"], "--cache-dtype"),
     ([*GEN, "--k-cache-dtype", "fp16"], "--k-cache-dtype"),
     ([*GEN, "--skip-layers", "0"], "--skip-layers"),
-    ([*GEN, "--cache-dtype", "int8", "--skip-layers", "9"], "skip_layers"),
-    ([*GEN, "--cache-dtype", "int8", "--v-cache-dtype", "bfloat16"], "v_cache_dtype"),
+    ([*GEN, "--cache-dtype", "int8", "--skip-layers", "9"], "argument --skip-layers"),
+    ([*GEN, "--cache-dtype", "int8", "--v-cache-dtype", "bfloat16"], "argument --v-cache-dtype"),
     # off the grid: a huge thread count (hung), a non-finite temperature (sampled
     # uniformly), a seed torch cannot take and an empty disk-tier path (the current
     # directory) (the last two were a traceback / taken)
