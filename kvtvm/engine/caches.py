@@ -92,8 +92,9 @@ class _TableCache:
         self.mgr.step(self._batch(reqs, tokens))
 
     def finish(self, reqs, finished) -> None:
-        for r in finished:
-            self.mgr.release(r.seq_id)
+        for r in finished:  # (those an interrupted finish released already are skipped)
+            if self.mgr.contains(r.seq_id):
+                self.mgr.release(r.seq_id)
 
     def live_bytes(self, running) -> int:
         if self.paged:

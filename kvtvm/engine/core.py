@@ -97,8 +97,9 @@ class Engine(Uncopyable):
     eos_token_ids : sequence of int, optional
         Default stop tokens of requests; default the model's ``generation_config.eos_token_id``.
     max_step_tokens : int, optional
-        Most tokens one step computes (decode tokens first, then prompt chunks); None: whole
-        prompts in one step.
+        Most tokens one step computes (decode tokens first, then prompt chunks; new requests
+        are admitted into what the running ones leave), or one per running request when more
+        run; None: whole prompts in one step.
     torch_threads, kernel_threads : int or None
         Thread counts set at the first step (:func:`kvtvm.engine.threads.configure_threads`).
     host_tier_pages : int
@@ -335,21 +336,25 @@ class Engine(Uncopyable):
                     req.stop_token_ids = self.eos_token_ids
                 if req.temperature > 0:
                     req.generator = make_generator(req.seed, req.rid)
+                req.arrived_step = self.step_no
                 self.queue.append(req)
 
     def _admit(self, budget: int) -> list[Request]:
         """Move queued requests into the cache, first come first served, while they fit (slots,
         pages, and this step's token budget)."""
         new = []
-        while self.queue and budget > 0 and self.kv.can_admit(self.queue[0],
-                                                                self.running + new):
-            req = self.queue.pop(0)
-            self.kv.add(req)
-            req.status, req.admitted_step = "running", self.step_no
-            if req.admitted_step > req.arrival:
-                self.stats.waited += 1
-            budget -= len(req.prompt)
-            new.append(req)
+        try:
+            while self.queue and budget > 0 and self.kv.can_admit(self.queue[0],
+                                                                    self.running + new):
+                req = self.queue[0]
+                self.kv.add(req)     # (raises: still queued)
+                new.append(self.queue.pop(0))
+                req.status, req.admitted_step = "running", self.step_no
+                budget -= len(req.prompt)
+        except BaseException:        # an interrupt: the ones admitted go back to the queue
+            self._unadmit(new)
+            raise
+        self.stats.waited += sum(r.admitted_step > r.arrived_step for r in new)
         return new
 
     def _chunks(self, batch) -> list[list[int]]:
@@ -380,18 +385,21 @@ class Engine(Uncopyable):
             r.status, r.seq_id, r.admitted_step = "waiting", -1, -1
             self.queue.insert(0, r)
 
-    def _fail(self, batch, err: BaseException) -> None:
+    def _fail(self, batch, err: BaseException, released=None) -> None:
         """A step's forward pass or sampling raised ``err`` (a kernel that does not load, no
         memory, an interrupt): abort every request of ``batch`` (``error`` says why) and
         release their sequences -- an uncommitted fetch is dropped, never committed, so no
         K/V of the failed pass is read later or reaches the prefix cache. Queued requests
-        stay queued and the engine serves on."""
-        self.kv.finish(batch, batch)
+        stay queued and the engine serves on. ``released``: the step's whole batch, every
+        sequence of which is released (some may be already: the retiring raised)."""
+        self.kv.finish(batch if released is None else released,
+                       batch if released is None else released)
         self.running = []
         for r in batch:
             r.error = f"aborted: engine step {self.step_no} failed: {type(err).__name__}: {err}"
             self._finish(r, "aborted")
-        self.log(f"requests {[r.rid for r in batch]}: {batch[0].error}")
+        if batch:
+            self.log(f"requests {[r.rid for r in batch]}: {batch[0].error}")
         self.step_no += 1
 
     # -- one step -------------------------------------------------------------------------
@@ -419,16 +427,18 @@ class Engine(Uncopyable):
             configure_threads(*self._threads)
             self._threads_set = True
         self._arrive()
-        decoding = sum(1 for r in self.running if r.prefilled == len(r.prompt))
-        new = self._admit((self.max_step_tokens or 1 << 62) - decoding)
+        # what the running requests compute this step first (a token each while decoding,
+        # the rest of their prompt while prefilling): new ones take only what is left
+        need = sum(max(1, len(r.prompt) - r.prefilled) for r in self.running)
+        new = self._admit((self.max_step_tokens or 1 << 62) - need)
         if not self.running and not new:
             if self.queue:          # nothing runs and the head still does not fit: never will
                 self._reject(self.queue.pop(0), "does not fit in the cache even when it is empty")
             self.step_no += 1
             return
         batch = self.running + new
-        tokens = self._chunks(batch)
         try:
+            tokens = self._chunks(batch)   # (reads the prefix cache and its tiers)
             kv = self.kv.fetch(batch, tokens)
         except KVCacheCapacityError as err:
             if not new:     # admission reserves room for running requests: not expected
@@ -484,8 +494,14 @@ class Engine(Uncopyable):
         st.mixed_steps += any(prefilling) and not all(prefilling)
         st.steps += 1
         st.peak_running = max(st.peak_running, len(batch))
-        st.peak_live_bytes = max(st.peak_live_bytes, self.kv.live_bytes(self.running))
-        self.kv.finish(batch, [r for r, _ in done])
+        try:
+            st.peak_live_bytes = max(st.peak_live_bytes, self.kv.live_bytes(self.running))
+            self.kv.finish(batch, [r for r, _ in done])
+        except BaseException as err:  # an interrupt while retiring: the finished ones end
+            for r, reason in done:    # (their tokens are all there), the rest are aborted
+                self._finish(r, "done", reason)
+            self._fail([r for r in batch if r.status == "running"], err, released=batch)
+            raise
         for r, reason in done:
             self._finish(r, "done", reason)
         self.running = [r for r in batch if r.status == "running"]

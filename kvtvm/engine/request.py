@@ -40,6 +40,7 @@ class Request:
     error: str = ""
     prefix_hit_tokens: int = 0
     seq_id: int = -1
+    arrived_step: int = -1           # the engine step it entered the queue
     admitted_step: int = -1
     finished_step: int = -1
     prefilled: int = 0               # prompt tokens in the cache
