@@ -79,7 +79,13 @@ def struct_info_of(specs: list) -> list:
 
 def input_symbols_for(manager) -> list:
     """Relax struct info of ``manager``'s per-step inputs, one entry per device (what
-    ``manager.input_symbols()`` returns): :func:`struct_info_of` of ``manager.input_specs()``."""
+    ``manager.input_symbols()`` returns): :func:`struct_info_of` of ``manager.input_specs()``.
+    A :class:`kvtvm.manager.LinearKVCache` has none (seed 004): :func:`kv_input_vars_for`
+    describes it from its buffer."""
+    if not callable(getattr(manager, "input_specs", None)):
+        raise InvalidArgumentError(describe(
+            "manager", "a paged or continuous kvtvm manager (input_specs(); a LinearKVCache "
+            "goes to kv_input_vars_for)", type(manager).__name__))
     return struct_info_of(manager.input_specs())
 
 
@@ -122,17 +128,24 @@ def kv_input_types(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str =
 
     from ..kernels._tvm import tir
 
-    for name, value in (("num_layers", num_layers), ("n_kv_heads", n_kv_heads),
-                        ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    def positive(name, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise InvalidArgumentError(describe(name, "a positive int", repr(value)))
+        return int(value)
+
+    num_layers, n_kv_heads, head_dim = (positive(n, v) for n, v in (
+        ("num_layers", num_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)))
     refuse_quantized("dtype", str(dtype))
 
-    def sym(value, name):
-        return tir.Var(name, "int64") if value is None else _i64(value)
+    def sym(value, name, var=None):
+        if value is None:
+            return tir.Var(var or name, "int64")
+        if isinstance(value, tir.Var):
+            return value
+        return positive(name, value)
 
     num_pages, page_size = sym(num_pages, "num_pages"), sym(page_size, "page_size")
-    width, batch = sym(width, "max_pages"), sym(batch, "batch")
+    width, batch = sym(width, "width", "max_pages"), sym(batch, "batch")
     cache = relax.TensorType(_layer_cache_shape(layout, num_pages, page_size, int(n_kv_heads),
                                                 int(head_dim)), dtype)
     types = {}
@@ -232,12 +245,15 @@ def refuse_quantized(what: str, storage: str) -> None:
         Naming the storage type given and those supported.
     """
     from ..errors import DTypeMismatchError, describe
-    from ..params import DTYPE_SIZES
+    from ..params import DTYPE_SIZES, QUANT_DTYPES
 
-    if storage not in DTYPE_SIZES:
+    if storage in QUANT_DTYPES:
         raise DTypeMismatchError(describe(
             what, f"one of {sorted(DTYPE_SIZES)} (the Relax integration has no quantized-cache "
             "kernels; use kvtvm.ops with a quantized cache)", storage))
+    if storage not in DTYPE_SIZES:
+        raise DTypeMismatchError(describe(what, f"a dtype name, one of {sorted(DTYPE_SIZES)}",
+                                          repr(storage)))
 
 
 def kv_input_vars_for(manager, device: int = 0) -> KVInputVars:
@@ -253,6 +269,11 @@ def kv_input_vars_for(manager, device: int = 0) -> KVInputVars:
     from ..kernels._tvm import tir
     from ..params import KVCacheStrategy
 
+    if not (callable(getattr(manager, "input_symbols", None))
+            or callable(getattr(manager, "get_kv_cache_buffer", None))):
+        raise InvalidArgumentError(describe("manager", "a kvtvm cache manager (paged, "
+                                            "continuous or LinearKVCache)",
+                                            type(manager).__name__))
     strategy = manager.params.cache_strategy
     for name in ("k_cache_dtype", "v_cache_dtype"):
         refuse_quantized(f"params.{name}", str(getattr(manager.params, name,
@@ -295,6 +316,11 @@ def kv_call_args(inputs) -> list:
     DTypeMismatchError
         ``inputs`` of a quantized cache (:func:`refuse_quantized`).
     """
+    if not callable(getattr(inputs, "check_live", None)):
+        hint = " (a list: take one device's, manager.fetch(batch)[0])" \
+            if isinstance(inputs, (list, tuple)) else ""
+        raise InvalidArgumentError(describe("inputs", "one device's fetched inputs" + hint,
+                                            type(inputs).__name__))
     inputs.check_live()
     params = getattr(inputs, "params", None)
     for name in ("k_cache_dtype", "v_cache_dtype") if params is not None else ():
@@ -312,10 +338,21 @@ _FLAGS_LOCK = threading.Lock()
 
 
 def _device(device):
+    """The flag's device: cpu (any ``cpu:N``) or a CUDA device with its index; else a typed
+    error naming ``device`` (no flag is made for it)."""
     import torch
 
-    device = torch.device(device or "cpu")
-    if device.type == "cuda" and device.index is None:
+    from ..manager.args import parse_devices
+
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise InvalidArgumentError(describe("device", "a device name or torch.device",
+                                            repr(device)))
+    (device,) = parse_devices(device, name="device")  # cpu or cuda, CUDA there
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 

@@ -150,3 +150,44 @@ def test_two_scales_alike_to_six_digits_get_two_kernels():
     names = [gv.name_hint for gv in mod.functions if gv.name_hint.startswith("kvtvm")]
     assert len(set(names)) == 2, names
     _compile(mod)
+
+
+def test_misuse_of_the_input_helpers_is_typed_and_names_the_argument():
+    """Natural mistakes raised bare AttributeErrors, TVM InternalErrors, or made a flag on a
+    meta device that broke every later check_errors(); ``cpu:0`` made a second CPU flag the
+    no-argument check still reads but a graph given the other never reported to."""
+    from kvtvm import KVCacheParams
+    from kvtvm.errors import DTypeMismatchError
+    from kvtvm.manager import BatchItem, LinearKVCache, PagedKVCacheManager
+
+    params = KVCacheParams("float32", 2, 16, "paged", page_size=4)
+    mgr = PagedKVCacheManager(params, 2, 16, 1)
+    (s,) = mgr.claim(1)
+    fetched = mgr.fetch([BatchItem(s, [1, 2, 3])])
+    with pytest.raises(InvalidArgumentError, match=r"inputs: .*fetch\(batch\)\[0\]"):
+        kr.kv_call_args(fetched)
+    assert len(kr.kv_call_args(fetched[0])) == 2 + 4
+    for bad in (params, None):
+        with pytest.raises(InvalidArgumentError, match="manager"):
+            kr.kv_input_vars_for(bad)
+    lin = LinearKVCache(KVCacheParams("float32", 2, 16, "linear"), 2, 8, 1)
+    with pytest.raises(InvalidArgumentError, match="manager.*kv_input_vars_for"):
+        kr.input_symbols_for(lin)
+    assert kr.kv_input_vars_for(lin).layout == "hnd"
+    for kw, name in ((dict(num_pages=-1), "num_pages"), (dict(page_size=0), "page_size"),
+                     (dict(page_size=2.5), "page_size"), (dict(width="x"), "width"),
+                     (dict(batch=True), "batch")):
+        with pytest.raises(InvalidArgumentError, match=name):
+            kr.kv_input_types(1, 2, 16, **kw)
+    assert "k_cache_1" in kr.kv_input_types(np.int64(2), 2, 16, num_pages=np.int32(3))
+    with pytest.raises(DTypeMismatchError, match="dtype name") as err:
+        kr.kv_input_types(1, 2, 16, "fp16")
+    assert "quantized" not in str(err.value)
+    with pytest.raises(DTypeMismatchError, match="quantized"):
+        kr.kv_input_types(1, 2, 16, "int8")
+    for device in ("meta", "tpu", 3, ("cpu", "cpu")):
+        with pytest.raises(InvalidArgumentError, match="device"):
+            kr.error_flag(device)
+    assert kr.error_flag("cpu:0") is kr.error_flag("cpu") is kr.error_flag(None)
+    kr.check_errors()  # no flag of a bad device was kept
+    kr.check_errors("cpu:0")
