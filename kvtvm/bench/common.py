@@ -218,14 +218,18 @@ TIMING_WORDS = {"graph": "CUDA-graph replays, L2 flushed before each (kernel tim
 def report(title: str, rows: list[Row], metric_name: str, baseline: str, args,
            device: str) -> None:
     """Print a side-by-side table with ratios to ``baseline`` (kvtvm); write JSON/PNG."""
-    cases = list(dict.fromkeys(r.case for r in rows))
+    seen, named = {}, []  # a case given twice is measured twice: shown as "<case> #2"
+    for r in rows:
+        k = seen[r.case, r.impl] = seen.get((r.case, r.impl), 0) + 1
+        named.append((r.case if k == 1 else f"{r.case} #{k}", r))
+    cases = list(dict.fromkeys(name for name, _ in named))
     impls = list(dict.fromkeys(r.impl for r in rows))
     print(f"\n{title} — {device_name(device)} — {date.today().isoformat()}")
     header = f"{'case':<22}" + "".join(f"  {i + ' ms':>22} {metric_name:>8}" for i in impls)
     peers = [i for i in impls if i != baseline]
     header += "".join(f"  {p + ' / ' + baseline:>28}" for p in peers)
     print(header)
-    by = {(r.case, r.impl): r for r in rows}
+    by = {(name, r.impl): r for name, r in named}
     for case in cases:
         line = f"{case:<22}"
         for impl in impls:
@@ -273,7 +277,11 @@ def plot(title: str, rows: list[Row], metric_name: str, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = list(dict.fromkeys(r.case for r in rows))
+    seen, named = {}, []  # a case given twice is measured twice: shown as "<case> #2"
+    for r in rows:
+        k = seen[r.case, r.impl] = seen.get((r.case, r.impl), 0) + 1
+        named.append((r.case if k == 1 else f"{r.case} #{k}", r))
+    cases = list(dict.fromkeys(name for name, _ in named))
     impls = list(dict.fromkeys(r.impl for r in rows))
     width = 0.8 / max(1, len(impls))
     fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(cases) + 2), 4))

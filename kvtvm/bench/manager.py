@@ -172,7 +172,8 @@ def main(argv=None) -> int:
     print(f"\nmemory efficiency: {args.requests} requests, prompt lengths log-normal (mean "
           f"{mem['prompt_len_mean']:.0f}, p99 {mem['prompt_len_p99']:.0f}), output lengths "
           f"log-normal (mean {mem['output_len_mean']:.0f}, p99 {mem['output_len_p99']:.0f}), "
-          f"{args.max_batch} running, max_seq_len {args.max_seq_len}, page size "
+          f"up to {min(args.max_batch, args.requests)} running, max_seq_len "
+          f"{args.max_seq_len}, page size "
           f"{args.page_size}")
     print("share of the KV bytes held by running sequences that hold live tokens")
     for kind in ("paged", "continuous"):
