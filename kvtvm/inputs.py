@@ -51,7 +51,8 @@ class FetchToken:
         #: the manager's lock: a launch holds it from its liveness check to the kernel's
         #: return (CPU) or enqueue (CUDA), so a concurrent fetch cannot slip in between
         self.live, self.why, self.lock = True, "", lock
-        #: the manager's per-layer cache views, ``view_signature -> (layer, kv, dtype)``
+        #: the manager's per-layer cache views, ``view_signature -> (layer, kv, dtype,
+        #: device index)``
         #: (:func:`kvtvm.collection.layer_views_by_signature`; built once per manager): with
         #: these tables the ops take only these views -- K as K, V as V, of one layer
         self.views = views or {}

@@ -261,7 +261,8 @@ def main(argv=None) -> int:
     parser.set_defaults(repeat=None, warmup=None)  # per device: CPU runs are long
     for action in parser._actions:
         if action.dest in ("repeat", "warmup"):
-            action.help += " (default: 5 / 1 on the CPU, 20 / 3 on CUDA)"
+            action.help += (" (default: 5 on the CPU, 20 on CUDA)" if action.dest == "repeat"
+                            else " (default: 1 on the CPU, 3 on CUDA)")
     args = parser.parse_args(argv)
     device = args.device
     import torch

@@ -140,7 +140,9 @@ def kv_input_types(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str =
     def sym(value, name, var=None):
         if value is None:
             return tir.Var(var or name, "int64")
-        if isinstance(value, tir.Var):
+        if isinstance(value, tir.IntImm):  # TVM's int
+            value = int(value.value)
+        elif isinstance(value, tir.Expr):  # a var or an expression of vars
             return value
         return positive(name, value)
 
@@ -245,9 +247,9 @@ def refuse_quantized(what: str, storage: str) -> None:
         Naming the storage type given and those supported.
     """
     from ..errors import DTypeMismatchError, describe
-    from ..params import DTYPE_SIZES, QUANT_DTYPES
+    from ..params import _CACHE_DTYPE_ALIASES, DTYPE_SIZES
 
-    if storage in QUANT_DTYPES:
+    if storage in _CACHE_DTYPE_ALIASES:  # int8, float8_e4m3fn or an alias (fp8, e4m3)
         raise DTypeMismatchError(describe(
             what, f"one of {sorted(DTYPE_SIZES)} (the Relax integration has no quantized-cache "
             "kernels; use kvtvm.ops with a quantized cache)", storage))
@@ -354,6 +356,10 @@ def _device(device):
         return torch.device("cpu")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise InvalidArgumentError(describe(
+            "device", f"a CUDA device of this machine (cuda:0 to cuda:"
+            f"{torch.cuda.device_count() - 1})", str(device)))
     return device
 
 

@@ -122,7 +122,7 @@ def dequant(cache, layout: str, page, slot, head, dim, head_dim: int, storage: s
 
 def quant_vec_choices(spec) -> list[int]:
     """CUDA decode knob ``vec`` for 8-bit caches: head_dim values per thread, whole int32
-    words of the staged rows (4, 8, 16 or 32), leaving a power of two of lanes (at most 32)
+    words of the staged rows (4 to 32 in steps of 4), leaving a power of two of lanes (at most 32)
     per row (:func:`kvtvm.cuda_limits.decode_vectors`)."""
     return decode_vectors(spec.dtype, spec.head_dim, quantized=True)
 

@@ -126,12 +126,13 @@ def check_contiguous(name: str, t) -> None:
                                             f"strides {list(t.stride())}"))
 
 
-def check_vector_aligned(tensors: dict, nbytes: int = 16) -> None:
-    """Each tensor's data pointer and every byte stride but the innermost are multiples of
-    ``nbytes`` (CUDA kernels move rows in ``nbytes`` vectors)."""
+def check_vector_aligned(tensors: dict, nbytes: int = 16, strides: bool = True) -> None:
+    """Each tensor's data pointer and (``strides``) every byte stride but the innermost are
+    multiples of ``nbytes`` (CUDA kernels move rows in ``nbytes`` vectors). ``strides=False``
+    for contiguous rows moved in vectors that divide a row: the pointer alone decides."""
     for name, t in tensors.items():
         esize = t.element_size()
-        bad = [st * esize for st in t.stride()[:-1] if (st * esize) % nbytes]
+        bad = [st * esize for st in t.stride()[:-1] if (st * esize) % nbytes] if strides else []
         if t.data_ptr() % nbytes or bad:
             raise InvalidArgumentError(describe(
                 name, f"{nbytes}-byte aligned rows on CUDA (data pointer and strides)",

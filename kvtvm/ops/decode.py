@@ -308,8 +308,10 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
                    {n: tensors[n] for n in ("q", "k_cache", "v_cache", "cache_lengths",
                                             "lookup_table")})
     sm_scale = check_sm_scale(sm_scale)
-    if device.type == "cuda":  # K/V rows are staged with 16-byte cp.async copies
-        check_vector_aligned({"k_cache": kc, "v_cache": vc})
+    if device.type == "cuda":  # K/V rows are staged with 16-byte cp.async copies; q is
+        check_vector_aligned({"k_cache": kc, "v_cache": vc})  # read and out written in
+        check_vector_aligned({n: tensors[n] for n in ("q", "out") if n in tensors},  # up to
+                             strides=False)  # 16-byte vectors within their contiguous rows
     tokens = live_tokens({"cache_lengths": lengths, "lookup_table": table},
                          {"k_cache": kc, "v_cache": vc}, layout)
     check_indices = check_flag("check_indices", check_indices)

@@ -224,6 +224,8 @@ class Launch:
                                                if n in slots}, kernel_args=kept)
         if self.device.type == "cuda":  # as prepare_* checks: rows move in 16-byte vectors
             check_vector_aligned({n: t for n, t in tensors.items() if n in _VECTOR_ROWS})
+            check_vector_aligned({n: t for n, t in tensors.items() if n == "out"},
+                                 strides=False)
         checked = [n for n in written if n not in _fresh]
         if checked and any(n in tensors for n in written + read):  # as the op checks them
             check_no_alias({n: slots[n] for n in checked},

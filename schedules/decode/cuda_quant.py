@@ -163,7 +163,9 @@ def default_vec(spec) -> int:
     """The largest slice that keeps ``group * vec <= 32`` (q and the output of every head of
     the group in registers), at least one int32 word; at most 16 values when a side is full
     precision (its slice is held raw and converted: 32 values made ptxas spill at head_dim 64,
-    GQA 1, on sm_80 and sm_90a; 16 use 90-96 registers)."""
+    GQA 1, on sm_80 and sm_90a; 16 use 90-96 registers) -- where a slice within those bounds
+    exists: head_dim 80 and 112 have none (their slices are 20 or 28 values and up), so they
+    take the smallest, and spill at larger groups (docs/kernels.md)."""
     choices = quant_vec_choices(spec)
     cap = 32 if spec.k_storage and spec.v_storage else 16
     fits = [v for v in choices if spec.group_size * v <= 32 and v <= cap]

@@ -180,6 +180,12 @@ def test_misuse_of_the_input_helpers_is_typed_and_names_the_argument():
         with pytest.raises(InvalidArgumentError, match=name):
             kr.kv_input_types(1, 2, 16, **kw)
     assert "k_cache_1" in kr.kv_input_types(np.int64(2), 2, 16, num_pages=np.int32(3))
+    n = tir.Var("n", "int64")  # TVM's ints and expressions of vars are kept
+    types = kr.kv_input_types(1, 2, 16, num_pages=tir.IntImm("int64", 8), width=n * 2)
+    assert int(types["k_cache_0"].shape.values[0]) == 8
+    for alias in ("fp8", "e4m3"):
+        with pytest.raises(DTypeMismatchError, match="quantized"):
+            kr.kv_input_types(1, 2, 16, alias)
     with pytest.raises(DTypeMismatchError, match="dtype name") as err:
         kr.kv_input_types(1, 2, 16, "fp16")
     assert "quantized" not in str(err.value)

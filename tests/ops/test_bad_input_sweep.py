@@ -206,3 +206,20 @@ def test_copy_pages_of_empty_pages_moves_nothing(shape):
     with pytest.raises(KVCacheError, match="dst"):
         ops.copy_pages(blocks, torch.tensor([1], dtype=torch.int32),
                        torch.tensor([P], dtype=torch.int32))
+
+
+def test_vector_alignment_of_contiguous_rows_is_the_pointer():
+    """``strides=False`` (q and out on CUDA: vectors within contiguous rows) checks the data
+    pointer alone: rows of 24 bytes pass, a pointer one element off does not."""
+    import torch
+
+    from kvtvm.errors import InvalidArgumentError
+    from kvtvm.ops.checks import check_vector_aligned
+
+    rows = torch.zeros(4, 2, 12, dtype=torch.float16)  # 24-byte rows
+    check_vector_aligned({"out": rows}, strides=False)
+    with pytest.raises(InvalidArgumentError, match="out"):
+        check_vector_aligned({"out": rows})  # the strided rule wants 16-byte strides
+    off = torch.zeros(4 * 2 * 12 + 1, dtype=torch.float16)[1:].view(4, 2, 12)
+    with pytest.raises(InvalidArgumentError, match=r"out: .*pointer % 16 = 2"):
+        check_vector_aligned({"out": off}, strides=False)

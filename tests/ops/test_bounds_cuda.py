@@ -56,3 +56,33 @@ def test_unchecked_gpu_calls_skip_flag_and_report_at_check(op, bad):
     torch.cuda.synchronize()
     assert torch.equal(whole[:GUARD], before[:GUARD])
     assert torch.equal(whole[-GUARD:], before[-GUARD:])
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+@pytest.mark.parametrize("which", ["q", "out"])
+def test_misaligned_q_or_out_is_refused_before_a_vector_access(op, which):
+    """A contiguous q or out one element past an aligned address: the kernels read q and write
+    out in up to 16-byte vectors, a misaligned-address fault that poisons the CUDA context
+    (found by reading the generated source, 2026-11-28); refused by name, nothing written."""
+    from kvtvm.errors import InvalidArgumentError
+
+    _, cache = _guarded()
+    kc, vc = cache[:, 0], cache[:, 1]
+    table, lengths = _i32([[1, 2], [3, 4]]), _i32([3, 5])
+    rows = 2 if op == "decode" else 3
+
+    def shifted(shape):
+        flat = torch.zeros(int(torch.tensor(shape).prod()) + 1, device="cuda").half()
+        return flat[1:].view(*shape)
+    q = torch.randn(rows, 4 * H, D, device="cuda").half()
+    kw = {}
+    if which == "q":
+        q = shifted(q.shape).copy_(q)
+    else:
+        kw["out"] = shifted(q.shape)
+    with pytest.raises(InvalidArgumentError, match=which):
+        if op == "decode":
+            ops.decode_attention(q, kc, vc, lengths, table, **kw)
+        else:
+            ops.prefill_attention(q, kc, vc, _i32([0, 1, 3]), lengths, table, **kw)
+    torch.cuda.synchronize()
