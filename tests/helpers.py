@@ -148,6 +148,19 @@ def random_page_table(rng, lengths, page_size, spare=2, fill=0, extra_columns=0)
     return table, num_pages
 
 
+def assert_engine_clean(e):
+    """Nothing left in engine ``e``: idle, every slot and page back in its manager's pool."""
+    assert e.idle and not e.running
+    mgr = e.kv.mgr
+    if hasattr(mgr, "check_invariants"):
+        mgr.check_invariants()
+        assert mgr.stats().pages_used == 0
+    if hasattr(mgr, "slots_remaining"):
+        assert len(mgr.slots_remaining) == mgr.max_batch_size
+    else:
+        assert mgr.active_batch_size == 0
+
+
 def random_prompt(rng, n):
     """``n`` random token ids in [3, 1000) (clear of the toy model's special ids)."""
     return rng.integers(3, 1000, n).tolist()

@@ -6,7 +6,7 @@ transformers' tokens, and ``max_step_tokens`` bounds a step."""
 
 import numpy as np
 import pytest
-from helpers import random_prompt
+from helpers import assert_engine_clean, random_prompt
 
 from kvtvm.engine import Engine, Request, check_against_reference
 
@@ -35,18 +35,6 @@ def _once(obj, name, exc=KeyboardInterrupt):
     setattr(obj, name, wrapper)
 
 
-def _assert_clean(e):
-    assert e.idle and not e.running
-    mgr = e.kv.mgr
-    if hasattr(mgr, "check_invariants"):
-        mgr.check_invariants()
-        assert mgr.stats().pages_used == 0
-    if hasattr(mgr, "slots_remaining"):
-        assert len(mgr.slots_remaining) == mgr.max_batch_size
-    else:
-        assert mgr.active_batch_size == 0
-
-
 @pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("where", ["add", "cached_prefix"])
 def test_an_interrupt_while_admitting_requeues_the_request(toy, cache, where):
@@ -72,7 +60,7 @@ def test_an_interrupt_while_admitting_requeues_the_request(toy, cache, where):
     e.serve([])
     assert a.status == b.status == "done"
     assert check_against_reference(toy, [a, b]) == []
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 @pytest.mark.parametrize("cache", CACHES)
@@ -96,12 +84,12 @@ def test_an_interrupt_while_retiring_ends_the_finished_and_aborts_the_rest(toy, 
     assert len(short.output) == 2
     assert full.status == "aborted" and "KeyboardInterrupt" in full.error
     assert check_against_reference(toy, [short]) == []
-    _assert_clean(e)
+    assert_engine_clean(e)
     again = Request(2, full.prompt, 7)
     e.serve([again])
     assert again.status == "done" and len(again.output) == 7
     assert check_against_reference(toy, [again]) == []
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 @pytest.mark.parametrize("cache", CACHES)
@@ -125,7 +113,7 @@ def test_max_step_tokens_bounds_every_step(toy, cache, budget):
     assert all(n <= max(budget, running) for n, running in sizes), sizes
     assert all(r.status == "done" for r in reqs)
     assert check_against_reference(toy, reqs) == []
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 def test_waited_counts_requests_queued_past_the_step_they_arrived(toy):

@@ -6,7 +6,7 @@ nothing; every request that is served gives transformers' tokens; no page or slo
 import numpy as np
 import pytest
 import torch
-from helpers import random_prompt
+from helpers import assert_engine_clean, random_prompt
 
 from kvtvm.engine import Engine, Request, check_against_reference, \
     reference_tokens
@@ -20,19 +20,6 @@ def _engine(model, cache="paged", **kw):
     e = Engine(model, cache, **kw)
     e.log = lambda s: None
     return e
-
-
-def _assert_clean(e):
-    """Nothing left in the engine, every slot and page back in the pool."""
-    assert e.idle
-    mgr = e.kv.mgr
-    if hasattr(mgr, "check_invariants"):
-        mgr.check_invariants()
-        assert mgr.stats().pages_used == 0
-    if hasattr(mgr, "slots_remaining"):
-        assert len(mgr.slots_remaining) == mgr.max_batch_size
-    else:
-        assert mgr.active_batch_size == 0
 
 
 @pytest.mark.parametrize("cache", ["paged", "linear"])
@@ -74,7 +61,7 @@ def test_bad_request_fields_are_rejected_and_the_rest_served(toy, cache):
         assert words[name.split()[0]] in r.error, (name, r.error)
     assert [r.status for r in good] == ["done", "done"]
     assert check_against_reference(toy, good) == []
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 def test_stop_token_given_as_an_int(toy):
@@ -88,7 +75,7 @@ def test_stop_token_given_as_an_int(toy):
     e.serve([req])
     assert req.output == free[:free.index(free[2]) + 1] and req.finish_reason == "stop"
     assert req.stop_token_ids == (free[2],)
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 @pytest.mark.parametrize("cache", ["paged", "continuous", "linear"])
@@ -114,7 +101,7 @@ def test_a_request_served_twice_is_refused(toy, cache):
     e.serve(iter([again, fresh]))                   # any iterable of requests
     assert again.output == out
     assert check_against_reference(toy, [again, fresh]) == []
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
@@ -128,7 +115,7 @@ def test_tiny_temperature_samples_the_greedy_token(toy, temperature):
     e.serve([req])
     assert req.status == "done"
     assert req.output == reference_tokens(toy, prompt, 5)
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 @pytest.mark.parametrize("kw, name", [
@@ -190,7 +177,7 @@ def test_a_failed_fetch_leaves_the_engine_as_it_was(toy, tmp_path):
     assert e.kv.mgr.active_batch_size == 1 and e.queue == [reqs[1]]
     e.serve([])
     assert check_against_reference(toy, reqs) == []
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 def test_warmup_loads_the_8bit_cache_kernels(toy, monkeypatch):
@@ -235,7 +222,7 @@ def test_tight_pool_prefixes_and_aborts_match_transformers(toy, page_size, num_p
     assert all(r.status == "done" for r in reqs), [(r.rid, r.error) for r in reqs]
     assert check_against_reference(toy, reqs) == []
     assert sum(r.prefix_hit_tokens for r in reqs) > 0
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 def test_chunked_prefill_keeps_the_prefix_hits(toy):
@@ -252,7 +239,7 @@ def test_chunked_prefill_keeps_the_prefix_hits(toy):
     assert [r.prefix_hit_tokens for r in reqs] == [0, 0, 21, 28]
     assert e.stats.prefill_tokens == sum(len(r.prompt) for r in reqs) - 49
     assert check_against_reference(toy, reqs) == []
-    _assert_clean(e)
+    assert_engine_clean(e)
 
 
 def test_prompt_of_max_seq_len_and_one_token_in_every_cache(toy):
@@ -269,7 +256,7 @@ def test_prompt_of_max_seq_len_and_one_token_in_every_cache(toy):
         assert [r.status for r in reqs] == ["done"] * 3, cache
         assert all(r.status == "rejected" and "max_seq_len" in r.error for r in over)
         assert check_against_reference(toy, reqs) == [], cache
-        _assert_clean(e)
+        assert_engine_clean(e)
 
 
 def test_cli_kernel_threads_bounded():
