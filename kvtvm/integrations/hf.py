@@ -89,6 +89,7 @@ from ..manager import ContinuousBatchingKVCacheManager, PagedKVCacheManager
 from ..params import KVCacheParams
 from ..plan import plan_step
 from .hf_autograd import no_backward
+from .hf_cb_guard import KVTVM_ATTN  # (installs the generate_batch guard)
 from .hf_support import check_model
 from .hf_rows import (NEEDS_KVTVM_CACHE, PaddingMask, check_room, copy_sequences, regather,
                       row_indices, step_rows)
@@ -106,7 +107,7 @@ except ImportError as err:  # pragma: no cover - depends on the installation
 
 __all__ = ["KVTVMCache", "kvtvm_attention", "use_kvtvm", "ATTN_NAME", "TESTED_TRANSFORMERS"]
 
-ATTN_NAME = "kvtvm"
+ATTN_NAME = KVTVM_ATTN
 TESTED_TRANSFORMERS = ("5.23", "5.24")
 log = logging.getLogger(__name__)
 _active = threading.local()          # .cache: the KVTVMCache of the forward running here

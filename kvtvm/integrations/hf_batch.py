@@ -40,6 +40,7 @@ from ..errors import InvalidArgumentError, describe
 from ..ops import decode_attention, prefill_attention
 from ..ops.append import append_kv
 from .hf_autograd import no_backward
+from .hf_cb_guard import KVTVM_FLASH  # (installs the generate_batch guard)
 
 try:
     import transformers
@@ -55,8 +56,6 @@ except ImportError as err:  # pragma: no cover - depends on the installation
 __all__ = ["KVTVM_FLASH", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "use_kvtvm_batch", "cb_config", "check_transformers", "KERNEL_CALLS"]
 
-#: The attention implementation name (transformers' continuous batching needs "flash" in it).
-KVTVM_FLASH = "kvtvm_flash"
 
 #: The private names of ``transformers.modeling_flash_attention_utils`` the seeding writes.
 _LAZY_NAMES = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn",

@@ -142,6 +142,42 @@ def test_use_kvtvm_batch_refuses_what_it_does_not_support():
     assert gpt2.config._attn_implementation != hfb.KVTVM_FLASH
 
 
+@pytest.mark.parametrize("case", ["kvtvm attention", "gpt_neox"])
+def test_generate_batch_refuses_what_continuous_batching_cannot_run(case):
+    """generate_batch on 'kvtvm' attention (use_kvtvm, not use_kvtvm_batch) raised
+    transformers' bare ValueError naming its own attentions; GPT-NeoX on 'kvtvm_flash'
+    failed every request and only logged it. Both are typed, naming the cure, before a request
+    runs; the model is unchanged and serves afterwards."""
+    import transformers
+    from transformers import GenerationConfig
+
+    from kvtvm.integrations import hf
+
+    torch.manual_seed(0)
+    if case == "gpt_neox":
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            vocab_size=64, hidden_size=32, num_attention_heads=2, intermediate_size=32,
+            num_hidden_layers=1)).eval()
+        hfb.use_kvtvm_batch(model)
+        match = "model_type 'gpt_neox'"
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=32, num_hidden_layers=1)).eval()
+        hf.use_kvtvm(model)
+        match = "use_kvtvm_batch"
+    gen = GenerationConfig(max_new_tokens=3, eos_token_id=-1, pad_token_id=0)
+    with pytest.raises(InvalidArgumentError, match=match):
+        model.generate_batch([[5, 6, 7]], generation_config=gen,
+                             continuous_batching_config=hfb.cb_config(3, 3, 1), warmup=False)
+    ids = torch.tensor([[5, 6, 7]])
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    got = model.generate(ids, **kw, **({} if case == "gpt_neox" else
+                                       {"cache": hf.KVTVMCache(model, 8)}))
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(got, model.generate(ids, **kw))
+
+
 def test_transformers_change_fails_loudly(monkeypatch):
     monkeypatch.delattr(hfb._mfa, "_flash_varlen_fn")
     with pytest.raises(ImportError, match="_flash_varlen_fn"):
