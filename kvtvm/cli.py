@@ -221,6 +221,11 @@ def cmd_generate(args) -> int:
         print(f"error: --max-new-tokens {args.max_new_tokens}: no room for a cache of the "
               f"prompt's {len(ids)} tokens + {args.max_new_tokens}: {err}", file=sys.stderr)
         return 2
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and len(ids) + args.max_new_tokens > limit:
+        print(f"warning: the prompt's {len(ids)} tokens + --max-new-tokens "
+              f"{args.max_new_tokens} pass the model's max_position_embeddings ({limit}): "
+              "positions past it were never trained", file=sys.stderr)
     req = Request(0, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   seed=args.seed, top_k=args.top_k)
     rejected = f"request {req.rid}: rejected: "  # said once, below, as --prompt's error

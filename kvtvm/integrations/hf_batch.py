@@ -175,6 +175,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     table = cu_k[:-1, None] + torch.arange(width)[None, :]
     table = torch.where(table < cu_k[1:, None], table, -1)
     dev = q.device
+    for name, t in (("k", k), ("v", v)):  # (named as the caller's, not the cache views')
+        if isinstance(t, torch.Tensor) and t.dim() and t.stride(-1) != 1:
+            raise InvalidArgumentError(describe(f"{name}.stride(-1)", 1, t.stride(-1)))
     kc, vc = k.unsqueeze(1), v.unsqueeze(1)             # [total_k, 1, Hkv, D]
     q = q.contiguous()
     lookup, lengths = _int32(table).to(dev), _int32(cache_lengths).to(dev)

@@ -77,6 +77,16 @@ def test_a_rejected_prompt_is_said_once(capsys):
     assert err == ["error: --prompt: empty prompt (at least one token is needed)"], err
 
 
+def test_a_prompt_past_the_models_positions_is_warned_about(capsys):
+    """A 9,000-token prompt to SmolLM2 (8,192 positions) ran without a word."""
+    from kvtvm.cli import main as cli_main
+
+    prompt = " ".join(["5"] * 4097)  # the toy model has 4096 positions
+    assert _status(cli_main, ["generate", "--model", "toy", "--prompt", prompt,
+                              "--max-new-tokens", "1"]) == 0
+    assert "max_position_embeddings (4096)" in capsys.readouterr().err
+
+
 def test_load_model_refuses_a_name_that_is_not_one():
     """``load_model(None)`` raised TypeError (``Path(None)``); a dtype that is not a name
     (``torch.float32``) is refused by name."""

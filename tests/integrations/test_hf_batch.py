@@ -178,6 +178,17 @@ def test_generate_batch_refuses_what_continuous_batching_cannot_run(case):
     assert torch.equal(got, model.generate(ids, **kw))
 
 
+def test_varlen_names_the_callers_k_and_v():
+    """A k or v whose last axis is strided was refused naming ``k_cache``, the kernel's
+    argument, not the caller's."""
+    q = torch.randn(3, 4, 16)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    k = torch.randn(3, 2, 32)[..., ::2]
+    for name, kv in (("k", (k, torch.randn(3, 2, 16))), ("v", (torch.randn(3, 2, 16), k))):
+        with pytest.raises(InvalidArgumentError, match=rf"^{name}\.stride\(-1\)"):
+            hfb.flash_attn_varlen_func(q, *kv, cu, cu, causal=True)
+
+
 def test_transformers_change_fails_loudly(monkeypatch):
     monkeypatch.delattr(hfb._mfa, "_flash_varlen_fn")
     with pytest.raises(ImportError, match="_flash_varlen_fn"):
