@@ -392,8 +392,8 @@ class Engine(Uncopyable):
         K/V of the failed pass is read later or reaches the prefix cache. Queued requests
         stay queued and the engine serves on. ``released``: the step's whole batch, every
         sequence of which is released (some may be already: the retiring raised)."""
-        self.kv.finish(batch if released is None else released,
-                       batch if released is None else released)
+        gone = batch if released is None else released
+        self.kv.finish(gone, gone)
         self.running = []
         for r in batch:
             r.error = f"aborted: engine step {self.step_no} failed: {type(err).__name__}: {err}"

@@ -369,6 +369,10 @@ def error_flag(device="cpu"):
     :func:`kv_call_args` passes as the ``error_flag`` parameter)."""
     import torch
 
+    if isinstance(device, torch.device):  # a tensor's device (kv_call_args, every step):
+        flag = _FLAGS.get(device)          # its flag without parsing it again
+        if flag is not None:
+            return flag
     device = _device(device)
     flag = _FLAGS.get(device)
     if flag is None:

@@ -156,8 +156,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
 
     if device.type == "cuda":  # the tensor-core kernel moves q, K and V in 16-byte chunks
         check_vector_aligned({"q": qt, "k_cache": kc, "v_cache": vc})
-        if out is not None:  # (one it makes is aligned) written in vectors within its rows
-            check_vector_aligned({"out": out}, strides=False)
+        check_vector_aligned({"out": out}, strides=False)  # vectors within its rows
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
                           "lookup_table": table}, {"k_cache": kc, "v_cache": vc},
                          layout)
