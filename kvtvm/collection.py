@@ -29,6 +29,7 @@ sync): they are for inspection and tests, not for the hot path.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,9 +90,16 @@ class LayerKVCache:
     token: Any = None
 
     def _table(self) -> np.ndarray:
-        if self._lookup_host is None:
-            self._lookup_host = self.lookup_table.detach().cpu().numpy()
+        if self._lookup_host is None:  # a copy: on a CPU the tensor is the manager's buffer,
+            self._lookup_host = self.lookup_table.detach().cpu().numpy().copy()  # reused
         return self._lookup_host
+
+    def _live(self):
+        """The fetch's manager lock, held from the liveness check through the table read and
+        the cache access (a fetch on another thread cannot rewrite the tables, nor a release
+        hand the page on, in between), or a null context for inputs without a manager."""
+        lock = getattr(self.token, "lock", None)
+        return nullcontext() if lock is None else lock
 
     def _batch_index(self, batch_idx) -> int:
         """``batch_idx`` checked: live inputs, an entry of the batch."""
@@ -126,8 +134,9 @@ class LayerKVCache:
 
     def page_and_slot(self, batch_idx: int, tok_idx: int) -> tuple[int, int]:
         """(page, slot in page) of token ``tok_idx`` of batch entry ``batch_idx``."""
-        batch_idx, tok_idx = self._position(batch_idx, tok_idx)
-        page = int(self._table()[batch_idx, tok_idx // self.page_size])
+        with self._live():
+            batch_idx, tok_idx = self._position(batch_idx, tok_idx)
+            page = int(self._table()[batch_idx, tok_idx // self.page_size])
         return page, tok_idx % self.page_size
 
     def row_idx(self, batch_idx: int, tok_idx: int) -> int:
@@ -150,8 +159,11 @@ class LayerKVCache:
         return (page, slot, head_idx) if self.layout == "nhd" else (page, head_idx, slot)
 
     def load(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx=slice(None)):
-        """Element(s) ``[head_dim_idx]`` of head ``head_idx`` at token ``tok_idx`` of ``bs``."""
-        return self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx]
+        """Element(s) ``[head_dim_idx]`` of head ``head_idx`` at token ``tok_idx`` of ``bs``:
+        a copy, read while the inputs are live (a view would see, and could write, whatever a
+        later step puts in that page)."""
+        with self._live():
+            return self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx].clone()
 
     def store(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx, val) -> None:
         """Write ``val`` at element(s) ``[head_dim_idx]`` of head ``head_idx``, token
@@ -159,7 +171,8 @@ class LayerKVCache:
         the manager's whole cache into its graph)."""
         if hasattr(val, "detach"):
             val = val.detach()
-        self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx] = val
+        with self._live():
+            self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx] = val
 
 
 class KVCacheCollection:

@@ -335,8 +335,19 @@ def kv_call_args(inputs) -> list:
                   error_flag(inputs.cache_lengths.device)]
 
 
-_FLAGS: dict = {}  # torch.device -> int32 [ERR_SLOTS] tensor
+_FLAGS: dict = {}  # torch.device (cuda) -> int32 [ERR_SLOTS] tensor, shared by its graphs
 _FLAGS_LOCK = threading.Lock()
+_CPU = threading.local()  # .flag: this thread's CPU flag (threads' graphs report apart)
+
+
+def _cpu_flag():
+    """The calling thread's CPU flag, made at its first use."""
+    import torch
+
+    flag = getattr(_CPU, "flag", None)
+    if flag is None:
+        flag = _CPU.flag = torch.zeros(_err_slots(), dtype=torch.int32)
+    return flag
 
 
 def _device(device):
@@ -366,14 +377,20 @@ def _device(device):
 def error_flag(device="cpu"):
     """kvtvm's error flag of Relax graphs on ``device``: an int32 ``[4]`` torch tensor, zero
     until a kernel emitted with ``error_flag=`` skips an out-of-range entry (what
-    :func:`kv_call_args` passes as the ``error_flag`` parameter)."""
+    :func:`kv_call_args` passes as the ``error_flag`` parameter). On the CPU each thread has
+    its own (a thread's :func:`check_errors` reports its own graphs' errors); a GPU's is
+    shared by the graphs on it."""
     import torch
 
     if isinstance(device, torch.device):  # a tensor's device (kv_call_args, every step):
-        flag = _FLAGS.get(device)          # its flag without parsing it again
+        if device.type == "cpu":           # its flag without parsing it again
+            return _cpu_flag()
+        flag = _FLAGS.get(device)
         if flag is not None:
             return flag
     device = _device(device)
+    if device.type == "cpu":
+        return _cpu_flag()
     flag = _FLAGS.get(device)
     if flag is None:
         with _FLAGS_LOCK:
@@ -388,8 +405,9 @@ def check_errors(device=None) -> None:
     Parameters
     ----------
     device : torch.device or str, optional
-        The device whose flag to read (synchronizes with a GPU); every device whose flag
-        :func:`error_flag` handed out when None.
+        The device whose flag to read (synchronizes with a GPU): on the CPU, the calling
+        thread's; when None, the calling thread's CPU flag and every GPU's that
+        :func:`error_flag` handed out.
 
     Raises
     ------
@@ -399,9 +417,12 @@ def check_errors(device=None) -> None:
     """
     from ..ops.errflag import _ZERO, raise_flag
 
-    devices = list(_FLAGS) if device is None else [_device(device)]
+    import torch
+
+    cpu = torch.device("cpu")
+    devices = [cpu, *_FLAGS] if device is None else [_device(device)]
     for dev in devices:
-        flag = _FLAGS.get(dev)
+        flag = getattr(_CPU, "flag", None) if dev == cpu else _FLAGS.get(dev)
         if flag is None:
             continue
         values = flag.cpu().numpy().copy()  # a CPU flag's numpy() is a view

@@ -197,3 +197,36 @@ def test_misuse_of_the_input_helpers_is_typed_and_names_the_argument():
     assert kr.error_flag("cpu:0") is kr.error_flag("cpu") is kr.error_flag(None)
     kr.check_errors()  # no flag of a bad device was kept
     kr.check_errors("cpu:0")
+
+
+def test_error_flags_of_threads_report_apart():
+    """Two threads running graphs over independent managers: one thread's kernel error is
+    raised by that thread's ``check_errors``, not by the other's (which used to read and
+    clear the one process-wide CPU flag)."""
+    import threading
+
+    from kvtvm.errors import KernelIndexError
+
+    got, set_, checked = {}, threading.Event(), threading.Event()
+
+    def failing():
+        kr.error_flag("cpu")[0] = 1          # what a kernel writes on a skipped entry
+        set_.set()
+        checked.wait(10)
+        with pytest.raises(KernelIndexError):
+            kr.check_errors("cpu")
+        got["failing"] = True
+
+    def clean():
+        set_.wait(10)
+        try:
+            kr.check_errors()                # the calling thread's flags: nothing to report
+            kr.check_errors("cpu")
+            got["clean"] = kr.error_flag("cpu") is not kr.error_flag(torch.device("cpu"))
+        finally:
+            checked.set()
+
+    threads = [threading.Thread(target=failing), threading.Thread(target=clean)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert got == {"failing": True, "clean": False}

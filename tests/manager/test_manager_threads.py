@@ -118,3 +118,49 @@ def test_continuous_manager_under_threads():
     mgr = ContinuousBatchingKVCacheManager(KVCacheParams("float16", 2, 8, "continuous"),
                                            8, 64, 1)
     run_threads(mgr, paged=False)
+
+
+@pytest.mark.parametrize("access", ["store", "load", "row_idx"])
+def test_collection_access_holds_the_fetch_against_a_concurrent_fetch(monkeypatch, access):
+    """A fetch on another thread between an accessor's liveness check and its table read used
+    to rewrite the (shared, on a CPU) lookup table under it: ``store`` wrote into the other
+    sequence's page. The accessor now holds the manager's lock from the check through the
+    access, so the other fetch waits and the access lands on the fetch's own page."""
+    import torch
+
+    from kvtvm.collection import LayerKVCache
+
+    params = KVCacheParams("float32", n_kv_heads=1, head_dim=4, cache_strategy="paged",
+                           page_size=2)
+    mgr = PagedKVCacheManager(params, 2, 8, 1, num_pages=8)
+    a, b = mgr.claim(2)
+    mgr.fetch([BatchItem(b, [5, 6, 7])])
+    mgr.step([BatchItem(b, [5, 6, 7])])
+    (inp,) = mgr.fetch([BatchItem(a, [1])])
+    kc = inp.collection().get_key_cache(0)
+    page_of_a = mgr.pages_of(a)[0]
+    mgr.blocks[0][mgr.pages_of(b)[0], 0, 0, 0] = 9.0   # b's first row, to tell a read apart
+
+    other = threading.Thread(target=lambda: mgr.fetch([BatchItem(b, [8])]))
+    checked = LayerKVCache._position
+
+    def position_then_race(self, *args):
+        out = checked(self, *args)
+        if not other.is_alive() and other.ident is None:
+            other.start()              # b's fetch puts b's pages in batch entry 0 ...
+            other.join(0.3)            # ... unless this access holds the manager's lock
+        return out
+
+    monkeypatch.setattr(LayerKVCache, "_position", position_then_race)
+    if access == "store":
+        kc.store(0, 0, 0, slice(None), torch.full((4,), 3.0))
+    elif access == "load":
+        got = kc.load(0, 0, 0)
+        assert torch.equal(got, mgr.blocks[0][page_of_a, 0, 0, 0, 0]), got
+    else:
+        assert kc.row_idx(0, 0) == page_of_a * 2
+    other.join()
+    if access == "store":
+        assert torch.equal(mgr.blocks[0][page_of_a, 0, 0, 0, 0], torch.full((4,), 3.0))
+        assert float(mgr.blocks[0][mgr.pages_of(b)[0], 0, 0, 0, 0, 0]) == 9.0
+    mgr.check_invariants()
