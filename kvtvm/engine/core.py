@@ -157,6 +157,10 @@ class Engine(Uncopyable):
         self._threads = (torch_threads, kernel_threads)
         self._threads_set = False
         self._stepping = threading.Lock()  # held by the step running (one thread at a time)
+        # held by a step, submit, abort and close: requests may be submitted and aborted from
+        # other threads while one steps (they wait for its end); re-entrant, so a callback
+        # inside a step may abort
+        self._state = threading.RLock()
         if eos_token_ids is None:
             gen = getattr(model, "generation_config", None)
             eos_token_ids = getattr(gen, "eos_token_id", None)
@@ -203,6 +207,10 @@ class Engine(Uncopyable):
         afterwards are refused (:class:`~kvtvm.errors.InvalidArgumentError`): a closed tier
         takes no more pages, so make a new engine (on the same directory, it starts warm).
         A second call does nothing (returns 0)."""
+        with self._state:
+            return self._close(persist)
+
+    def _close(self, persist: bool) -> int:
         if self._closed:
             return 0
         self._closed = True
@@ -237,7 +245,12 @@ class Engine(Uncopyable):
     def submit(self, req: Request) -> None:
         """Queue ``req``; it arrives at engine step ``req.arrival`` (an int; another value
         rejects it). A request object already submitted is refused
-        (:class:`~kvtvm.errors.InvalidArgumentError`, nothing queued)."""
+        (:class:`~kvtvm.errors.InvalidArgumentError`, nothing queued). Another thread may
+        submit while one steps: the request waits for the step's end."""
+        with self._state:
+            self._submit(req)
+
+    def _submit(self, req: Request) -> None:
         self._check_fresh([req])
         if not is_int(req.arrival):
             self._reject(req, f"arrival must be an int (an engine step), got {req.arrival!r}")
@@ -247,7 +260,11 @@ class Engine(Uncopyable):
 
     def abort(self, rid) -> bool:
         """Stop request ``rid`` wherever it is (its cache is released); False if unknown or
-        already finished."""
+        already finished. From another thread while one steps: after the step's end."""
+        with self._state:
+            return self._abort(rid)
+
+    def _abort(self, rid) -> bool:
         for where in (self.pending, self.queue):
             for r in where:
                 if r.rid == rid:
@@ -412,13 +429,15 @@ class Engine(Uncopyable):
     def step(self) -> None:
         """One engine step: arrivals, admission, one forward pass over every running request
         (prompt chunks and decode tokens together), sampling, then retire finished ones.
-        One thread at a time: a step while another thread's runs is an InvalidArgumentError."""
+        One thread at a time: a step while another thread's runs is an InvalidArgumentError
+        (:meth:`submit` and :meth:`abort` from other threads wait for the step instead)."""
         if not self._stepping.acquire(blocking=False):
             raise InvalidArgumentError(describe(
-                "Engine.step", "one thread at a time (an engine is not thread-safe: one per "
-                "thread, or serve from one)", "a step running on another thread"))
+                "Engine.step", "one thread at a time (step from one thread; submit and abort "
+                "may come from others)", "a step running on another thread"))
         try:
-            self._step()
+            with self._state:
+                self._step()
         finally:
             self._stepping.release()
 
@@ -514,9 +533,10 @@ class Engine(Uncopyable):
             raise InvalidArgumentError(describe("requests", "an iterable of Request",
                                                 type(requests).__name__))
         requests = list(requests)
-        self._check_fresh(requests)
-        for r in requests:
-            self.submit(r)
+        with self._state:
+            self._check_fresh(requests)
+            for r in requests:
+                self._submit(r)
         total = len(requests)
         t0 = time.perf_counter()
         while not self.idle:

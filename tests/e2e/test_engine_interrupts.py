@@ -128,3 +128,46 @@ def test_waited_counts_requests_queued_past_the_step_they_arrived(toy):
     assert e.stats.waited == 0
     e.serve([Request(3 + i, random_prompt(rng, 5), 2) for i in range(3)])  # 2 slots
     assert e.stats.waited == 1
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_submit_and_abort_from_other_threads_wait_for_the_step(toy, cache):
+    """One thread steps while others submit and abort: a submit or abort arriving during a
+    step waits for its end (it used to edit the engine's lists under the running step), and
+    every request ends served with transformers' tokens or aborted, with nothing held."""
+    import threading
+
+    rng = np.random.default_rng(11)
+    e = _engine(toy, cache)
+    first = [Request(i, random_prompt(rng, 6 + i), 5) for i in range(2)]
+    for r in first:
+        e.submit(r)
+    real, inside, go = e._step, threading.Event(), threading.Event()
+
+    def slow_step():
+        inside.set()
+        go.wait(10)
+        real()
+    e._step = slow_step
+    stepper = threading.Thread(target=e.step)
+    stepper.start()
+    inside.wait(10)
+    late = Request(9, random_prompt(rng, 5), 3)
+    order = []
+    submitter = threading.Thread(target=lambda: (e.submit(late), order.append("submit")))
+    aborter = threading.Thread(target=lambda: order.append(("abort", e.abort(1))))
+    submitter.start()
+    aborter.start()
+    submitter.join(0.3)
+    aborter.join(0.3)
+    order.append("step ends")   # neither returned while the step ran
+    go.set()
+    for t in (stepper, submitter, aborter):
+        t.join(10)
+    assert order[0] == "step ends" and sorted(map(str, order[1:])) == \
+        ["('abort', True)", "submit"]
+    e._step = real
+    e.serve([])
+    assert first[1].status == "aborted" and late.status == "done"
+    check_against_reference(toy, [first[0], late])
+    assert_engine_clean(e)
