@@ -65,6 +65,27 @@ def available_ops() -> list[str]:
     return ops
 
 
+def _refused_out(out: Path, specs) -> str:
+    """Why ``build --out`` cannot put ``specs`` in ``out`` (``""`` when it can), checked now,
+    not once per kernel after each is compiled: a directory that cannot be written, or one
+    the loader would refuse (:mod:`kvtvm.compiler.trust`: another user's, or under or holding
+    a ``<target>/`` folder group/others can write), with the loader's message."""
+    from .compiler.trust import check_before_making, check_trusted, check_trusted_tree
+
+    try:
+        check_before_making(out)  # nothing made inside another user's tree
+        why = cliargs.unwritable_dir(out)
+        if why:
+            return f"cannot write kernels to {str(out)!r}: {why}"
+        check_trusted_tree(out)
+        for folder in dict.fromkeys((out / spec.file_name()).parent for spec in specs):
+            if folder.exists():
+                check_trusted(folder, "kernel directory")
+    except KVCacheError as err:
+        return str(err)
+    return ""
+
+
 def cmd_build(args) -> int:
     from . import runtime
 
@@ -103,9 +124,9 @@ def cmd_build(args) -> int:
         return 2
     specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
     out = Path(args.out)
-    why = cliargs.unwritable_dir(out)  # now, not once per kernel after each one is compiled
+    why = _refused_out(out, specs)
     if why:
-        print(f"--out: cannot write kernels to {str(out)!r}: {why}", file=sys.stderr)
+        print(f"--out: {why}", file=sys.stderr)
         return 2
     print(f"building {len(specs)} kernels for {args.target}"
           f"{' ' + arch if arch else ''} into {out}")

@@ -59,11 +59,10 @@ def build_spec(spec: KernelSpec, out_dir: str | os.PathLike) -> Path:
     have just built it) is kept. CUDA specs are compiled by nvcc into a fatbin here; ptxas's
     resource report is written beside the module as ``<name>.ptxas.txt``.
     """
-    from filelock import FileLock
-
     out = Path(out_dir) / spec.file_name()
     make_dirs(out.parent)  # 0755 whatever the umask: the loader refuses group-writable
-    with FileLock(str(out.parent / f".{out.name}.lock")):  # hidden, beside the module
+    with build_lock(out):
+        remove_stale_work_dirs(out)
         if out.exists() and is_fresh(out, spec):
             log.debug("%s is already built", out)
             return out
@@ -76,6 +75,25 @@ def build_spec(spec: KernelSpec, out_dir: str | os.PathLike) -> Path:
         write_manifest(out, spec, knobs)
         log.info("built %s in %.1f s", out, time.perf_counter() - start)
     return out
+
+
+def build_lock(out: Path, timeout: float = -1):
+    """The file lock (``.<name>.lock``, hidden beside the module ``out``) held while ``out``
+    and its manifest are written; ``timeout`` as :class:`filelock.FileLock`'s (-1: wait)."""
+    from filelock import FileLock
+
+    return FileLock(str(out.parent / f".{out.name}.lock"), timeout=timeout)
+
+
+def remove_stale_work_dirs(out: Path) -> None:
+    """Remove the work folders (``.<stem>.build-XXXX/``) a killed build of ``out`` left
+    beside it. Call it holding :func:`build_lock` of ``out``: no live build of ``out`` has
+    one then."""
+    prefix = f".{out.stem}.build-"
+    for work in out.parent.iterdir():
+        if work.name.startswith(prefix) and work.is_dir() and not work.is_symlink():
+            log.info("removing %s, left by an interrupted build", work)
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def export_module(mod, target, out: Path, arch: str | None = None) -> Path:

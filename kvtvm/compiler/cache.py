@@ -26,7 +26,7 @@ from ..errors import (CompilerUnavailableError, CorruptKernelError, InvalidArgum
                       KernelCacheError, KernelVersionError, KVCacheError, describe)
 from . import build as _build
 from .manifest import is_fresh, manifest_path, read_manifest, spec_mismatch, version_mismatch
-from .trust import (check_digest, check_trusted, check_trusted_tree, corrupt,
+from .trust import (check_digest, check_trusted, check_trusted_tree, corrupt, expand_user,
                     secure_cache_dir)
 from .spec import KernelSpec, tvm_version
 
@@ -39,12 +39,12 @@ def cache_dir() -> Path:
     """Directory where kernels built on demand are cached: ``KVTVM_CACHE_DIR``, else the
     user cache directory (``platformdirs``: ``$XDG_CACHE_HOME/kvtvm`` or ``~/.cache/kvtvm`` on
     Linux), in a folder per TVM version."""
-    base = os.environ.get("KVTVM_CACHE_DIR")
+    base, name = os.environ.get("KVTVM_CACHE_DIR"), "KVTVM_CACHE_DIR"
     if not base:
         import platformdirs
 
-        base = platformdirs.user_cache_dir("kvtvm")
-    return Path(base).expanduser() / f"tvm-{tvm_version()}"  # "~/x" from Docker's ENV too
+        base, name = platformdirs.user_cache_dir("kvtvm"), "XDG_CACHE_HOME"
+    return expand_user(base, name) / f"tvm-{tvm_version()}"  # "~/x" from Docker's ENV too
 
 
 def add_kernel_dir(path: str | os.PathLike) -> None:
@@ -53,12 +53,12 @@ def add_kernel_dir(path: str | os.PathLike) -> None:
     Raises
     ------
     InvalidArgumentError
-        ``path`` is not a path, or is empty (``Path("")`` would search the current
-        directory).
+        ``path`` is not a path, is empty (``Path("")`` would search the current
+        directory), or starts with a ``~user`` of an unknown user.
     """
     if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
         raise InvalidArgumentError(describe("path", "a directory path", repr(path)))
-    path = Path(path).expanduser()
+    path = expand_user(os.fspath(path), "path")
     if path not in _extra_dirs:
         _extra_dirs.append(path)
 
@@ -71,7 +71,7 @@ def search_key() -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def _kernel_dirs(key: tuple) -> tuple:
-    env = [Path(p).expanduser() for p in key[0].split(os.pathsep) if p.strip()]
+    env = [expand_user(p, "KVTVM_KERNEL_PATH") for p in key[0].split(os.pathsep) if p.strip()]
     return tuple(env + list(key[3]) + [cache_dir()])
 
 
@@ -91,43 +91,84 @@ def find_built(spec: KernelSpec) -> Path | None:
     return None
 
 
+#: Seconds a runtime-only process waits for a rebuild in progress of a module whose bytes
+#: differ from its manifest (the build renames the module into place, then its manifest).
+REBUILD_WAIT_S = 600
+
+
+def _checked_entry(d: Path, path: Path) -> Path:
+    """Run the trust checks on the module ``path`` found in the kernel directory ``d``: ``d``
+    and every directory above it, the ``<target_tag>/`` folder between them, the file and its
+    manifest (:mod:`.trust`; raises :class:`~kvtvm.errors.UntrustedKernelError`). Returns
+    the module's resolved path: the one to hash and to load, so a symlink re-pointed after
+    the checks changes nothing; its manifest is the one beside it."""
+    real_dir = check_trusted_tree(d, "kernel directory")  # never load another user's code
+    real = check_trusted(path)
+    if real.parent != real_dir:  # the <target_tag>/ folder (or a link's), as every parent
+        check_trusted(real.parent, "kernel directory")
+    if manifest_path(real).exists():
+        check_trusted(manifest_path(real), "kernel manifest")
+    return real
+
+
+def _corruption(path: Path, spec: KernelSpec) -> str | None:
+    """Why the module ``path`` is not ``spec``'s as its manifest records it (None when it is)."""
+    return spec_mismatch(path, spec) or check_digest(path, read_manifest(path))
+
+
+def _after_rebuild(path: Path, spec: KernelSpec, bad: str) -> tuple[str | None, str | None]:
+    """``(version mismatch, corruption)`` of ``path`` once a build of it in progress has
+    finished (its build lock taken: a reader between the module's rename and its manifest's
+    saw new bytes with the old manifest); ``(None, bad)`` when the lock cannot be taken (a
+    directory this process cannot write: nobody builds there then)."""
+    try:
+        with _build.build_lock(path, timeout=REBUILD_WAIT_S):
+            return version_mismatch(path), _corruption(path, spec)
+    except OSError:  # the lock file cannot be made, or filelock's Timeout
+        return None, bad
+
+
 def _usable(spec: KernelSpec, can_build: bool) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The first module for ``spec`` on the kernel path that may be loaded as is, and the
-    ones passed over with the reason."""
+    """The first module for ``spec`` on the kernel path that may be loaded as is (resolved:
+    :func:`_checked_entry`), and the ones passed over with the reason."""
     rejected = []
     for d in kernel_dirs():
         path = d / spec.file_name()
         if not path.exists():
             continue
-        check_trusted_tree(d, "kernel directory")  # raises: never load another user's code
-        if path.parent != d:  # the <target_tag>/ folder between them, as every parent
-            check_trusted(path.parent, "kernel directory")
-        check_trusted(path)
-        if manifest_path(path).exists():
-            check_trusted(manifest_path(path), "kernel manifest")
+        path = _checked_entry(d, path)
         if can_build:
             if is_fresh(path, spec):
                 return path, rejected
             rejected.append((path, "stale"))
-        else:
-            why = version_mismatch(path)
+            continue
+        why = version_mismatch(path)
+        if why is None:
+            bad = _corruption(path, spec)
+            if bad is not None:
+                why, bad = _after_rebuild(path, spec, bad)
             if why is None:
-                bad = (spec_mismatch(path, spec)
-                       or check_digest(path, read_manifest(path)))
                 if bad is None:
                     return path, rejected
                 raise corrupt(path, bad)
-            rejected.append((path, why))
+        rejected.append((path, why))
     return None, rejected
 
 
 def _build_into_cache(spec: KernelSpec) -> Path:
-    """Build ``spec`` into the user cache; a cache that cannot be made or written is a
-    :class:`KernelCacheError` naming it (not a bare ``OSError`` from deep in the build)."""
+    """Build ``spec`` into the user cache; returns the module's resolved path once it passed
+    the checks a module found there passes (:func:`_checked_entry`: a group-writable
+    ``<target_tag>/`` folder is refused, before the build when it exists). A cache that
+    cannot be made or written is a :class:`KernelCacheError` naming it (not a bare
+    ``OSError`` from deep in the build)."""
     where = cache_dir()
     try:
         own_base = not os.environ.get("KVTVM_CACHE_DIR")  # ~/.cache/kvtvm is kvtvm's own
-        return _build.build_spec(spec, secure_cache_dir(where, own_base))
+        root = secure_cache_dir(where, own_base)
+        folder = (root / spec.file_name()).parent
+        if folder.exists():  # refused before anything is built into it
+            check_trusted(folder, "kernel directory")
+        return _checked_entry(root, _build.build_spec(spec, root))
     except OSError as err:
         if isinstance(err, KVCacheError):  # UntrustedKernelError is a PermissionError
             raise

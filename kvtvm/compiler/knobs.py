@@ -12,7 +12,7 @@ from ..errors import (CompilerUnavailableError, CorruptKernelError, InvalidArgum
                       describe)
 from ..kernels.variants import UNTUNED
 from .spec import KernelSpec
-from .trust import check_trusted, check_trusted_parents, read_json
+from .trust import check_trusted, check_trusted_parents, expand_user, read_json
 
 _PKG = Path(__file__).resolve().parent.parent  # kvtvm/
 _REPO = _PKG.parent
@@ -75,7 +75,7 @@ def tuning_logs_dir() -> Path:
     """Root of the tuning logs builds read: ``KVTVM_TUNING_LOGS`` if set, else the package's
     ``tuning_logs/``."""
     if os.environ.get("KVTVM_TUNING_LOGS"):
-        return Path(os.environ["KVTVM_TUNING_LOGS"]).expanduser()
+        return expand_user(os.environ["KVTVM_TUNING_LOGS"], "KVTVM_TUNING_LOGS")
     installed = _PKG / "tuning_logs"
     return installed if installed.is_dir() else _REPO / "tuning_logs"
 
@@ -94,12 +94,14 @@ def tuned_knobs(spec: KernelSpec) -> dict:
     path = tuning_log_path(spec)
     if not path.exists():
         return {}
-    check_trusted(path, "tuning log")
-    check_trusted(path.parent, "tuning log directory")
-    check_trusted_parents(path.parent, "tuning log directory")
+    real = check_trusted(path, "tuning log")  # read that very file, not the path again
+    check_trusted(real.parent, "tuning log directory")
+    check_trusted_parents(real.parent, "tuning log directory")
     try:
-        data = read_json(path)
-        knobs = data.get("knobs", {}) if isinstance(data, dict) else None
+        data = read_json(real)
+        if not isinstance(data, dict):
+            raise ValueError(f"it holds a JSON {type(data).__name__}, not an object")
+        knobs = data.get("knobs", {})
         if not isinstance(knobs, dict):
             raise ValueError(f"'knobs' is {type(knobs).__name__}, not an object")
         for field, want in (("uri", spec.uri), ("target", spec.target_tag)):
@@ -113,9 +115,8 @@ def tuned_knobs(spec: KernelSpec) -> dict:
 
 def searched_values(spec: KernelSpec) -> dict:
     """knob name -> the values :func:`knob_space` lists for it (over all its grids)."""
-    space = knob_space(spec)
     values: dict = {}
-    for grid in space if isinstance(space, list) else [space]:
+    for grid in knob_grids(spec):
         for name, options in grid.items():
             values.setdefault(name, set()).update(options)
     return values
@@ -143,6 +144,36 @@ def _check_tuned(spec: KernelSpec, tuned: dict, defaults: dict) -> None:
             raise CorruptKernelError(
                 f"tuning log {tuning_log_path(spec)}: {why}; was it written by another kvtvm "
                 "version or for another target? delete it or re-run `python -m kvtvm.tune`")
+    _check_combination(spec, tuned, defaults)
+
+
+def knob_grids(spec: KernelSpec) -> list[dict]:
+    """:func:`knob_space` of ``spec`` as a list of grids (one dict of lists each)."""
+    space = knob_space(spec)
+    return space if isinstance(space, list) else [space]
+
+
+def in_a_grid(knobs: dict, grids: list[dict]) -> bool:
+    """Whether ``knobs`` lie inside one of ``grids``: each knob a grid lists has one of its
+    values there (the knobs it does not list are free, as :func:`kvtvm.tune.candidates`
+    leaves them at the defaults, or at a previous log's values)."""
+    return any(all(knobs.get(name) in options for name, options in grid.items())
+               for grid in grids)
+
+
+def _check_combination(spec: KernelSpec, tuned: dict, defaults: dict) -> None:
+    """Refuse tuned knobs that, over the defaults, lie in no single grid of
+    :func:`knob_space` (a union: each value of some grid, the combination of none; e.g. the
+    mma.sync prefill's 16 warps with 128-position tiles, which spills and overflows shared
+    memory): :class:`CorruptKernelError` naming the log and the combination. The defaults
+    themselves (a log of the default candidate) pass."""
+    merged = {**defaults, **tuned}
+    if not tuned or merged == defaults or in_a_grid(merged, knob_grids(spec)):
+        return
+    raise CorruptKernelError(
+        f"tuning log {tuning_log_path(spec)}: its knobs {tuned} (with the defaults: "
+        f"{merged}) are no combination kvtvm.tune searches: each value is in some grid, "
+        "not all in one; was it edited? delete it or re-run `python -m kvtvm.tune`")
 
 
 def default_knobs(spec: KernelSpec) -> dict:

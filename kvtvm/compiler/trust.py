@@ -14,7 +14,9 @@ checks. As ssh does, every directory above a kernel directory or a tuning log is
 up to the user's home directory (or the filesystem root when the path is not under home): one
 that another user owns or that group/others can write could swap the whole subtree. A
 root-owned directory with the sticky bit (``/tmp``) passes: others may add entries there but
-cannot rename or remove ours.
+cannot rename or remove ours. A path is resolved once (:func:`resolve_trusted`): every symlink
+met on the way is checked too (the directories above it; its owner when others may write its
+directory), and the resolved path is what is hashed, read and loaded -- never the path again.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import stat
 import tempfile
 from pathlib import Path
 
-from ..errors import CorruptKernelError, UntrustedKernelError
+from ..errors import CorruptKernelError, InvalidArgumentError, UntrustedKernelError, describe
 
 __all__ = ["FILE_MODE", "CACHE_DIR_MODE", "check_trusted", "check_trusted_parents",
+           "resolve_trusted", "expand_user", "check_before_making",
            "check_trusted_tree", "secure_cache_dir", "sha256_of", "set_file_mode",
            "check_digest", "DIR_MODE", "make_dirs", "write_file", "open_regular"]
 
@@ -49,8 +52,74 @@ def _trusted_owner(uid: int) -> bool:
 
 
 def _stat(path: Path) -> os.stat_result:
-    """``os.stat`` of ``path`` (symlinks followed); one place for the tests to fake owners."""
-    return os.stat(path)
+    """``os.lstat`` of ``path`` (called on resolved paths, and on the links met resolving
+    them); one place for the tests to fake owners."""
+    return os.lstat(path)
+
+
+#: Links followed resolving one path before it is refused as a loop (as the kernel's ELOOP).
+MAX_LINKS = 40
+
+
+def _absolute(path: Path) -> Path:
+    """``path`` made absolute without resolving anything (``..`` kept: it follows links)."""
+    return path if path.is_absolute() else Path(os.getcwd(), path)
+
+
+def _resolve(path: Path, what: str) -> tuple[Path, list[Path]]:
+    """``path`` made absolute with every symlink resolved (as :func:`os.path.realpath`; a
+    missing tail is kept as is), and the links met on the way, in order."""
+    absolute = _absolute(path)
+    todo = list(reversed(absolute.parts[1:]))
+    cur, links = Path(absolute.anchor), []
+    while todo:
+        part = todo.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            cur = cur.parent
+            continue
+        nxt = cur / part
+        try:
+            st = os.lstat(nxt)
+        except OSError:  # missing (or not a directory): the checks that follow say so
+            return Path(nxt, *reversed(todo)), links
+        if not stat.S_ISLNK(st.st_mode):
+            cur = nxt
+            continue
+        links.append(nxt)
+        if len(links) > MAX_LINKS:
+            raise UntrustedKernelError(f"{what} {path}: too many levels of symbolic links")
+        target = Path(os.readlink(nxt))
+        if target.is_absolute():
+            cur = Path(target.anchor)
+        todo.extend(reversed(target.parts[1:] if target.is_absolute() else target.parts))
+    return cur, links
+
+
+def _check_link(link: Path, path: Path, what: str) -> None:
+    """Refuse the symlink ``link`` met resolving ``path`` when another user could re-point it:
+    its directory (and every one above it) is checked as a parent, and a link of another
+    user than this one or root in a directory others may write (a root-owned sticky one such
+    as ``/tmp``, where its owner may replace it) is refused."""
+    _check_parent_chain(link, path, what)
+    st, dir_st = _stat(link), _stat(link.parent)
+    if not _trusted_owner(st.st_uid) and dir_st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedKernelError(
+            f"{what} {path}: the symbolic link {link} is owned by uid {st.st_uid}, not by this "
+            f"user (uid {os.geteuid()}) or root, in {link.parent} that others may write: its "
+            "owner could re-point it at code of theirs")
+
+
+def resolve_trusted(path: str | os.PathLike, what: str = "kernel file") -> Path:
+    """``path`` with every symlink resolved, once: the path to check, hash and load, so a link
+    re-pointed after the checks changes nothing. Each link met on the way is checked
+    (:func:`_check_link`); :class:`UntrustedKernelError` names ``path`` and the link."""
+    path = Path(path)
+    real, links = _resolve(path, what)
+    for link in links:
+        _check_link(link, path, what)
+    return real
 
 
 def _refusal(st: os.stat_result, parent: bool) -> str | None:
@@ -65,39 +134,47 @@ def _refusal(st: os.stat_result, parent: bool) -> str | None:
     return None
 
 
-def check_trusted(path: str | os.PathLike, what: str = "kernel file") -> None:
-    """Raise :class:`UntrustedKernelError` when ``path`` (a file or directory; symlinks
-    followed) is owned by another user than this one or root, or group/others can write it;
-    for a symlink, also when a directory above its target is
-    (:func:`check_trusted_parents`: another user could swap the target)."""
+def check_trusted(path: str | os.PathLike, what: str = "kernel file") -> Path:
+    """Raise :class:`UntrustedKernelError` when ``path`` (a file or directory) is owned by
+    another user than this one or root, or group/others can write it; for a path through
+    symlinks, also when a link could be re-pointed (:func:`resolve_trusted`) or a directory
+    above its target could be written (:func:`check_trusted_parents`). Returns the resolved
+    path: what to read or load, never ``path`` again."""
     path = Path(path)
+    real = resolve_trusted(path, what)
     try:
-        st = _stat(path)
+        st = _stat(real)
     except OSError as err:
         raise UntrustedKernelError(f"{what} {path}: cannot be checked ({err})") from None
     why = _refusal(st, parent=False)
     if why is not None:
-        fix = f"; run `chmod go-w {path}`" if "writable" in why else ""
+        fix = f"; run `chmod go-w {real}`" if "writable" in why else ""
         raise UntrustedKernelError(f"{what} {path}: {why}{fix}")
-    if path.is_symlink():  # the directories the link leads into, as those above any path
-        check_trusted_parents(path, what)
+    if real != _absolute(path):  # the directories a link leads into, as any path's
+        _check_parent_chain(real, path, what)
+    return real
 
 
-def check_trusted_parents(path: str | os.PathLike, what: str = "kernel directory") -> None:
+def check_trusted_parents(path: str | os.PathLike, what: str = "kernel directory") -> Path:
     """Raise :class:`UntrustedKernelError` naming the directory when one above ``path``
-    (resolved), up to the user's home directory or the filesystem root, is owned by another
-    user than this one or root, or group/others can write it (a root-owned sticky directory
-    such as ``/tmp`` passes). Without a home directory (no ``HOME`` and no passwd entry, as a
-    container run under an arbitrary uid) the walk goes up to the root."""
+    (resolved: :func:`resolve_trusted`), up to the user's home directory or the filesystem
+    root, is owned by another user than this one or root, or group/others can write it (a
+    root-owned sticky directory such as ``/tmp`` passes). Without a home directory (no
+    ``HOME`` and no passwd entry, as a container run under an arbitrary uid) the walk goes up
+    to the root. Returns the resolved path."""
     path = Path(path)
-    try:
-        p = path.resolve().parent
-    except (OSError, RuntimeError) as err:
-        raise UntrustedKernelError(f"{what} {path}: cannot be checked ({err})") from None
+    real = resolve_trusted(path, what)
+    _check_parent_chain(real, path, what)
+    return real
+
+
+def _check_parent_chain(real: Path, path: Path, what: str) -> None:
+    """The walk of :func:`check_trusted_parents` above the resolved path ``real``."""
     try:
         home = Path.home().resolve()
     except (OSError, RuntimeError, KeyError):  # every kernel was refused: "cannot be checked"
         home = None
+    p = real.parent
     while True:
         try:
             st = _stat(p)
@@ -114,10 +191,25 @@ def check_trusted_parents(path: str | os.PathLike, what: str = "kernel directory
         p = p.parent
 
 
-def check_trusted_tree(path: str | os.PathLike, what: str = "kernel directory") -> None:
-    """:func:`check_trusted` of ``path``, then :func:`check_trusted_parents`."""
-    check_trusted(path, what)
-    check_trusted_parents(path, what)
+def expand_user(text: str, name: str) -> Path:
+    """``Path(text)`` with a leading ``~`` or ``~user`` expanded (a ``~/x`` from Docker's
+    ``ENV`` too); :class:`InvalidArgumentError` naming ``name`` (the variable or argument it
+    came from) for ``~user`` of an unknown user, or ``~`` without ``HOME`` or a passwd entry
+    (a bare ``RuntimeError`` from ``expanduser``)."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError as err:
+        raise InvalidArgumentError(describe(
+            name, "a path whose leading '~' can be expanded (a known user, or HOME set)",
+            f"{text!r} ({err})")) from None
+
+
+def check_trusted_tree(path: str | os.PathLike, what: str = "kernel directory") -> Path:
+    """:func:`check_trusted` of ``path``, then :func:`check_trusted_parents`; returns the
+    resolved path."""
+    real = check_trusted(path, what)
+    _check_parent_chain(real, Path(path), what)
+    return real
 
 
 def secure_cache_dir(path: Path, own_base: bool = True) -> Path:
@@ -127,20 +219,30 @@ def secure_cache_dir(path: Path, own_base: bool = True) -> Path:
     (``own_base``: the default ``~/.cache/kvtvm``, not a ``KVTVM_CACHE_DIR`` such as ``/tmp``
     or a home directory, whose mode is the user's: it was made 0700, sticky bit dropped).
     A ``path`` owned by another user or that group/others can write is refused, and so is a
-    base that is, unless root owns it with the sticky bit (``/tmp``)."""
-    missing = _missing_dirs(path)
-    if missing:  # refused before anything is made inside another user's tree
-        check_trusted_parents(missing[-1], "kernel cache directory")
+    base that is, unless root owns it with the sticky bit (``/tmp``). Returns ``path``
+    resolved (:func:`resolve_trusted`): where to build, so a link re-pointed later changes
+    nothing."""
+    check_before_making(path, "kernel cache directory")
     make_dirs(path, CACHE_DIR_MODE)
+    path = resolve_trusted(path, "kernel cache directory")  # no chmod through another's link
     for d in ((path.parent, path) if own_base else (path,)):
         st = d.stat()
         if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
             log.warning("kvtvm cache directory %s had mode %o: tightened to 0700", d,
                         stat.S_IMODE(st.st_mode))
             os.chmod(d, CACHE_DIR_MODE)
-    check_trusted(path, "kernel cache directory")
-    check_trusted_parents(path, "kernel cache directory")  # the base first, as a parent
-    return path
+    real = check_trusted(path, "kernel cache directory")
+    _check_parent_chain(real, path, "kernel cache directory")  # the base first, as a parent
+    return real
+
+
+def check_before_making(path: str | os.PathLike, what: str = "kernel directory") -> None:
+    """Refuse (:class:`UntrustedKernelError`) a directory ``path`` to be made, before anything
+    is made inside another user's tree: the directories above its first missing one are
+    checked (:func:`check_trusted_parents`); nothing when it exists (check it then)."""
+    missing = _missing_dirs(Path(path))
+    if missing:
+        check_trusted_parents(missing[-1], what)
 
 
 def _missing_dirs(path: Path) -> list[Path]:
