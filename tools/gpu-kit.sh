@@ -92,7 +92,14 @@ build --ops decode --dtypes float16 --head-dims 96 --kv-heads 2 --group-sizes 4 
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 96 --kv-heads 2 --group-sizes 8 --layouts nhd \
       --cache-dtypes float8_e4m3fn
-build --ops decode --dtypes float16 --head-dims 112 --kv-heads 2 --group-sizes 2 --layouts nhd \
+build --ops decode --dtypes float16 --head-dims 112 --kv-heads 2 --group-sizes 2,8 --layouts nhd \
+      --cache-dtypes int8
+# head parts (GQA 8 at d80 / d48) and d16 (row groups capped at 64 along threadIdx.z)
+build --ops decode --dtypes float16 --head-dims 80 --kv-heads 2 --group-sizes 8 --layouts nhd \
+      --cache-dtypes float8_e4m3fn
+build --ops decode --dtypes float16 --head-dims 48 --kv-heads 2 --group-sizes 8 --layouts nhd \
+      --cache-dtypes int8
+build --ops decode --dtypes float16 --head-dims 16 --kv-heads 2 --group-sizes 1 --layouts nhd \
       --cache-dtypes int8
 # CUDA prefill over 8-bit caches (tests/quant/test_quant_prefill_cuda.py: one line a case;
 # K-only, V-only and mixed formats; float32 queries through the simt kernel)

@@ -42,7 +42,7 @@ and ``merge`` (per sequence, query head: log-sum-exp merge of the splits).
 
 Knobs: llvm ``tile_tokens``, ``vector_bytes``, ``head_block``, ``parallel``, ``prefetch``,
 ``prefetch_locality``; cuda ``threads``,
-``tile_tokens``, ``stages``, ``merge_threads``, ``vec`` (schedules
+``tile_tokens``, ``stages``, ``merge_threads``, ``vec``, 8-bit ``head_split`` (schedules
 ``schedules/decode/{cpu,cuda}.py``, both hand-written TIR kernels checked against
 :func:`define`). Variants: ``"serial"`` on llvm.
 """
@@ -146,10 +146,11 @@ def knob_space(spec) -> dict:
                 "head_block": [h for h in (1, 2, 4, 8, 16, 32) if spec.n_kv_heads % h == 0],
                 "prefetch_locality": [2, 3]}
     if spec.quantized:  # schedules/decode/cuda_quant.py
-        from .quant_access import quant_vec_choices
+        from .quant_access import head_split_choices, quant_vec_choices
 
         cores = {"threads": [64, 128, 256], "tile_tokens": [16, 32, 64], "stages": [2, 3],
-                 "merge_threads": [256], "vec": quant_vec_choices(spec)}
+                 "merge_threads": [256], "vec": quant_vec_choices(spec),
+                 "head_split": head_split_choices(spec)}
         if not tensor_core_decode(spec.dtype, spec.head_dim, spec.group_size, spec.k_storage,
                                   spec.v_storage):
             return cores

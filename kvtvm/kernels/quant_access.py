@@ -127,6 +127,12 @@ def quant_vec_choices(spec) -> list[int]:
     return decode_vectors(spec.dtype, spec.head_dim, quantized=True)
 
 
+def head_split_choices(spec) -> list[int]:
+    """CUDA decode knob ``head_split`` for 8-bit caches: the parts a GQA group's query heads
+    may be split into (the divisors of the group size)."""
+    return [h for h in range(1, spec.group_size + 1) if spec.group_size % h == 0]
+
+
 def word_row_scale(words, lead, head_dim: int, storage: str, fast: bool = False):
     """:func:`row_scale` of a row staged as int32 words (``words[(*lead, head_dim // 4)]`` holds
     the scale); ``fast``: for values converted exactly (the CUDA kernels' float16 tiles), not

@@ -5,9 +5,10 @@ the spec to the tensor-core kernel of :mod:`.cuda_quant_mma`; this module's CUDA
 runs the rest. The 8-bit rows are staged in shared memory as they
 are stored (values, scale, padding: ``quant_row_bytes(head_dim)`` bytes, 16-byte ``cp.async``
 chunks, as int32 words; the cp.async helpers and the split-KV merge are the float16 kernel's,
-``schedules/decode/cuda.py``). A thread owns a slice of head_dim for **every query head of the
-GQA group** (q and the output in registers), so each staged value is read and converted once,
-not once per query head: int8 through the float32 magic number (``0x4B0000 | (code + 128)``
+``schedules/decode/cuda.py``). A thread owns a slice of head_dim for **every query head of its
+part of the GQA group** (q and the output in registers; one part unless that would hold more
+than :data:`HEAD_VALUES_PER_THREAD` values, knob ``head_split``), so each staged value is read
+and converted once per part, not once per query head: int8 through the float32 magic number (``0x4B0000 | (code + 128)``
 minus ``2**23 + 128``: a byte permute and an add, not the conversion unit, which runs at an
 eighth of the float rate), e4m3 through the hardware pair conversion on sm_89+ (bit placement
 and an exact float16 rescale elsewhere) -- both exact. The row scales are folded into scalars
@@ -21,6 +22,8 @@ converter per side.
 
 from __future__ import annotations
 
+from math import gcd
+
 from kvtvm.errors import InvalidArgumentError
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func, tir)
@@ -28,7 +31,7 @@ from kvtvm.kernels.accessor import cache_index
 from kvtvm.kernels.decode import (LN2, LOG2E, NAN, NEG, NEG_INFINITY, length_ok, match_params,
                                   signature, split_range)
 from kvtvm.kernels.errflag import ERR_PAGE, ERR_POSITION
-from kvtvm.kernels.quant_access import quant_vec_choices, word_row_scale
+from kvtvm.kernels.quant_access import head_split_choices, quant_vec_choices, word_row_scale
 from kvtvm.quant import quant_row_bytes
 
 from ..common import DTYPE_BYTES, pages_bad_macro, replace_function
@@ -125,8 +128,9 @@ def _convert4(storage, dst, word, dtype):
 
 
 def default_knobs(spec) -> dict:
-    # ``vec`` values of head_dim per thread for every query head of the group (registers:
-    # 2 * group * vec floats), and enough row groups that a thread keeps at most 16 scores
+    # ``vec`` values of head_dim per thread for every query head of its part of the GQA group
+    # (registers: 2 * heads per part * vec floats; ``head_split`` parts, see
+    # :func:`default_head_split`), and enough row groups that a thread keeps at most 16 scores
     # (group x rows per tile); double-buffered 32-row tiles (16 for groups over 4). On an H100
     # (fp16 d128 GQA 4, 2026-11-25, docs/PERF.md) 64 or 128 threads, 32- or 64-row tiles, 2 or
     # 3 stages were within 3% of each other; vec 4 (32 threads per row) was 20% slower.
@@ -138,16 +142,18 @@ def default_knobs(spec) -> dict:
     # tiles, 3 stages; over GQA 4, 4 warps of 64 rows and 2 stages, where that spilled 4-12
     # bytes on sm_80; the short_splits variant's ``mma_short`` makes it 4 warps of 64 rows)
     vec = default_vec(spec)
+    head_split = default_head_split(spec, vec)   # (read with ``mma`` 0, as a tuner may set)
     if cuda_quant_mma.runs_by_default(spec):
         if not (spec.k_storage and spec.v_storage):   # K-only or V-only
-            return dict(cuda_quant_mma.one_sided_knobs(spec), merge_threads=256, vec=vec)
+            return dict(cuda_quant_mma.one_sided_knobs(spec), merge_threads=256, vec=vec,
+                        head_split=head_split)
         small = spec.group_size <= 4
         return {"threads": 64 if small else 128, "tile_tokens": 32, "stages": 3 if small else 2,
-                "merge_threads": 256, "vec": vec, "mma": 1}
+                "merge_threads": 256, "vec": vec, "head_split": head_split, "mma": 1}
     tile = 32 if spec.group_size <= 4 else 16
     threads = min(256, max(128, spec.head_dim // vec * tile * spec.group_size // 16))
     return {"threads": threads, "tile_tokens": tile, "stages": 2, "merge_threads": 256,
-            "vec": vec, "mma": 0}
+            "vec": vec, "head_split": head_split, "mma": 0}
 
 
 def _widest_piece(n: int, cap: int) -> int:
@@ -164,25 +170,100 @@ def default_vec(spec) -> int:
     the group in registers), at least one int32 word; at most 16 values when a side is full
     precision (its slice is held raw and converted: 32 values made ptxas spill at head_dim 64,
     GQA 1, on sm_80 and sm_90a; 16 use 90-96 registers) -- where a slice within those bounds
-    exists: head_dim 80 and 112 have none (their slices are 20 or 28 values and up), so they
-    take the smallest, and spill at larger groups (docs/kernels.md)."""
+    exists: head_dim 48, 80, 96 and 112 often have none (their slices are 12, 20 or 28 values
+    and up), so they take the smallest, and :func:`default_head_split` splits the group."""
     choices = quant_vec_choices(spec)
     cap = 32 if spec.k_storage and spec.v_storage else 16
     fits = [v for v in choices if spec.group_size * v <= 32 and v <= cap]
     return max(fits) if fits else choices[0]
 
 
+#: Most query-head values (heads of a part x ``vec``) a thread holds in registers, as q and
+#: as the output. With one part, 112 (d112 GQA 4) spilled 52-168 bytes and 160-224 (GQA 8 at
+#: d80 and d112) 1-2 KiB (ptxas, sm_90a and sm_80); at 64, d112 GQA 8 (2 heads a part) still
+#: spilled 24 bytes on sm_80; at 48, 82 of 92 specs (d48-d112, GQA 2-8) build without spills
+#: and 10 (d96 / d112 at GQA 6, K-only / V-only d112 over float32 queries) spill 4-32 bytes,
+#: mostly on sm_80, where ptxas settles on 96-154 registers.
+HEAD_VALUES_PER_THREAD = 48
+
+
+def default_head_split(spec, vec: int) -> int:
+    """Parts the GQA group's query heads are split into (``head_split``): each part has its own
+    threads (``ty``) over the same staged rows, so a staged value is converted once per part
+    (once, with one part). The fewest parts that leave a thread at most
+    :data:`HEAD_VALUES_PER_THREAD` values of q (and as many of the output): 1 wherever
+    :func:`default_vec` found a slice with ``group * vec <= 32``."""
+    G = spec.group_size
+    return next(hs for hs in head_split_choices(spec) if G // hs * vec <= HEAD_VALUES_PER_THREAD)
+
+
+#: CUDA's largest ``blockDim.z``; the row groups times the head parts run along it.
+MAX_BLOCK_Z = 64
+
+
+def _wavefronts(lane_words, width: int) -> int:
+    """Shared-memory wavefronts of one warp's load of ``width`` int32 words a lane starting at
+    ``lane_words[lane]``: 32-bit loads are served in one phase of 32 lanes, 64-bit ones in
+    two of 16, 128-bit ones in four of 8; a phase takes as many wavefronts as the most distinct
+    words asked of one bank (a word asked by several lanes is broadcast)."""
+    per_phase = 32 // width
+    total = 0
+    for first in range(0, len(lane_words), per_phase):
+        banks: dict[int, set] = {}
+        for w0 in lane_words[first:first + per_phase]:
+            for w in range(w0, w0 + width):
+                banks.setdefault(w % 32, set()).add(w)
+        total += max(len(words) for words in banks.values())
+    return total
+
+
+def staged_pad_words(head_dim: int, vec: int, bdx: int, head_split: int,
+                     rows_per_z: int) -> int:
+    """Words of padding after each staged 8-bit row: 4 (one 16-byte chunk, so rows stay
+    aligned for ``cp.async``) where that gives a warp's slice loads and scale reads fewer
+    shared-memory wavefronts (bank conflicts) than none, else 0. A warp's lanes are ``bdx``
+    slices of ``32 / bdx / head_split`` rows ``rows_per_z`` apart (a row's head parts read
+    the same words). Unpadded rows of 16 words (d48) or 32 (d112) put a warp's rows on the
+    same banks: 4- and 8-way conflicts, 1-way with the pad (wider pads won at most 1 wavefront
+    in 9 more, at d64, for up to 2.4x the staged bytes)."""
+    words, nw = quant_row_bytes(head_dim) // 4, vec // 4
+    wv = _widest_piece(nw, 4)
+
+    def wavefronts(stride: int) -> int:
+        total = 0
+        for j in range(rows_per_z):
+            rows = [(lane // bdx // head_split * rows_per_z + j) * stride for lane in range(32)]
+            for c in range(nw // wv):
+                total += _wavefronts([r + lane % bdx * nw + c * wv
+                                      for lane, r in enumerate(rows)], wv)
+            total += _wavefronts([r + head_dim // 4 for r in rows], 1)
+        return total
+
+    return 4 if wavefronts(words + 4) < wavefronts(words) else 0
+
+
 def geometry(spec, knobs) -> dict:
-    """Thread and tile shape of the attend kernel for ``spec`` and ``knobs``."""
+    """Thread and tile shape of the attend kernel for ``spec`` and ``knobs``: ``bdx`` lanes
+    along head_dim, ``head_split`` parts of the group, ``bdz`` row groups (``threadIdx.z``
+    runs over row groups x head parts), and the staged rows' bytes (``k_stage`` /
+    ``v_stage``: an 8-bit row with its bank padding)."""
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     vec = int(knobs.get("vec") or default_vec(spec))  # elements per thread along head_dim
     if vec not in quant_vec_choices(spec):
         raise InvalidArgumentError(f"decode knob vec={vec} for head_dim {D} {dtype}: choose from "
                                    f"{quant_vec_choices(spec)}")
+    hs = int(knobs.get("head_split") or default_head_split(spec, vec))
+    if hs not in head_split_choices(spec):
+        raise InvalidArgumentError(f"decode knob head_split={hs} for group size {G}: choose "
+                                   f"from {head_split_choices(spec)}")
     bdx = D // vec                           # <= 32: one warp segment reduces a score
-    bdz = max(1, int(knobs["threads"]) // bdx)
-    while (bdx * bdz) % 32:                  # whole warps: the shuffles use a full lane mask
-        bdz += 1
+    lanes = bdx * hs                         # threads of one row group
+    step = 32 // gcd(lanes, 32)              # whole warps: the shuffles use a full lane mask
+    if step * hs > MAX_BLOCK_Z:
+        raise InvalidArgumentError(f"decode knob head_split={hs} for head_dim {D} (vec {vec}): "
+                                   f"whole warps need {step * hs} > {MAX_BLOCK_Z} threads along z")
+    bdz = max(1, int(knobs["threads"]) // lanes)
+    bdz = min(-(-bdz // step) * step, MAX_BLOCK_Z // hs // step * step)
     stages = max(1, int(knobs["stages"]))
     tile = int(knobs["tile_tokens"])
     k_row, v_row = staged_row_bytes(spec, spec.k_storage), staged_row_bytes(spec, spec.v_storage)
@@ -190,13 +271,17 @@ def geometry(spec, knobs) -> dict:
         tile //= 2
     tile = max(tile, bdz)
     tile -= tile % bdz                       # rows per tz are equal
+    pad = 4 * staged_pad_words(D, vec, bdx, hs, tile // bdz)
+    k_stage = k_row + (pad if spec.k_storage else 0)
+    v_stage = v_row + (pad if spec.v_storage else 0)
     bdz, tile = fit_row_groups(
-        spec, bdx, bdz, tile,
-        lambda z, t: attend_smem_bytes(z, G, D, stages * t * k_row, stages * t * v_row))
+        spec, lanes, bdz, tile,
+        lambda z, t: attend_smem_bytes(z, G, D, stages * t * k_stage, stages * t * v_stage))
     chunk = 16                               # bytes per 16-byte copy
-    return dict(vec=vec, bdx=bdx, bdz=bdz, threads=bdx * bdz, stages=stages, tile=tile,
-                rows_per_z=tile // bdz, chunk=chunk, k_row=k_row, v_row=v_row,
-                k_chunks=k_row // chunk, v_chunks=v_row // chunk)
+    return dict(vec=vec, bdx=bdx, head_split=hs, bdz=bdz, threads=lanes * bdz, stages=stages,
+                tile=tile, rows_per_z=tile // bdz, chunk=chunk, k_row=k_row, v_row=v_row,
+                k_stage=k_stage, v_stage=v_stage, k_chunks=k_row // chunk,
+                v_chunks=v_row // chunk)
 
 
 def schedule(mod, spec, knobs):
@@ -205,7 +290,8 @@ def schedule(mod, spec, knobs):
         return cuda_quant_mma.schedule(mod, spec, knobs)
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     g = geometry(spec, knobs)
-    VEC, BDX, BDZ, NT = g["vec"], g["bdx"], g["bdz"], g["threads"]
+    VEC, BDX, BDZ, NT, HS = g["vec"], g["bdx"], g["bdz"], g["threads"], g["head_split"]
+    GP = G // HS                             # query heads of a part
     S, TILE, RPZ, CH = g["stages"], g["tile"], g["rows_per_z"], g["chunk"]
     # words of a slice per shared-memory load, and full-precision values per load: the widest
     # vectors (up to 16 bytes) that divide the slice (3, 5 or 7 words at head_dim 48, 80, 112)
@@ -215,12 +301,21 @@ def schedule(mod, spec, knobs):
     WAIT = _wait_source(S - 1)
     pages_bad = pages_bad_macro(NT)
 
-    def smem_row(storage):
-        """(last extent, dtype) of a side's staged tile: int32 words of the 8-bit row, or
-        head_dim values of the cache's dtype."""
-        return (quant_row_bytes(D) // 4, "int32") if storage else (D, dtype)
+    def smem_row(storage, stage_bytes):
+        """(last extent, dtype) of a side's staged tile: int32 words of the 8-bit row and its
+        bank padding, or head_dim values of the cache's dtype."""
+        return (stage_bytes // 4, "int32") if storage else (D, dtype)
 
-    (K_W, K_DT), (V_W, V_DT) = smem_row(spec.k_storage), smem_row(spec.v_storage)
+    (K_W, K_DT) = smem_row(spec.k_storage, g["k_stage"])
+    (V_W, V_DT) = smem_row(spec.v_storage, g["v_stage"])
+
+    # threadIdx.z runs over row groups x head parts: the row group and the query head (of the
+    # group) of part-local head ``g`` (Python helpers: with one part, the plain index)
+    def row_group(tzy):
+        return tzy if HS == 1 else T.truncdiv(tzy, HS)
+
+    def group_head(tzy, g):
+        return g if HS == 1 else T.truncmod(tzy, HS) * GP + g
 
     def copier(storage):
         """``cp.async`` of 16-byte chunk ``chunk`` of a row into a staged tile."""
@@ -307,7 +402,7 @@ def schedule(mod, spec, knobs):
             spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
             var_lse, var_o_part, var_lse_part, var_err)
         for bx in T.thread_binding(T.Cast("int32", batch * H * splits), thread="blockIdx.x"):
-            for tz in T.thread_binding(BDZ, thread="threadIdx.z"):
+            for tzy in T.thread_binding(BDZ * HS, thread="threadIdx.z"):
                 for tx in T.thread_binding(BDX, thread="threadIdx.x"):
                     with block("attend"):
                         T.reads()
@@ -316,19 +411,19 @@ def schedule(mod, spec, knobs):
                         v_smem = alloc_buffer((S, TILE, V_W), V_DT, scope="shared")
                         o_red = alloc_buffer((BDZ, G, D), "float32", scope="shared")
                         md_red = alloc_buffer((BDZ, G, 2), "float32", scope="shared")
-                        q_reg = alloc_buffer((G * VEC,), "float32", scope="local")
-                        o_reg = alloc_buffer((G * VEC,), "float32", scope="local")
+                        q_reg = alloc_buffer((GP * VEC,), "float32", scope="local")
+                        o_reg = alloc_buffer((GP * VEC,), "float32", scope="local")
                         kv = alloc_buffer((VEC,), "float32", scope="local")
                         words = alloc_buffer((VEC // 4,), "int32", scope="local")
                         raw = alloc_buffer((VEC,), dtype, scope="local")
-                        s_reg = alloc_buffer((G * RPZ,), "float32", scope="local")
-                        st = alloc_buffer((G * 4,), "float32", scope="local")  # per head: m, d, m_new, dot
+                        s_reg = alloc_buffer((GP * RPZ,), "float32", scope="local")
+                        st = alloc_buffer((GP * 4,), "float32", scope="local")  # per head: m, d, m_new, dot
                         bad = alloc_buffer((1,), "int32", scope="local")
                         ns: T.int32 = T.Cast("int32", splits)
                         b: T.int32 = T.truncdiv(bx, H * ns)
                         h: T.int32 = T.truncmod(T.truncdiv(bx, ns), H)
                         s: T.int32 = T.truncmod(bx, ns)
-                        tid: T.int32 = tz * BDX + tx
+                        tid: T.int32 = tzy * BDX + tx
                         lo64, hi64 = split_range(cache_lengths[b], window, s, splits, sliding,
                                                  max_pages * page_size)
                         if tid == 0 and not length_ok(cache_lengths[b], max_pages * page_size):
@@ -343,9 +438,9 @@ def schedule(mod, spec, knobs):
                         if tid == 0 and bad[0] != 0:
                             err[ERR_PAGE] = 1
                         ntiles: T.int32 = T.truncdiv(T.max(hi - lo, 0) + TILE - 1, TILE) * (1 - bad[0])
-                        for g in T.unroll(G):
+                        for g in T.unroll(GP):
                             for v in T.unroll(VEC):
-                                q_reg[g * VEC + v] = T.Cast("float32", q[b, h * G + g, tx * VEC + v]) * sm_scale * T.float32(LOG2E)
+                                q_reg[g * VEC + v] = T.Cast("float32", q[b, h * G + group_head(tzy, g), tx * VEC + v]) * sm_scale * T.float32(LOG2E)
                                 o_reg[g * VEC + v] = T.float32(0)
                             st[g * 4] = T.float32(NEG)
                             st[g * 4 + 1] = T.float32(0)
@@ -363,76 +458,76 @@ def schedule(mod, spec, knobs):
                             T.tvm_storage_sync("shared")
                             # scores: the thread's slice of each row converted once, dotted with
                             # every query head of the group, each dot reduced over tx
-                            for g in T.unroll(G):
+                            for g in T.unroll(GP):
                                 st[g * 4 + 2] = st[g * 4]
                             for j in T.unroll(RPZ):
-                                load_k(k_smem, words, raw, kv, T.floormod(it, S), tz * RPZ + j, tx)
-                                for g in T.unroll(G):
+                                load_k(k_smem, words, raw, kv, T.floormod(it, S), row_group(tzy) * RPZ + j, tx)
+                                for g in T.unroll(GP):
                                     st[g * 4 + 3] = T.float32(0)
                                     for v in T.unroll(VEC):
                                         st[g * 4 + 3] = st[g * 4 + 3] + q_reg[g * VEC + v] * kv[v]
                                     for x in T.unroll(BDX.bit_length() - 1):
                                         st[g * 4 + 3] = st[g * 4 + 3] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[g * 4 + 3], BDX >> (x + 1), BDX, 32)
-                                    s_reg[g * RPZ + j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, k_scaled(st[g * 4 + 3], k_smem, T.floormod(it, S), tz * RPZ + j), T.float32(NEG))
+                                    s_reg[g * RPZ + j] = T.if_then_else(lo + it * TILE + row_group(tzy) * RPZ + j < hi, k_scaled(st[g * 4 + 3], k_smem, T.floormod(it, S), row_group(tzy) * RPZ + j), T.float32(NEG))
                                     st[g * 4 + 2] = T.max(st[g * 4 + 2], s_reg[g * RPZ + j])
                             # online softmax (log2 units): rescale once per tile
-                            for g in T.unroll(G):
+                            for g in T.unroll(GP):
                                 st[g * 4 + 1] = st[g * 4 + 1] * T.exp2(st[g * 4] - st[g * 4 + 2])
                                 for v in T.unroll(VEC):
                                     o_reg[g * VEC + v] = o_reg[g * VEC + v] * T.exp2(st[g * 4] - st[g * 4 + 2])
                                 st[g * 4] = st[g * 4 + 2]
                                 for j in T.unroll(RPZ):
-                                    s_reg[g * RPZ + j] = T.if_then_else(lo + it * TILE + tz * RPZ + j < hi, T.exp2(s_reg[g * RPZ + j] - st[g * 4]), T.float32(0))
+                                    s_reg[g * RPZ + j] = T.if_then_else(lo + it * TILE + row_group(tzy) * RPZ + j < hi, T.exp2(s_reg[g * RPZ + j] - st[g * 4]), T.float32(0))
                                     st[g * 4 + 1] = st[g * 4 + 1] + s_reg[g * RPZ + j]
                             for j in T.unroll(RPZ):
                                 # rows past the split were not copied: stale shared memory may
                                 # hold NaN bit patterns, and 0 * NaN is NaN
-                                if lo + it * TILE + tz * RPZ + j < hi:
-                                    load_v(v_smem, words, raw, kv, T.floormod(it, S), tz * RPZ + j, tx)
-                                    for g in T.unroll(G):
-                                        st[g * 4 + 3] = v_scaled(s_reg[g * RPZ + j], v_smem, T.floormod(it, S), tz * RPZ + j)
+                                if lo + it * TILE + row_group(tzy) * RPZ + j < hi:
+                                    load_v(v_smem, words, raw, kv, T.floormod(it, S), row_group(tzy) * RPZ + j, tx)
+                                    for g in T.unroll(GP):
+                                        st[g * 4 + 3] = v_scaled(s_reg[g * RPZ + j], v_smem, T.floormod(it, S), row_group(tzy) * RPZ + j)
                                         for v in T.unroll(VEC):
                                             o_reg[g * VEC + v] = o_reg[g * VEC + v] + st[g * 4 + 3] * kv[v]
                             T.tvm_storage_sync("shared")
                         # merge the BDZ row groups through shared memory
-                        for g in T.unroll(G):
+                        for g in T.unroll(GP):
                             for c in T.unroll(VEC // 4):
                                 for v in T.vectorized(4):
-                                    o_red[tz, g, tx * VEC + c * 4 + v] = o_reg[g * VEC + c * 4 + v]
-                            md_red[tz, g, 0] = st[g * 4]
-                            md_red[tz, g, 1] = st[g * 4 + 1]
+                                    o_red[row_group(tzy), group_head(tzy, g), tx * VEC + c * 4 + v] = o_reg[g * VEC + c * 4 + v]
+                            md_red[row_group(tzy), group_head(tzy, g), 0] = st[g * 4]
+                            md_red[row_group(tzy), group_head(tzy, g), 1] = st[g * 4 + 1]
                         T.tvm_storage_sync("shared")
-                        if tz == 0:
-                            for g in T.unroll(G):
+                        if row_group(tzy) == 0:
+                            for g in T.unroll(GP):
                                 st[2] = T.float32(NEG)
                                 for z in T.unroll(BDZ):
-                                    st[2] = T.max(st[2], md_red[z, g, 0])
+                                    st[2] = T.max(st[2], md_red[z, group_head(tzy, g), 0])
                                 st[1] = T.float32(0)
                                 for v in T.unroll(VEC):
                                     kv[v] = T.float32(0)
                                 for z in T.unroll(BDZ):
-                                    st[3] = T.exp2(md_red[z, g, 0] - st[2])
-                                    st[1] = st[1] + md_red[z, g, 1] * st[3]
+                                    st[3] = T.exp2(md_red[z, group_head(tzy, g), 0] - st[2])
+                                    st[1] = st[1] + md_red[z, group_head(tzy, g), 1] * st[3]
                                     for v in T.unroll(VEC):
-                                        kv[v] = kv[v] + o_red[z, g, tx * VEC + v] * st[3]
+                                        kv[v] = kv[v] + o_red[z, group_head(tzy, g), tx * VEC + v] * st[3]
                                 if splits == T.int64(1):
                                     for c in T.unroll(VEC // 4):
                                         for v in T.vectorized(4):
-                                            out[b, h * G + g, tx * VEC + c * 4 + v] = T.Cast(dtype, kv[c * 4 + v] / st[1])
+                                            out[b, h * G + group_head(tzy, g), tx * VEC + c * 4 + v] = T.Cast(dtype, kv[c * 4 + v] / st[1])
                                     if tx == 0:  # st[1] 0: every score -inf, out 0/0 and lse NaN
-                                        lse[b, h * G + g] = T.Select(st[1] == T.float32(0), T.float32(NAN), (st[2] + T.log2(st[1])) * T.float32(LN2))
+                                        lse[b, h * G + group_head(tzy, g)] = T.Select(st[1] == T.float32(0), T.float32(NAN), (st[2] + T.log2(st[1])) * T.float32(LN2))
                                 elif tir.any(st[1] > T.float32(0), T.isnan(st[1])):  # NaN: kept (a NaN key)
                                     for c in T.unroll(VEC // 4):
                                         for v in T.vectorized(4):
-                                            o_part[s, b, h * G + g, tx * VEC + c * 4 + v] = kv[c * 4 + v] / st[1]
+                                            o_part[s, b, h * G + group_head(tzy, g), tx * VEC + c * 4 + v] = kv[c * 4 + v] / st[1]
                                     if tx == 0:
-                                        lse_part[s, b, h * G + g] = st[2] + T.log2(st[1])
+                                        lse_part[s, b, h * G + group_head(tzy, g)] = st[2] + T.log2(st[1])
                                 else:  # an empty split (NEG), or one whose scores were all -inf
                                     for c in T.unroll(VEC // 4):
                                         for v in T.vectorized(4):
-                                            o_part[s, b, h * G + g, tx * VEC + c * 4 + v] = T.float32(0)
+                                            o_part[s, b, h * G + group_head(tzy, g), tx * VEC + c * 4 + v] = T.float32(0)
                                     if tx == 0:
-                                        lse_part[s, b, h * G + g] = T.Select(hi > lo, T.float32(NEG_INFINITY), T.float32(NEG))
+                                        lse_part[s, b, h * G + group_head(tzy, g)] = T.Select(hi > lo, T.float32(NEG_INFINITY), T.float32(NEG))
         if splits > T.int64(1):
             merge_splits(batch, splits, out, lse, o_part, lse_part)
     # fmt: on

@@ -23,7 +23,10 @@ SHAPES = [("", 96, 3), ("", 80, 4), ("", 160, 2), ("", 256, 4), ("", 256, 8), ("
           # 8-bit heads of 3, 5 or 7 int32 words a lane (refused until 2026-11-28; 96 at GQA
           # up to 8 on the tensor cores)
           ("int8", 48, 4), ("float8_e4m3fn", 80, 2), ("int8", 96, 4),
-          ("float8_e4m3fn", 96, 8), ("int8", 112, 2)]
+          ("float8_e4m3fn", 96, 8), ("int8", 112, 2),
+          # the group split into head parts (2026-11-28: d80 / d112 at GQA 8 spilled 1-2 KiB
+          # a thread), and d16, laid out 128 row groups along threadIdx.z (CUDA takes 64)
+          ("int8", 112, 8), ("float8_e4m3fn", 80, 8), ("int8", 48, 8), ("int8", 16, 1)]
 H = 2  # KV heads
 
 
