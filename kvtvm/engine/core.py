@@ -371,7 +371,6 @@ class Engine(Uncopyable):
         except BaseException:        # an interrupt: the ones admitted go back to the queue
             self._unadmit(new)
             raise
-        self.stats.waited += sum(r.admitted_step > r.arrived_step for r in new)
         return new
 
     def _chunks(self, batch) -> list[list[int]]:
@@ -476,6 +475,8 @@ class Engine(Uncopyable):
             raise
         self.running = batch
         is_new = {id(r) for r in new}
+        # counted once they run (a request put back by _unadmit counted twice before)
+        self.stats.waited += sum(r.admitted_step > r.arrived_step for r in new)
         prefilling = [r.prefilled < len(r.prompt) for r in batch]
         computed = []
         for r, t, h in zip(batch, tokens, kv.num_cached_tokens):

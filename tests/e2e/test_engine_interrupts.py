@@ -128,6 +128,27 @@ def test_waited_counts_requests_queued_past_the_step_they_arrived(toy):
     assert e.stats.waited == 0
     e.serve([Request(3 + i, random_prompt(rng, 5), 2) for i in range(3)])  # 2 slots
     assert e.stats.waited == 1
+    # a request that waited, then was put back by a fetch without room, counts once
+    from kvtvm.errors import KVCacheCapacityError
+
+    e.serve([Request(6 + i, random_prompt(rng, 5), 2) for i in range(2)])
+    assert e.stats.waited == 1
+    late = [Request(8 + i, random_prompt(rng, 5), 4) for i in range(3)]  # the third waits
+    for r in late:
+        e.submit(r)
+    e.step()
+    e.step()
+    real = e.kv.fetch
+
+    def no_room_once(batch, tokens):
+        if any(r.rid == 10 for r in batch):   # the step admitting the one that waited
+            e.kv.fetch = real
+            raise KVCacheCapacityError("fetch: no room (test)")
+        return real(batch, tokens)
+    e.kv.fetch = no_room_once
+    e.serve([])
+    assert e.kv.fetch == real and e.stats.waited == 2
+    assert [r.status for r in late] == ["done"] * 3
 
 
 @pytest.mark.parametrize("cache", CACHES)
