@@ -151,7 +151,11 @@ def dir_path(text: str) -> Path:
     variable would write there)."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a directory path, got {text!r}")
-    return Path(text).expanduser()
+    try:
+        return Path(text).expanduser()
+    except RuntimeError as err:  # ~user of an unknown user, or ~ without HOME
+        raise argparse.ArgumentTypeError(f"expected a directory path whose '~' can be "
+                                         f"expanded, got {text!r} ({err})") from None
 
 
 def unwritable_dir(path) -> str:

@@ -97,6 +97,7 @@ CASES = [
     (["bench", "transfer", "--skip-layers", "0"], "--skip-layers"),
     (["bench", "transfer", "--cache-dtype", "int4"], "--cache-dtype"),
     (["bench", "transfer", "--cache-dtype", "int8", "--skip-layers", "9"], "skip_layers"),
+    (["build", "--out", "~nosuchuser-kvtvm/x"], "--out"),   # was a bare RuntimeError
 ]
 if NO_CUDA:
     CASES += [([*GEN, "--device", "cuda"], "CUDA"),
