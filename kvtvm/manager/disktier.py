@@ -285,10 +285,13 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def get(self, h: int, fp: int, token_bytes: bytes, page_shape=None, dtype=None):
+    def get(self, h: int, fp: int, token_bytes: bytes, page_shape=None, dtype=None,
+            touch: bool = True):
         """The page under ``h`` (a CPU tensor) if it reads back whole, its checksum holds and
-        its tokens and fingerprint match; else None (logged when the entry is bad: corrupt,
-        truncated, of another format, not a regular file or a symlink -- never read)."""
+        its tokens and fingerprint match (a hit, counted and made the most recently used
+        unless ``touch`` is False: a look ahead, :meth:`touch` once it is used); else None
+        (logged when the entry is bad: corrupt, truncated, of another format, not a regular
+        file or a symlink -- never read)."""
         import torch
 
         with self._guard:
@@ -299,7 +302,7 @@ class DiskTier:
                 self.counters["misses"] += 1
                 self.counters["rejected"] += 1
                 return None
-            self.counters["hits"] += 1
+            self.counters["hits"] += touch
             return torch.from_numpy(raw.copy()).view(getattr(torch, meta["dtype"])).view(
                 *meta["shape"])
         path = self._path(h)
@@ -356,12 +359,18 @@ class DiskTier:
                 (dtype is not None and meta["dtype"] != dtype):
             self._miss(path, f"shape/dtype {meta['shape']} {meta['dtype']} differ", drop=False)
             return None
-        try:
-            os.utime(path)  # most recently used
-        except OSError:
-            pass
-        self.counters["hits"] += 1
+        if touch:
+            self.touch(h)
         return torch.from_numpy(raw.copy()).view(tdtype).view(*shape)
+
+    def touch(self, h: int) -> None:
+        """Count a hit on entry ``h`` (read with ``touch=False``) and make it the most
+        recently used (its file's time)."""
+        self.counters["hits"] += 1
+        try:
+            os.utime(self._path(h))
+        except OSError:  # (still queued, or gone since)
+            pass
 
     def stats(self) -> dict:
         c = dict(self.counters)

@@ -222,9 +222,10 @@ class HostTier:
         self.put_many([(h, fp, token_bytes, 0)], lambda pages: data[None])
 
     # -- promotion ----------------------------------------------------------------------------
-    def find(self, h: int, fp: int, token_bytes: bytes):
+    def find(self, h: int, fp: int, token_bytes: bytes, touch: bool = True):
         """The slot of the page under ``h`` if its tokens and prefix fingerprint match (a hit:
-        it becomes the most recently used), else None (a miss)."""
+        it becomes the most recently used and is counted, unless ``touch`` is False: a look
+        ahead, :meth:`touch` once it is used), else None (a miss)."""
         hit = self._index.get(h)
         if hit is None:
             self.counters["misses"] += 1
@@ -234,9 +235,16 @@ class HostTier:
             self.counters["rejected"] += 1
             self.counters["misses"] += 1
             return None
-        self._index.move_to_end(h)
-        self.counters["hits"] += 1
+        if touch:
+            self.touch(h)
         return slot
+
+    def touch(self, h: int) -> None:
+        """Count a hit on entry ``h`` (found with ``touch=False``) and make it the most
+        recently used."""
+        if h in self._index:
+            self._index.move_to_end(h)
+            self.counters["hits"] += 1
 
     def get(self, h: int, fp: int, token_bytes: bytes):
         """The page under ``h`` (a view of the pool) if it is a hit (:meth:`find`), else

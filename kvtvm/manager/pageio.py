@@ -340,7 +340,7 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
                 # and the tiers' content-checked hits cover what the peer did not send
                 on_device = self._prefix.lookup(chunks)[0]
                 self._import_room(header, on_device, skip=len(on_device))
-                hits = self._tier_hits(chunks)
+                hits = self._tier_hits(chunks, touch=False)
                 _check_sent_from(header, len(hits[0]) + len(hits[2]))
                 self._promote(chunks, hits=hits)
             held, kids = self._prefix.lookup(chunks)

@@ -65,18 +65,26 @@ class TierStore:
         """Demote one page ``data`` (``[*page_shape]``)."""
         self.put_many([(h, fp, token_bytes, 0)], lambda pages: data[None])
 
-    def find(self, h, fp, token_bytes):
+    def find(self, h, fp, token_bytes, touch: bool = True):
         """A content-verified hit: ``("host", slot)`` or ``("disk", page tensor)``; None on a
-        miss in every tier (a promotion is counted by :meth:`promoted`, once it happened)."""
+        miss in every tier (a promotion is counted by :meth:`promoted`, once it happened).
+        ``touch`` False: a look ahead that counts no hit and leaves the LRU order
+        (:meth:`touch` the hits used)."""
         if self.host is not None:
-            slot = self.host.find(h, fp, token_bytes)
+            slot = self.host.find(h, fp, token_bytes, touch)
             if slot is not None:
                 return "host", slot
         if self.disk is not None:
-            hit = self.disk.get(h, fp, token_bytes, self.page_shape, self.dtype)
+            hit = self.disk.get(h, fp, token_bytes, self.page_shape, self.dtype, touch)
             if hit is not None:
                 return "disk", hit
         return None
+
+    def touch(self, found) -> None:
+        """Count and mark most recently used the hits ``[(hash, hit)]`` found with
+        ``touch=False``."""
+        for h, (tier, _) in found:
+            (self.host if tier == "host" else self.disk).touch(h)
 
     def promoted(self, hits) -> None:
         """Count ``hits`` (from :meth:`find`) as promotions, each in its own tier."""
@@ -256,11 +264,13 @@ class TierMixin:
                 n += self._tiers.count_prefix(hashes)
         return n * P
 
-    def _tier_hits(self, chunks: list, keep=()) -> tuple[list, list, list]:
+    def _tier_hits(self, chunks: list, keep=(), touch: bool = True) -> tuple[list, list, list]:
         """What :meth:`_promote` would bring back, without taking a page: ``(held, kids,
         found)`` with the device's cached chain of ``chunks`` (pages, prefix-tree ids) and
         the content-verified tier hits past it, ``[((chunk, hash, fingerprint), hit)]``, as
-        many as free or evictable pages (outside ``keep`` and that chain) can take."""
+        many as free or evictable pages (outside ``keep`` and that chain) can take.
+        ``touch`` False: a dry run, no hit counted nor made recently used (``_promote``
+        touches those it brings back)."""
         prefix, tiers = self._prefix, self._tiers
         held, kids = prefix.lookup(chunks)
         chain = None
@@ -272,7 +282,7 @@ class TierMixin:
         found = []
         for chunk in chunks[len(held):]:
             h, fp = chain_hash(h, chunk, self.hash_bits), fingerprint(fp, chunk)
-            hit = tiers.find(h, fp, chunk)
+            hit = tiers.find(h, fp, chunk, touch)
             if hit is None:
                 break
             found.append(((chunk, h, fp), hit))
@@ -324,5 +334,7 @@ class TierMixin:
                 prefix.lru[page] = None
             else:
                 self._free.append(page)
+        if hits is not None:  # a dry run's hits: counted and made recently used now
+            tiers.touch([(h, hit) for (_, h, _), hit in found])
         tiers.promoted([hit for _, hit in found])
         return len(pages)

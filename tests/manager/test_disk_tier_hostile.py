@@ -350,10 +350,15 @@ def test_import_refused_over_a_damaged_entry_promotes_nothing(tmp_path, full_poo
     st1 = rx.stats()
     assert (st1.pages_free, st1.pages_cached) == (st0.pages_free, st0.pages_cached)
     assert st1.tiers["disk"]["promotions"] == st0.tiers["disk"]["promotions"]
+    # the look ahead counted no hit (pages 0-1 were read, not used; it counted 2 before)
+    assert st1.tiers["disk"]["hits"] == st0.tiers["disk"]["hits"]
     assert all(torch.equal(a, b) for a, b in zip(bytes0, rx.blocks))
     rx.check_invariants()
     ex = src.export_pages(s, first_page=2)
     assert rx.import_pages(ex.header, ex.data) == 2  # page 2 (damaged on disk) and page 3
+    st2 = rx.stats().tiers["disk"]
+    assert st2["hits"] - st0.tiers["disk"]["hits"] == 2 == \
+        st2["promotions"] - st0.tiers["disk"]["promotions"]   # pages 0-1, counted once
     (t,) = rx.claim(1)
     (inp,) = rx.fetch([BatchItem(t, SYS + [1])])
     assert int(inp.num_cached_tokens[0]) == 12

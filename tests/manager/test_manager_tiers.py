@@ -403,7 +403,9 @@ def test_an_import_that_cannot_fit_promotes_nothing(room):
         assert torch.equal(b_mgr.blocks[0], saved)
     else:
         b_mgr.import_pages(ex.header, ex.data)
-        assert b_mgr.stats().tiers["host"]["promotions"] == 7
+        host = b_mgr.stats().tiers["host"]
+        assert host["promotions"] == 7
+        assert host["hits"] - before.tiers["host"]["hits"] == 7   # each counted once
         assert b_mgr.held_prefix_pages(ex.header.block_hashes) == 10
     b_mgr.check_invariants()
     a_mgr.end_lease(ex.lease_id)
