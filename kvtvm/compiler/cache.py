@@ -123,6 +123,7 @@ def _after_rebuild(path: Path, spec: KernelSpec, bad: str) -> tuple[str | None, 
     directory this process cannot write: nobody builds there then)."""
     try:
         with _build.build_lock(path, timeout=REBUILD_WAIT_S):
+            check_trusted(path)  # the file renamed into place, as the one it replaced
             return version_mismatch(path), _corruption(path, spec)
     except OSError:  # the lock file cannot be made, or filelock's Timeout
         return None, bad

@@ -124,9 +124,11 @@ def searched_values(spec: KernelSpec) -> dict:
 
 def _check_tuned(spec: KernelSpec, tuned: dict, defaults: dict) -> None:
     """Refuse tuned knobs the schedule does not have, of another type than its defaults, or
-    of a value ``kvtvm.tune`` does not search (a log of another kvtvm version or target, or
-    edited: a value the schedule was never checked with can build a wrong kernel, or hang
-    the build): :class:`CorruptKernelError` naming the log."""
+    of a value ``kvtvm.tune`` does not search other than the default (a log of another kvtvm
+    version or target, or edited: a value the schedule was never checked with can build a
+    wrong kernel, or hang the build): :class:`CorruptKernelError` naming the log. (A default
+    may lie outside the space: the 8-bit CUDA decode's ``head_split`` 0 derives the parts
+    from ``vec``.)"""
     searched = searched_values(spec)
     for name, value in tuned.items():
         why = None
@@ -137,7 +139,7 @@ def _check_tuned(spec: KernelSpec, tuned: dict, defaults: dict) -> None:
             if not (type(value) is want or (want is float and type(value) is int)):
                 why = (f"knob {name!r} is {value!r}, expected {want.__name__} like the "
                        f"default {defaults[name]!r}")
-            elif name in searched and value not in searched[name]:
+            elif name in searched and value not in searched[name] and value != defaults[name]:
                 why = (f"knob {name!r} is {value!r}, not one of the values kvtvm.tune "
                        f"searches ({sorted(searched[name])})")
         if why:

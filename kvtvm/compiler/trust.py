@@ -90,7 +90,10 @@ def _resolve(path: Path, what: str) -> tuple[Path, list[Path]]:
         links.append(nxt)
         if len(links) > MAX_LINKS:
             raise UntrustedKernelError(f"{what} {path}: too many levels of symbolic links")
-        target = Path(os.readlink(nxt))
+        try:
+            target = Path(os.readlink(nxt))
+        except OSError as err:  # removed or replaced while we walk
+            raise UntrustedKernelError(f"{what} {path}: cannot be checked ({err})") from None
         if target.is_absolute():
             cur = Path(target.anchor)
         todo.extend(reversed(target.parts[1:] if target.is_absolute() else target.parts))

@@ -142,7 +142,7 @@ def default_knobs(spec) -> dict:
     # tiles, 3 stages; over GQA 4, 4 warps of 64 rows and 2 stages, where that spilled 4-12
     # bytes on sm_80; the short_splits variant's ``mma_short`` makes it 4 warps of 64 rows)
     vec = default_vec(spec)
-    head_split = default_head_split(spec, vec)   # (read with ``mma`` 0, as a tuner may set)
+    head_split = 0   # 0: default_head_split of the final vec (a tuning log's or the spec's)
     if cuda_quant_mma.runs_by_default(spec):
         if not (spec.k_storage and spec.v_storage):   # K-only or V-only
             return dict(cuda_quant_mma.one_sided_knobs(spec), merge_threads=256, vec=vec,

@@ -73,8 +73,15 @@ def test_default_layouts_fit_cuda_launch_limits_and_registers():
     (64, 8, "int8", "", "float16", 1), (128, 8, "", "float8_e4m3fn", "float16", 1)])
 def test_head_parts_where_the_group_outgrows_a_thread(D, G, ks, vs, dtype, hs):
     spec = _spec(dtype, D, G, ks, vs)
-    assert resolve_knobs(spec)["head_split"] == hs
+    assert resolve_knobs(spec)["head_split"] == 0            # from the final vec
     assert cq.geometry(spec, resolve_knobs(spec))["head_split"] == hs
+
+
+def test_head_split_follows_an_explicit_vec():
+    """A spec (or tuning log) choosing a wider slice gets the parts that slice needs, not
+    those of the default slice (d64 GQA 8 with 32 values a lane held 256 values of q)."""
+    spec = _spec("float16", 64, 8, "int8", "int8", knobs={"vec": 32, "mma": 0})
+    assert cq.geometry(spec, resolve_knobs(spec))["head_split"] == 8
 
 
 def test_head_split_knob_is_checked_and_searched():
