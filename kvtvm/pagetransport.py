@@ -1,7 +1,7 @@
 """The page transport interface -- :class:`PageTransport`, the :class:`Transfer` a send returns
 and the :class:`Received` a handle returns -- and :class:`InProcessTransport`, two endpoints in one
-process (tests). :mod:`kvtvm.transfer` describes the protocol and implements it over
-``torch.distributed`` (and re-exports these names)."""
+process (tests). :mod:`kvtvm.transfer` implements the interface over ``torch.distributed``
+(and re-exports these names); :mod:`kvtvm.transferwire` describes its wire protocol."""
 
 from __future__ import annotations
 
@@ -64,15 +64,18 @@ class Transfer:
 
 @dataclass
 class Received:
-    """What :meth:`PageTransport.handle` processed: a lookup or an import."""
+    """What :meth:`PageTransport.handle` processed: a lookup, an import, the peer's ints or its
+    close. A refused import (``error`` set) still names the ``seq_id`` that ``seq_for``
+    returned: it stays claimed and empty, the application's to reuse or release."""
 
-    kind: str                      # "lookup", "pages" or "close"
+    kind: str                      # "lookup", "pages", "ints" or "close"
     tag: int = 0
     header: PageHeader | None = None
     seq_id: int | None = None
     pages_written: int = 0
     lookup_count: int = 0
     error: BaseException | None = field(default=None, repr=False)
+    ints: list[int] | None = None  # kind "ints": the values of the peer's send_ints
 
 
 class PageTransport(abc.ABC):
@@ -170,6 +173,6 @@ class InProcessTransport(PageTransport):
             box["written"] = mgr.import_pages(header, data, seq_id)
         except KVCacheError as err:  # refused: the sender's wait raises it
             box["error"] = err
-            return Received("pages", tag, header=header, error=err)
+            return Received("pages", tag, header=header, seq_id=seq_id, error=err)
         return Received("pages", tag, header=header, seq_id=seq_id,
                         pages_written=box["written"])

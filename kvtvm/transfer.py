@@ -13,40 +13,17 @@ would implement the same four calls:
 - :meth:`Transfer.poll` / :meth:`Transfer.wait` -- completion; the exporter's lease ends
   exactly once when the peer acknowledged (or the transfer failed).
 
-Wire protocol of :class:`DistributedTransport` (control messages are one fixed
-:data:`MSG_BYTES` buffer each: ``[kind, length, tag]`` and a payload), one round trip:
-
-    lookup:  A->B LOOKUP(hashes)                 B->A ANSWER(count)
-    pages:   A->B PAGES(page header without the checksums, run lengths)
-                  A computes the checksums    B->A READY (gloo: B posted every receive, or
-                  meanwhile                            will drain a refused import's runs)
-             A->B one message per run of consecutive cache pages (views: no copy; runs cut
-                  at CHUNK_BYTES); B receives each run straight into a run of its fresh pages
-                  when it fits (else into a buffer, one copy)
-             A->B SUMS(one checksum per page); B computes its own as each run lands, compares,
-                  then registers
-                                                 B->A ACK(status, pages written or held)
-
-On gloo the runs leave only once B said READY: A hashes while B checks the header and takes
-pages (the link is idle then anyway), and the runs then stream into receives already posted,
-written by A's thread without A's hashing competing with both sides' socket threads for the
-cores (16 MiB on 2 cores: 9.9-10.7 -> 7.0-7.9 ms, docs/PERF.md). Not on NCCL: its p2p ops to
-one peer run in order on one stream, so B's READY would wait for the runs it announces (a
-deadlock); there A posts the runs first and hashes while they are on the wire.
-
-(An export whose checksums were already computed -- ``export.header`` was read -- carries them
-in PAGES and sends no SUMS.)
-
-``status`` 0 is success, 1 "resend from an earlier page" (the peer lacks the prefix the
-sender thought it held -- e.g. a hash collision in the lookup), 2 a refused import
-(format, capacity, corruption). ACK carries the peer's reason after the two ints: the sender
-raises :class:`~kvtvm.errors.FormatMismatchError` or
-:class:`~kvtvm.errors.CorruptTransferError` when the peer's error was one (naming the field),
-else :class:`~kvtvm.errors.TransferError`. Each send receives its ACK into a buffer of its
-own, so several sends may be in flight. Every wait polls with a deadline: a dead or silent
-peer is a :class:`~kvtvm.errors.TransferTimeoutError` and the leases are ended, no page is
-leaked. After that (or a message out of step) the wire is unusable: every later call raises
-:class:`~kvtvm.errors.TransferError` saying so (gloo closes the connection on a timeout).
+A :class:`DistributedTransport` speaks the wire protocol :mod:`kvtvm.transferwire` describes
+(one round trip per sequence). Every wait within a message or for an answer has a deadline: a
+dead or silent peer is a :class:`~kvtvm.errors.TransferTimeoutError`, the leases ended (no
+page leaked); after it (or a message out of step) the wire is unusable and every later call
+raises :class:`~kvtvm.errors.TransferError` saying so (gloo closes the connection on a
+timeout). Polling for the *next* message (``handle``, ``recv_ints`` with a ``timeout`` below
+the transport's) is not fatal: nothing arriving in time raises
+:class:`~kvtvm.errors.TransferTimeoutError`, the receive stays posted and a later call takes
+the message. A ``peer`` must be a rank of the group other than this process's
+(:class:`~kvtvm.errors.InvalidArgumentError` before anything is posted). One initiator per
+rank pair at a time (see :mod:`kvtvm.transferwire`).
 """
 
 from __future__ import annotations
@@ -58,34 +35,27 @@ from concurrent.futures import wait as futures_wait
 
 import numpy as np
 
-from .errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
-                     KVCacheError, TransferError, TransferTimeoutError, describe)
+from .errors import (CorruptTransferError, InvalidArgumentError, KVCacheError, TransferError,
+                     TransferTimeoutError, describe)
 from .manager.args import check_hashes, check_seconds
 from .manager.checksums import DEVICE, page_checksums
 from .manager.pageformat import check_export
 from .manager.pageio import PageExport, PageHeader
 from .pagetransport import InProcessTransport, PageTransport, Received, Transfer
+from .transferwire import (_ACK, _FRAME, _LEN, _MASK, ACK, ANSWER, CLOSE, INTS,  # noqa: F401
+                           LOOKUP, MSG_BYTES, OK, ONE_INITIATOR, PAGES, READY, REFUSED, RESEND,
+                           SUMS, _ack_payload, _import_status, _read_ack, check_peer,
+                           out_of_step)
+from .transferwait import await_receive
 
 __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
            "InProcessTransport", "send_sequence"]
 
 log = logging.getLogger(__name__)
 
-# message kinds, and the status of an import plan / acknowledgement
-LOOKUP, ANSWER, PAGES, ACK, INTS, CLOSE, SUMS, READY = range(1, 9)
-OK, RESEND, REFUSED = 0, 1, 2
-#: Bytes of the fixed buffer every control message travels in.
-MSG_BYTES = 8192
-_FRAME = struct.Struct("<qqq")  # kind, payload length, tag
-_MASK = (1 << 64) - 1
-_LEN = struct.Struct("<q")
 #: Bytes one data message carries at most (whole pages, at least one): the receiver checks a
 #: message's pages while the next ones arrive, so only the last one's check is not hidden.
 CHUNK_BYTES = 2 << 20
-
-
-def _import_status(err: BaseException) -> int:
-    return RESEND if type(err) is TransferError else REFUSED
 
 
 def send_sequence(transport: PageTransport, peer: int, seq_id: int, tag: int = 0,
@@ -140,6 +110,9 @@ class DistributedTransport(PageTransport):
         # docstring); NCCL runs one peer's ops in order on one stream, so neither there
         self._gloo_order = backend == "gloo"
         self._broken = None  # why the wire is unusable (a peer gone, a message out of step)
+        self._rank = dist.get_rank()  # (global ranks: what isend/irecv take)
+        self._ranks = frozenset(dist.get_process_group_ranks(group or dist.group.WORLD))
+        self._next = {}  # peer -> (buffer, future) of the posted "next message" receive
         self._pool = None
         self._stage = None
         self._out = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
@@ -152,6 +125,17 @@ class DistributedTransport(PageTransport):
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtvm-transfer")
         return self._pool
+
+    def _peer(self, peer, what: str, sends: bool = True, answers: bool = False) -> int:
+        """``peer`` checked (:func:`check_peer`) before anything is posted. ``answers``: the
+        call awaits an answer, which a pending :meth:`handle` receive from ``peer`` would take;
+        ``sends`` (NCCL): a pending receive holds back every send to it (one stream)."""
+        peer = check_peer(peer, self._ranks, self._rank)
+        if peer in self._next and (answers or (sends and not self._gloo_order)):
+            raise TransferError(f"transport: {what} to rank {peer} refused: a handle() of its "
+                                "messages is pending (it timed out, its receive stays posted; "
+                                f"call handle({peer}) until one arrives) -- {ONE_INITIATOR}")
+        return peer
 
     def _usable(self) -> None:
         """Raise :class:`TransferError` if an earlier failure left the wire unusable."""
@@ -233,6 +217,32 @@ class DistributedTransport(PageTransport):
         self._wait(self._irecv(self._in, peer, what), what, timeout)
         return self._read_msg(peer, what, timeout)
 
+    def _next_msg(self, peer: int, what: str, timeout: float | None = None):
+        """``(kind, tag, payload)`` of the next message from ``peer`` that this side did not
+        ask for (a request, ints). With a ``timeout`` shorter than the transport's its receive
+        is waited on by a thread of its own, without a deadline (:mod:`kvtvm.transferwait`):
+        running out of time is a :class:`TransferTimeoutError` that leaves the transport
+        usable, the receive posted for a later call. Else (as :meth:`Transfer.wait`) the wait
+        is in the caller's thread, no thread hop (~0.1 ms), fatal when it runs out."""
+        import torch
+
+        seconds = self.timeout if timeout is None else timeout
+        if peer not in self._next:  # posted here, in the caller's thread (in call order)
+            if seconds >= self.timeout:
+                return self._recv_msg(peer, what, seconds)
+            buf = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
+            self._next[peer] = (buf, await_receive(self._irecv(buf, peer, what)))
+        self._usable()
+        buf, done = self._next[peer]
+        if not futures_wait([done], timeout=seconds).done:
+            raise TransferTimeoutError(f"transport: nothing from rank {peer} in {seconds} s "
+                                       f"({what}; still awaited: the transport stays usable)")
+        del self._next[peer]
+        err = done.exception()
+        if err is not None:
+            raise self._gone(what, err) if isinstance(err, RuntimeError) else err
+        return self._read_msg(peer, what, None, buf)
+
     def _read_msg(self, peer: int, what: str, timeout: float | None = None, buf=None):
         """Parse the control message received into ``buf`` (default ``self._in``) and its
         continuation."""
@@ -261,11 +271,12 @@ class DistributedTransport(PageTransport):
     def _expect(self, peer: int, kind: int, what: str) -> tuple[int, bytes]:
         got, tag, payload = self._recv_msg(peer, what)
         if got != kind:
-            raise self._desync(f"expected {what} (kind {kind}), got kind {got}")
+            raise self._desync(out_of_step(what, kind, got))
         return tag, payload
 
     # -- interface ------------------------------------------------------------------------------
     def lookup(self, peer: int, block_hashes) -> int:
+        peer = self._peer(peer, "lookup", answers=True)
         hashes = np.asarray([h & _MASK for h in check_hashes("block_hashes", block_hashes)],
                             dtype=np.uint64)
         self._usable()
@@ -282,7 +293,8 @@ class DistributedTransport(PageTransport):
         anything goes on the wire (:class:`TransferError`: its pages may have been reused)."""
         check_export(export)
         mgr = self._need()
-        try:
+        try:  # a refused peer ends the lease too, as every refusal does
+            peer = self._peer(peer, "send", answers=True)
             self._usable()
             if export.lease_id not in mgr.active_leases():
                 raise TransferError(f"transport: the lease of the export ({export.lease_id}) "
@@ -318,13 +330,11 @@ class DistributedTransport(PageTransport):
         ack_buf = torch.empty(MSG_BYTES, dtype=torch.uint8, device=self.device)
         ack = [self._irecv(ack_buf, peer, what)] if self._gloo_order else []
 
-        def take_ack() -> bytes:
-            if not ack:
-                ack.append(self._irecv(ack_buf, peer, what))
+        def take_ack() -> bytes:  # (only waits: every receive is posted in the caller's thread)
             self._wait(ack[0], what)
             kind, _, payload = self._read_msg(peer, what, None, ack_buf)
             if kind != ACK:
-                raise self._desync(f"expected {what} (kind {ACK}), got kind {kind}")
+                raise self._desync(out_of_step(what, ACK, kind))
             return payload
 
         works = self._send_msg(peer, PAGES, tag, _LEN.pack(len(raw)) + raw
@@ -341,11 +351,13 @@ class DistributedTransport(PageTransport):
             self._wait(ready[0], "ready")
             kind, _, _ = self._read_msg(peer, "ready", None, ready_buf)
             if kind != READY:
-                raise self._desync(f"expected ready (kind {READY}), got kind {kind}")
+                raise self._desync(out_of_step("ready", READY, kind))
             works += [self._isend(v.to(self.device), peer, "page data") for _, v in runs]
         if later:
             works += self._send_msg(peer, SUMS, tag, np.asarray(sums, np.uint64).tobytes(),
                                     "checksums", wait=False)
+        if not ack:  # NCCL: after the data (one stream), now: each send's ACK in its own
+            ack.append(self._irecv(ack_buf, peer, what))  # receive, in send order
         for work in works:
             self._wait(work, "page data")
         if failed is not None:
@@ -382,16 +394,23 @@ class DistributedTransport(PageTransport):
 
     def send_ints(self, peer: int, values) -> None:
         """Send a few int64 values (an application's own control message, e.g. the first
-        generated token); the peer takes them with :meth:`recv_ints`."""
+        generated token); the peer takes them with :meth:`recv_ints` (or :meth:`handle`)."""
+        peer = self._peer(peer, "send_ints")
         self._send_msg(peer, INTS, 0, np.asarray(values, np.int64).tobytes(), "ints")
 
-    def recv_ints(self, peer: int, n: int) -> list[int]:
-        """Receive the ``n`` int64 values sent with :meth:`send_ints`."""
-        _, payload = self._expect(peer, INTS, "ints")
+    def recv_ints(self, peer: int, n: int, timeout: float | None = None) -> list[int]:
+        """Receive the ``n`` int64 values sent with :meth:`send_ints` (``timeout`` as in
+        :meth:`handle`)."""
+        peer = self._peer(peer, "recv_ints", sends=False)
+        timeout = check_seconds("timeout", timeout)
+        kind, _, payload = self._next_msg(peer, "ints", timeout)
+        if kind != INTS:
+            raise self._desync(out_of_step("ints", INTS, kind))
         return self._values(payload, np.int64, "ints", n)
 
     def close(self, peer: int) -> None:
         """Tell the peer's :meth:`handle` loop that nothing more comes."""
+        peer = self._peer(peer, "close")
         self._send_msg(peer, CLOSE, 0, b"", "close")
 
     def _ints_msg(self, peer, kind, values, what):
@@ -402,23 +421,30 @@ class DistributedTransport(PageTransport):
 
     def handle(self, peer: int, seq_for=None, timeout: float | None = None) -> Received:
         """See :meth:`PageTransport.handle`; ``timeout`` bounds the wait for the message,
-        the transport's own timeout each wait after it. The import's lease has no deadline
+        the transport's own timeout each wait after it. One below the transport's polls:
+        nothing arriving is a :class:`TransferTimeoutError` that leaves the transport usable
+        (a later call takes the message); otherwise it ends the wire. Returns the peer's
+        ``send_ints`` too (kind ``"ints"``); a refused import's ``seq_id`` is the one
+        ``seq_for`` claimed (still the application's). The import's lease has no deadline
         (:meth:`expire_leases` leaves it alone while its pages receive data in place); it
         ends when the import is done, refused or failed."""
         import torch
 
         mgr = self._need()
+        peer = self._peer(peer, "handle", sends=False)
         timeout = check_seconds("timeout", timeout)
-        kind, tag, payload = self._recv_msg(peer, "next message", timeout)
+        kind, tag, payload = self._next_msg(peer, "next message", timeout)
         if kind == CLOSE:
             return Received("close")
+        if kind == INTS:  # an application's own message (send_ints)
+            return Received("ints", tag, ints=self._values(payload, np.int64, "ints"))
         if kind == LOOKUP:
             hashes = self._values(payload, np.uint64, "lookup")
             count = mgr.held_prefix_pages(hashes)
             self._ints_msg(peer, ANSWER, [count], "lookup answer")
             return Received("lookup", tag, lookup_count=count)
         if kind != PAGES:
-            raise self._desync(f"unexpected message kind {kind}")
+            raise self._desync(out_of_step("a request", 0, kind))
         header, seq_id, lid = None, None, None
         try:
             (hlen,) = _LEN.unpack_from(payload)
@@ -451,7 +477,7 @@ class DistributedTransport(PageTransport):
             self._ack(peer, _import_status(err), held, err)
             if not isinstance(err, KVCacheError):
                 raise  # the application's own error (from seq_for)
-            return Received("pages", tag, header=header, error=err)
+            return Received("pages", tag, header=header, seq_id=seq_id, error=err)
         readied = False
         try:
             targets, fixups = self._targets(mgr.import_runs(lid), lengths, first_row,
@@ -484,7 +510,7 @@ class DistributedTransport(PageTransport):
                 self._wait(sums_work, "checksums")
                 kind, _, raw = self._read_msg(peer, "checksums")
                 if kind != SUMS:
-                    raise self._desync(f"expected checksums (kind {SUMS}), got kind {kind}")
+                    raise self._desync(out_of_step("checksums", SUMS, kind))
                 if len(raw) % 8:  # (a whole message: the wire is still in step)
                     raise CorruptTransferError(f"transport: checksums: {len(raw)} bytes, not "
                                                "whole uint64 values")
@@ -508,7 +534,7 @@ class DistributedTransport(PageTransport):
                 self._ready(peer, tag)
                 self._drain(peer, lengths, shape, dtype, later)
             self._ack(peer, REFUSED, 0, err)
-            return Received("pages", tag, header=header, error=err)
+            return Received("pages", tag, header=header, seq_id=seq_id, error=err)
         self._ack(peer, OK, written)
         return Received("pages", tag, header=header, seq_id=seq_id, pages_written=written)
 
@@ -563,36 +589,3 @@ class DistributedTransport(PageTransport):
                 self._wait(self._irecv(buf[:n], peer, "page data"), "page data")
         if sums:
             self._recv_msg(peer, "checksums")
-
-
-_CODES = {OK: "ok", RESEND: "missing prefix, resend", REFUSED: "refused"}
-#: Errors of a refused import the sender raises as their own type (else TransferError).
-_PEER_ERRORS = {cls.__name__: cls for cls in (FormatMismatchError, CorruptTransferError)}
-_ACK = struct.Struct("<qq")  # status, pages written or held; the peer's reason follows
-
-
-def _ack_payload(status: int, n: int, err: BaseException | None = None) -> bytes:
-    """An acknowledgement: status, pages, and why the import was refused (short: the whole
-    message fits one control buffer)."""
-    why = f"{type(err).__name__}: {err}" if err is not None else ""
-    return _ACK.pack(status, n) + why.encode("utf-8", "replace")[:2048]
-
-
-def _read_ack(payload: bytes) -> int:
-    """The pages the peer wrote, or raise its refusal: a :class:`FormatMismatchError` or
-    :class:`CorruptTransferError` as the peer named it, else :class:`TransferError`
-    (``resend`` set when the peer lacks the prefix)."""
-    try:
-        st, n = _ACK.unpack_from(payload)
-    except struct.error:
-        raise CorruptTransferError(f"transport: acknowledgement of {len(payload)} bytes "
-                                   "(unreadable)") from None
-    if st == OK:
-        return n
-    why = payload[_ACK.size:].decode("utf-8", "replace")
-    cls = TransferError if st == RESEND else _PEER_ERRORS.get(why.partition(":")[0],
-                                                              TransferError)
-    err = cls(f"transport: the peer did not import the pages ({_CODES.get(st, st)}; it holds "
-              f"{n} leading pages)" + (f": {why}" if why else ""))
-    err.resend = st == RESEND
-    raise err

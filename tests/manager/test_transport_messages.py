@@ -43,6 +43,7 @@ def transport(messages):
     tr.dist, tr.group, tr.timeout = ScriptedPeer(messages), None, 1.0
     tr.device, tr._gloo_order, tr._broken = torch.device("cpu"), True, None
     tr._pool = tr._stage = None
+    tr._rank, tr._ranks, tr._next = 0, frozenset({0, 1}), {}
     tr._out = torch.zeros(MSG_BYTES, dtype=torch.uint8)
     tr._in = torch.zeros(MSG_BYTES, dtype=torch.uint8)
     tr.register(PagedKVCacheManager(KVCacheParams("float32", 2, 4, "paged", page_size=4,
