@@ -122,7 +122,7 @@ class ProgressBar:
         if self.bar is None:
             self.bar = tqdm(total=total, unit="req", file=sys.stderr, leave=False,
                             disable=None)
-        self.bar.n = len(engine.finished)
+        self.bar.n = engine.finished_count
         self.bar.set_postfix_str(
             f"step {engine.step_no} running {len(engine.running)} queued {len(engine.queue)} "
             f"KV {_mib(engine.kv.live_bytes(engine.running))}", refresh=True)

@@ -18,6 +18,7 @@ import numbers
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Set
 from typing import Callable
 
@@ -37,6 +38,10 @@ from .tierdir import claim_tier_dir
 __all__ = ["Request", "ServeStats", "Engine", "sample"]
 
 _log = logging.getLogger("kvtvm.engine")
+
+
+#: Finished requests an engine keeps for :meth:`Engine.pop_finished` (the latest).
+FINISHED_KEPT = 4096
 
 
 def _check_quantized_kernels(params: KVCacheParams, device: torch.device) -> None:
@@ -193,7 +198,10 @@ class Engine(Uncopyable):
         self.pending: list[Request] = []    # submitted, not yet arrived
         self.queue: list[Request] = []      # arrived, waiting for room
         self.running: list[Request] = []    # in the cache, in batch order
-        self.finished: list[Request] = []   # done, rejected or aborted
+        # done, rejected or aborted: the latest FINISHED_KEPT (a server runs for days; take
+        # them with pop_finished()), and how many ever
+        self.finished: deque[Request] = deque(maxlen=FINISHED_KEPT)
+        self.finished_count = 0
         self.step_no = 0
         self._closed = False
         self.stats = ServeStats(allocated_bytes=self.kv.allocated_bytes())
@@ -282,7 +290,19 @@ class Engine(Uncopyable):
     def _finish(self, req: Request, status: str, reason: str = "") -> None:
         req.status, req.finish_reason = status, reason
         req.finished_step, req.t_done = self.step_no, time.perf_counter()
+        req.generator = None   # (a sampling request's torch.Generator: native state)
         self.finished.append(req)
+        self.finished_count += 1
+
+    def pop_finished(self) -> list[Request]:
+        """The requests finished (done, rejected or aborted) since the last call, oldest first,
+        at most :data:`FINISHED_KEPT` (older ones were let go: the engine keeps no request
+        past that, so a long-running server's memory stays bounded); ``finished_count``
+        counts them all."""
+        with self._state:
+            out = list(self.finished)
+            self.finished.clear()
+        return out
 
     def _reject(self, req: Request, why: str) -> None:
         req.error = why

@@ -192,3 +192,21 @@ def test_submit_and_abort_from_other_threads_wait_for_the_step(toy, cache):
     assert first[1].status == "aborted" and late.status == "done"
     check_against_reference(toy, [first[0], late])
     assert_engine_clean(e)
+
+
+def test_finished_requests_are_bounded_and_drained(toy, monkeypatch):
+    """A server running for days: the engine kept every finished request (and a sampling
+    request's torch.Generator) for good. Now it keeps the latest FINISHED_KEPT for
+    pop_finished(), counts them all, and drops a finished request's generator."""
+    from kvtvm.engine import core
+
+    monkeypatch.setattr(core, "FINISHED_KEPT", 3)
+    rng = np.random.default_rng(12)
+    e = _engine(toy, "paged")
+    reqs = [Request(i, random_prompt(rng, 4), 2, temperature=0.8, seed=i) for i in range(5)]
+    e.serve(reqs)
+    assert e.finished_count == 5 and len(e.finished) == 3
+    assert all(r.status == "done" and r.generator is None for r in reqs)
+    assert [r.rid for r in e.pop_finished()] == [2, 3, 4]
+    assert e.pop_finished() == [] and e.finished_count == 5
+    assert_engine_clean(e)
