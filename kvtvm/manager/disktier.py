@@ -64,6 +64,12 @@ def check_private_dir(path) -> Path:
     return path
 
 
+#: A trim of a full disk tier goes down to this share of its capacity (see ``DiskTier._trim``).
+LOW_WATER = 0.9
+#: Writes between two scans of the directory at most (other processes' entries).
+SCAN_EVERY = 64
+
+
 class DiskTier:
     """Pages in a directory, at most ``capacity_bytes`` of entries, LRU by mtime.
 
@@ -100,6 +106,8 @@ class DiskTier:
             except OSError:
                 pass
         self._pending: dict[int, tuple] = {}  # hash -> (fp, token bytes, meta, raw)
+        self._on_disk: int | None = None  # bytes in the directory at the last scan + writes
+        self._writes = 0
         self._guard = threading.Lock()
         #: held from a put's "still open?" to its entry queued, and by close(): a page is
         #: never queued behind the writer's stop (it was, pending for good, flush() hanging)
@@ -170,7 +178,7 @@ class DiskTier:
                         pass
                     raise
                 self.counters["demotions"] += 1
-                self._trim()
+                self._trim(os.stat(self._path(h)).st_size)
         except (OSError, InvalidArgumentError) as err:
             log.warning("disk tier: writing entry %016x failed: %s", h, err)
             self.counters["write_errors"] += 1
@@ -234,18 +242,33 @@ class DiskTier:
             out.append((st.st_mtime_ns, p, st.st_size))
         return sorted(out)
 
-    def _trim(self) -> None:
+    def _trim(self, written: int) -> None:
+        """Keep the directory within ``capacity`` bytes, oldest entries first, after a write of
+        ``written`` bytes. Its bytes are known from the last scan plus this tier's writes
+        since: the directory is scanned only when that may pass the capacity, or every
+        :data:`SCAN_EVERY` writes (entries other processes wrote), and a trim goes down to
+        :data:`LOW_WATER` of it -- so a full tier scans about once per tenth of its capacity
+        written, not at every write (a glob and a stat of every entry: writes slowed as the
+        directory grew, and the queue overflowed)."""
+        self._writes += 1
+        if self._on_disk is not None:
+            self._on_disk += written
+            if self._on_disk <= self.capacity and self._writes % SCAN_EVERY:
+                return
         entries = self._entries()
         total = sum(e[2] for e in entries)
-        for _, p, size in entries:
-            if total <= self.capacity:
-                break
-            try:
-                p.unlink()
-                total -= size
-                self.counters["evictions"] += 1
-            except OSError:
-                pass
+        if total > self.capacity:
+            goal = int(self.capacity * LOW_WATER)
+            for _, p, size in entries:
+                if total <= goal:
+                    break
+                try:
+                    p.unlink()
+                    total -= size
+                    self.counters["evictions"] += 1
+                except OSError:
+                    pass
+        self._on_disk = total
 
     def _miss(self, path: Path, why: str, drop: bool) -> None:
         log.warning("disk tier: entry %s is a miss: %s", path.name, why)

@@ -176,3 +176,29 @@ def test_an_engine_closes_in_a_forked_child(tmp_path):
             os._exit(code)
     assert _wait_child(pid) == 0
     assert e.close() > 0  # the parent's tier persists its pages
+
+
+def test_a_full_disk_tier_scans_its_directory_rarely_and_stays_bounded(tmp_path, monkeypatch):
+    """Each write globbed and stat'ed every entry to trim the directory (writes slowed as it
+    grew, and a busy tier's queue overflowed). Now it scans when its known bytes may pass
+    the capacity, trims to LOW_WATER of it, or every SCAN_EVERY writes; never past capacity."""
+    import torch
+
+    from kvtvm.manager import disktier
+    from kvtvm.manager.disktier import DiskTier
+
+    page = torch.arange(64, dtype=torch.float32)      # 256 bytes of data an entry
+    tier = DiskTier(tmp_path, 40 * 400)
+    scans = []
+    real = tier._entries
+    monkeypatch.setattr(tier, "_entries", lambda: scans.append(1) or real())
+    sizes = []
+    for i in range(400):
+        assert tier.put(i, i, i.to_bytes(8, "little"), page, block=True)
+        tier.flush()
+        sizes.append(sum(p.stat().st_size for p in tmp_path.glob("*.kvp")))
+    assert max(sizes) <= tier.capacity
+    assert min(sizes[100:]) >= disktier.LOW_WATER * tier.capacity - 2 * sizes[0]
+    assert len(scans) <= 400 // disktier.SCAN_EVERY + 400 // 3, len(scans)   # was 400
+    assert tier.counters["evictions"] > 300
+    tier.close()
