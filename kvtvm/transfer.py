@@ -46,7 +46,7 @@ from .transferwire import (_ACK, _FRAME, _LEN, _MASK, ACK, ANSWER, CLOSE, INTS, 
                            LOOKUP, MSG_BYTES, OK, ONE_INITIATOR, PAGES, READY, REFUSED, RESEND,
                            SUMS, _ack_payload, _import_status, _read_ack, check_peer,
                            out_of_step)
-from .transferwait import await_receive
+from . import transferwait as polls
 
 __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
            "InProcessTransport", "send_sequence"]
@@ -112,7 +112,8 @@ class DistributedTransport(PageTransport):
         self._broken = None  # why the wire is unusable (a peer gone, a message out of step)
         self._rank = dist.get_rank()  # (global ranks: what isend/irecv take)
         self._ranks = frozenset(dist.get_process_group_ranks(group or dist.group.WORLD))
-        self._next = {}  # peer -> (buffer, future) of the posted "next message" receive
+        # key of this group's polls (kvtvm.transferwait: shared by the group's transports)
+        self._group_key = group if group is not None else dist.group.WORLD
         self._pool = None
         self._stage = None
         self._out = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
@@ -131,7 +132,9 @@ class DistributedTransport(PageTransport):
         call awaits an answer, which a pending :meth:`handle` receive from ``peer`` would take;
         ``sends`` (NCCL): a pending receive holds back every send to it (one stream)."""
         peer = check_peer(peer, self._ranks, self._rank)
-        if peer in self._next and (answers or (sends and not self._gloo_order)):
+        if polls.failed((self._group_key, peer)) is not None:  # the peer went while polled
+            raise self._gone(what, polls.failed((self._group_key, peer)))
+        if polls.pending((self._group_key, peer)) and (answers or (sends and not self._gloo_order)):
             raise TransferError(f"transport: {what} to rank {peer} refused: a handle() of its "
                                 "messages is pending (it timed out, its receive stays posted; "
                                 f"call handle({peer}) until one arrives) -- {ONE_INITIATOR}")
@@ -227,17 +230,22 @@ class DistributedTransport(PageTransport):
         import torch
 
         seconds = self.timeout if timeout is None else timeout
-        if peer not in self._next:  # posted here, in the caller's thread (in call order)
-            if seconds >= self.timeout:
-                return self._recv_msg(peer, what, seconds)
+        key = (self._group_key, peer)
+        if seconds >= self.timeout and polls.pending(key) is None:
+            return self._recv_msg(peer, what, seconds)
+
+        def post():  # in the caller's thread (in call order)
             buf = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
-            self._next[peer] = (buf, await_receive(self._irecv(buf, peer, what)))
+            return buf, self._irecv(buf, peer, what)
+
+        buf, done = polls.posted(key, post)
         self._usable()
-        buf, done = self._next[peer]
         if not futures_wait([done], timeout=seconds).done:
             raise TransferTimeoutError(f"transport: nothing from rank {peer} in {seconds} s "
                                        f"({what}; still awaited: the transport stays usable)")
-        del self._next[peer]
+        if not polls.take(key, done):
+            raise TransferError(f"transport: {what}: another thread took the message from "
+                                f"rank {peer} (one handle() at a time per peer)")
         err = done.exception()
         if err is not None:
             raise self._gone(what, err) if isinstance(err, RuntimeError) else err

@@ -43,7 +43,7 @@ def transport(messages):
     tr.dist, tr.group, tr.timeout = ScriptedPeer(messages), None, 1.0
     tr.device, tr._gloo_order, tr._broken = torch.device("cpu"), True, None
     tr._pool = tr._stage = None
-    tr._rank, tr._ranks, tr._next = 0, frozenset({0, 1}), {}
+    tr._rank, tr._ranks, tr._group_key = 0, frozenset({0, 1}), object()
     tr._out = torch.zeros(MSG_BYTES, dtype=torch.uint8)
     tr._in = torch.zeros(MSG_BYTES, dtype=torch.uint8)
     tr.register(PagedKVCacheManager(KVCacheParams("float32", 2, 4, "paged", page_size=4,
@@ -128,3 +128,43 @@ def test_in_process_send_that_raises_ends_its_lease():
     with pytest.raises(RuntimeError, match="application bug"):
         ta.send(1, a.export_pages(s))
     assert a.active_leases() == {} and a.stats().pages_leased == 0
+
+
+def test_polls_of_one_peer_post_one_receive_whatever_the_threads():
+    """Two threads polling one peer each posted a receive (a check, then a post, unlocked):
+    one took a message nobody read. kvtvm.transferwait posts one per (group, peer); the
+    thread that finds it taken by another is told so."""
+    import threading
+
+    from kvtvm import transferwait as polls
+
+    class Work:
+        def __init__(self):
+            self.go = threading.Event()
+
+        def wait(self, timeout=None):
+            self.go.wait(10)
+
+    posts, works, key = [], [], (object(), 1)
+
+    def post():
+        posts.append(1)
+        works.append(Work())
+        return "buf", works[-1]
+
+    got = []
+    start = threading.Barrier(4)
+
+    def poll():
+        start.wait()
+        got.append(polls.posted(key, post))
+
+    threads = [threading.Thread(target=poll) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join(10) for t in threads]
+    assert len(posts) == 1 and len({id(g[1]) for g in got}) == 1
+    works[0].go.set()
+    done = got[0][1]
+    done.result(10)
+    assert polls.take(key, done) and not polls.take(key, done)
+    assert polls.pending(key) is None
