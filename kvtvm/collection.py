@@ -72,6 +72,12 @@ class LayerKVCache:
         Tokens per page.
     layout : str
         ``"nhd"`` or ``"hnd"``.
+    cache_lengths_host : numpy.ndarray
+        Host copy of ``cache_lengths`` (what the accessors read).
+
+    The accessors raise :class:`~kvtvm.errors.StaleInputsError` once the fetch is superseded
+    and :class:`~kvtvm.errors.InvalidArgumentError` for an index out of range (a ``tok_idx``
+    at or past the entry's cache length plus its new tokens included).
     """
 
     blocks: Any
@@ -161,14 +167,29 @@ class LayerKVCache:
     def load(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx=slice(None)):
         """Element(s) ``[head_dim_idx]`` of head ``head_idx`` at token ``tok_idx`` of ``bs``:
         a copy, read while the inputs are live (a view would see, and could write, whatever a
-        later step puts in that page)."""
+        later step puts in that page).
+
+        Parameters
+        ----------
+        bs, head_idx, tok_idx : int
+            Batch entry, KV head and token position (below the entry's cache length plus
+            its new tokens).
+        head_dim_idx : int or slice
+            Index into ``head_dim``; all of it by default.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[head_dim]`` (or as ``head_dim_idx`` selects) in the view's dtype.
+        """
         with self._live():
             return self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx].clone()
 
     def store(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx, val) -> None:
         """Write ``val`` at element(s) ``[head_dim_idx]`` of head ``head_idx``, token
         ``tok_idx`` of ``bs`` (its values only: a tensor that requires grad would have drawn
-        the manager's whole cache into its graph)."""
+        the manager's whole cache into its graph). Indices as :meth:`load`; ``val`` a scalar
+        or a tensor broadcastable to the selected elements."""
         if hasattr(val, "detach"):
             val = val.detach()
         with self._live():
@@ -235,11 +256,12 @@ class KVCacheCollection:
         return acc
 
     def get_key_cache(self, layer: int) -> LayerKVCache:
-        """Layer ``layer``'s K cache (zero-copy view)."""
+        """Layer ``layer``'s K cache (zero-copy view; shapes in the module docstring);
+        InvalidArgumentError unless ``0 <= layer < num_layers``."""
         return self._layer(layer, 0)
 
     def get_value_cache(self, layer: int) -> LayerKVCache:
-        """Layer ``layer``'s V cache (zero-copy view)."""
+        """Layer ``layer``'s V cache (as :meth:`get_key_cache`)."""
         return self._layer(layer, 1)
 
     def cache_length(self, bs_idx: int) -> int:

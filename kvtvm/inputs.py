@@ -194,6 +194,11 @@ class TokenBatch:
     counts : array of int, ``[n]``, optional
         Tokens per item; by default one each (a decode step), so ``tokens`` is ``[n]``.
 
+    Raises
+    ------
+    InvalidArgumentError
+        An array is not 1-D host ints, a count is negative, or the sizes disagree.
+
     Examples
     --------
     >>> TokenBatch([3, 7], [11, 12, 13], counts=[2, 1]).tokens_of(0)
@@ -307,6 +312,11 @@ class RaggedKVCacheInputs(KVCacheInputs):
         As given to the manager.
     device_index : int
         Index of this device in the manager's ``devices``.
+    extra : dict
+        The caller's own per-step data; kvtvm neither sets nor reads it.
+    token : FetchToken, optional
+        The fetch these inputs come from: ops and plans refuse them
+        (:class:`~kvtvm.errors.StaleInputsError`) once it is superseded.
     """
 
     blocks: Any
@@ -357,11 +367,13 @@ class RaggedKVCacheInputs(KVCacheInputs):
         return make_collection(self)
 
     def k_cache(self, layer: int):
-        """Zero-copy K view of ``layer`` in the layout :func:`kvtvm.ops.append_kv` takes."""
+        """Zero-copy K view of ``layer`` in the layout :func:`kvtvm.ops.append_kv` takes:
+        ``[num_pages, page_size, n_kv_heads, head_dim]`` (``nhd``) or ``[max_batch_size,
+        n_kv_heads, max_seq_len, head_dim]`` (``hnd``, LINEAR); see :mod:`kvtvm.collection`."""
         return self.collection().get_key_cache(layer).blocks
 
     def v_cache(self, layer: int):
-        """Zero-copy V view of ``layer`` in the layout :func:`kvtvm.ops.append_kv` takes."""
+        """Zero-copy V view of ``layer``, shaped as :meth:`k_cache`."""
         return self.collection().get_value_cache(layer).blocks
 
     @property

@@ -170,6 +170,13 @@ class KVCacheParams:
         Layers kept at full precision (``dtype``) whatever the storage types; negative
         indices count from the last layer (``(0, -1)``: the first and the last); numpy
         integers are taken, ``None`` means none.
+
+    Raises
+    ------
+    InvalidArgumentError
+        An unknown dtype, storage type or strategy; heads or ``head_dim`` not a positive int;
+        ``page_size`` missing for PAGED or given for another strategy; prefix caching
+        without PAGED; ``skip_layers`` not distinct ints.
     """
 
     dtype: str
@@ -245,6 +252,16 @@ class KVCacheParams:
             As for the constructor.
         cache_dtype, k_cache_dtype, v_cache_dtype, skip_layers
             The storage types (8-bit KV), as for the constructor.
+
+        Returns
+        -------
+        KVCacheParams
+
+        Raises
+        ------
+        InvalidArgumentError
+            The config lacks or has inconsistent head counts / sizes, names no dtype when
+            ``dtype`` is None, or as for the constructor.
         """
         config = getattr(config, "get_text_config", lambda: config)()
         heads = getattr(config, "num_attention_heads", None)

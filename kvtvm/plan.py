@@ -47,6 +47,12 @@ class StepPlan:
         As for :func:`kvtvm.ops.prefill_attention` / :func:`kvtvm.ops.decode_attention`.
     decode : bool, optional
         Force the kernel; by default decode exactly when every sequence adds one token.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``inputs`` is not one device's RaggedKVCacheInputs (e.g. the list ``fetch``
+        returns), or ``decode=True`` while a sequence adds other than one token.
     """
 
     def __init__(self, inputs, *, causal: bool = True, sm_scale=None, sliding_window=None,
@@ -103,7 +109,19 @@ class StepPlan:
     def append_kv(self, layer: int, k, v) -> None:
         """:func:`kvtvm.ops.append_kv` of this step's new rows into ``layer``'s cache.
 
-        ``k``, ``v``: ``[num_tokens, n_kv_heads, head_dim]`` of the cache's dtype and device.
+        Parameters
+        ----------
+        layer : int
+            In ``[0, num_layers)``.
+        k, v : Tensor
+            ``[num_tokens, n_kv_heads, head_dim]``, contiguous, the cache's dtype and device
+            (``num_tokens = inputs.qo_indptr[-1]``).
+
+        Raises
+        ------
+        InvalidArgumentError, DTypeMismatchError, DeviceMismatchError, StaleInputsError
+            A bad ``layer``, or as :func:`kvtvm.ops.prepare_append_kv` (nothing written);
+            ``KernelIndexError`` as :meth:`kvtvm.ops.Launch.run`.
         """
         kc, vc = self._layer(layer)
         k, v = as_tensor("k", k), as_tensor("v", v)
@@ -118,10 +136,30 @@ class StepPlan:
     def attention(self, layer: int, q, *, out=None, lse=None):
         """Attention of this step's queries over ``layer``'s cache (after its append).
 
-        ``q``: ``[num_tokens, n_q_heads, head_dim]`` (``n_q_heads`` a multiple of the cache's
-        KV heads). Returns ``(out, lse)`` like
-        :func:`kvtvm.ops.decode_attention` / :func:`kvtvm.ops.prefill_attention`; ``out`` and
-        ``lse`` are new tensors unless given.
+        Parameters
+        ----------
+        layer : int
+            In ``[0, num_layers)``.
+        q : Tensor
+            ``[num_tokens, n_q_heads, head_dim]`` (``n_q_heads`` a multiple of the cache's KV
+            heads; decode: ``num_tokens == batch``), contiguous, the cache's dtype.
+        out : Tensor, optional
+            ``[num_tokens, n_q_heads, head_dim]`` in q's dtype, written in place.
+        lse : Tensor, optional
+            float32 ``[num_tokens, n_q_heads]``, written in place.
+
+        Returns
+        -------
+        (out, lse)
+            As :func:`kvtvm.ops.decode_attention` / :func:`kvtvm.ops.prefill_attention`:
+            ``out`` like ``q``, ``lse`` float32 ``[num_tokens, n_q_heads]``; new tensors
+            unless given.
+
+        Raises
+        ------
+        InvalidArgumentError, DTypeMismatchError, DeviceMismatchError, StaleInputsError
+            A bad ``layer``, or as the op's ``prepare_*`` (nothing written);
+            ``KernelIndexError`` as :meth:`kvtvm.ops.Launch.run`.
         """
         import torch
 

@@ -124,6 +124,14 @@ class Engine(Uncopyable):
         ``KVCacheParams``' :class:`~kvtvm.errors.InvalidArgumentError` before any allocation.
     skip_layers : sequence of int
         Layers whose cache stays in the model's dtype (negative indices count from the end).
+
+    Raises
+    ------
+    UnsupportedModelError
+        The model is not one :class:`ModelRunner` runs (an :class:`InvalidArgumentError`).
+    InvalidArgumentError
+        A bad argument (cache kind, device other than the model's, thread counts, tiers
+        without prefix caching, a disk tier of another model), or as ``KVCacheParams``.
     """
 
     def __init__(self, model, cache: str = "paged", max_batch_size: int = 4,
@@ -549,7 +557,9 @@ class Engine(Uncopyable):
 
     def serve(self, requests, progress: Callable | None = None) -> list[Request]:
         """Submit ``requests`` and step until every one is finished; returns them (a list).
-        Requests already submitted to an engine are refused before any is queued."""
+        Requests already submitted to an engine are refused before any is queued
+        (:class:`~kvtvm.errors.InvalidArgumentError`, as for a non-iterable or a closed
+        engine)."""
         if isinstance(requests, Request) or not isinstance(requests, Iterable):
             raise InvalidArgumentError(describe("requests", "an iterable of Request",
                                                 type(requests).__name__))

@@ -238,7 +238,14 @@ class ModelRunner:
         Returns
         -------
         torch.Tensor
-            float32 logits ``[batch, vocab_size]`` of each sequence's last new token.
+            float32 logits ``[batch, vocab_size]`` of each sequence's last new token
+            (``[num_tokens, vocab_size]`` without ``last_only``).
+
+        Raises
+        ------
+        InvalidArgumentError
+            The token counts differ from ``kv``'s ``qo_indptr``; the ops' errors as for
+            :class:`~kvtvm.plan.StepPlan`.
         """
         counts = np.array([len(t) for t in new_tokens], dtype=np.int64)
         qo = np.asarray(kv.qo_indptr_host, dtype=np.int64)

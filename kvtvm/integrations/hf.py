@@ -169,6 +169,9 @@ class _Layer(CacheLayerMixin):
 class KVTVMCache(Cache):
     """A ``transformers`` cache held by a kvtvm manager: one sequence per batch row.
 
+    An unsupported model (``UnsupportedModelError``) or bad argument raises
+    :class:`~kvtvm.errors.InvalidArgumentError`.
+
     Parameters
     ----------
     model : transformers.PreTrainedModel

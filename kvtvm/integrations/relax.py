@@ -113,6 +113,16 @@ def kernel_func(spec: KernelSpec, **scalars):
     **scalars
         Values of scalar parameters by name (e.g. ``sm_scale=0.125, causal=1, window=0``);
         each must name a scalar parameter of the kernel.
+
+    Returns
+    -------
+    tvm.tir.PrimFunc
+        Marked scheduled and opaque (Relax neither reschedules nor fuses it).
+
+    Raises
+    ------
+    InvalidArgumentError
+        A name that is not a scalar parameter of the kernel.
     """
     from ..kernels._tvm import ATTR_IS_SCHEDULED, tir
 
@@ -311,6 +321,12 @@ def emit_append_kv(bb, k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_
         The written caches (aliases of the inputs): pass these, not the inputs, to attention.
         Inside a dataflow block (``nn`` export) an append whose results are never used is
         dead code to Relax and is removed; consuming them in attention keeps it.
+
+    Raises
+    ------
+    InvalidArgumentError
+        A layout, rank, static extent, shape or dtype the kernel cannot take (checked on the
+        expressions' struct info, before anything is emitted).
     """
     from tvm import relax
 
@@ -379,6 +395,12 @@ def emit_attention(bb, q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tab
     -------
     relax.Var
         ``[num_tokens, n_q_heads, head_dim]`` (and the lse with ``return_lse``).
+
+    Raises
+    ------
+    InvalidArgumentError
+        As for :func:`emit_append_kv`; also ``n_q_heads`` not a multiple of the cache's
+        heads, or a bad ``causal`` / ``sm_scale`` / ``sliding_window``.
     """
     from tvm import relax
 
@@ -424,7 +446,13 @@ def emit_decode_attention(bb, q, k_cache, v_cache, cache_lengths, lookup_table, 
     Returns
     -------
     relax.Var
-        ``[batch, n_q_heads, head_dim]`` (and the lse with ``return_lse``).
+        ``[batch, n_q_heads, head_dim]`` (and the float32 ``[batch, n_q_heads]`` lse with
+        ``return_lse``).
+
+    Raises
+    ------
+    InvalidArgumentError
+        As for :func:`emit_attention`; also ``num_splits`` outside ``[1, 128]``.
     """
     from tvm import relax
 

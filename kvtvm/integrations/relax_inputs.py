@@ -123,6 +123,13 @@ def kv_input_types(num_layers: int, n_kv_heads: int, head_dim: int, dtype: str =
         ``"qo_indptr"`` int32 ``[batch + 1]``, ``"cache_lengths"`` int32 ``[batch]``,
         ``"lookup_table"`` int32 ``[batch, width]``, ``"error_flag"`` int32 ``[4]``: the order
         of :meth:`KVInputVars.params`.
+
+    Raises
+    ------
+    InvalidArgumentError
+        A count or extent that is not a positive int, or an unknown layout.
+    DTypeMismatchError
+        ``dtype`` is not a dtype name, or is an 8-bit storage type.
     """
     from tvm import relax
 
@@ -267,6 +274,14 @@ def kv_input_vars_for(manager, device: int = 0) -> KVInputVars:
     derived from the ``blocks`` shape of the manager's strategy, and ``qo_indptr`` gets
     ``[batch + 1]`` over the same ``batch`` var. A :class:`kvtvm.manager.LinearKVCache`
     (no ``input_symbols``) is described from its buffer, with a ``[batch, 1]`` slot table.
+
+    Raises
+    ------
+    InvalidArgumentError
+        ``manager`` is not a kvtvm manager, or ``device`` is out of range.
+    DTypeMismatchError
+        The cache is quantized (8-bit K or V: the Relax integration emits full-precision
+        kernels only).
     """
     from ..kernels._tvm import tir
     from ..params import KVCacheStrategy

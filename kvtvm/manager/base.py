@@ -357,8 +357,8 @@ class KVCacheManager(Uncopyable, abc.ABC):
 
         Raises
         ------
-        UnknownSequenceError
-            A ``seq_id`` is not claimed.
+        InvalidArgumentError, UnknownSequenceError
+            A malformed batch (repeated ids, no tokens) or ``num_steps``; an unclaimed id.
         SequenceStateError
             A sequence already has a fetch in flight (no ``step`` since).
         SequenceTooLongError
@@ -448,10 +448,10 @@ class KVCacheManager(Uncopyable, abc.ABC):
 
         Raises
         ------
-        UnknownSequenceError
-            A ``seq_id`` is not claimed.
+        InvalidArgumentError, UnknownSequenceError
+            A malformed batch; a ``seq_id`` not claimed.
         SequenceStateError
-            A sequence has no fetch in flight, or the token count does not match the fetch.
+            A sequence has no fetch in flight, or its tokens do not match the fetch's.
         """
         with self._lock:
             ids, counts, tokens = self._parse_batch(batch, "step")
@@ -488,21 +488,21 @@ class KVCacheManager(Uncopyable, abc.ABC):
 
         No host sync and no change to the manager's state: the batch stays in flight until
         ``step``. ``cache_lengths`` grows by each item's new tokens of the previous step,
-        ``max_lengths`` drops its first row, and every item now adds one token
-        (``qo_indptr = arange(batch + 1)``).
+        ``max_lengths`` drops its first row, every item now adds one token (``qo_indptr =
+        arange(batch + 1)``). Returns a list (one per device), or one if one was given.
 
         Parameters
         ----------
         kv_cache_inputs : list of RaggedKVCacheInputs, or one
             The previous step's inputs (one per device).
         prev_model_inputs : object, optional
-            The previous step's model inputs: anything with ``qo_indptr`` or
-            ``input_row_offsets`` (int32 ``[batch + 1]``), or that tensor itself. Defaults to
-            the ``qo_indptr`` carried by ``kv_cache_inputs``.
+            Anything with ``qo_indptr`` or ``input_row_offsets`` (int32 ``[batch + 1]``), or
+            that tensor; default: the ``qo_indptr`` carried by ``kv_cache_inputs``.
 
-        Returns
-        -------
-        list of RaggedKVCacheInputs (or one, if one was given)
+        Raises
+        ------
+        StaleInputsError, InvalidArgumentError, SequenceStateError
+            Inputs superseded, not this manager's latest fetch, or with no steps left.
         """
         import torch
 

@@ -170,12 +170,22 @@ class LinearKVCache(Uncopyable):
         return int(device)
 
     def get_kv_cache_buffer(self, device: int = 0):
-        """The whole cache tensor of device ``device`` (not a copy)."""
+        """The whole cache tensor of device ``device`` (not a copy): ``[num_layers,
+        max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]`` with this device's
+        ``n_kv_heads`` (a quantized cache: uint8 ``[1, max_batch_size, slot_bytes]``).
+        InvalidArgumentError unless ``device`` is an int in ``[0, n_devices)``."""
         return self._cache[self._device_index(device)]
 
     def get_kv_cache_for_decoder_layer(self, layer: int, device: int = 0):
         """Layer ``layer``'s cache, ``[max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``
-        (a view; ``[:, 0]`` is K and ``[:, 1]`` is V, each the ``hnd`` layout append_kv takes)."""
+        (a view; ``[:, 0]`` is K and ``[:, 1]`` is V, each the ``hnd`` layout append_kv takes).
+
+        Raises
+        ------
+        InvalidArgumentError
+            ``layer`` or ``device`` out of range, or the cache is quantized (one byte tensor:
+            take ``step_inputs(...)[d].k_cache(layer)`` / ``v_cache(layer)``).
+        """
         if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) \
                 or not 0 <= layer < self.num_layers:
             raise InvalidArgumentError(describe("layer", f"an int in [0, {self.num_layers})",
@@ -235,6 +245,14 @@ class LinearKVCache(Uncopyable):
         ----------
         reuse_lengths : sequence of int, numpy array or host tensor
             ``[batch]`` tokens already in each slot (precomputed K/V to reuse; 0 for none).
+
+        Raises
+        ------
+        InvalidArgumentError
+            Not a 1-D sequence of ints, more than ``max_batch_size`` entries, or a negative
+            length.
+        SequenceTooLongError
+            A length passes ``max_seq_len``.
         """
         lengths = self._host_ints("reuse_lengths", reuse_lengths)
         if lengths.size > self.max_batch_size:
@@ -258,6 +276,8 @@ class LinearKVCache(Uncopyable):
 
         Raises
         ------
+        InvalidArgumentError
+            A negative count, or not ``active_batch_size`` of them (nothing changes).
         SequenceTooLongError
             A length would pass ``max_seq_len`` (nothing changes).
         """
@@ -269,7 +289,8 @@ class LinearKVCache(Uncopyable):
             self._upload()
 
     def set_active_batch_size(self, n: int) -> None:
-        """Set the active batch size; slots that become active start empty."""
+        """Set the active batch size; slots that become active start empty.
+        InvalidArgumentError unless ``0 <= n <= max_batch_size``."""
         n = check_positive_int("n", n, allow_zero=True)
         if n > self.max_batch_size:
             raise InvalidArgumentError(describe("n", f"at most max_batch_size="
@@ -294,6 +315,14 @@ class LinearKVCache(Uncopyable):
         ----------
         keep : sequence of int
             Distinct indices in ``[0, active_batch_size)``.
+
+        Raises
+        ------
+        InvalidArgumentError
+            An index out of range or repeated (nothing changes).
+        KVCacheError
+            Slots must move but no slot copier was handed in or registered. A copier's own
+            error propagates after the written slots are restored.
         """
         idx = self._host_ints("keep", keep)
         with self._lock:
@@ -343,15 +372,24 @@ class LinearKVCache(Uncopyable):
         Parameters
         ----------
         new_tokens : int or sequence of int
-            New tokens per active sequence this step (an int: the same for all).
+            New tokens per active sequence this step (an int: the same for all), each in
+            ``[0, max_seq_len]``.
 
         Returns
         -------
         list of RaggedKVCacheInputs
-            ``lookup_table`` is ``[batch, 1]`` holding each sequence's slot;
-            ``cache_lengths`` the current lengths. Valid until the next ``step_inputs`` or
-            change of lengths or batch; afterwards the ops refuse them
-            (:class:`~kvtvm.errors.StaleInputsError`, see ``token``).
+            One per device: ``lookup_table`` int32 ``[batch, 1]`` holding each sequence's
+            slot; ``cache_lengths`` int32 ``[batch]`` the current lengths; ``qo_indptr`` int32
+            ``[batch + 1]``. Valid until the next ``step_inputs`` or change of lengths or
+            batch; afterwards the ops refuse them (:class:`~kvtvm.errors.StaleInputsError`,
+            see ``token``).
+
+        Raises
+        ------
+        InvalidArgumentError
+            A negative count, or not ``active_batch_size`` of them.
+        SequenceTooLongError
+            A length after this step would pass ``max_seq_len``.
         """
         import torch
 

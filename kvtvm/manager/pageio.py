@@ -192,8 +192,9 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
         Returns
         -------
         PageExport
-            ``data`` is ``[n_carried, 2, num_layers, page_size, heads, head_dim]``; end the
-            lease with :meth:`end_lease` once it has been sent.
+            ``data`` is ``[n_carried, 2, num_layers, page_size, heads, head_dim]`` (uint8
+            ``[n_carried, page_bytes]`` for an 8-bit cache); end the lease with
+            :meth:`end_lease` once it has been sent.
 
         Raises
         ------
@@ -317,6 +318,8 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
             Not enough free or evictable pages (nothing changed).
         UnknownSequenceError, SequenceStateError
             ``seq_id`` is not a claimed, empty sequence.
+        InvalidArgumentError
+            ``header`` is not a PageHeader, or prefix caching is off.
         """
         with self._lock:
             if not isinstance(header, PageHeader):
@@ -500,9 +503,36 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
             self._tail_check[sid] = True
 
     def import_pages(self, header: PageHeader, data, seq_id: int | None = None) -> int:
-        """:meth:`begin_import` then :meth:`finish_import` (see both); returns the pages
-        written. With ``seq_id`` (a claimed, empty sequence) the sequence takes every page and
-        its length becomes ``len(header.tokens)``: it continues where the exporter stopped."""
+        """Import exported pages in one call: :meth:`begin_import` then :meth:`finish_import`.
+
+        Every checksum is verified before a page is taken, so a refused import changes nothing.
+
+        Parameters
+        ----------
+        header : PageHeader
+            The exporter's header (``export.header``), with its ``checksums``.
+        data : torch.Tensor
+            Every carried page, ``[header.n_carried, *header.page_shape]`` (``[n, 2,
+            num_layers, page_size, heads, head_dim]``, or uint8 ``[n, page_bytes]`` for an
+            8-bit cache), in the dtype of this cache's tensor.
+        seq_id : int, optional
+            A claimed, empty sequence: it takes every page and its length becomes
+            ``len(header.tokens)`` (it continues where the exporter stopped).
+
+        Returns
+        -------
+        int
+            The pages written (pages this cache already held are reused, not written).
+
+        Raises
+        ------
+        CorruptTransferError
+            No checksums, wrong shape or dtype, or a checksum differs.
+        FormatMismatchError, TransferError, KVCacheCapacityError
+            As for :meth:`begin_import`.
+        UnknownSequenceError, SequenceStateError, InvalidArgumentError
+            As for :meth:`begin_import`.
+        """
         import torch
 
         with self._lock:

@@ -139,12 +139,18 @@ class TierMixin:
         disk_dir : str or Path, optional
             Directory of the disk tier (none if omitted).
         disk_bytes : int
-            Size bound of the disk tier.
+            Size bound of the disk tier, in bytes (default 1 GiB).
+
+        Returns
+        -------
+        TierStore
+            The new tiers (their counters are in ``stats().tiers``).
 
         Raises
         ------
         InvalidArgumentError
-            Prefix caching is off, a size is negative, or ``disk_dir`` is refused.
+            Prefix caching is off, a size is negative, or ``disk_dir`` is refused (cannot be
+            created or written, another user's, or writable by group/others).
         """
         if not self.prefix_caching:
             raise InvalidArgumentError(describe("attach_tiers: params.enable_prefix_caching",
@@ -195,7 +201,8 @@ class TierMixin:
         """Write every cached device page the disk tier lacks (so a restart finds it);
         returns the pages written: whose files are in place when it returns (a write that
         failed -- a full or unwritable disk -- is counted in ``stats().tiers["disk"]
-        ["write_errors"]``, not here)."""
+        ["write_errors"]``, not here). 0 without a disk tier; InvalidArgumentError once it
+        is closed."""
         with self._lock:
             disk = self._tiers.disk if self._tiers is not None else None
             if disk is None:
@@ -236,7 +243,8 @@ class TierMixin:
         hash: "probably"; the fetch checks the tokens). The last token never counts (it is
         always recomputed); 0 without prefix caching. A fetch of only the first ``k`` tokens
         can hit ``(k - 1) // page_size`` pages at most: an engine sizes a prompt's first
-        chunk with this so chunked prefill does not recompute what the cache holds."""
+        chunk with this so chunked prefill does not recompute what the cache holds.
+        InvalidArgumentError unless ``tokens`` is a flat sequence of ints."""
         try:
             toks = None if isinstance(tokens, (str, bytes)) else np.array(
                 tokens if isinstance(tokens, list) else list(tokens))

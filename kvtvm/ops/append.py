@@ -32,7 +32,8 @@ def append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table, *,
     ``v_cache`` ``[num_pages, page_size, H, D]`` views (``hnd``: ``[slots, H, max_seq_len,
     D]``), ``k`` / ``v`` ``[N, H, D]``, ``qo_indptr`` int32 ``[B + 1]``, ``cache_lengths``
     int32 ``[B]``, ``lookup_table`` int32 ``[B, max_pages]``. ``prepare_append_kv(...).run()``:
-    see :func:`prepare_append_kv` for every argument and error.
+    see :func:`prepare_append_kv` for every argument and error; ``run()`` adds
+    :class:`~kvtvm.errors.KernelIndexError` (CPU: an out-of-range index was skipped).
     """
     prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_table,
                       layout=layout, check_indices=check_indices).run()
@@ -78,6 +79,11 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     ------
     DTypeMismatchError, DeviceMismatchError, InvalidArgumentError, SequenceTooLongError
         Before anything is written.
+    StaleInputsError
+        The tables come from a superseded ``fetch`` (also checked again by ``run()``).
+    CompilerUnavailableError, DeviceUnavailableError, KernelCacheError
+        The kernel cannot be loaded or built (these and the other errors of
+        :func:`kvtvm.compiler.get_kernel`).
     """
     tensors = {name: as_tensor(name, value) for name, value in (
         ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),

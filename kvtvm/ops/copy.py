@@ -47,6 +47,8 @@ def copy_pages(blocks, src_pages, dst_pages, *, check_indices: bool | None = Non
     ------
     DTypeMismatchError, DeviceMismatchError, InvalidArgumentError
         Before anything is written.
+    KernelIndexError
+        CPU, unchecked indices: a copy with an index out of range was skipped.
     """
     prepare_copy_pages(blocks, src_pages, dst_pages, check_indices=check_indices).run()
 
@@ -77,6 +79,11 @@ def copy_slots(cache, src_slots, dst_slots, *, check_indices: bool | None = None
         int32 ``[n]`` slot indices, on the host or on the device of ``cache`` (as for
         :func:`copy_pages`).
     check_indices : bool, optional
+        As for :func:`copy_pages`.
+
+    Raises
+    ------
+    DTypeMismatchError, DeviceMismatchError, InvalidArgumentError, KernelIndexError
         As for :func:`copy_pages`.
     """
     prepare_copy_slots(cache, src_slots, dst_slots, check_indices=check_indices).run()

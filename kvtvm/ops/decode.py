@@ -152,7 +152,8 @@ class SplitWorkspace:
 
     def views(self, num_splits: int, batch: int, n_q_heads: int, head_dim: int):
         """``(o_part [S, batch, Hq, D], lse_part [S, batch, Hq])`` float32 views of the buffer,
-        grown first when too small."""
+        grown first when too small (``S = num_splits``); InvalidArgumentError past
+        ``max_elements``."""
         import torch
 
         n_o = num_splits * batch * n_q_heads * head_dim
@@ -185,7 +186,8 @@ def decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *, layout
     max_seq_len, D]``); ``cache_lengths`` int32 ``[B]`` (tokens before this step: attends over
     ``cache_lengths[b] + 1``); ``lookup_table`` int32 ``[B, max_pages]``.
     ``prepare_decode_attention(...).run()``: see :func:`prepare_decode_attention` for every
-    argument and error.
+    argument and error; ``run()`` adds :class:`~kvtvm.errors.KernelIndexError` (CPU: an
+    out-of-range index was skipped).
 
     Returns
     -------
@@ -252,6 +254,11 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
     ------
     DTypeMismatchError, DeviceMismatchError, InvalidArgumentError, SequenceTooLongError
         Before anything is written.
+    StaleInputsError
+        The tables come from a superseded ``fetch`` (also checked again by ``run()``).
+    CompilerUnavailableError, DeviceUnavailableError, KernelCacheError
+        The kernel cannot be loaded or built (these and the other errors of
+        :func:`kvtvm.compiler.get_kernel`).
     """
     import torch
 

@@ -254,6 +254,7 @@ class LaunchSequence:
         self.launches = tuple(launches)
 
     def run(self) -> None:
+        """Run the launches in order (errors as :meth:`Launch.run`)."""
         for launch in self.launches:
             launch.run()
 

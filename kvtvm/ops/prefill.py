@@ -40,7 +40,8 @@ def prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, lookup_tabl
     this step); ``lookup_table`` int32 ``[B, max_pages]``. Causal by default: new token ``i``
     of sequence ``b`` attends over ``cache_lengths[b] + i + 1`` positions.
     ``prepare_prefill_attention(...).run()``: see :func:`prepare_prefill_attention` for every
-    argument and error.
+    argument and error; ``run()`` adds :class:`~kvtvm.errors.KernelIndexError` (CPU: an
+    out-of-range index was skipped).
 
     Returns
     -------
@@ -104,6 +105,11 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
     ------
     DTypeMismatchError, DeviceMismatchError, InvalidArgumentError, SequenceTooLongError
         Before anything is written.
+    StaleInputsError
+        The tables come from a superseded ``fetch`` (also checked again by ``run()``).
+    CompilerUnavailableError, DeviceUnavailableError, KernelCacheError
+        The kernel cannot be loaded or built (these and the other errors of
+        :func:`kvtvm.compiler.get_kernel`).
     """
     import torch
 
