@@ -16,7 +16,7 @@ from .manager.args import check_seconds
 from .manager.pageformat import check_export
 from .manager.pageio import PageExport, PageHeader
 
-__all__ = ["PageTransport", "Transfer", "Received", "InProcessTransport"]
+__all__ = ["PageTransport", "Transfer", "Received", "InProcessTransport", "send_sequence"]
 
 
 @dataclass
@@ -176,3 +176,23 @@ class InProcessTransport(PageTransport):
             return Received("pages", tag, header=header, seq_id=seq_id, error=err)
         return Received("pages", tag, header=header, seq_id=seq_id,
                         pages_written=box["written"])
+
+
+def send_sequence(transport: PageTransport, peer: int, seq_id: int, tag: int = 0,
+                  timeout: float | None = 60.0) -> int:
+    """Send the pages of ``seq_id`` that the peer lacks (lookup by hashes first), wait for
+    the acknowledgement; returns the pages the peer wrote. The export lease ends exactly once,
+    whatever happens."""
+    mgr = transport._need()
+    have = transport.lookup(peer, mgr.block_hashes_of(seq_id))
+    for first in (have, 0):
+        export = mgr.export_pages(seq_id, first_page=first, timeout=timeout,
+                                  defer_checksums=True)
+        try:  # a send that raises has its lease ended here too (any transport)
+            return transport.send(peer, export, tag).wait(timeout)
+        except TransferError as err:
+            if not getattr(err, "resend", False) or first == 0:
+                raise
+        finally:
+            mgr.end_lease(export.lease_id)
+    raise AssertionError("unreachable")

@@ -41,7 +41,7 @@ from .manager.args import check_hashes, check_seconds
 from .manager.checksums import DEVICE, page_checksums
 from .manager.pageformat import check_export
 from .manager.pageio import PageExport, PageHeader
-from .pagetransport import InProcessTransport, PageTransport, Received, Transfer
+from .pagetransport import InProcessTransport, PageTransport, Received, Transfer, send_sequence
 from .transferwire import (_ACK, _FRAME, _LEN, _MASK, ACK, ANSWER, CLOSE, INTS,  # noqa: F401
                            LOOKUP, MSG_BYTES, OK, ONE_INITIATOR, PAGES, READY, REFUSED, RESEND,
                            SUMS, _ack_payload, _import_status, _read_ack, check_peer,
@@ -56,26 +56,6 @@ log = logging.getLogger(__name__)
 #: Bytes one data message carries at most (whole pages, at least one): the receiver checks a
 #: message's pages while the next ones arrive, so only the last one's check is not hidden.
 CHUNK_BYTES = 2 << 20
-
-
-def send_sequence(transport: PageTransport, peer: int, seq_id: int, tag: int = 0,
-                  timeout: float | None = 60.0) -> int:
-    """Send the pages of ``seq_id`` that the peer lacks (lookup by hashes first), wait for
-    the acknowledgement; returns the pages the peer wrote. The export lease ends exactly once,
-    whatever happens."""
-    mgr = transport._need()
-    have = transport.lookup(peer, mgr.block_hashes_of(seq_id))
-    for first in (have, 0):
-        export = mgr.export_pages(seq_id, first_page=first, timeout=timeout,
-                                  defer_checksums=True)
-        try:  # a send that raises has its lease ended here too (any transport)
-            return transport.send(peer, export, tag).wait(timeout)
-        except TransferError as err:
-            if not getattr(err, "resend", False) or first == 0:
-                raise
-        finally:
-            mgr.end_lease(export.lease_id)
-    raise AssertionError("unreachable")
 
 
 class DistributedTransport(PageTransport):
@@ -110,6 +90,7 @@ class DistributedTransport(PageTransport):
         # docstring); NCCL runs one peer's ops in order on one stream, so neither there
         self._gloo_order = backend == "gloo"
         self._broken = None  # why the wire is unusable (a peer gone, a message out of step)
+        self._posts = 0  # sends and receives posted (a send stopped midway leaves some)
         self._rank = dist.get_rank()  # (global ranks: what isend/irecv take)
         self._ranks = frozenset(dist.get_process_group_ranks(group or dist.group.WORLD))
         # key of this group's polls (kvtvm.transferwait: shared by the group's transports)
@@ -160,6 +141,7 @@ class DistributedTransport(PageTransport):
 
     def _isend(self, tensor, peer: int, what: str):
         self._usable()
+        self._posts += 1
         try:
             return self.dist.isend(tensor, peer, group=self.group)
         except RuntimeError as err:  # a connection the peer closed (killed, exited)
@@ -167,6 +149,7 @@ class DistributedTransport(PageTransport):
 
     def _irecv(self, tensor, peer: int, what: str):
         self._usable()
+        self._posts += 1
         try:
             return self.dist.irecv(tensor, peer, group=self.group)
         except RuntimeError as err:
@@ -300,7 +283,7 @@ class DistributedTransport(PageTransport):
         export's lease has ended; an export whose lease already ended is refused before
         anything goes on the wire (:class:`TransferError`: its pages may have been reused)."""
         check_export(export)
-        mgr = self._need()
+        mgr, posts = self._need(), self._posts
         try:  # a refused peer ends the lease too, as every refusal does
             peer = self._peer(peer, "send", answers=True)
             self._usable()
@@ -308,8 +291,11 @@ class DistributedTransport(PageTransport):
                 raise TransferError(f"transport: the lease of the export ({export.lease_id}) "
                                     "ended before the send: its pages may have been reused")
             return self._send(peer, export, tag)
-        except BaseException:
+        except BaseException as err:
             mgr.end_lease(export.lease_id)  # a no-op if it ended
+            if self._posts != posts and not isinstance(err, KVCacheError):  # (an interrupt,
+                self._broken = self._broken or (  # a torch error): the wire out of step
+                    f"a send to rank {peer} stopped midway ({type(err).__name__})")
             raise
 
     def _send(self, peer: int, export: PageExport, tag: int) -> Transfer:

@@ -43,6 +43,7 @@ def transport(messages):
     tr.dist, tr.group, tr.timeout = ScriptedPeer(messages), None, 1.0
     tr.device, tr._gloo_order, tr._broken = torch.device("cpu"), True, None
     tr._pool = tr._stage = None
+    tr._posts = 0
     tr._rank, tr._ranks, tr._group_key = 0, frozenset({0, 1}), object()
     tr._out = torch.zeros(MSG_BYTES, dtype=torch.uint8)
     tr._in = torch.zeros(MSG_BYTES, dtype=torch.uint8)
@@ -168,3 +169,30 @@ def test_polls_of_one_peer_post_one_receive_whatever_the_threads():
     done.result(10)
     assert polls.take(key, done) and not polls.take(key, done)
     assert polls.pending(key) is None
+
+
+def test_a_send_interrupted_midway_marks_the_wire_unusable(monkeypatch):
+    """An exception that is not kvtvm's (Ctrl-C while hashing the pages, a torch error) left
+    the header (and, on gloo, the answers' receives) posted with the wire thought usable: the
+    next call waited a whole timeout. Now it says the wire is out of step at once; the
+    export's lease ended."""
+    from kvtvm.manager import BatchItem
+    from kvtvm.manager.pageio import PageExport
+
+    from kvtvm.transfer import ACK, READY
+
+    tr = transport([(READY, b""), (ACK, b"")])  # (the answers' receives, posted first)
+    mgr = tr.manager
+    (s,) = mgr.claim(1)
+    mgr.fetch([BatchItem(s, list(range(9)))])
+    mgr.step([BatchItem(s, list(range(9)))])
+    export = mgr.export_pages(s, defer_checksums=True)
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(PageExport, "row_checksums", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tr.send(1, export)
+    assert export.lease_id not in mgr.active_leases()
+    with pytest.raises(TransferError, match="stopped midway"):
+        tr.lookup(1, [11])
