@@ -255,14 +255,14 @@ class KVCacheCollection:
             acc._lookup_host = self._lookup_host
         return acc
 
-    def get_key_cache(self, layer: int) -> LayerKVCache:
-        """Layer ``layer``'s K cache (zero-copy view; shapes in the module docstring);
-        InvalidArgumentError unless ``0 <= layer < num_layers``."""
-        return self._layer(layer, 0)
+    def get_key_cache(self, layer_idx: int) -> LayerKVCache:
+        """Layer ``layer_idx``'s K cache (zero-copy view; shapes in the module docstring);
+        InvalidArgumentError unless ``0 <= layer_idx < num_layers``."""
+        return self._layer(layer_idx, 0)
 
-    def get_value_cache(self, layer: int) -> LayerKVCache:
-        """Layer ``layer``'s V cache (as :meth:`get_key_cache`)."""
-        return self._layer(layer, 1)
+    def get_value_cache(self, layer_idx: int) -> LayerKVCache:
+        """Layer ``layer_idx``'s V cache (as :meth:`get_key_cache`)."""
+        return self._layer(layer_idx, 1)
 
     def cache_length(self, bs_idx: int) -> int:
         """Tokens cached for batch entry ``bs_idx`` before this step's tokens."""

@@ -31,7 +31,8 @@ from .params import KVCacheParams, KVCacheStrategy
 
 __all__ = [
     "BatchItem", "TokenBatch", "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs",
-    "KVCacheInputsSequence", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols", "FetchToken",
+    "KVCacheInputsSequence", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols",
+    "ContinuousBatchingKVCacheInputSymbols", "FetchToken",
     "stamp", "token_of", "check_live",
 ]
 
@@ -271,12 +272,26 @@ class KVCacheInputSymbols:
 
 @dataclass
 class RaggedKVCacheInputSymbols(KVCacheInputSymbols):
-    """Relax struct info of each tensor of :class:`RaggedKVCacheInputs` (seed 002)."""
+    """Relax struct info of each tensor of :class:`RaggedKVCacheInputs` (seed 002; its
+    ``ContinuousBatchingKVCacheInputSymbols``, whose ``kv_blocks`` is ``blocks`` here).
+    Iterates over the four, in that order."""
 
     blocks: Any
     cache_lengths: Any
     lookup_table: Any
     max_lengths: Any
+
+    @property
+    def kv_blocks(self):
+        """:attr:`blocks` (seed 002's name)."""
+        return self.blocks
+
+    def __iter__(self):
+        return iter((self.blocks, self.cache_lengths, self.lookup_table, self.max_lengths))
+
+
+#: Seed 002's name of the symbols of a continuous (or any ragged) cache's inputs.
+ContinuousBatchingKVCacheInputSymbols = RaggedKVCacheInputSymbols
 
 
 @dataclass

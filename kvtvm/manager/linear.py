@@ -176,20 +176,22 @@ class LinearKVCache(Uncopyable):
         InvalidArgumentError unless ``device`` is an int in ``[0, n_devices)``."""
         return self._cache[self._device_index(device)]
 
-    def get_kv_cache_for_decoder_layer(self, layer: int, device: int = 0):
-        """Layer ``layer``'s cache, ``[max_batch_size, 2, n_kv_heads, max_seq_len, head_dim]``
-        (a view; ``[:, 0]`` is K and ``[:, 1]`` is V, each the ``hnd`` layout append_kv takes).
+    def get_kv_cache_for_decoder_layer(self, decoder_layer_idx: int, device: int = 0):
+        """Layer ``decoder_layer_idx``'s cache, ``[max_batch_size, 2, n_kv_heads, max_seq_len,
+        head_dim]`` (a view; ``[:, 0]`` is K and ``[:, 1]`` is V, each the ``hnd`` layout
+        append_kv takes).
 
         Raises
         ------
         InvalidArgumentError
-            ``layer`` or ``device`` out of range, or the cache is quantized (one byte tensor:
-            take ``step_inputs(...)[d].k_cache(layer)`` / ``v_cache(layer)``).
+            ``decoder_layer_idx`` or ``device`` out of range, or the cache is quantized (one
+            byte tensor: take ``step_inputs(...)[d].k_cache(layer)`` / ``v_cache(layer)``).
         """
+        layer = decoder_layer_idx
         if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) \
                 or not 0 <= layer < self.num_layers:
-            raise InvalidArgumentError(describe("layer", f"an int in [0, {self.num_layers})",
-                                                repr(layer)))
+            raise InvalidArgumentError(describe("decoder_layer_idx",
+                                                f"an int in [0, {self.num_layers})", repr(layer)))
         device = self._device_index(device)
         if self.params.quantized:
             raise InvalidArgumentError(describe(
@@ -238,13 +240,46 @@ class LinearKVCache(Uncopyable):
         with self._lock:
             return not self._lengths[:self._active].any()
 
-    def reset_for_new_sequences(self, reuse_lengths) -> None:
-        """Start a new batch: one sequence per entry of ``reuse_lengths``.
+    # seed 004's getters, as methods (the properties above are the Pythonic spelling)
+    def get_kv_cache_lengths(self):
+        """:attr:`kv_cache_lengths` (seed 004's ``getKVCacheLengths``)."""
+        return self.kv_cache_lengths
+
+    def get_config(self) -> LinearCacheConfig:
+        """:attr:`config` (seed 004's ``getConfig``)."""
+        return self.config
+
+    def get_active_batch_size(self) -> int:
+        """:attr:`active_batch_size` (seed 004's ``getActiveBatchSize``)."""
+        return self.active_batch_size
+
+    def get_kv_cache_all_empty(self) -> bool:
+        """:attr:`kv_cache_all_empty` (seed 004's ``getKVCacheAllEmpty``)."""
+        return self.kv_cache_all_empty
+
+    def _on(self, stream):
+        """The context of seed 004's ``stream`` argument: the uploads of the lengths run on
+        ``stream`` (a ``torch.cuda.Stream``), or on the current stream (None)."""
+        import contextlib
+
+        import torch
+
+        if stream is None:
+            return contextlib.nullcontext()
+        if not isinstance(stream, torch.cuda.Stream):
+            raise InvalidArgumentError(describe("stream", "a torch.cuda.Stream or None",
+                                                type(stream).__name__))
+        return torch.cuda.stream(stream)
+
+    def reset_for_new_sequences(self, host_reuse_kv_cache_lengths, stream=None) -> None:
+        """Start a new batch: one sequence per entry of ``host_reuse_kv_cache_lengths``.
 
         Parameters
         ----------
-        reuse_lengths : sequence of int, numpy array or host tensor
+        host_reuse_kv_cache_lengths : sequence of int, numpy array or host tensor
             ``[batch]`` tokens already in each slot (precomputed K/V to reuse; 0 for none).
+        stream : torch.cuda.Stream, optional
+            Where the lengths' upload to a GPU runs (default: the current stream).
 
         Raises
         ------
@@ -254,25 +289,30 @@ class LinearKVCache(Uncopyable):
         SequenceTooLongError
             A length passes ``max_seq_len``.
         """
-        lengths = self._host_ints("reuse_lengths", reuse_lengths)
+        name = "host_reuse_kv_cache_lengths"
+        lengths = self._host_ints(name, host_reuse_kv_cache_lengths)
         if lengths.size > self.max_batch_size:
-            raise InvalidArgumentError(describe("reuse_lengths", f"at most max_batch_size="
+            raise InvalidArgumentError(describe(name, f"at most max_batch_size="
                                                 f"{self.max_batch_size} entries", lengths.size))
-        self._check_range("reuse_lengths", lengths)
-        with self._lock:
+        self._check_range(name, lengths)
+        with self._lock, self._on(stream):
             self._lengths[:] = 0
             self._lengths[:lengths.size] = lengths
             self._active = int(lengths.size)
             self._upload()
 
-    def commit_sequence_length(self, new_lengths) -> None:
+    def commit_sequence_length(self, new_context_lengths, stream=None) -> None:
         """Add this step's tokens to the active lengths.
 
         Parameters
         ----------
-        new_lengths : int or tensor
-            An int: every active sequence grew by it (decode). A tensor / array / list of
-            ``[active_batch_size]`` ints: sequence ``b`` grew by ``new_lengths[b]`` (prefill).
+        new_context_lengths : int or tensor
+            An int (seed 004's ``increment``): every active sequence grew by it (decode). A
+            tensor / array / list of ``[active_batch_size]`` ints: sequence ``b`` grew by
+            ``new_context_lengths[b]`` (prefill; added, as TensorRT-Edge-LLM's
+            ``incrementLengthTensor``; a GPU tensor is read on the host: a sync).
+        stream : torch.cuda.Stream, optional
+            Where the lengths' upload to a GPU runs (default: the current stream).
 
         Raises
         ------
@@ -281,19 +321,22 @@ class LinearKVCache(Uncopyable):
         SequenceTooLongError
             A length would pass ``max_seq_len`` (nothing changes).
         """
-        with self._lock:
-            inc = self._step_counts("new_lengths", new_lengths)
+        with self._lock, self._on(stream):
+            inc = self._step_counts("new_context_lengths", new_context_lengths)
             total = self._lengths[:self._active] + inc
             self._check_range("committed length", total)
             self._lengths[:self._active] = total
             self._upload()
 
-    def set_active_batch_size(self, n: int) -> None:
-        """Set the active batch size; slots that become active start empty.
-        InvalidArgumentError unless ``0 <= n <= max_batch_size``."""
-        n = check_positive_int("n", n, allow_zero=True)
+    def set_active_batch_size(self, new_active_batch_size: int) -> None:
+        """Set the active batch size (batch eviction: the first ``new_active_batch_size``
+        slots stay); slots that become active start empty (a slot left out loses its
+        length). InvalidArgumentError unless ``0 <= new_active_batch_size <=
+        max_batch_size``."""
+        name = "new_active_batch_size"
+        n = check_positive_int(name, new_active_batch_size, allow_zero=True)
         if n > self.max_batch_size:
-            raise InvalidArgumentError(describe("n", f"at most max_batch_size="
+            raise InvalidArgumentError(describe(name, f"at most max_batch_size="
                                                 f"{self.max_batch_size}", n))
         with self._lock:
             if n > self._active:

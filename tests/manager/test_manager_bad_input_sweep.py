@@ -296,13 +296,14 @@ def _linear_cases():
     for v in ["x", None, [1.5], [-1], [99], [[1]], [True], [1] * 5, [NAN], 3,
               np.zeros(2, np.float32)]:
         cases.append((f"reset-{v!r}", "reset_for_new_sequences", (v,), {},
-                      ("reuse_lengths",)))
+                      ("host_reuse_kv_cache_lengths",)))
     for v in [True, 1.5, "x", None, [-1, 0, 0], [1, 1], [99, 0, 0], 99, -1, NAN, [[1, 1, 1]],
               torch.ones(3), np.array([1.0, 1.0, 1.0])]:
         cases.append((f"commit-{v!r}", "commit_sequence_length", (v,), {},
-                      ("new_lengths", "length")))
+                      ("new_context_lengths", "length")))
     for v in [-1, 99, 1.5, True, "x", NAN, None]:
-        cases.append((f"set_active-{v!r}", "set_active_batch_size", (v,), {}, ("n",)))
+        cases.append((f"set_active-{v!r}", "set_active_batch_size", (v,), {},
+                      ("new_active_batch_size",)))
     for v in [[-1], [99], [0, 0], "x", [1.5], [[0]], None, [True], [NAN], 3]:
         cases.append((f"evict-{v!r}", "evict", (v,), {}, ("keep",)))
     for v in [True, 1.5, "x", [1, 1], [-1, 0, 0], [99, 0, 0], None, [NAN, 1, 1], 99]:
@@ -363,7 +364,8 @@ def test_the_sweep_covers_every_public_method():
     no_args = {"active_leases", "check_invariants", "device_nbytes", "input_specs",
                "input_symbols", "num_kv_inputs", "stats", "storage_name",
                "persist_prefix_cache", "estimated_memory_size", "infer_optimal_batch_size",
-               "contains", "close_tiers"}
+               "contains", "close_tiers", "get_active_batch_size", "get_config",
+               "get_kv_cache_all_empty", "get_kv_cache_lengths"}
     for kind, cls in (("paged", PagedKVCacheManager),
                       ("continuous", ContinuousBatchingKVCacheManager),
                       ("linear", LinearKVCache)):

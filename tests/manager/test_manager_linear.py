@@ -112,7 +112,7 @@ def test_errors_change_nothing():
         c.step_inputs([14, 0])
     # ragged nesting, bools and uint64 past int64 were a raw numpy error, taken as 1, and
     # reported as "got -1"
-    with pytest.raises(InvalidArgumentError, match="reuse_lengths"):
+    with pytest.raises(InvalidArgumentError, match="host_reuse_kv_cache_lengths"):
         c.reset_for_new_sequences([[1, 2], [3]])
     with pytest.raises(InvalidArgumentError, match="keep"):
         c.evict([[1], [0, 1]])
@@ -190,3 +190,30 @@ def test_counts_past_int64_or_max_seq_len_are_too_long_and_change_nothing(verb, 
     assert lin.host_lengths.tolist() == [1, 2]
     (inp,) = lin.step_inputs([30, 29])   # the largest that fit
     assert inp.cache_lengths.tolist() == [1, 2]
+
+
+def test_seed_004_names_getters_and_stream():
+    """An engine written from TensorRT-Edge-LLM's LinearKVCache (seed 004): its getters as
+    methods, its argument names, and its stream argument (None: the current stream; a CPU
+    cache takes None only)."""
+    from kvtvm.errors import InvalidArgumentError
+    from kvtvm.inputs import ContinuousBatchingKVCacheInputSymbols
+
+    c = LinearKVCache(KVCacheParams("float32", 2, 4, "linear"), 3, 16, 2)
+    c.reset_for_new_sequences(host_reuse_kv_cache_lengths=[2, 0], stream=None)
+    c.commit_sequence_length(new_context_lengths=[1, 3], stream=None)
+    c.commit_sequence_length(1, None)
+    assert c.get_kv_cache_lengths().tolist() == [4, 4] == c.kv_cache_lengths.tolist()
+    assert c.get_active_batch_size() == 2 and not c.get_kv_cache_all_empty()
+    assert c.get_config() == c.config
+    layer = c.get_kv_cache_for_decoder_layer(decoder_layer_idx=1)
+    assert layer.shape == (3, 2, 2, 16, 4)
+    c.set_active_batch_size(new_active_batch_size=1)
+    assert c.get_kv_cache_lengths().tolist() == [4]
+    with pytest.raises(InvalidArgumentError, match="stream"):
+        c.commit_sequence_length(1, stream="default")
+    assert c.get_kv_cache_lengths().tolist() == [4]     # nothing changed
+    syms = c.input_symbols()[0] if hasattr(c, "input_symbols") else None
+    if syms is not None:
+        assert syms.kv_blocks is syms.blocks and len(list(syms)) == 4
+    assert ContinuousBatchingKVCacheInputSymbols.__name__ == "RaggedKVCacheInputSymbols"
