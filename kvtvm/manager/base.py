@@ -114,9 +114,7 @@ class KVCacheManager(Uncopyable, abc.ABC):
         self._token_ids = np.zeros(0, dtype=np.int64)      # its sequences
         self._in_token = np.zeros(mb, dtype=bool)          # ... as a mask over the slots
 
-    # ------------------------------------------------------------------------------------
-    # Abstract / per-strategy parts
-    # ------------------------------------------------------------------------------------
+    # -- Abstract / per-strategy parts -----------------------------------------------------
 
     @classmethod
     @abc.abstractmethod
@@ -148,9 +146,7 @@ class KVCacheManager(Uncopyable, abc.ABC):
     def _release_slot(self, seq_id: int) -> None:
         """Strategy hook: return a released sequence's memory."""
 
-    # ------------------------------------------------------------------------------------
-    # Slots
-    # ------------------------------------------------------------------------------------
+    # -- Slots -----------------------------------------------------------------------------
 
     def claim(self, n: int) -> list[int]:
         """Claim ``n`` sequence slots for incoming requests.
@@ -284,9 +280,14 @@ class KVCacheManager(Uncopyable, abc.ABC):
         with self._lock:
             return int(self._lengths[self._check_known(seq_id, "cache_length")])
 
-    # ------------------------------------------------------------------------------------
-    # Batches
-    # ------------------------------------------------------------------------------------
+    @property
+    def cache_lengths(self) -> dict[int, int]:
+        """Committed tokens of every claimed sequence, ``{seq_id: length}`` (a copy; seed
+        000's ``cache_lengths``)."""
+        with self._lock:
+            return {int(s): int(self._lengths[s]) for s in np.flatnonzero(self._claimed)}
+
+    # -- Batches ---------------------------------------------------------------------------
 
     def _parse_batch(self, batch, what: str):
         """Validated ``(ids, counts, tokens)`` of a batch (a list of batch items or a
@@ -539,9 +540,7 @@ class KVCacheManager(Uncopyable, abc.ABC):
                 qo_indptr_host=np.arange(b + 1, dtype=np.int32)))
         return out[0] if single else out
 
-    # ------------------------------------------------------------------------------------
-    # Graph integration
-    # ------------------------------------------------------------------------------------
+    # -- Graph integration -----------------------------------------------------------------
 
     def num_kv_inputs(self) -> int:
         """KV inputs per device: blocks, cache_lengths, lookup_table, max_lengths."""
@@ -575,9 +574,7 @@ class KVCacheManager(Uncopyable, abc.ABC):
         """
         return build_symbols(self.input_specs())
 
-    # ------------------------------------------------------------------------------------
-    # Shared helpers
-    # ------------------------------------------------------------------------------------
+    # -- Shared helpers --------------------------------------------------------------------
 
     @property
     def blocks(self):

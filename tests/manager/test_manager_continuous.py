@@ -368,3 +368,20 @@ def test_pop_errors_change_nothing():
     with pytest.raises(UnknownSequenceError):
         mgr.pop(1, 1)
     assert mgr.cache_length(a) == 3
+
+
+def test_seed_000_cache_lengths_dict():
+    """Seed 000's ``cache_lengths``: every claimed sequence's committed length (a copy)."""
+    from kvtvm.inputs import BatchItem
+
+    params = KVCacheParams("float32", 2, 4, "continuous")
+    mgr = ContinuousBatchingKVCacheManager(params, 3, 16, 1)
+    a, b = mgr.claim(2)
+    mgr.fetch([BatchItem(a, [1, 2, 3])])
+    mgr.step([BatchItem(a, [1, 2, 3])])
+    lengths = mgr.cache_lengths
+    assert lengths == {a: 3, b: 0}
+    lengths[a] = 99
+    assert mgr.cache_lengths[a] == 3
+    mgr.release(b)
+    assert mgr.cache_lengths == {a: 3}
