@@ -122,6 +122,15 @@ class LayerKVCache:
             end += int(self.new_tokens_host[b])
         return b, _index_arg("tok_idx", tok_idx, end, f" (batch entry {b}'s positions)")
 
+    @property
+    def page_size_(self) -> int:
+        """:attr:`page_size` (seed 003's name)."""
+        return self.page_size
+
+    def cache_lengths_nd(self):
+        """:attr:`cache_lengths`, int32 ``[batch]`` (seed 003)."""
+        return self.cache_lengths
+
     def cache_length(self, batch_idx: int) -> int:
         """Tokens cached for batch entry ``batch_idx`` before this step's tokens."""
         return int(self.cache_lengths_host[self._batch_index(batch_idx)])
@@ -164,7 +173,8 @@ class LayerKVCache:
         page, slot = self.page_and_slot(bs, tok_idx)
         return (page, slot, head_idx) if self.layout == "nhd" else (page, head_idx, slot)
 
-    def load(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx=slice(None)):
+    def load(self, bs: int, head_idx: int, tok_idx: int, head_dim_idx=slice(None),
+             width: int | None = None):
         """Element(s) ``[head_dim_idx]`` of head ``head_idx`` at token ``tok_idx`` of ``bs``:
         a copy, read while the inputs are live (a view would see, and could write, whatever a
         later step puts in that page).
@@ -176,12 +186,20 @@ class LayerKVCache:
             its new tokens).
         head_dim_idx : int or slice
             Index into ``head_dim``; all of it by default.
+        width : int, optional
+            Seed 003's ``load[width]``: ``width`` elements from the int ``head_dim_idx``.
 
         Returns
         -------
         torch.Tensor
-            ``[head_dim]`` (or as ``head_dim_idx`` selects) in the view's dtype.
+            ``[head_dim]`` (or as ``head_dim_idx`` selects; ``[width]``) in the view's dtype.
         """
+        if width is not None:
+            d = int(self.blocks.shape[-1])
+            if _index_arg("width", width, d + 1) == 0:
+                raise InvalidArgumentError(describe("width", f"an int in [1, {d}]", 0))
+            first = _index_arg("head_dim_idx", head_dim_idx, d - width + 1, f" (width {width})")
+            head_dim_idx = slice(first, first + width)
         with self._live():
             return self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx].clone()
 
@@ -279,9 +297,42 @@ class KVCacheCollection:
     def max_context_length(self) -> int:
         return self.max_cache_length
 
+    # seed 001's members (its comptime ones as properties)
+    name_str = "kv_cache"
+
+    @property
+    def kv_params(self):
+        """The device's :class:`~kvtvm.params.KVCacheParams`."""
+        return self.inputs.params
+
+    @property
+    def dtype(self):
+        """The torch dtype of a layer's K view (an 8-bit cache: int8 or float8_e4m3fn)."""
+        return self._view(0, 0).dtype
+
+    @property
+    def scale_dtype(self):
+        """``"float32"`` when K or V rows carry a scale (8-bit), else None (seed 001's
+        ``DType.invalid``)."""
+        params = self.inputs.params
+        return "float32" if params is not None and params.quantized else None
+
+    @property
+    def kv_cache_dynamic_shape(self) -> tuple:
+        """Shape of a layer's K view (``[pages, page_size, H, D]`` or, linear,
+        ``[slots, H, max_seq_len, D]``)."""
+        return tuple(self._view(0, 0).shape)
+
+    @property
+    def kv_cache_dynamic_strides(self) -> tuple:
+        """Strides (elements) of a layer's K view."""
+        return tuple(self._view(0, 0).stride())
+
 
 class ContinuousBatchingKVCacheCollection(KVCacheCollection):
     """Seed 001: views of a CONTINUOUS cache; a block is a page of ``max_seq_len`` tokens."""
+
+    name_str = "continuous_batching"
 
     @property
     def page_size(self) -> int:
@@ -293,6 +344,8 @@ class ContinuousBatchingKVCacheCollection(KVCacheCollection):
 
 class PagedKVCacheCollection(KVCacheCollection):
     """Seed 003: views of a PAGED cache."""
+
+    name_str = "paged"
 
     @property
     def page_size(self) -> int:
@@ -307,6 +360,7 @@ class LinearKVCacheCollection(KVCacheCollection):
     ``max_seq_len`` tokens."""
 
     layout = "hnd"
+    name_str = "linear"
 
     @property
     def page_size(self) -> int:

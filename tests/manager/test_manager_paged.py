@@ -520,3 +520,38 @@ def test_host_memory_past_the_machine_is_a_capacity_error_before_anything_is_all
     with pytest.raises(KVCacheCapacityError, match="step tables"):  # 1000 x 2**20 pages wide
         PagedKVCacheManager(KVCacheParams("float32", 1, 4, "paged", page_size=1), 1000,
                             1 << 20, 1, num_pages=1)
+
+
+def test_seed_001_003_members_of_the_views():
+    """Seed 001's collection members and seed 003's simple accessor members, as an engine
+    written from MAX's documents reads them."""
+    import torch
+
+    from kvtvm.errors import InvalidArgumentError
+    from kvtvm.inputs import BatchItem
+
+    params = KVCacheParams("float32", 2, 8, "paged", page_size=4)
+    mgr = PagedKVCacheManager(params, 2, 32, 2, num_pages=8)
+    (s,) = mgr.claim(1)
+    (inp,) = mgr.fetch([BatchItem(s, [1, 2, 3, 4, 5])])
+    c = inp.collection()
+    assert c.name_str == "paged" and c.kv_params == params and c.scale_dtype is None
+    assert c.dtype == torch.float32
+    k = c.get_key_cache(layer_idx=1)
+    assert c.kv_cache_dynamic_shape == tuple(k.blocks.shape) == (8, 4, 2, 8)
+    assert c.kv_cache_dynamic_strides == tuple(k.blocks.stride())
+    assert k.page_size_ == 4 and k.cache_lengths_nd() is inp.cache_lengths
+    k.store(0, 1, 4, slice(None), torch.arange(8.0))
+    assert k.load(0, 1, 4, 2, width=3).tolist() == [2.0, 3.0, 4.0]
+    for bad in ((7, 2), (-1, 1), (2, 0), (2, 9)):  # (head_dim_idx, width) off the head
+        with pytest.raises(InvalidArgumentError, match="head_dim_idx|width"):
+            k.load(0, 1, 4, *bad[:1], width=bad[1])
+    from kvtvm.manager import ContinuousBatchingKVCacheManager
+
+    q8 = KVCacheParams("float32", 2, 8, "continuous", cache_dtype="int8")
+    m8 = ContinuousBatchingKVCacheManager(q8, 1, 16, 1)
+    (t,) = m8.claim(1)
+    (i8,) = m8.fetch([BatchItem(t, [1])])
+    assert i8.collection().scale_dtype == "float32"
+    assert i8.collection().name_str == "continuous_batching"
+    assert i8.collection().dtype == torch.int8
