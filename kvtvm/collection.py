@@ -307,7 +307,8 @@ class KVCacheCollection:
 
     @property
     def dtype(self):
-        """The torch dtype of a layer's K view (an 8-bit cache: int8 or float8_e4m3fn)."""
+        """The torch dtype of layer 0's K view (an 8-bit cache: int8 or float8_e4m3fn; with
+        ``skip_layers`` the layers differ: ``get_key_cache(l).blocks.dtype``)."""
         return self._view(0, 0).dtype
 
     @property
@@ -319,13 +320,13 @@ class KVCacheCollection:
 
     @property
     def kv_cache_dynamic_shape(self) -> tuple:
-        """Shape of a layer's K view (``[pages, page_size, H, D]`` or, linear,
-        ``[slots, H, max_seq_len, D]``)."""
+        """Shape of layer 0's K view (``[pages, page_size, H, D]`` or, linear,
+        ``[slots, H, max_seq_len, D]``; an 8-bit layer's last axis is its row bytes)."""
         return tuple(self._view(0, 0).shape)
 
     @property
     def kv_cache_dynamic_strides(self) -> tuple:
-        """Strides (elements) of a layer's K view."""
+        """Strides (elements) of layer 0's K view."""
         return tuple(self._view(0, 0).stride())
 
 

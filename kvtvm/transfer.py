@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import logging
 import struct
+import threading
 from concurrent.futures import wait as futures_wait
 
 import numpy as np
@@ -90,7 +91,7 @@ class DistributedTransport(PageTransport):
         # docstring); NCCL runs one peer's ops in order on one stream, so neither there
         self._gloo_order = backend == "gloo"
         self._broken = None  # why the wire is unusable (a peer gone, a message out of step)
-        self._posts = 0  # sends and receives posted (a send stopped midway leaves some)
+        self._local = threading.local()  # .posts: this thread's sends and receives posted
         self._rank = dist.get_rank()  # (global ranks: what isend/irecv take)
         self._ranks = frozenset(dist.get_process_group_ranks(group or dist.group.WORLD))
         # key of this group's polls (kvtvm.transferwait: shared by the group's transports)
@@ -121,6 +122,10 @@ class DistributedTransport(PageTransport):
                                 f"call handle({peer}) until one arrives) -- {ONE_INITIATOR}")
         return peer
 
+    def _posts(self) -> int:
+        """Sends and receives this thread posted (a send stopped midway leaves some)."""
+        return getattr(self._local, "posts", 0)
+
     def _usable(self) -> None:
         """Raise :class:`TransferError` if an earlier failure left the wire unusable."""
         if self._broken is not None:
@@ -141,7 +146,7 @@ class DistributedTransport(PageTransport):
 
     def _isend(self, tensor, peer: int, what: str):
         self._usable()
-        self._posts += 1
+        self._local.posts = self._posts() + 1
         try:
             return self.dist.isend(tensor, peer, group=self.group)
         except RuntimeError as err:  # a connection the peer closed (killed, exited)
@@ -149,7 +154,7 @@ class DistributedTransport(PageTransport):
 
     def _irecv(self, tensor, peer: int, what: str):
         self._usable()
-        self._posts += 1
+        self._local.posts = self._posts() + 1
         try:
             return self.dist.irecv(tensor, peer, group=self.group)
         except RuntimeError as err:
@@ -283,7 +288,7 @@ class DistributedTransport(PageTransport):
         export's lease has ended; an export whose lease already ended is refused before
         anything goes on the wire (:class:`TransferError`: its pages may have been reused)."""
         check_export(export)
-        mgr, posts = self._need(), self._posts
+        mgr, posts = self._need(), self._posts()
         try:  # a refused peer ends the lease too, as every refusal does
             peer = self._peer(peer, "send", answers=True)
             self._usable()
@@ -293,7 +298,7 @@ class DistributedTransport(PageTransport):
             return self._send(peer, export, tag)
         except BaseException as err:
             mgr.end_lease(export.lease_id)  # a no-op if it ended
-            if self._posts != posts and not isinstance(err, KVCacheError):  # (an interrupt,
+            if self._posts() != posts and not isinstance(err, KVCacheError):  # (interrupt,
                 self._broken = self._broken or (  # a torch error): the wire out of step
                     f"a send to rank {peer} stopped midway ({type(err).__name__})")
             raise

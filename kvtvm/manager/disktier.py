@@ -64,6 +64,14 @@ def check_private_dir(path) -> Path:
     return path
 
 
+def _mtime(path) -> int | None:
+    """``path``'s modification time (ns), None if it cannot be read."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
 #: A trim of a full disk tier goes down to this share of its capacity (see ``DiskTier._trim``).
 LOW_WATER = 0.9
 #: Writes between two scans of the directory at most (other processes' entries).
@@ -108,6 +116,7 @@ class DiskTier:
         self._pending: dict[int, tuple] = {}  # hash -> (fp, token bytes, meta, raw)
         self._on_disk: int | None = None  # bytes in the directory at the last scan + writes
         self._writes = 0
+        self._dir_mtime = None  # the directory's mtime after this tier's last change
         self._guard = threading.Lock()
         #: held from a put's "still open?" to its entry queued, and by close(): a page is
         #: never queued behind the writer's stop (it was, pending for good, flush() hanging)
@@ -163,6 +172,8 @@ class DiskTier:
             # 0755 -- or replaced by one others can write, who could plant entries)
             self._private("writing entry")
             with self._locked():
+                if _mtime(self.dir) != self._dir_mtime:  # another tier or process wrote or
+                    self._on_disk = None                 # removed entries: scan at the trim
                 fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.dir)  # mode 0600
                 try:
                     with os.fdopen(fd, "wb") as f:
@@ -245,8 +256,9 @@ class DiskTier:
     def _trim(self, written: int) -> None:
         """Keep the directory within ``capacity`` bytes, oldest entries first, after a write of
         ``written`` bytes. Its bytes are known from the last scan plus this tier's writes
-        since: the directory is scanned only when that may pass the capacity, or every
-        :data:`SCAN_EVERY` writes (entries other processes wrote), and a trim goes down to
+        since: the directory is scanned only when that may pass the capacity, when its
+        modification time says another tier or process changed it (checked under the lock
+        before each write), or every :data:`SCAN_EVERY` writes, and a trim goes down to
         :data:`LOW_WATER` of it -- so a full tier scans about once per tenth of its capacity
         written, not at every write (a glob and a stat of every entry: writes slowed as the
         directory grew, and the queue overflowed)."""
@@ -254,6 +266,7 @@ class DiskTier:
         if self._on_disk is not None:
             self._on_disk += written
             if self._on_disk <= self.capacity and self._writes % SCAN_EVERY:
+                self._dir_mtime = _mtime(self.dir)  # (this write's change; under the lock)
                 return
         entries = self._entries()
         total = sum(e[2] for e in entries)
@@ -269,6 +282,7 @@ class DiskTier:
                 except OSError:
                     pass
         self._on_disk = total
+        self._dir_mtime = _mtime(self.dir)
 
     def _miss(self, path: Path, why: str, drop: bool) -> None:
         log.warning("disk tier: entry %s is a miss: %s", path.name, why)

@@ -277,8 +277,8 @@ class TierMixin:
         found)`` with the device's cached chain of ``chunks`` (pages, prefix-tree ids) and
         the content-verified tier hits past it, ``[((chunk, hash, fingerprint), hit)]``, as
         many as free or evictable pages (outside ``keep`` and that chain) can take.
-        ``touch`` False: a dry run, no hit counted nor made recently used (``_promote``
-        touches those it brings back)."""
+        Only the hits returned (those that fit) are counted and made recently used; none
+        with ``touch`` False (a look ahead: ``_promote`` touches them)."""
         prefix, tiers = self._prefix, self._tiers
         held, kids = prefix.lookup(chunks)
         chain = None
@@ -290,13 +290,16 @@ class TierMixin:
         found = []
         for chunk in chunks[len(held):]:
             h, fp = chain_hash(h, chunk, self.hash_bits), fingerprint(fp, chunk)
-            hit = tiers.find(h, fp, chunk, touch)
+            hit = tiers.find(h, fp, chunk, touch=False)
             if hit is None:
                 break
             found.append(((chunk, h, fp), hit))
         n = min(len(found), self._available_pages() - sum(p in prefix.lru for p in
                                                           set(keep) | set(held)))
-        return held, kids, found[:max(n, 0)]
+        found = found[:max(n, 0)]
+        if touch:
+            tiers.touch([(h, hit) for (_, h, _), hit in found])
+        return held, kids, found
 
     def _promote(self, chunks: list, keep=(), hits=None) -> int:
         """Bring back from the tiers the pages of ``chunks`` (token bytes of full pages, from
@@ -310,10 +313,12 @@ class TierMixin:
         If the scatter fails, nothing is registered and the pages taken go back to the free
         list (pages that were evicted for them stay evicted: they were demoted first)."""
         prefix, tiers = self._prefix, self._tiers
-        held, kids, found = self._tier_hits(chunks, keep) if hits is None else hits
+        held, kids, found = self._tier_hits(chunks, keep, True) if hits is None else hits
         n = len(found)
         if not n:
             return 0
+        if hits is not None:  # a look ahead's: counted and made recently used now, before
+            tiers.touch([(h, hit) for (_, h, _), hit in found])  # the pages are taken
         device = self._blocks[0].device if self.n_devices == 1 else "cpu"
         slots = [hit[1] for _, hit in found if hit[0] == "host"]
         pins = list(dict.fromkeys(list(keep) + list(held)))
@@ -342,7 +347,5 @@ class TierMixin:
                 prefix.lru[page] = None
             else:
                 self._free.append(page)
-        if hits is not None:  # a dry run's hits: counted and made recently used now
-            tiers.touch([(h, hit) for (_, h, _), hit in found])
         tiers.promoted([hit for _, hit in found])
         return len(pages)

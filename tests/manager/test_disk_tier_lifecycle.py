@@ -202,3 +202,24 @@ def test_a_full_disk_tier_scans_its_directory_rarely_and_stays_bounded(tmp_path,
     assert len(scans) <= 400 // disktier.SCAN_EVERY + 400 // 3, len(scans)   # was 400
     assert tier.counters["evictions"] > 300
     tier.close()
+
+
+def test_two_disk_tiers_on_one_directory_stay_within_its_bound(tmp_path):
+    """Two tiers (or processes) writing one directory: each knew only its own writes, so the
+    directory grew to about twice disk_bytes (a review, 2026-11-28). A tier now scans when
+    the directory's mtime says someone else changed it."""
+    import torch
+
+    from kvtvm.manager.disktier import DiskTier
+
+    page = torch.arange(64, dtype=torch.float32)
+    a, b = DiskTier(tmp_path, 40 * 400), DiskTier(tmp_path, 40 * 400)
+    most = 0
+    for i in range(300):
+        tier = (a, b)[i % 2]
+        assert tier.put(i, i, i.to_bytes(8, "little"), page, block=True)
+        tier.flush()
+        most = max(most, sum(p.stat().st_size for p in tmp_path.glob("*.kvp")))
+    assert most <= a.capacity, most
+    a.close()
+    b.close()

@@ -422,3 +422,21 @@ def test_attaching_again_closes_the_replaced_disk_tier(tmp_path):
     assert not first.disk._thread.is_alive() and second.disk._thread.is_alive()
     a.close_tiers()
     assert not second.disk._thread.is_alive()
+
+
+def test_a_promotion_that_fits_in_part_counts_only_the_pages_it_brings_back():
+    """A fetch's promotion found 4 pages in the host tier with room for 2: it counted (and
+    made recently used) all 4 (a review, 2026-11-28); now the 2 it promotes."""
+    mgr = make(pages=6)
+    mgr.attach_tiers(host_pages=8)
+    sys_prompt = SYS[:4 * P]
+    serve(mgr, sys_prompt + [1])
+    serve(mgr, [7000 + i for i in range(5 * P)] + [1])   # SYS's pages go down
+    (busy,) = mgr.claim(1)
+    mgr.fetch([BatchItem(busy, list(range(8000, 8000 + 4 * P)))])  # 4 of the 6 pages held
+    before = mgr.stats().tiers["host"]
+    chunks = [np.asarray(sys_prompt[i * P:(i + 1) * P], np.int64).tobytes() for i in range(4)]
+    assert mgr._promote(chunks) == 2
+    after = mgr.stats().tiers["host"]
+    assert after["hits"] - before["hits"] == 2 == after["promotions"] - before["promotions"]
+    mgr.check_invariants()

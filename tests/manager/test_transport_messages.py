@@ -5,6 +5,7 @@ it is unusable -- never an IndexError / ValueError from numpy. Bad timeouts are 
 name; an InProcessTransport send that raises ends its lease."""
 
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -43,7 +44,7 @@ def transport(messages):
     tr.dist, tr.group, tr.timeout = ScriptedPeer(messages), None, 1.0
     tr.device, tr._gloo_order, tr._broken = torch.device("cpu"), True, None
     tr._pool = tr._stage = None
-    tr._posts = 0
+    tr._local = threading.local()
     tr._rank, tr._ranks, tr._group_key = 0, frozenset({0, 1}), object()
     tr._out = torch.zeros(MSG_BYTES, dtype=torch.uint8)
     tr._in = torch.zeros(MSG_BYTES, dtype=torch.uint8)
