@@ -114,9 +114,10 @@ class DistributedTransport(PageTransport):
         call awaits an answer, which a pending :meth:`handle` receive from ``peer`` would take;
         ``sends`` (NCCL): a pending receive holds back every send to it (one stream)."""
         peer = check_peer(peer, self._ranks, self._rank)
-        if polls.failed((self._group_key, peer)) is not None:  # the peer went while polled
-            raise self._gone(what, polls.failed((self._group_key, peer)))
-        if polls.pending((self._group_key, peer)) and (answers or (sends and not self._gloo_order)):
+        key = (self._group_key, peer)
+        if polls.failed(key) is not None:  # the peer went while polled
+            raise self._gone(what, polls.failed(key))
+        if polls.pending(key) and (answers or (sends and not self._gloo_order)):
             raise TransferError(f"transport: {what} to rank {peer} refused: a handle() of its "
                                 "messages is pending (it timed out, its receive stays posted; "
                                 f"call handle({peer}) until one arrives) -- {ONE_INITIATOR}")

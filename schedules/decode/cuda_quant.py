@@ -217,29 +217,34 @@ def _wavefronts(lane_words, width: int) -> int:
     return total
 
 
+def row_wavefronts(head_dim: int, vec: int, bdx: int, head_split: int, rows_per_z: int,
+                   stride: int) -> int:
+    """Shared-memory wavefronts of one warp's pass over its staged 8-bit rows ``stride`` int32
+    words apart: its slice loads and scale reads (:func:`_wavefronts`). A warp's lanes are
+    ``bdx`` slices of ``32 / bdx / head_split`` rows ``rows_per_z`` apart (a row's head parts
+    read the same words)."""
+    nw = vec // 4
+    wv = _widest_piece(nw, 4)
+    total = 0
+    for j in range(rows_per_z):
+        rows = [(lane // bdx // head_split * rows_per_z + j) * stride for lane in range(32)]
+        for c in range(nw // wv):
+            total += _wavefronts([r + lane % bdx * nw + c * wv for lane, r in enumerate(rows)],
+                                 wv)
+        total += _wavefronts([r + head_dim // 4 for r in rows], 1)
+    return total
+
+
 def staged_pad_words(head_dim: int, vec: int, bdx: int, head_split: int,
                      rows_per_z: int) -> int:
     """Words of padding after each staged 8-bit row: 4 (one 16-byte chunk, so rows stay
-    aligned for ``cp.async``) where that gives a warp's slice loads and scale reads fewer
-    shared-memory wavefronts (bank conflicts) than none, else 0. A warp's lanes are ``bdx``
-    slices of ``32 / bdx / head_split`` rows ``rows_per_z`` apart (a row's head parts read
-    the same words). Unpadded rows of 16 words (d48) or 32 (d112) put a warp's rows on the
-    same banks: 4- and 8-way conflicts, 1-way with the pad (wider pads won at most 1 wavefront
-    in 9 more, at d64, for up to 2.4x the staged bytes)."""
-    words, nw = quant_row_bytes(head_dim) // 4, vec // 4
-    wv = _widest_piece(nw, 4)
-
-    def wavefronts(stride: int) -> int:
-        total = 0
-        for j in range(rows_per_z):
-            rows = [(lane // bdx // head_split * rows_per_z + j) * stride for lane in range(32)]
-            for c in range(nw // wv):
-                total += _wavefronts([r + lane % bdx * nw + c * wv
-                                      for lane, r in enumerate(rows)], wv)
-            total += _wavefronts([r + head_dim // 4 for r in rows], 1)
-        return total
-
-    return 4 if wavefronts(words + 4) < wavefronts(words) else 0
+    aligned for ``cp.async``) where that gives fewer wavefronts (:func:`row_wavefronts`: bank
+    conflicts) than none, else 0. Unpadded rows of 16 words (d48) or 32 (d112) put a warp's
+    rows on the same banks: 4- and 8-way conflicts, 1-way with the pad (wider pads won at most
+    1 wavefront in 9 more, at d64, for up to 2.4x the staged bytes)."""
+    words = quant_row_bytes(head_dim) // 4
+    geo = (head_dim, vec, bdx, head_split, rows_per_z)
+    return 4 if row_wavefronts(*geo, words + 4) < row_wavefronts(*geo, words) else 0
 
 
 def geometry(spec, knobs) -> dict:

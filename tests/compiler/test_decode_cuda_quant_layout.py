@@ -138,17 +138,7 @@ def test_staged_rows_are_padded_off_each_others_banks(D, G, vec, unpadded, padde
     assert g["k_stage"] == 4 * (words + 4) and g["v_stage"] == 2 * D   # V full: not padded
 
     def model(stride):
-        nw = vec // 4
-        wv = cq._widest_piece(nw, 4)
-        total = 0
-        for j in range(g["rows_per_z"]):
-            rows = [(lane // g["bdx"] // g["head_split"] * g["rows_per_z"] + j) * stride
-                    for lane in range(32)]
-            total += sum(cq._wavefronts([r + lane % g["bdx"] * nw + c * wv
-                                         for lane, r in enumerate(rows)], wv)
-                         for c in range(nw // wv))
-            total += cq._wavefronts([r + D // 4 for r in rows], 1)
-        return total
+        return cq.row_wavefronts(D, vec, g["bdx"], g["head_split"], g["rows_per_z"], stride)
 
     assert (model(words), model(words + 4)) == (unpadded, padded)
 
