@@ -101,6 +101,12 @@ build --ops decode --dtypes float16 --head-dims 48 --kv-heads 2 --group-sizes 8 
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 16 --kv-heads 2 --group-sizes 1 --layouts nhd \
       --cache-dtypes int8
+# CUDA-core speed (tools/gpu-changed.sh's bench decode at these heads): the float16 cache's
+# decode and the quantizing append beside the 8-bit decodes above
+# (heads of 64 at GQA 16: the decode kernels are built above)
+build --ops decode --dtypes float16 --head-dims 80,48 --kv-heads 2 --group-sizes 8 --layouts nhd
+build --ops append --dtypes float16 --head-dims 80,48,64 --kv-heads 2 --layouts nhd \
+      --cache-dtypes int8,float8_e4m3fn
 # CUDA prefill over 8-bit caches (tests/quant/test_quant_prefill_cuda.py: one line a case;
 # K-only, V-only and mixed formats; float32 queries through the simt kernel)
 build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \

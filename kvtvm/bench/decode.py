@@ -143,10 +143,17 @@ def kv_row_bytes(storage: str, dtype: str, head_dim: int) -> int:
     return sum(row_bytes(dtype if s == "none" else s, head_dim) for s in (k, v or k))
 
 
-def quantized_run(case, storage: str, dtype: str, scale: float):
+def in_layout(cache, layout: str):
+    """The case's ``cache [pages, page_size, H, row]`` (nhd) laid out as ``layout``: itself, or
+    an ``hnd`` copy ``[pages, H, page_size, row]`` (a head's rows of a page contiguous, as the
+    linear cache keeps them; quantized rows move whole, scale and padding with their values)."""
+    return cache if layout == "nhd" else cache.transpose(1, 2).contiguous()
+
+
+def quantized_run(case, storage: str, dtype: str, scale: float, layout: str = "nhd"):
     """kvtvm decode over the case's K/V stored as ``storage`` (q in ``dtype``, or in
-    ``storage`` for a full-precision one); ``"K/V"`` stores the sides apart (``none``: as
-    the case's ``dtype``)."""
+    ``storage`` for a full-precision one) in pages of ``layout``; ``"K/V"`` stores the sides
+    apart (``none``: as the case's ``dtype``)."""
     import torch
 
     from .. import ops
@@ -161,10 +168,11 @@ def quantized_run(case, storage: str, dtype: str, scale: float):
     q = case["q"] if sep or storage in QUANT_DTYPES else case["q"].to(getattr(torch, storage))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    k_run, v_run = in_layout(kc, layout), in_layout(vc, layout)
 
     def run():
-        ops.decode_attention(q, kc, vc, case["lengths"], case["table"], sm_scale=scale,
-                             out=out, lse=lse, check_indices=False)
+        ops.decode_attention(q, k_run, v_run, case["lengths"], case["table"], sm_scale=scale,
+                             out=out, lse=lse, layout=layout, check_indices=False)
     sides = (ks, vs) if sep else (storage, storage)
     run.checked = (q, kc, vc, tuple("" if s == "none" else s for s in sides), out)
     return run
@@ -215,6 +223,10 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=cliargs.positive_int, default=4)
     parser.add_argument("--head-dim", type=cliargs.positive_int, default=128)
     parser.add_argument("--page-size", type=cliargs.positive_int, default=16)
+    parser.add_argument("--layout", choices=("nhd", "hnd"), default="nhd",
+                        help="kvtvm's pages: nhd [pages, page_size, H, D] (the paged cache's; "
+                             "default) or hnd [pages, H, page_size, D] (a head's rows of a page "
+                             "contiguous); the peers keep theirs")
     parser.add_argument("--cases", nargs="*", metavar="BATCHxCTX", type=batch_by_context,
                         help="e.g. 1x4096 64x4096 (default: a per-device set)")
     parser.add_argument("--cache-dtype", nargs="*", default=[], type=cache_choice,
@@ -248,10 +260,11 @@ def main(argv=None) -> int:
         kv_bytes = 2 * case["k_dense"].numel() * case["k_dense"].element_size()
         out = torch.empty_like(case["q"])
         lse = torch.empty(case["q"].shape[:2], dtype=torch.float32, device=device)
+        k_run, v_run = (in_layout(case[n], args.layout) for n in ("k_cache", "v_cache"))
 
         def kvtvm_run():
-            ops.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["lengths"],
-                                 case["table"], sm_scale=scale, out=out, lse=lse,
+            ops.decode_attention(case["q"], k_run, v_run, case["lengths"], case["table"],
+                                 sm_scale=scale, out=out, lse=lse, layout=args.layout,
                                  check_indices=False)
         kvtvm_run.checked = (case["q"], case["k_cache"], case["v_cache"], ("", ""), out)
 
@@ -259,7 +272,8 @@ def main(argv=None) -> int:
         for storage in dict.fromkeys(args.cache_dtype):
             if storage != dtype:
                 peers.append((f"kvtvm {storage}",
-                              lambda storage=storage: quantized_run(case, storage, dtype, scale)))
+                              lambda storage=storage: quantized_run(case, storage, dtype, scale,
+                                                                   args.layout)))
         if "dense" not in skip:
             peers.append((PEERS["dense"], lambda: torch_dense(case, scale)))
         if "gather" not in skip:
@@ -300,14 +314,15 @@ def main(argv=None) -> int:
             rows.append(Row(name, impl, sec * 1e3, nbytes / sec / 1e12,
                             {"batch": batch, "ctx": ctx, "kv_bytes": kv_bytes,
                              "stored_bytes": nbytes,
-                             "dtype": dtype, "timing": how}))
-        del case, peers
+                             "dtype": dtype, "layout": args.layout, "timing": how}))
+        del case, peers, k_run, v_run
         fn = result = None  # the peers' closures held the case's tensors
         if cuda:  # built into a larger case's freed blocks, 256 x 1K read its float16 cache
             # 15% slower after 256 x 4K than alone (H100, 2026-11-27): each case starts clean
             torch.cuda.empty_cache()
     report(f"decode attention, {args.n_kv_heads * args.group_size} q / {args.n_kv_heads} kv "
-           f"heads x {args.head_dim}, {dtype}, page {args.page_size}", rows, "TB/s", "kvtvm",
+           f"heads x {args.head_dim}, {dtype}, page {args.page_size}, {args.layout}", rows,
+           "TB/s", "kvtvm",
            args, device)
     for line in speedup_lines(rows, "kvtvm", dtype):
         print(line)

@@ -222,6 +222,8 @@ def _garbage_out(real):
     ("decode", "decode_attention", ["--cases", "2x40", "--head-dim", "16", "--n-kv-heads", "2"]),
     ("decode", "decode_attention", ["--cases", "2x40", "--head-dim", "16", "--n-kv-heads", "2",
                                     "--cache-dtype", "int8"]),
+    ("decode", "decode_attention", ["--cases", "2x40", "--head-dim", "16", "--n-kv-heads", "2",
+                                    "--layout", "hnd", "--cache-dtype", "float8_e4m3fn"]),
     ("prefill", "prefill_attention", ["--cases", "2:5:7", "--dtype", "float32"]),
     ("prefill", "prefill_attention", ["--cases", "2:5:7", "--cache-dtype", "float8_e4m3fn"]),
 ])
@@ -297,3 +299,24 @@ def test_bench_manager_workload_fits_short_sequences(max_seq_len):
     res = memory_efficiency(20, 4, max_seq_len, 16)
     assert res["output_len_mean"] >= 1 and res["prompt_len_mean"] >= 1
     assert res["prompt_len_p99"] + res["output_len_p99"] <= max_seq_len
+
+
+def test_bench_decode_hnd_pages_hold_the_cases_rows():
+    """``--layout hnd``: the kernels read a ``[pages, H, page_size, row]`` copy of the same
+    rows (quantized rows whole: values, scale, padding), which the check compares against the
+    case's own nhd K/V."""
+    import torch
+
+    from kvtvm.bench.decode import in_layout
+    from kvtvm.bench.quant_cases import cache_as
+    from kvtvm.quant import dequantize_rows
+
+    cache = torch.randn(3, 4, 2, 16)
+    assert in_layout(cache, "nhd") is cache
+    hnd = in_layout(cache, "hnd")
+    assert hnd.is_contiguous() and hnd.shape == (3, 2, 4, 16)
+    assert torch.equal(hnd[1, 1, 2], cache[1, 2, 1])
+    rows = in_layout(cache_as(cache, "int8"), "hnd")
+    assert rows.is_contiguous() and rows.shape == (3, 2, 4, 32)
+    got = dequantize_rows(rows[2, 0, 3].numpy(), 16)
+    assert abs(got - cache[2, 3, 0].numpy()).max() <= cache[2, 3, 0].abs().max() / 127
