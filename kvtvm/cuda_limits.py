@@ -59,21 +59,29 @@ def _decode_rule(dtype: str, quantized: bool) -> str:
             "(the lanes reducing a score)")
 
 
+#: The largest GQA group the tensor-core 8-bit decode takes (in head parts of at most 8).
+TENSOR_CORE_MAX_GROUP = 16
+
+
 def tensor_core_decode(dtype: str, head_dim: int, group_size: int, k_storage: str,
                        v_storage: str) -> bool:
     """Whether the CUDA decode of such a spec runs on the tensor cores
     (``schedules/decode/cuda_quant_mma.py``): float16 or bfloat16 queries, K and V both 8-bit
-    with at most 8 query heads per KV head (the first half of an m16 tile's rows) and head_dim
-    a multiple of 32 up to 128 (V's operands come 32 columns at a time; 256 would not fit the
-    registers); or one side 8-bit (a K-only or V-only cache) at head_dim 128 and GQA up to 4,
-    the shapes an H100 checked (1.06-1.30x the float16 cache where the CUDA-core kernel ran
-    0.82-0.97x, 2026-11-27) and ptxas builds without spills (some head_dim 64 and 32 ones
-    spill: those keep the CUDA cores)."""
+    with at most :data:`TENSOR_CORE_MAX_GROUP` query heads per KV head (8 in a CTA, the first
+    half of an m16 tile's rows; 9-16 in two CTAs over the same rows: the CUDA-core kernel ran
+    GQA 16 at 0.59-0.76x the float16 cache on an H200, 2026-11-28) and head_dim a multiple of
+    32 up to 128 (V's operands come 32 columns at a time; 256 would not fit the
+    registers); or one side 8-bit (a K-only or V-only cache) at head_dim 128 and GQA up to
+    :data:`TENSOR_CORE_MAX_GROUP` (an H100 checked GQA up to 4: 1.06-1.30x the float16 cache
+    where the CUDA-core kernel ran 0.82-0.97x, 2026-11-27; ptxas builds GQA 5-16 without
+    spills too, 175-200 registers), where some head_dim 64 and 32 ones spill: those keep the
+    CUDA cores."""
     if dtype not in ("float16", "bfloat16") or head_dim % 32 or head_dim > 128:
         return False
     if k_storage and v_storage:
-        return group_size <= 8
-    return bool(k_storage or v_storage) and head_dim == 128 and group_size <= 4
+        return group_size <= TENSOR_CORE_MAX_GROUP
+    return bool(k_storage or v_storage) and head_dim == 128 and \
+        group_size <= TENSOR_CORE_MAX_GROUP
 
 
 def cuda_head_dim_problem(op: str, dtype: str, head_dim: int, k_storage: str = "",

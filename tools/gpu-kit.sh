@@ -101,12 +101,24 @@ build --ops decode --dtypes float16 --head-dims 48 --kv-heads 2 --group-sizes 8 
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 16 --kv-heads 2 --group-sizes 1 --layouts nhd \
       --cache-dtypes int8
+# GQA past 8 on the tensor cores in head parts (6 + 6, 5 + 4; GQA 16 is built above)
+build --ops decode --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 12 --layouts nhd \
+      --cache-dtypes int8
+build --ops decode --dtypes float16 --head-dims 64 --kv-heads 2 --group-sizes 9 --layouts nhd \
+      --cache-dtypes float8_e4m3fn
 # CUDA-core speed (tools/gpu-changed.sh's bench decode at these heads): the float16 cache's
 # decode and the quantizing append beside the 8-bit decodes above
-# (heads of 64 at GQA 16: the decode kernels are built above)
-build --ops decode --dtypes float16 --head-dims 80,48 --kv-heads 2 --group-sizes 8 --layouts nhd
+# (heads of 64 at GQA 16: the decode kernels are built above; K-only / V-only at d128 GQA 8:
+# the mixed-decode lines below)
+build --ops decode --dtypes float16 --head-dims 80,48,128 --kv-heads 2 --group-sizes 8 \
+      --layouts nhd
 build --ops append --dtypes float16 --head-dims 80,48,64 --kv-heads 2 --layouts nhd \
       --cache-dtypes int8,float8_e4m3fn
+build --ops append --dtypes float16 --head-dims 128 --kv-heads 2 --layouts nhd \
+      --cache-dtypes int8/none,none/float8_e4m3fn
+# float32 queries (the CUDA-core kernel) against the float32 cache
+build --ops append,decode --dtypes float32 --head-dims 128 --kv-heads 2 --group-sizes 4 \
+      --layouts nhd --cache-dtypes none,int8
 # CUDA prefill over 8-bit caches (tests/quant/test_quant_prefill_cuda.py: one line a case;
 # K-only, V-only and mixed formats; float32 queries through the simt kernel)
 build --ops prefill --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 4 --layouts nhd \

@@ -1,9 +1,10 @@
 """The TENSOR-CORE CUDA decode over an 8-bit cache (hand-written TIR; :mod:`.cuda_quant` runs it
 where :func:`runs_by_default`, knob ``mma``, the default there): K and V both int8 /
-float8_e4m3fn, float16 or bfloat16 queries, GQA up to 8, head_dim 32, 64, 96 or 128. bfloat16
+float8_e4m3fn, float16 or bfloat16 queries, GQA up to 16 (past 8 in two CTAs, :func:`head_parts`),
+head_dim 32, 64, 96 or 128. bfloat16
 queries take bfloat16 operands (``mma.sync ... .bf16``), the codes converted through float32
 (exact), and ``P'`` split into bfloat16 high and low parts. A K-only or V-only cache (the other
-side 16-bit rows of the queries' dtype) runs here by default at head_dim 128 and GQA up to 4
+side 16-bit rows of the queries' dtype) runs here by default at head_dim 128 and GQA up to 16
 (:func:`one_sided_knobs`; an H100 checked its numerics and speed, 2026-11-27: 1.06-1.30x the
 float16 cache), elsewhere when its knobs say so. A 16-bit K row's operand is its two
 words as they are (the same permuted head_dim); a 16-bit V word holds two columns, so four
@@ -43,7 +44,7 @@ every K/V tile of ``16 * warps * chunks`` rows, staged as stored with zero-fille
 
 from __future__ import annotations
 
-from kvtvm.cuda_limits import tensor_core_decode
+from kvtvm.cuda_limits import TENSOR_CORE_MAX_GROUP, tensor_core_decode
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func, tir)
 from kvtvm.kernels.accessor import cache_index
@@ -153,13 +154,30 @@ _TAG = {"int8": "i8", "float8_e4m3fn": "e4m3"}
 _SUFFIX = {"float16": "", "bfloat16": "_bf16"}
 
 
+#: Query heads one CTA takes as the rows of its m16 tiles (a lane holds one row's fragments).
+MMA_ROWS = 8
+#: The largest GQA group the kernel takes: groups past :data:`MMA_ROWS` are split into head parts.
+MAX_GROUP = TENSOR_CORE_MAX_GROUP
+
+
+def head_parts(group_size: int) -> tuple[int, int]:
+    """``(parts, heads)``: a GQA group of more than :data:`MMA_ROWS` query heads is split into
+    ``parts`` CTAs of at most ``heads`` query heads each over the same KV rows (16 -> 2 x 8,
+    12 -> 2 x 6, 9 -> 2 x 5, the last part short). The parts of a KV head are neighbours in the
+    grid, so the second read of its rows mostly hits L2."""
+    parts = -(-group_size // MMA_ROWS)
+    return parts, -(-group_size // parts)
+
+
 def supported(spec) -> bool:
     """Whether this kernel can run ``spec``: one side 8-bit at least, float16 or bfloat16
-    queries, GQA up to 8, head_dim a multiple of 32 up to 128. It runs by default where
-    :func:`kvtvm.cuda_limits.tensor_core_decode` says (both sides 8-bit; one side at head_dim
-    128, GQA up to 4); elsewhere with the knob ``mma`` set."""
+    queries, GQA up to 16 (past 8 in head parts, :func:`head_parts`), head_dim a multiple of
+    32 up to 128. It runs by default where :func:`kvtvm.cuda_limits.tensor_core_decode` says
+    (both sides 8-bit; one side at head_dim 128, GQA up to 16); elsewhere with the knob ``mma``
+    set."""
     return (bool(spec.k_storage or spec.v_storage) and spec.dtype in ("float16", "bfloat16")
-            and spec.group_size <= 8 and spec.head_dim % 32 == 0 and spec.head_dim <= 128)
+            and spec.group_size <= MAX_GROUP and spec.head_dim % 32 == 0
+            and spec.head_dim <= 128)
 
 
 def runs_by_default(spec) -> bool:
@@ -199,8 +217,10 @@ def geometry(spec, knobs) -> dict:
     stages = max(2, int(knobs.get("stages", 2)))
     row = 4 * (staged_words(spec, spec.k_storage, "k") + staged_words(spec, spec.v_storage, "v"))
 
+    heads = head_parts(spec.group_size)[1]
+
     def smem(w, c, s):
-        return s * 16 * w * c * row + w * spec.group_size * (spec.head_dim + 2) * 4
+        return s * 16 * w * c * row + w * heads * (spec.head_dim + 2) * 4
 
     while smem(W, chunks, stages) > SMEM_STATIC_BYTES and chunks > 1:
         chunks -= 1
@@ -217,6 +237,7 @@ def geometry(spec, knobs) -> dict:
 def schedule(mod, spec, knobs):
     assert supported(spec), f"no tensor-core decode for {spec.uri}"
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
+    HP, GP = head_parts(G)                    # CTAs per KV head, query heads in each
     geo = geometry(spec, knobs)
     W, C, S, TILE, NT = geo["warps"], geo["chunks"], geo["stages"], geo["tile"], geo["threads"]
     RWK, RWV = geo["k_words"], geo["v_words"]   # staged row strides (int32 words)
@@ -299,15 +320,15 @@ def schedule(mod, spec, knobs):
          lookup, out, lse, o_part, lse_part, err) = match_params(
             spec, var_q, var_k_cache, var_v_cache, var_cache_lengths, var_lookup, var_out,
             var_lse, var_o_part, var_lse_part, var_err)
-        for bx in T.thread_binding(T.Cast("int32", batch * H * splits), thread="blockIdx.x"):
+        for bx in T.thread_binding(T.Cast("int32", batch * H * HP * splits), thread="blockIdx.x"):
             for tid in T.thread_binding(NT, thread="threadIdx.x"):
                 with block("attend"):
                     T.reads()
                     T.writes()
                     k_smem = alloc_buffer((S * TILE * RWK,), "int32", scope="shared")
                     v_smem = alloc_buffer((S * TILE * RWV,), "int32", scope="shared")
-                    o_red = alloc_buffer((W, G, D), "float32", scope="shared")
-                    md_red = alloc_buffer((W, G, 2), "float32", scope="shared")
+                    o_red = alloc_buffer((W, GP, D), "float32", scope="shared")
+                    md_red = alloc_buffer((W, GP, 2), "float32", scope="shared")
                     qf = alloc_buffer((KS * 8,), dtype, scope="local")
                     kf = alloc_buffer((4,), dtype, scope="local")
                     vf = alloc_buffer((16,), dtype, scope="local")
@@ -319,8 +340,10 @@ def schedule(mod, spec, knobs):
                     st = alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, alpha
                     bad = alloc_buffer((1,), "int32", scope="local")
                     ns: T.int32 = T.Cast("int32", splits)
-                    b: T.int32 = T.truncdiv(bx, H * ns)
-                    h: T.int32 = T.truncmod(T.truncdiv(bx, ns), H)
+                    # bx = ((b * H + h) * HP + part) * ns + s: a KV head's parts side by side
+                    b: T.int32 = T.truncdiv(bx, H * HP * ns)
+                    h: T.int32 = T.truncmod(T.truncdiv(bx, ns * HP), H)
+                    part: T.int32 = T.truncmod(T.truncdiv(bx, ns), HP)
                     s: T.int32 = T.truncmod(bx, ns)
                     w: T.int32 = T.truncdiv(tid, 32)
                     lane: T.int32 = T.truncmod(tid, 32)
@@ -342,8 +365,8 @@ def schedule(mod, spec, knobs):
                     for kk in T.unroll(KS):
                         for i in T.unroll(8):
                             qf[kk * 8 + i] = T.if_then_else(
-                                tir.all(i % 4 < 2, gq < G),
-                                q[b, h * G + T.min(gq, G - 1), kk * 16 + tq * 4 + i // 4 * 2 + i % 2],
+                                tir.all(i % 4 < 2, gq < GP, part * GP + gq < G),
+                                q[b, h * G + T.min(part * GP + gq, G - 1), kk * 16 + tq * 4 + i // 4 * 2 + i % 2],
                                 T.Cast(dtype, T.float32(0)))
                     for i in T.unroll(D // 2):
                         of[i] = T.float32(0)
@@ -414,7 +437,7 @@ def schedule(mod, spec, knobs):
                     # the row's sum over its 4 lanes; the warps meet in shared memory
                     for x in T.unroll(2):
                         st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 1 << x, 32, 32)
-                    if gq < G:
+                    if gq < GP:
                         for grp in T.unroll(VG):  # tile grp * VT + i, column 2 tq + e: dim
                             for i in T.unroll(VT):
                                 for e in T.unroll(2):
@@ -423,8 +446,8 @@ def schedule(mod, spec, knobs):
                             md_red[w, gq, 0] = st[0]
                             md_red[w, gq, 1] = st[1]
                     T.tvm_storage_sync("shared")
-                    for r in T.serial(T.truncdiv(G * D + NT - 1, NT)):
-                        if r * NT + tid < G * D:
+                    for r in T.serial(T.truncdiv(GP * D + NT - 1, NT)):
+                        if tir.all(r * NT + tid < GP * D, part * GP + T.truncdiv(r * NT + tid, D) < G):
                             st[2] = T.float32(NEG)
                             for z in T.unroll(W):
                                 st[2] = T.max(st[2], md_red[z, T.truncdiv(r * NT + tid, D), 0])
@@ -436,17 +459,17 @@ def schedule(mod, spec, knobs):
                                 st[0] = st[0] + o_red[z, T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] * st[3]
                             st[0] = st[0] * T.float32(1.0 / PRE)
                             if splits == T.int64(1):
-                                out[b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = T.Cast(dtype, st[0] / st[1])
+                                out[b, h * G + part * GP + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = T.Cast(dtype, st[0] / st[1])
                                 if T.truncmod(r * NT + tid, D) == 0:  # st[1] 0: every score -inf, lse NaN
-                                    lse[b, h * G + T.truncdiv(r * NT + tid, D)] = T.Select(st[1] == T.float32(0), T.float32(NAN), (st[2] + T.log2(st[1])) * T.float32(LN2))
+                                    lse[b, h * G + part * GP + T.truncdiv(r * NT + tid, D)] = T.Select(st[1] == T.float32(0), T.float32(NAN), (st[2] + T.log2(st[1])) * T.float32(LN2))
                             elif tir.any(st[1] > T.float32(0), T.isnan(st[1])):  # NaN: kept (a NaN key)
-                                o_part[s, b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = st[0] / st[1]
+                                o_part[s, b, h * G + part * GP + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = st[0] / st[1]
                                 if T.truncmod(r * NT + tid, D) == 0:
-                                    lse_part[s, b, h * G + T.truncdiv(r * NT + tid, D)] = st[2] + T.log2(st[1])
+                                    lse_part[s, b, h * G + part * GP + T.truncdiv(r * NT + tid, D)] = st[2] + T.log2(st[1])
                             else:  # an empty split (NEG), or one whose scores were all -inf
-                                o_part[s, b, h * G + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = T.float32(0)
+                                o_part[s, b, h * G + part * GP + T.truncdiv(r * NT + tid, D), T.truncmod(r * NT + tid, D)] = T.float32(0)
                                 if T.truncmod(r * NT + tid, D) == 0:
-                                    lse_part[s, b, h * G + T.truncdiv(r * NT + tid, D)] = T.Select(hi > lo, T.float32(NEG_INFINITY), T.float32(NEG))
+                                    lse_part[s, b, h * G + part * GP + T.truncdiv(r * NT + tid, D)] = T.Select(hi > lo, T.float32(NEG_INFINITY), T.float32(NEG))
         if splits > T.int64(1):
             merge_splits(batch, splits, out, lse, o_part, lse_part)
     # fmt: on

@@ -67,7 +67,9 @@ def test_prompt_decode_and_evict_on_cuda():
         batch = cache.active_batch_size
         q = torch.randn(batch, H * G, D, generator=gen).half()
         for layer in range(LAYERS):
-            layer_cache = cache.get_kv_cache_for_decoder_layer(layer)[:batch]
+            # the whole layer, the fetch's own view (a [:batch] slice of it is refused like
+            # any other slice, tests/ops): the table names the active slots
+            layer_cache = cache.get_kv_cache_for_decoder_layer(layer)
             kc, vc = layer_cache[:, 0], layer_cache[:, 1]
             out, lse = ops.decode_attention(q.cuda(), kc, vc, inp.cache_lengths,
                                             inp.lookup_table, layout="hnd")

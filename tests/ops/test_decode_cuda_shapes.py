@@ -26,7 +26,10 @@ SHAPES = [("", 96, 3), ("", 80, 4), ("", 160, 2), ("", 256, 4), ("", 256, 8), ("
           ("float8_e4m3fn", 96, 8), ("int8", 112, 2),
           # the group split into head parts (2026-11-28: d80 / d112 at GQA 8 spilled 1-2 KiB
           # a thread), and d16, laid out 128 row groups along threadIdx.z (CUDA takes 64)
-          ("int8", 112, 8), ("float8_e4m3fn", 80, 8), ("int8", 48, 8), ("int8", 16, 1)]
+          ("int8", 112, 8), ("float8_e4m3fn", 80, 8), ("int8", 48, 8), ("int8", 16, 1),
+          # GQA past 8 on the tensor cores, in two CTAs a KV head (2026-11-28; the CUDA-core
+          # kernel ran GQA 16 at 0.59-0.76x the float16 cache): 6 + 6, and 5 + 4 query heads
+          ("int8", 128, 12), ("float8_e4m3fn", 64, 9)]
 H = 2  # KV heads
 
 

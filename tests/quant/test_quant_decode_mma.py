@@ -24,7 +24,9 @@ def _spec(ks="int8", vs="int8", dtype="float16", D=128, G=4, layout="nhd", **ext
     ("float16", 64, 8, "float8_e4m3fn", "float8_e4m3fn", True),
     ("float16", 96, 1, "int8", "float8_e4m3fn", True),
     ("float16", 32, 3, "float8_e4m3fn", "int8", True),
-    ("float16", 128, 9, "int8", "int8", False),      # more query heads than half an m16 tile
+    ("float16", 128, 9, "int8", "int8", True),       # two head parts of 5 and 4 query heads
+    ("float16", 64, 16, "float8_e4m3fn", "int8", True),  # two head parts of 8
+    ("float16", 64, 17, "int8", "int8", False),      # past the head parts' 16
     ("float16", 256, 4, "int8", "int8", False),      # the O fragments would not fit
     ("float16", 48, 4, "int8", "int8", False),       # not whole 32-column V groups
     ("bfloat16", 128, 4, "int8", "int8", True),
@@ -32,7 +34,9 @@ def _spec(ks="int8", vs="int8", dtype="float16", D=128, G=4, layout="nhd", **ext
     ("float32", 128, 4, "int8", "int8", False),
     ("float16", 128, 4, "int8", "", True),           # K-only at the checked shapes
     ("bfloat16", 128, 1, "", "float8_e4m3fn", True),  # V-only
-    ("float16", 128, 8, "int8", "", False),          # one side, beyond them
+    ("float16", 128, 8, "int8", "", True),           # one side, GQA 8 and 16 (head parts)
+    ("bfloat16", 128, 16, "", "int8", True),
+    ("float16", 128, 17, "int8", "", False),         # one side, beyond them
     ("float16", 64, 4, "", "int8", False),
     ("float32", 128, 4, "int8", "", False),
 ])
@@ -58,8 +62,9 @@ def test_default_knobs_run_the_tensor_cores_where_they_can():
     assert (g["warps"], g["tile"], g["stages"]) == (2, 32, 3)
     g = geometry(bf16, resolve_knobs(_spec(dtype="bfloat16", variant="short_splits")))
     assert (g["warps"], g["tile"], g["stages"]) == (4, 64, 2)
-    for spec in (_spec(G=16, D=64), _spec(D=256), _spec(dtype="float32"), _spec(vs="", D=64),
-                 _spec(ks="", G=8)):
+    assert resolve_knobs(_spec(G=16, D=64))["mma"] == 1  # in two head parts
+    for spec in (_spec(G=17, D=64), _spec(D=256), _spec(dtype="float32"), _spec(vs="", D=64),
+                 _spec(ks="", D=64)):
         assert resolve_knobs(spec)["mma"] == 0, spec.uri
 
 
@@ -69,7 +74,7 @@ def test_knob_space_offers_both_kernels_only_where_both_run():
     tensor, cores = decode.knob_space(_spec())
     assert tensor["mma"] == [1] and cores["mma"] == [0]
     assert "vec" not in tensor and "vec" in cores  # the tensor-core kernel reads no vec
-    assert "mma" not in decode.knob_space(_spec(vs="", G=8))
+    assert "mma" not in decode.knob_space(_spec(vs="", D=64))
     assert "mma" not in decode.knob_space(_spec(D=256))
     from kvtvm import tune
 
@@ -78,7 +83,7 @@ def test_knob_space_offers_both_kernels_only_where_both_run():
     assert len(mma) == len(set(mma)) > 1 and any(k["mma"] == 0 for k in grid)
 
 
-@pytest.mark.parametrize("D,G", [(32, 1), (64, 8), (64, 3), (128, 4), (128, 8)])
+@pytest.mark.parametrize("D,G", [(32, 1), (64, 8), (64, 3), (128, 4), (128, 8), (128, 16)])
 @pytest.mark.parametrize("threads", [32, 64, 128, 256])
 @pytest.mark.parametrize("tile", [16, 32, 64])
 @pytest.mark.parametrize("stages", [2, 3])
@@ -89,17 +94,20 @@ def test_geometry_fits_a_cta(D, G, threads, tile, stages):
     from kvtvm.schedules.decode.cuda import SMEM_STATIC_BYTES
     from kvtvm.schedules.decode.cuda_quant_mma import geometry
 
+    from kvtvm.schedules.decode.cuda_quant_mma import head_parts
+
     spec = _spec(D=D, G=G)
     g = geometry(spec, {"threads": threads, "tile_tokens": tile, "stages": stages})
     assert g["tile"] == 16 * g["warps"] * g["chunks"] and g["threads"] == 32 * g["warps"]
     assert g["stages"] >= 2 and 1 <= g["warps"] <= max(1, threads // 32)
-    smem = g["stages"] * g["tile"] * 2 * quant_row_bytes(D) + g["warps"] * G * (D + 2) * 4
+    heads = head_parts(G)[1]   # a CTA's query heads (at most 8)
+    smem = g["stages"] * g["tile"] * 2 * quant_row_bytes(D) + g["warps"] * heads * (D + 2) * 4
     assert smem <= SMEM_STATIC_BYTES
 
 
 @pytest.mark.parametrize("ks,vs", [("int8", None), (None, "float8_e4m3fn")])
 def test_one_sided_specs_take_the_tensor_cores_at_the_checked_shapes(ks, vs):
-    """K-only and V-only specs run the tensor cores by default at head_dim 128, GQA up to 4
+    """K-only and V-only specs run the tensor cores by default at head_dim 128, GQA up to 16
     (``one_sided_knobs``, also in its short_splits variant), and the tuner searches both
     kernels there; elsewhere the CUDA-core kernel, unless ``one_sided_knobs`` asks."""
     from kvtvm.compiler.knobs import resolve_knobs
@@ -118,7 +126,7 @@ def test_one_sided_specs_take_the_tensor_cores_at_the_checked_shapes(ks, vs):
     assert cuda_quant_mma.supported(off) and not cuda_quant_mma.runs_by_default(off)
     assert resolve_knobs(off)["mma"] == 0 and "mma" not in decode.knob_space(off)
     assert cuda_quant_mma.one_sided_knobs(off)["mma"] == 1
-    for bad in (_spec(ks, vs, dtype="float32"), _spec(ks, vs, G=9), _spec(ks, vs, D=256)):
+    for bad in (_spec(ks, vs, dtype="float32"), _spec(ks, vs, G=17), _spec(ks, vs, D=256)):
         assert not cuda_quant_mma.supported(bad), bad.uri
     assert not cuda_quant_mma.supported(_spec(None, None))
 
@@ -160,6 +168,8 @@ def _spills(text):
     ("float8_e4m3fn", "int8", 64, 8, "hnd", {"p_split": 0, "threads": 64, "stages": 3}),
     ("int8", "float8_e4m3fn", 128, 4, "nhd", {"dtype": "bfloat16"}),
     ("float8_e4m3fn", "int8", 128, 8, "nhd", {}),   # GQA 8, the default knobs
+    ("int8", "int8", 64, 16, "nhd", {}),             # GQA 16: two head parts of 8
+    ("float8_e4m3fn", "float8_e4m3fn", 128, 9, "nhd", {"dtype": "bfloat16"}),  # 5 + 4
     ("int8", "int8", 96, 4, "nhd", {}),              # 6 k-steps, 3 groups of V columns
     ("float8_e4m3fn", "float8_e4m3fn", 64, 8, "hnd", {"dtype": "bfloat16"}),
     # one side 16-bit, with the knobs that take it to the tensor cores (not the default)
@@ -197,3 +207,16 @@ def test_builds_on_mma_sync_without_spills(tmp_path, ks, vs, D, G, layout, knobs
     report = path.with_suffix(".ptxas.txt").read_text()
     assert not _spills(report)
     assert "sm_80" in report and "sm_90a" in report
+
+
+@pytest.mark.parametrize("G,want", [(1, (1, 1)), (8, (1, 8)), (9, (2, 5)), (12, (2, 6)),
+                                    (16, (2, 8))])
+def test_head_parts_cover_the_group_with_at_most_8_rows_each(G, want):
+    """A group past 8 query heads runs as CTAs of at most 8 (the first half of an m16 tile's
+    rows), every query head in exactly one part (the last one may be short)."""
+    from kvtvm.schedules.decode.cuda_quant_mma import MMA_ROWS, head_parts
+
+    parts, heads = head_parts(G)
+    assert (parts, heads) == want and heads <= MMA_ROWS
+    covered = [p * heads + i for p in range(parts) for i in range(heads) if p * heads + i < G]
+    assert covered == list(range(G))

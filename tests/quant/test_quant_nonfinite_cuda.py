@@ -95,6 +95,14 @@ def test_cuda_decode_keeps_nan_rows_poisoned(storage, splits):
     assert (~np.isfinite(want[BAD_V[0], hv])).any(axis=-1).all()
     assert np.isfinite(want_lse[BAD_V[0], hv]).all()
     assert np.isfinite(want[2]).all() and np.isfinite(want_lse[2]).all()
+    if storage.endswith("/"):
+        # a float16 V holding inf: the reference's inf may come out NaN where the tensor-core
+        # decode weighs it by P's float16 high part plus its rounding error (a negative or
+        # zero low part times inf): non-finite either way, never finite (docs/kernels.md)
+        bad = (BAD_V[0], hv, 0)  # the inf sits in channel 0
+        assert (~np.isfinite(got[bad])).all()
+        got, want = got.copy(), want.copy()
+        got[bad] = want[bad] = np.inf
     _same(got, got_lse, want, want_lse)
 
 
