@@ -16,9 +16,9 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu-env.sh"
 step device nvidia-smi --query-gpu=name,clocks.max.sm,memory.total,driver_version --format=csv
-step "GPU tests" timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/compiler \
+step "GPU tests" timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/compiler \
      tests/kernels tests/manager tests/ops tests/quant
-LOG=$LOG MEMCHECK_STEPS=ops timeout 120 bash tools/gpu-memcheck.sh || failed=$((failed + 1))
+LOG=$LOG MEMCHECK_STEPS=ops timeout 100 bash tools/gpu-memcheck.sh || failed=$((failed + 1))
 step "bench decode" timeout 45 python3 -m kvtvm bench decode --device cuda --skip tvm gather \
      --cache-dtype float16 int8 float8_e4m3fn --cases 16x4096 64x4096 256x1024 1x4096
 # 8-bit decode off the Llama grid against the float16 cache at the same heads (their kernels:
