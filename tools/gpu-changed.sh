@@ -24,9 +24,10 @@ step "bench decode" timeout 45 python3 -m kvtvm bench decode --device cuda --ski
 # 8-bit decode off the Llama grid against the float16 cache at the same heads (their kernels:
 # the "CUDA-core speed" lines of tools/gpu-kit.sh; the float16 CUDA decode takes no head of
 # 112): GQA 16 on the tensor cores, heads of 80 and 48 on the CUDA cores, K-only and V-only
-# at GQA 8 on the tensor cores (the CUDA cores ran K-only at 0.82-0.97x the float16 cache)
+# at GQA 8 and 16 on the tensor cores (the CUDA cores ran K-only at 0.82-0.97x the float16
+# cache)
 for shape in "64 16 int8 float8_e4m3fn" "80 8 float8_e4m3fn" "48 8 int8" \
-             "128 8 int8/none none/float8_e4m3fn"; do
+             "128 8 int8/none none/float8_e4m3fn" "128 16 int8/none none/float8_e4m3fn"; do
   set -- $shape
   step "bench decode d$1 GQA $2 ${*:3}" timeout 40 python3 -m kvtvm bench decode \
        --device cuda --skip tvm gather dense --n-kv-heads 2 --head-dim "$1" --group-size "$2" \

@@ -115,7 +115,9 @@ build --ops decode --dtypes float16 --head-dims 80,48,128 --kv-heads 2 --group-s
 build --ops append --dtypes float16 --head-dims 80,48,64 --kv-heads 2 --layouts nhd \
       --cache-dtypes int8,float8_e4m3fn
 build --ops append --dtypes float16 --head-dims 128 --kv-heads 2 --layouts nhd \
-      --cache-dtypes int8/none,none/float8_e4m3fn
+      --cache-dtypes int8/none,none/float8_e4m3fn,int8,float8_e4m3fn
+build --ops decode --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 8,16 \
+      --layouts nhd --cache-dtypes none,int8/none,none/float8_e4m3fn
 # float32 queries (the CUDA-core kernel) against the float32 cache
 build --ops append,decode --dtypes float32 --head-dims 128 --kv-heads 2 --group-sizes 4 \
       --layouts nhd --cache-dtypes none,int8

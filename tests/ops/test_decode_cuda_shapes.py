@@ -62,11 +62,14 @@ def test_refitted_decode_layouts_match_the_reference(storage, D, G, page_size, n
     lengths = [0, 1, 2 * page_size - 1, 333]
     table, num_pages = random_page_table(rng, lengths, page_size, spare=3)
     kc, vc = (_cache(rng, storage, (num_pages, page_size, H, D)) for _ in range(2))
-    q = torch.randn(len(lengths), H * G, D, dtype=torch.float16, device="cuda")
+    q = torch.from_numpy(rng.standard_normal((len(lengths), H * G, D), np.float32)).to(
+        torch.float16).cuda()
     lens = torch.tensor(lengths, dtype=torch.int32)
     out, lse = ops.decode_attention(q, kc, vc, lens.cuda(), torch.from_numpy(table).cuda(),
                                     num_splits=num_splits)
     want, want_lse = reference_decode(q.float().cpu().numpy(), _host(kc, storage),
                                       _host(vc, storage), lens.numpy(), table)
-    np.testing.assert_allclose(out.float().cpu().numpy(), want, atol=4e-3, rtol=0)
+    # float16 output: half an ulp of the value on top (an output of 16 is rounded by 2**-7;
+    # q drawn from torch's unseeded generator once met that under memcheck, 2026-11-28)
+    np.testing.assert_allclose(out.float().cpu().numpy(), want, atol=4e-3, rtol=2.0 ** -10)
     np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=1e-3, rtol=1e-4)
