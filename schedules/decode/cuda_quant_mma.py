@@ -1,7 +1,8 @@
 """The TENSOR-CORE CUDA decode over an 8-bit cache (hand-written TIR; :mod:`.cuda_quant` runs it
 where :func:`runs_by_default`, knob ``mma``, the default there): K and V both int8 /
 float8_e4m3fn, float16 or bfloat16 queries, GQA up to 16 (past 8 in two CTAs, :func:`head_parts`),
-head_dim 32, 64, 96 or 128. bfloat16
+head_dim a multiple of 16 up to 128 (V in 32-column groups, the last one zero-padded at 16, 48,
+80, 112). bfloat16
 queries take bfloat16 operands (``mma.sync ... .bf16``), the codes converted through float32
 (exact), and ``P'`` split into bfloat16 high and low parts. A K-only or V-only cache (the other
 side 16-bit rows of the queries' dtype) runs here by default at head_dim 128 and GQA up to 16
@@ -172,11 +173,11 @@ def head_parts(group_size: int) -> tuple[int, int]:
 def supported(spec) -> bool:
     """Whether this kernel can run ``spec``: one side 8-bit at least, float16 or bfloat16
     queries, GQA up to 16 (past 8 in head parts, :func:`head_parts`), head_dim a multiple of
-    32 up to 128. It runs by default where :func:`kvtvm.cuda_limits.tensor_core_decode` says
+    16 up to 128 (an 8-bit V of 48, 80 or 112 pads its last 32-column group with zeros). It runs by default where :func:`kvtvm.cuda_limits.tensor_core_decode` says
     (both sides 8-bit; one side at head_dim 128, GQA up to 16); elsewhere with the knob ``mma``
     set."""
     return (bool(spec.k_storage or spec.v_storage) and spec.dtype in ("float16", "bfloat16")
-            and spec.group_size <= MAX_GROUP and spec.head_dim % 32 == 0
+            and spec.group_size <= MAX_GROUP and spec.head_dim % 16 == 0
             and spec.head_dim <= 128)
 
 
@@ -247,7 +248,11 @@ def schedule(mod, spec, knobs):
     EK, EV = [16 if st else 8 for st in (ks, vs)]
     KS = D // 16                              # k-steps of Q K^T
     CW = 4 if vs else 2                       # V columns per staged word
-    VG, VT = D // (8 * CW), CW                # P V: groups of one word per row, n8 tiles each
+    # P V: groups of one word per row (8 * CW columns), CW n8 tiles each; an 8-bit V of a
+    # head_dim that is not a multiple of 32 (48, 80, 112) pads its last group with zero words
+    VG, VT = -(-D // (8 * CW)), CW
+    V_WORDS = D // CW                         # staged words of V's codes (past them: the scale)
+    PADDED = VG * 8 * CW != D
     COPIES_K, COPIES_V = -(-TILE * RCK // NT), -(-TILE * RCV // NT)
     PRE = v_prescale(spec)
     SPLIT = bool(geo["p_split"])
@@ -335,7 +340,7 @@ def schedule(mod, spec, knobs):
                     sf = alloc_buffer((8,), "float32", scope="local")
                     pf = alloc_buffer((8,), dtype, scope="local")
                     pl = alloc_buffer((8,), dtype, scope="local")
-                    of = alloc_buffer((D // 2,), "float32", scope="local")  # D / 8 n8 tiles
+                    of = alloc_buffer((VG * VT * 4,), "float32", scope="local")  # n8 tiles
                     vw = alloc_buffer((4,), "int32", scope="local")
                     st = alloc_buffer((4,), "float32", scope="local")  # m, d, m_new, alpha
                     bad = alloc_buffer((1,), "int32", scope="local")
@@ -368,7 +373,7 @@ def schedule(mod, spec, knobs):
                                 tir.all(i % 4 < 2, gq < GP, part * GP + gq < G),
                                 q[b, h * G + T.min(part * GP + gq, G - 1), kk * 16 + tq * 4 + i // 4 * 2 + i % 2],
                                 T.Cast(dtype, T.float32(0)))
-                    for i in T.unroll(D // 2):
+                    for i in T.unroll(VG * VT * 4):
                         of[i] = T.float32(0)
                     st[0] = T.float32(NEG)
                     st[1] = T.float32(0)
@@ -406,7 +411,7 @@ def schedule(mod, spec, knobs):
                             st[3] = T.exp2(st[0] - st[2])
                             st[0] = st[2]
                             st[1] = st[1] * st[3]
-                            for i in T.unroll(D // 4):
+                            for i in T.unroll(VG * VT * 2):
                                 of[i // 2 * 4 + i % 2] = of[i // 2 * 4 + i % 2] * st[3]
                             # P' = P * scale_v * 2**k as the A operand (rows g + 8: zero)
                             for i in T.unroll(8):
@@ -425,7 +430,10 @@ def schedule(mod, spec, knobs):
                             # columns, CW n8 tiles
                             for grp in T.unroll(VG):
                                 for j in T.unroll(4):
-                                    vw[j] = v_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + j // 2 * 8 + tq * 2 + j % 2) * RWV + grp * 8 + gq]
+                                    if PADDED:  # the last group's words past the codes: zeros
+                                        vw[j] = T.if_then_else(grp * 8 + gq < V_WORDS, v_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + j // 2 * 8 + tq * 2 + j % 2) * RWV + T.min(grp * 8 + gq, V_WORDS - 1)], 0)
+                                    else:
+                                        vw[j] = v_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + j // 2 * 8 + tq * 2 + j % 2) * RWV + grp * 8 + gq]
                                 T.evaluate(T.cuda.func_call(
                                     v_frag, vf.access_ptr("w", offset=0, extent=16),
                                     vw[0], vw[1], vw[2], vw[3], source_code=v_src))
@@ -441,7 +449,11 @@ def schedule(mod, spec, knobs):
                         for grp in T.unroll(VG):  # tile grp * VT + i, column 2 tq + e: dim
                             for i in T.unroll(VT):
                                 for e in T.unroll(2):
-                                    o_red[w, gq, grp * 8 * VT + tq * 2 * VT + e * VT + i] = of[(grp * VT + i) * 4 + e]
+                                    if PADDED:  # the padded columns are dropped
+                                        if grp * 8 * VT + tq * 2 * VT + e * VT + i < D:
+                                            o_red[w, gq, grp * 8 * VT + tq * 2 * VT + e * VT + i] = of[(grp * VT + i) * 4 + e]
+                                    else:
+                                        o_red[w, gq, grp * 8 * VT + tq * 2 * VT + e * VT + i] = of[(grp * VT + i) * 4 + e]
                         if tq == 0:
                             md_red[w, gq, 0] = st[0]
                             md_red[w, gq, 1] = st[1]

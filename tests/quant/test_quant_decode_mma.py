@@ -28,7 +28,10 @@ def _spec(ks="int8", vs="int8", dtype="float16", D=128, G=4, layout="nhd", **ext
     ("float16", 64, 16, "float8_e4m3fn", "int8", True),  # two head parts of 8
     ("float16", 64, 17, "int8", "int8", False),      # past the head parts' 16
     ("float16", 256, 4, "int8", "int8", False),      # the O fragments would not fit
-    ("float16", 48, 4, "int8", "int8", False),       # not whole 32-column V groups
+    ("float16", 48, 4, "int8", "int8", True),        # V's last 32-column group zero-padded
+    ("bfloat16", 112, 8, "float8_e4m3fn", "int8", True),
+    ("float16", 40, 4, "int8", "int8", False),       # not whole 16-column k-steps
+    ("float16", 16, 1, "int8", "int8", False),       # kept on the CUDA cores (a spill)
     ("bfloat16", 128, 4, "int8", "int8", True),
     ("bfloat16", 64, 8, "float8_e4m3fn", "int8", True),
     ("float32", 128, 4, "int8", "int8", False),
@@ -169,6 +172,9 @@ def _spills(text):
     ("int8", "float8_e4m3fn", 128, 4, "nhd", {"dtype": "bfloat16"}),
     ("float8_e4m3fn", "int8", 128, 8, "nhd", {}),   # GQA 8, the default knobs
     ("int8", "int8", 64, 16, "nhd", {}),             # GQA 16: two head parts of 8
+    ("int8", "int8", 48, 8, "nhd", {}),              # V's last group zero-padded
+    ("float8_e4m3fn", "int8", 80, 4, "hnd", {"dtype": "bfloat16"}),
+    ("int8", "float8_e4m3fn", 112, 2, "nhd", {}),
     ("float8_e4m3fn", "float8_e4m3fn", 128, 9, "nhd", {"dtype": "bfloat16"}),  # 5 + 4
     ("int8", "int8", 96, 4, "nhd", {}),              # 6 k-steps, 3 groups of V columns
     ("float8_e4m3fn", "float8_e4m3fn", 64, 8, "hnd", {"dtype": "bfloat16"}),
@@ -196,7 +202,7 @@ def test_builds_on_mma_sync_without_spills(tmp_path, ks, vs, D, G, layout, knobs
     per_pv = 1 if knobs.get("p_split") == 0 else 2
     ab = "f16" if dtype == "float16" else "bf16"
     assert source.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32") == \
-        2 * (D // 16) + per_pv * 4 * (D // 32)
+        2 * (D // 16) + per_pv * 4 * -(-D // 32)   # 48, 80, 112: a zero-padded last V group
     assert ("cvt.rn.f16x2.e4m3x2" in source) is ("float8_e4m3fn" in (ks, vs))
     assert ("sub.f16x2" in source) is ("int8" in (ks, vs) and dtype == "float16")
     assert ("cvt.rn.bf16x2.f32" in source) is (dtype == "bfloat16")
