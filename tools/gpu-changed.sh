@@ -6,9 +6,10 @@
 # - the tensor-core 8-bit decode at GQA 9-16 in head parts (two CTAs a KV head): numerics in the
 #   GPU tests (tests/ops/test_decode_cuda_shapes.py: GQA 16, 12, 9), memcheck, and its speed
 #   against the float16 cache at GQA 16 (the CUDA-core kernel ran 0.59-0.76x there);
+# - heads of 48, 80 and 112 on the tensor cores (V's last 32-column group zero-padded): the
+#   GPU tests, memcheck, and the speed against the float16 cache at heads of 80 and 48, GQA 8;
 # - the CUDA-core 8-bit decode's head parts (`head_split`), bank padding and the cap of 64 row
-#   groups x head parts along threadIdx.z (d16): numerics in the GPU tests, memcheck, and its
-#   speed against the float16 cache at heads of 80 and 48, GQA 8;
+#   groups x head parts along threadIdx.z (d16; float32 queries): the GPU tests, memcheck;
 # - the 8-bit decode at the Llama-3-8B layer against the float16 cache (issue 16's target), as
 #   a check that GQA <= 8 lost nothing to the head parts' indexing.
 # Each step has its own time limit so that one stuck step leaves the rest their time. Logs land
@@ -22,8 +23,8 @@ LOG=$LOG MEMCHECK_STEPS=ops timeout 100 bash tools/gpu-memcheck.sh || failed=$((
 step "bench decode" timeout 45 python3 -m kvtvm bench decode --device cuda --skip tvm gather \
      --cache-dtype float16 int8 float8_e4m3fn --cases 16x4096 64x4096 256x1024 1x4096
 # 8-bit decode off the Llama grid against the float16 cache at the same heads (their kernels:
-# the "CUDA-core speed" lines of tools/gpu-kit.sh; the float16 CUDA decode takes no head of
-# 112): GQA 16 on the tensor cores, heads of 80 and 48 on the CUDA cores, K-only and V-only
+# the "speed off the Llama grid" lines of tools/gpu-kit.sh; the float16 CUDA decode takes no
+# head of 112): GQA 16, heads of 80 and 48 (zero-padded V groups), K-only and V-only
 # at GQA 8 and 16 on the tensor cores (the CUDA cores ran K-only at 0.82-0.97x the float16
 # cache)
 for shape in "64 16 int8 float8_e4m3fn" "80 8 float8_e4m3fn" "48 8 int8" \

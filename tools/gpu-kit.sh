@@ -83,7 +83,8 @@ build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 4
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 256 --kv-heads 2 --group-sizes 8 --layouts nhd \
       --cache-dtypes int8,float8_e4m3fn
-# 8-bit heads of 3, 5 or 7 words a lane (96: the tensor cores at GQA 4 and 8)
+# 8-bit heads of 48, 80, 96, 112 (float16 queries: the tensor cores since 2026-11-28, V's last
+# 32-column group zero-padded; the CUDA cores' 3, 5 or 7 words a lane serve float32 queries)
 build --ops decode --dtypes float16 --head-dims 48 --kv-heads 2 --group-sizes 4 --layouts nhd \
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 80 --kv-heads 2 --group-sizes 2 --layouts nhd \
@@ -94,7 +95,7 @@ build --ops decode --dtypes float16 --head-dims 96 --kv-heads 2 --group-sizes 8 
       --cache-dtypes float8_e4m3fn
 build --ops decode --dtypes float16 --head-dims 112 --kv-heads 2 --group-sizes 2,8 --layouts nhd \
       --cache-dtypes int8
-# head parts (GQA 8 at d80 / d48) and d16 (row groups capped at 64 along threadIdx.z)
+# GQA 8 at d80 / d48, and d16 (the CUDA cores: row groups capped at 64 along threadIdx.z)
 build --ops decode --dtypes float16 --head-dims 80 --kv-heads 2 --group-sizes 8 --layouts nhd \
       --cache-dtypes float8_e4m3fn
 build --ops decode --dtypes float16 --head-dims 48 --kv-heads 2 --group-sizes 8 --layouts nhd \
@@ -106,7 +107,7 @@ build --ops decode --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 1
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 64 --kv-heads 2 --group-sizes 9 --layouts nhd \
       --cache-dtypes float8_e4m3fn
-# CUDA-core speed (tools/gpu-changed.sh's bench decode at these heads): the float16 cache's
+# speed off the Llama grid (tools/gpu-changed.sh's bench decode at these heads): the float16 cache's
 # decode and the quantizing append beside the 8-bit decodes above
 # (heads of 64 at GQA 16: the decode kernels are built above; K-only / V-only at d128 GQA 8:
 # the mixed-decode lines below)

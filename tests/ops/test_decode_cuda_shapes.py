@@ -20,12 +20,13 @@ pytestmark = [pytest.mark.gpu,
 SHAPES = [("", 96, 3), ("", 80, 4), ("", 160, 2), ("", 256, 4), ("", 256, 8), ("", 64, 16),
           ("int8", 64, 16), ("int8", 256, 4), ("int8", 256, 8),
           ("float8_e4m3fn", 64, 16), ("float8_e4m3fn", 256, 8),
-          # 8-bit heads of 3, 5 or 7 int32 words a lane (refused until 2026-11-28; 96 at GQA
-          # up to 8 on the tensor cores)
+          # 8-bit heads of 48, 80, 96, 112 (refused until 2026-11-28; now on the tensor cores,
+          # V's last 32-column group zero-padded at 48, 80, 112)
           ("int8", 48, 4), ("float8_e4m3fn", 80, 2), ("int8", 96, 4),
           ("float8_e4m3fn", 96, 8), ("int8", 112, 2),
-          # the group split into head parts (2026-11-28: d80 / d112 at GQA 8 spilled 1-2 KiB
-          # a thread), and d16, laid out 128 row groups along threadIdx.z (CUDA takes 64)
+          # GQA 8 at 112 / 80 / 48 (the CUDA cores' head parts, which an H200 passed here on
+          # 2026-11-28 before these moved to the tensor cores), and d16 on the CUDA cores,
+          # laid out 128 row groups along threadIdx.z until capped at CUDA's 64
           ("int8", 112, 8), ("float8_e4m3fn", 80, 8), ("int8", 48, 8), ("int8", 16, 1),
           # GQA past 8 on the tensor cores, in two CTAs a KV head (2026-11-28; the CUDA-core
           # kernel ran GQA 16 at 0.59-0.76x the float16 cache): 6 + 6, and 5 + 4 query heads
