@@ -322,8 +322,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     report(f"decode attention, {args.n_kv_heads * args.group_size} q / {args.n_kv_heads} kv "
            f"heads x {args.head_dim}, {dtype}, page {args.page_size}, {args.layout}", rows,
-           "TB/s", "kvtvm",
-           args, device)
+           "TB/s", "kvtvm", args, device)
     for line in speedup_lines(rows, "kvtvm", dtype):
         print(line)
     if not cuda and args.dtype is None:
