@@ -156,8 +156,6 @@ _SUFFIX = {"float16": "", "bfloat16": "_bf16"}
 
 #: Query heads one CTA takes as the rows of its m16 tiles (a lane holds one row's fragments).
 MMA_ROWS = 8
-#: The largest GQA group the kernel takes: groups past :data:`MMA_ROWS` are split into head parts.
-MAX_GROUP = TENSOR_CORE_MAX_GROUP
 
 
 def head_parts(group_size: int) -> tuple[int, int]:
@@ -177,7 +175,7 @@ def supported(spec) -> bool:
     from head_dim 32; one side at head_dim 128, GQA up to 16); elsewhere with the knob ``mma``
     set."""
     return (bool(spec.k_storage or spec.v_storage) and spec.dtype in ("float16", "bfloat16")
-            and spec.group_size <= MAX_GROUP and spec.head_dim % 16 == 0
+            and spec.group_size <= TENSOR_CORE_MAX_GROUP and spec.head_dim % 16 == 0
             and spec.head_dim <= 128)
 
 
@@ -301,6 +299,14 @@ def schedule(mod, spec, knobs):
         if not vs:
             return T.float32(1)
         return T.reinterpret("float32", smem[(stage * TILE + row) * RWV + D // 4])
+
+    def v_word(smem, stage, row, word):
+        """Staged word ``word`` of V row ``row``; past V's codes (the zero-padded last group of
+        a head_dim that is not a multiple of 32), 0."""
+        at = (stage * TILE + row) * RWV
+        if not PADDED:
+            return smem[at + word]
+        return T.if_then_else(word < V_WORDS, smem[at + T.min(word, V_WORDS - 1)], 0)
 
     def k_operand(smem, stage, row, kk, tq):
         """The argument of the K converter: lane ``tq``'s word of the row in k-step ``kk``
@@ -430,10 +436,7 @@ def schedule(mod, spec, knobs):
                             # columns, CW n8 tiles
                             for grp in T.unroll(VG):
                                 for j in T.unroll(4):
-                                    if PADDED:  # the last group's words past the codes: zeros
-                                        vw[j] = T.if_then_else(grp * 8 + gq < V_WORDS, v_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + j // 2 * 8 + tq * 2 + j % 2) * RWV + T.min(grp * 8 + gq, V_WORDS - 1)], 0)
-                                    else:
-                                        vw[j] = v_smem[(T.floormod(it, S) * TILE + (c * W + w) * 16 + j // 2 * 8 + tq * 2 + j % 2) * RWV + grp * 8 + gq]
+                                    vw[j] = v_word(v_smem, T.floormod(it, S), (c * W + w) * 16 + j // 2 * 8 + tq * 2 + j % 2, grp * 8 + gq)
                                 T.evaluate(T.cuda.func_call(
                                     v_frag, vf.access_ptr("w", offset=0, extent=16),
                                     vw[0], vw[1], vw[2], vw[3], source_code=v_src))
