@@ -59,30 +59,25 @@ def _decode_rule(dtype: str, quantized: bool) -> str:
             "(the lanes reducing a score)")
 
 
-#: The largest GQA group the tensor-core 8-bit decode takes (in head parts of at most 8).
-TENSOR_CORE_MAX_GROUP = 16
-
-
 def tensor_core_decode(dtype: str, head_dim: int, group_size: int, k_storage: str,
                        v_storage: str) -> bool:
     """Whether the CUDA decode of such a spec runs on the tensor cores
-    (``schedules/decode/cuda_quant_mma.py``): float16 or bfloat16 queries, K and V both 8-bit
-    with at most :data:`TENSOR_CORE_MAX_GROUP` query heads per KV head (8 in a CTA, the first
-    half of an m16 tile's rows; 9-16 in two CTAs over the same rows: the CUDA-core kernel ran
-    GQA 16 at 0.59-0.76x the float16 cache on an H200, 2026-11-28) and head_dim a multiple of
-    32 to 128 (V's operands come 32 columns at a time: 48, 80 and 112 pad the last group with
-    zeros, where the CUDA-core kernel ran d48 at 0.75-0.94x the float16 cache; 256 would not
-    fit the registers); or one side 8-bit (a K-only or V-only cache) at head_dim 128 and GQA
-    up to :data:`TENSOR_CORE_MAX_GROUP` (an H100 checked GQA up to 4: 1.06-1.30x the float16
-    cache where the CUDA-core kernel ran 0.82-0.97x, 2026-11-27; an H200 GQA 8 and 16,
-    1.05-2.48x, 2026-11-28), where some head_dim 64 and 32 ones spill: those keep the CUDA
-    cores."""
+    (``schedules/decode/cuda_quant_mma.py``): float16 or bfloat16 queries, K and V both 8-bit,
+    any GQA group (at most 8 query heads in a CTA, the first half of an m16 tile's rows; a
+    larger group in "head parts", CTAs of at most 8 over the same rows: the CUDA-core kernel
+    ran GQA 16 at 0.59-0.76x the float16 cache on an H200, the parts 1.63-2.20x, 2026-11-28;
+    past 16, more parts of the same code, whose GPU run is owed) and head_dim a multiple of
+    16 from 32 to 128 (V's operands come 32 columns at a time: 48, 80 and 112 pad the last
+    group with zeros, where the CUDA-core kernel ran d48 at 0.75-0.94x the float16 cache; 256
+    would not fit the registers); or one side 8-bit (a K-only or V-only cache) at head_dim
+    128 (an H100 checked GQA up to 4: 1.06-1.30x the float16 cache where the CUDA-core kernel
+    ran 0.82-0.97x, 2026-11-27; an H200 GQA 8 and 16, 1.05-2.48x, 2026-11-28), where some
+    head_dim 64 and 32 ones spill: those keep the CUDA cores."""
     if dtype not in ("float16", "bfloat16") or head_dim % 16 or not 32 <= head_dim <= 128:
         return False   # (16: one 4-byte spill on sm_90a; the CUDA cores keep it)
     if k_storage and v_storage:
-        return group_size <= TENSOR_CORE_MAX_GROUP
-    return bool(k_storage or v_storage) and head_dim == 128 and \
-        group_size <= TENSOR_CORE_MAX_GROUP
+        return True
+    return bool(k_storage or v_storage) and head_dim == 128
 
 
 def cuda_head_dim_problem(op: str, dtype: str, head_dim: int, k_storage: str = "",

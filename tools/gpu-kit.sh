@@ -107,6 +107,12 @@ build --ops decode --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 1
       --cache-dtypes int8
 build --ops decode --dtypes float16 --head-dims 64 --kv-heads 2 --group-sizes 9 --layouts nhd \
       --cache-dtypes float8_e4m3fn
+# GQA past 16 (4 x 8 and 7 + 7 + 6 query heads; twenty-second session) and the float16 cache's
+# decode beside them for tools/gpu-changed.sh's speed line
+build --ops decode --dtypes float16 --head-dims 128 --kv-heads 2 --group-sizes 32 --layouts nhd \
+      --cache-dtypes none,int8,float8_e4m3fn
+build --ops decode --dtypes float16 --head-dims 64 --kv-heads 2 --group-sizes 20 --layouts nhd \
+      --cache-dtypes float8_e4m3fn
 # speed off the Llama grid (tools/gpu-changed.sh's bench decode at these heads): the float16 cache's
 # decode and the quantizing append beside the 8-bit decodes above
 # (heads of 64 at GQA 16: the decode kernels are built above; K-only / V-only at d128 GQA 8:

@@ -1,6 +1,6 @@
 """CUDA schedule of decode attention over a QUANTIZED cache (``kvtvm.kernels.decode``;
 sm_90a and sm_80 alike), hand-written TIR. Where K and V are both 8-bit under float16 or
-bfloat16 queries (GQA up to 16, head_dim up to 128) the knob ``mma`` (default 1 there) hands
+bfloat16 queries (any GQA, head_dim up to 128) the knob ``mma`` (default 1 there) hands
 the spec to the tensor-core kernel of :mod:`.cuda_quant_mma`; this module's CUDA-core kernel
 runs the rest. The 8-bit rows are staged in shared memory as they
 are stored (values, scale, padding: ``quant_row_bytes(head_dim)`` bytes, 16-byte ``cp.async``

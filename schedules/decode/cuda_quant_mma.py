@@ -1,10 +1,10 @@
 """The TENSOR-CORE CUDA decode over an 8-bit cache (hand-written TIR; :mod:`.cuda_quant` runs it
 where :func:`runs_by_default`, knob ``mma``, the default there): K and V both int8 /
-float8_e4m3fn, float16 or bfloat16 queries, GQA up to 16 (past 8 in two CTAs,
+float8_e4m3fn, float16 or bfloat16 queries, any GQA (past 8 in CTAs of at most 8 heads,
 :func:`head_parts`), head_dim a multiple of 16 up to 128 (V in 32-column groups, the last one
 zero-padded at 16, 48, 80, 112). bfloat16 queries take bfloat16 operands (``mma.sync ...
 .bf16``), the codes converted through float32 (exact), and ``P'`` split into bfloat16 high and low parts. A K-only or V-only cache (the other
-side 16-bit rows of the queries' dtype) runs here by default at head_dim 128 and GQA up to 16
+side 16-bit rows of the queries' dtype) runs here by default at head_dim 128
 (:func:`one_sided_knobs`; an H100 checked its numerics and speed, 2026-11-27: 1.06-1.30x the
 float16 cache), elsewhere when its knobs say so. A 16-bit K row's operand is its two
 words as they are (the same permuted head_dim); a 16-bit V word holds two columns, so four
@@ -44,7 +44,7 @@ every K/V tile of ``16 * warps * chunks`` rows, staged as stored with zero-fille
 
 from __future__ import annotations
 
-from kvtvm.cuda_limits import TENSOR_CORE_MAX_GROUP, tensor_core_decode
+from kvtvm.cuda_limits import tensor_core_decode
 from kvtvm.kernels._tvm import (ATTR_IS_SCHEDULED, ATTR_NOALIAS, T, alloc_buffer, block,
                                prim_func, tir)
 from kvtvm.kernels.accessor import cache_index
@@ -161,7 +161,7 @@ MMA_ROWS = 8
 def head_parts(group_size: int) -> tuple[int, int]:
     """``(parts, heads)``: a GQA group of more than :data:`MMA_ROWS` query heads is split into
     ``parts`` CTAs of at most ``heads`` query heads each over the same KV rows (16 -> 2 x 8,
-    12 -> 2 x 6, 9 -> 2 x 5, the last part short). The parts of a KV head are neighbours in the
+    12 -> 2 x 6, 9 -> 2 x 5, 20 -> 3 x 7, 32 -> 4 x 8, the last part short). The parts of a KV head are neighbours in the
     grid, so the second read of its rows mostly hits L2."""
     parts = -(-group_size // MMA_ROWS)
     return parts, -(-group_size // parts)
@@ -169,14 +169,13 @@ def head_parts(group_size: int) -> tuple[int, int]:
 
 def supported(spec) -> bool:
     """Whether this kernel can run ``spec``: one side 8-bit at least, float16 or bfloat16
-    queries, GQA up to 16 (past 8 in head parts, :func:`head_parts`), head_dim a multiple of
+    queries, any GQA (past 8 in head parts, :func:`head_parts`), head_dim a multiple of
     16 up to 128 (an 8-bit V of 48, 80 or 112 pads its last 32-column group with zeros). It
     runs by default where :func:`kvtvm.cuda_limits.tensor_core_decode` says (both sides 8-bit
-    from head_dim 32; one side at head_dim 128, GQA up to 16); elsewhere with the knob ``mma``
+    from head_dim 32; one side at head_dim 128); elsewhere with the knob ``mma``
     set."""
     return (bool(spec.k_storage or spec.v_storage) and spec.dtype in ("float16", "bfloat16")
-            and spec.group_size <= TENSOR_CORE_MAX_GROUP and spec.head_dim % 16 == 0
-            and spec.head_dim <= 128)
+            and spec.head_dim % 16 == 0 and spec.head_dim <= 128)
 
 
 def runs_by_default(spec) -> bool:

@@ -29,8 +29,10 @@ SHAPES = [("", 96, 3), ("", 80, 4), ("", 160, 2), ("", 256, 4), ("", 256, 8), ("
           # laid out 128 row groups along threadIdx.z until capped at CUDA's 64
           ("int8", 112, 8), ("float8_e4m3fn", 80, 8), ("int8", 48, 8), ("int8", 16, 1),
           # GQA past 8 on the tensor cores, in two CTAs a KV head (2026-11-28; the CUDA-core
-          # kernel ran GQA 16 at 0.59-0.76x the float16 cache): 6 + 6, and 5 + 4 query heads
-          ("int8", 128, 12), ("float8_e4m3fn", 64, 9)]
+          # kernel ran GQA 16 at 0.59-0.76x the float16 cache): 6 + 6, and 5 + 4 query heads;
+          # past 16 in more CTAs (twenty-second session, not yet run on a GPU): 4 x 8, 7 + 7 + 6
+          ("int8", 128, 12), ("float8_e4m3fn", 64, 9), ("int8", 128, 32),
+          ("float8_e4m3fn", 64, 20)]
 H = 2  # KV heads
 
 

@@ -26,7 +26,8 @@ def _spec(ks="int8", vs="int8", dtype="float16", D=128, G=4, layout="nhd", **ext
     ("float16", 32, 3, "float8_e4m3fn", "int8", True),
     ("float16", 128, 9, "int8", "int8", True),       # two head parts of 5 and 4 query heads
     ("float16", 64, 16, "float8_e4m3fn", "int8", True),  # two head parts of 8
-    ("float16", 64, 17, "int8", "int8", False),      # past the head parts' 16
+    ("float16", 64, 17, "int8", "int8", True),       # three head parts (6, 6, 5)
+    ("bfloat16", 128, 32, "float8_e4m3fn", "float8_e4m3fn", True),  # four parts of 8
     ("float16", 256, 4, "int8", "int8", False),      # the O fragments would not fit
     ("float16", 48, 4, "int8", "int8", True),        # V's last 32-column group zero-padded
     ("bfloat16", 112, 8, "float8_e4m3fn", "int8", True),
@@ -39,7 +40,7 @@ def _spec(ks="int8", vs="int8", dtype="float16", D=128, G=4, layout="nhd", **ext
     ("bfloat16", 128, 1, "", "float8_e4m3fn", True),  # V-only
     ("float16", 128, 8, "int8", "", True),           # one side, GQA 8 and 16 (head parts)
     ("bfloat16", 128, 16, "", "int8", True),
-    ("float16", 128, 17, "int8", "", False),         # one side, beyond them
+    ("float16", 128, 17, "int8", "", True),          # one side, three parts
     ("float16", 64, 4, "", "int8", False),
     ("float32", 128, 4, "int8", "", False),
 ])
@@ -66,7 +67,8 @@ def test_default_knobs_run_the_tensor_cores_where_they_can():
     g = geometry(bf16, resolve_knobs(_spec(dtype="bfloat16", variant="short_splits")))
     assert (g["warps"], g["tile"], g["stages"]) == (4, 64, 2)
     assert resolve_knobs(_spec(G=16, D=64))["mma"] == 1  # in two head parts
-    for spec in (_spec(G=17, D=64), _spec(D=256), _spec(dtype="float32"), _spec(vs="", D=64),
+    assert resolve_knobs(_spec(G=32, D=64))["mma"] == 1  # in four
+    for spec in (_spec(D=256), _spec(dtype="float32"), _spec(vs="", D=64),
                  _spec(ks="", D=64)):
         assert resolve_knobs(spec)["mma"] == 0, spec.uri
 
@@ -129,7 +131,8 @@ def test_one_sided_specs_take_the_tensor_cores_at_the_checked_shapes(ks, vs):
     assert cuda_quant_mma.supported(off) and not cuda_quant_mma.runs_by_default(off)
     assert resolve_knobs(off)["mma"] == 0 and "mma" not in decode.knob_space(off)
     assert cuda_quant_mma.one_sided_knobs(off)["mma"] == 1
-    for bad in (_spec(ks, vs, dtype="float32"), _spec(ks, vs, G=17), _spec(ks, vs, D=256)):
+    assert cuda_quant_mma.runs_by_default(_spec(ks, vs, G=24))   # three head parts
+    for bad in (_spec(ks, vs, dtype="float32"), _spec(ks, vs, D=256)):
         assert not cuda_quant_mma.supported(bad), bad.uri
     assert not cuda_quant_mma.supported(_spec(None, None))
 
@@ -176,6 +179,8 @@ def _spills(text):
     ("float8_e4m3fn", "int8", 80, 4, "hnd", {"dtype": "bfloat16"}),
     ("int8", "float8_e4m3fn", 112, 2, "nhd", {}),
     ("float8_e4m3fn", "float8_e4m3fn", 128, 9, "nhd", {"dtype": "bfloat16"}),  # 5 + 4
+    ("int8", "int8", 128, 32, "nhd", {}),            # four head parts of 8
+    ("float8_e4m3fn", "int8", 64, 20, "hnd", {"dtype": "bfloat16"}),  # 7 + 7 + 6
     ("int8", "int8", 96, 4, "nhd", {}),              # 6 k-steps, 3 groups of V columns
     ("float8_e4m3fn", "float8_e4m3fn", 64, 8, "hnd", {"dtype": "bfloat16"}),
     # one side 16-bit, with the knobs that take it to the tensor cores (not the default)
@@ -183,6 +188,7 @@ def _spills(text):
     (None, "float8_e4m3fn", 128, 1, "hnd", {"one_sided": True}),
     ("float8_e4m3fn", None, 64, 8, "nhd", {"one_sided": True}),
     (None, "int8", 32, 1, "nhd", {"one_sided": True, "dtype": "bfloat16"}),
+    ("int8", None, 128, 24, "nhd", {}),              # K-only by default, three parts
 ])
 def test_builds_on_mma_sync_without_spills(tmp_path, ks, vs, D, G, layout, knobs):
     import tvm
@@ -216,7 +222,8 @@ def test_builds_on_mma_sync_without_spills(tmp_path, ks, vs, D, G, layout, knobs
 
 
 @pytest.mark.parametrize("G,want", [(1, (1, 1)), (8, (1, 8)), (9, (2, 5)), (12, (2, 6)),
-                                    (16, (2, 8))])
+                                    (16, (2, 8)), (17, (3, 6)), (20, (3, 7)), (24, (3, 8)),
+                                    (32, (4, 8)), (33, (5, 7)), (128, (16, 8))])
 def test_head_parts_cover_the_group_with_at_most_8_rows_each(G, want):
     """A group past 8 query heads runs as CTAs of at most 8 (the first half of an m16 tile's
     rows), every query head in exactly one part (the last one may be short)."""
