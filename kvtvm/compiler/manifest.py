@@ -47,8 +47,10 @@ def source_files(spec: KernelSpec) -> list[Path]:
         quant.append(kernels / f"{spec.op}_quant.py")
     if quant:  # the storage formats' constants (QMAX, row bytes, MIN_SCALE)
         quant.append(kernels.parent / "quant.py")
-    # which CUDA kernel a spec gets (e.g. the tensor-core decode's rule) lives in cuda_limits
-    limits = [kernels.parent / "cuda_limits.py"] if spec.target == "cuda" else []
+    # which CUDA kernel a spec gets (e.g. the tensor-core decode's rule) lives in cuda_limits,
+    # nvcc's flags (and the retry of a spilling build) in compiler/nvcc.py
+    limits = [kernels.parent / "cuda_limits.py", Path(__file__).with_name("nvcc.py")] \
+        if spec.target == "cuda" else []
     return ([kernels / f"{spec.op}.py", kernels / "accessor.py", kernels / "_tvm.py",
              kernels / "variants.py", sched / "common.py"] + quant + limits
             + sorted((sched / spec.op).glob(f"{prefix}*.py")))

@@ -191,3 +191,22 @@ def test_head_parts_build_without_spills(tmp_path, case):
     assert len(report) == 4, sorted(report)
     for kernel, usage in report.items():
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (kernel, usage)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("case", [("float32", 112, 6, "int8", "int8"),
+                                  ("float32", 80, 3, "", "int8"),
+                                  ("float32", 112, 8, "", "int8")], ids=str)
+def test_a_spilling_build_is_retried_with_every_register(tmp_path, case):
+    """ptxas left to itself stopped these at 96 or 128 registers and spilled 12-48 bytes on
+    sm_80 (255 are allowed); the build retries a spilling kernel with ``-maxrregcount=255``
+    and keeps the build that spills less (here: none), saying so in the report."""
+    from kvtvm.compiler.nvcc import RETRY_FLAG
+
+    path = compiler.build_spec(_spec(*case), tmp_path)
+    text = path.with_suffix(".ptxas.txt").read_text()
+    assert text.startswith(f"kvtvm: built with {RETRY_FLAG}")
+    report = compiler.spill_report(text)
+    assert len(report) == 4, sorted(report)
+    for kernel, usage in report.items():
+        assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0, (kernel, usage)
