@@ -182,8 +182,10 @@ def default_vec(spec) -> int:
 #: as the output. With one part, 112 (d112 GQA 4) spilled 52-168 bytes and 160-224 (GQA 8 at
 #: d80 and d112) 1-2 KiB (ptxas, sm_90a and sm_80); at 64, d112 GQA 8 (2 heads a part) still
 #: spilled 24 bytes on sm_80; at 48, 82 of 92 specs (d48-d112, GQA 2-8) build without spills
-#: and 10 (d96 / d112 at GQA 6, K-only / V-only d112 over float32 queries) spill 4-32 bytes,
-#: mostly on sm_80, where ptxas settles on 96-154 registers.
+#: and 10 (d96 / d112 at GQA 6, K-only / V-only d112 over float32 queries) spilled 4-32 bytes,
+#: mostly on sm_80, where ptxas settled on 96-154 registers; since the build retries a spilling
+#: kernel with -maxrregcount=255 (kvtvm.compiler.nvcc), 2 of a grid of 80 float32-query specs
+#: spill (K-only / V-only d112 at GQA 4: 24-36 bytes).
 HEAD_VALUES_PER_THREAD = 48
 
 
