@@ -46,9 +46,9 @@ class FetchToken:
     table tensors (:func:`token_of`), so they learn staleness without knowing managers.
     """
 
-    __slots__ = ("live", "why", "lock", "views", "layout")
+    __slots__ = ("live", "why", "lock", "views", "layout", "capacity")
 
-    def __init__(self, lock=None, views=None, layout=None):
+    def __init__(self, lock=None, views=None, layout=None, capacity=None):
         #: the manager's lock: a launch holds it from its liveness check to the kernel's
         #: return (CPU) or enqueue (CUDA), so a concurrent fetch cannot slip in between
         self.live, self.why, self.lock = True, "", lock
@@ -59,6 +59,11 @@ class FetchToken:
         self.views = views or {}
         #: the token layout of the manager's per-layer views ("nhd", "hnd"; None: unknown)
         self.layout = layout
+        #: int64 ``[batch]``: the tokens the pages of each row of the fetch's lookup table hold
+        #: (None: only the table's width bounds them). A PAGED table pads a row past its pages
+        #: with 0, a page index of another sequence, so the ops refuse a cache length past
+        #: these (:func:`kvtvm.ops.checks.check_batch_indices`)
+        self.capacity = capacity
 
     def kill(self, why: str) -> None:
         """Mark the inputs superseded (the first reason is kept)."""

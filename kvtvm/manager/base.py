@@ -410,6 +410,11 @@ class KVCacheManager(Uncopyable, abc.ABC):
                 max_lengths[1:, 1] = end0 + np.arange(1, num_steps)
             return self._make_inputs(ids, hits, max_lengths, n)
 
+    def _row_capacity(self, ids):
+        """Tokens the lookup-table rows of sequences ``ids`` hold (:attr:`FetchToken.capacity`);
+        None: the table's width bounds them (a CONTINUOUS row is its sequence's whole block)."""
+        return None
+
     def _make_inputs(self, ids, hits, max_lengths, n) -> list[RaggedKVCacheInputs]:
         import torch
 
@@ -422,8 +427,8 @@ class KVCacheManager(Uncopyable, abc.ABC):
         if self._token_slot.token is not None:
             self._token_slot.token.kill("superseded by a later fetch of the same manager")
         self._in_token[self._token_ids] = False
-        token = self._token_slot.set(FetchToken(self._lock, self._views_by_signature, "nhd"),
-                                     self._blocks[0])
+        token = self._token_slot.set(FetchToken(self._lock, self._views_by_signature, "nhd",
+                                                self._row_capacity(ids)), self._blocks[0])
         self._token_ids = ids.copy()
         self._in_token[ids] = True
         out = []

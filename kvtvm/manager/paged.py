@@ -302,6 +302,9 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         self._fill_lookup(ids, changed)
         return start, hits
 
+    def _row_capacity(self, ids):
+        return self._npages[ids] * self.page_size
+
     def _fill_lookup(self, ids, changed) -> None:
         """Rows of the per-step lookup table. A decode loop fetches the same batch step after
         step: then only the rows of items whose pages this fetch changed are rewritten (any

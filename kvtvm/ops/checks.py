@@ -10,6 +10,7 @@ written when it raises. Launching lives in :mod:`kvtvm.ops.launch`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import warnings
@@ -230,8 +231,10 @@ def check_batch_indices(qo_indptr, cache_lengths, lookup_table, geometry: CacheG
                         num_tokens: int | None, extra_tokens=None) -> None:
     """Check index ranges on the host: ``qo_indptr`` runs from 0 to ``num_tokens`` without
     decreasing, no length is negative, every sequence's final length fits the pages its
-    lookup-table row holds, and every page of the row up to that length is in ``[0,
-    num_pages)`` -- with a sliding window too, where the kernels skip the pages before it."""
+    lookup-table row holds (the row's width; for a manager's table, the pages its fetch gave
+    the sequence: past them a PAGED row is padded with 0, another sequence's page), and every
+    page of the row up to that length is in ``[0, num_pages)`` -- with a sliding window too,
+    where the kernels skip the pages before it."""
     indptr = host_array(qo_indptr).astype(np.int64)
     lengths = host_array(cache_lengths).astype(np.int64)
     table = host_array(lookup_table)
@@ -255,6 +258,22 @@ def check_batch_indices(qo_indptr, cache_lengths, lookup_table, geometry: CacheG
         raise SequenceTooLongError(describe(
             f"cache_lengths[{b}] + new tokens", f"<= {capacity} (lookup_table holds "
             f"{table.shape[1]} pages of {geometry.page_size})", int(final[b])))
+    token = token_of(lookup_table)
+    held = getattr(token, "capacity", None)
+    if held is not None and len(held) == len(final) and (final > held).any():
+        # the tables may be another fetch's by now (threads that do not serialise): judge
+        # them under the manager's lock, while they are this fetch's, or report them stale
+        with token.lock or contextlib.nullcontext():
+            check_live("lookup_table", token)
+            final = host_array(cache_lengths).astype(np.int64) + (
+                steps if extra_tokens is None else extra_tokens)
+        if (final > held).any():
+            b = int(np.argmax(final > held))
+            n = int(held[b]) // geometry.page_size
+            raise InvalidArgumentError(describe(
+                f"cache_lengths[{b}] + new tokens", f"<= {int(held[b])} (the fetch gave row {b} "
+                f"{n} page{'' if n == 1 else 's'} of lookup_table; past them the row is "
+                "padding)", int(final[b])))
     pages_used = -(-final // geometry.page_size)
     used = np.arange(table.shape[1])[None, :] < pages_used[:, None]
     bad = used & ((table < 0) | (table >= geometry.num_pages))
