@@ -150,10 +150,18 @@ def default_knobs(spec) -> dict:
         small = spec.group_size <= 4
         return {"threads": 64 if small else 128, "tile_tokens": 32, "stages": 3 if small else 2,
                 "merge_threads": 256, "vec": vec, "head_split": head_split, "mma": 1}
-    tile = 32 if spec.group_size <= 4 else 16
+    tile = 32 if spec.group_size <= 4 and not _wide_one_sided(spec, vec) else 16
     threads = min(256, max(128, spec.head_dim // vec * tile * spec.group_size // 16))
     return {"threads": threads, "tile_tokens": tile, "stages": 2, "merge_threads": 256,
             "vec": vec, "head_split": head_split, "mma": 0}
+
+
+def _wide_one_sided(spec, vec: int) -> bool:
+    """A K-only or V-only spec whose thread slice is 28 values or more (head_dim 112): the
+    raw 16/32-bit slice of its full-precision side lives beside the converted one, and at
+    32-row tiles ptxas spilled 24-36 bytes at GQA 4 over float32 queries whatever its register
+    cap; 16-row tiles built without spills (sm_80 and sm_90a, 2026-11-28)."""
+    return bool(spec.k_storage) != bool(spec.v_storage) and vec >= 28
 
 
 def _widest_piece(n: int, cap: int) -> int:
@@ -184,8 +192,8 @@ def default_vec(spec) -> int:
 #: spilled 24 bytes on sm_80; at 48, 82 of 92 specs (d48-d112, GQA 2-8) build without spills
 #: and 10 (d96 / d112 at GQA 6, K-only / V-only d112 over float32 queries) spilled 4-32 bytes,
 #: mostly on sm_80, where ptxas settled on 96-154 registers; since the build retries a spilling
-#: kernel with -maxrregcount=255 (kvtvm.compiler.nvcc), 2 of a grid of 80 float32-query specs
-#: spill (K-only / V-only d112 at GQA 4: 24-36 bytes).
+#: kernel with -maxrregcount=255 (kvtvm.compiler.nvcc) and K-only / V-only d112 take 16-row
+#: tiles (:func:`_wide_one_sided`), none of a grid of 80 float32-query specs spills.
 HEAD_VALUES_PER_THREAD = 48
 
 
