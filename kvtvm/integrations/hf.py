@@ -22,10 +22,9 @@ family by family against transformers' own attention (:mod:`~kvtvm.integrations.
 ``VERIFIED_MODEL_TYPES`` -- Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
 SmolLM3, Gemma, Gemma2 without attention softcap, Gemma3 text, Phi, Phi-3, OLMo, OLMo2,
 OLMo3, Granite, StarCoder2, Cohere, Cohere2, Helium, GLM, GLM-4, GPT-NeoX, EXAONE 4), GQA or
-multi-head, a ``head_dim`` of its own, greedy or sampled generation,
-``num_return_sequences``, beam search, sliding windows (the window each layer's attention
-passes, as to transformers' flash attention: full and windowed layers may mix), the model's
-own ``scaling`` (passed by its
+multi-head, a ``head_dim`` of its own, greedy or sampled generation, ``num_return_sequences``,
+beam search, sliding windows (the window each layer's attention passes, as to transformers'
+flash attention: full and windowed layers may mix), the model's own ``scaling`` (passed by its
 attention: ``head_dim**-0.5``, Gemma's ``query_pre_attn_scalar**-0.5``, Granite's
 ``attention_multiplier``), and
 
@@ -59,8 +58,9 @@ prepared 4-D mask, logit softcap, ALiBi / attention sinks, dropout, ``output_att
 attention (:mod:`~kvtvm.integrations.hf_autograd`), more tokens than
 ``max_seq_len`` (:class:`~kvtvm.errors.SequenceTooLongError`), a ``crop`` argument that is
 positive, not an int, or past the positions held, bad re-indexing arguments, a forward on kvtvm
-attention without a ``KVTVMCache``, a ``KVTVMCache`` on a model whose attention is not kvtvm
-(``use_kvtvm`` forgotten: its own attention would see no history), a ``model`` that is not a
+attention without a ``KVTVMCache``, a ``KVTVMCache`` called by a model whose attention is not
+kvtvm (``use_kvtvm`` forgotten, or another model's cache: that attention would see no history;
+the calling module's config is read), a ``model`` that is not a
 transformers model; a model kvtvm cannot serve exactly is refused up front by ``use_kvtvm`` and
 ``KVTVMCache`` with ``UnsupportedModelError`` (an ``InvalidArgumentError``) naming its
 ``model_type`` and what is unsupported -- attention logit softcap, attention sinks, ALiBi,
@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import threading
 
 import numpy as np
@@ -90,7 +91,7 @@ from ..params import KVCacheParams
 from ..plan import plan_step
 from .hf_autograd import no_backward
 from .hf_cb_guard import KVTVM_ATTN  # (installs the generate_batch guard)
-from .hf_support import check_model
+from .hf_support import caller_attention, check_model, not_on_kvtvm
 from .hf_rows import (NEEDS_KVTVM_CACHE, PaddingMask, check_room, copy_sequences, regather,
                       row_indices, step_rows)
 
@@ -241,6 +242,7 @@ class KVTVMCache(Cache):
         self._inputs = None             # this forward's fetched inputs (the plans')
         self._rows = None               # flat positions of this forward's real tokens (None: all)
         self._kv: dict = {}             # layer -> (k, v) handed by update, appended by attention
+        self._caller = None             # attention implementation of the model calling update
         self._pending = None            # the batch fetched but not yet committed
         self._layers_done = 0           # layers of the pending batch appended and attended
         self._undo = None               # (pads, token_mask) before the pending batch
@@ -261,18 +263,15 @@ class KVTVMCache(Cache):
                 f"KVTVMCache: layer {layer_idx!r} of a model with more layers than the "
                 f"{self.num_layers} this cache was built for: a KVTVMCache serves the model "
                 "it was made with")
+        self._caller = caller_attention(sys._getframe(1))  # (the model calling, if known)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _hand_kv(self, layer: int, k, v) -> None:
-        impl = getattr(self.config, "_attn_implementation", None)
-        if isinstance(impl, str) and impl != ATTN_NAME:
-            # the model's own attention would read back only this forward's K/V (a KVTVMCache
-            # returns no history) and silently attend to nothing before it
-            raise InvalidArgumentError(
-                f"past_key_values: a KVTVMCache needs its model's attention on kvtvm; the "
-                f"model it was built for runs {impl!r}: call "
-                "kvtvm.integrations.hf.use_kvtvm(model) first (and give each model its own "
-                "cache)")
+        impl = self._caller or getattr(self.config, "_attn_implementation", None)
+        untaken = [i for i in self._kv if i < layer]  # (a caller's attention that is not kvtvm)
+        if (isinstance(impl, str) and impl != ATTN_NAME) or untaken:
+            self._kv.clear()            # (nothing left behind for a later forward)
+            raise not_on_kvtvm(impl, untaken)
         _active.cache = self
         self._kv[layer] = (k, v)
 

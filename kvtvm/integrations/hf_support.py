@@ -34,6 +34,7 @@ import torch
 
 from ..engine.runner import UnsupportedModelError
 from ..errors import InvalidArgumentError, describe
+from .hf_cb_guard import KVTVM_ATTN
 
 __all__ = ["VERIFIED_MODEL_TYPES", "check_model", "UnsupportedModelError"]
 
@@ -139,3 +140,27 @@ def check_model(model):
         refuse(f"not among the families verified on kvtvm attention "
                f"({', '.join(VERIFIED_MODEL_TYPES)})")
     return config
+
+
+def caller_attention(frame) -> str | None:
+    """The attention implementation of the module whose ``forward`` is running in ``frame``
+    (the caller of ``KVTVMCache.update``: transformers' attention modules call
+    ``past_key_values.update(k, v, self.layer_idx)``), or None when it is no such module.
+    A cache knows the config of the model it was built for, not of the model that calls it:
+    another model still on sdpa would read back only each forward's own K/V."""
+    module = frame.f_locals.get("self") if frame is not None else None
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return impl if isinstance(impl, str) else None
+
+
+def not_on_kvtvm(impl: str | None, untaken: list) -> InvalidArgumentError:
+    """The error for a KVTVMCache called by a model whose attention is ``impl``, not kvtvm
+    (``untaken``: earlier layers whose K/V no kvtvm attention took): that attention would read
+    back only this forward's K/V (a KVTVMCache returns no history) and silently attend to
+    nothing before it."""
+    runs = f"it runs {impl!r}" if impl != KVTVM_ATTN else \
+        f"no kvtvm attention took layer {untaken[0]}'s K/V"
+    return InvalidArgumentError(
+        "past_key_values: a KVTVMCache needs the attention of the model calling it on kvtvm; "
+        f"{runs}: call kvtvm.integrations.hf.use_kvtvm(model) first (and give each model its "
+        "own cache)")

@@ -138,6 +138,34 @@ def test_kvtvm_cache_under_another_attention_refused(toy, attn):
         toy.set_attn_implementation("sdpa")
 
 
+def test_a_cache_of_a_kvtvm_model_refused_by_another_model_on_sdpa():
+    """The check read the config of the model the cache was built for: model A on kvtvm, its
+    cache handed to model B (same shape) still on sdpa gave B's tokens without any history,
+    silently, and left K/V behind that a later forward of A without a cache picked up. Now
+    the model calling the cache is the one judged; nothing is claimed or left behind."""
+    a, b = build_toy_model(num_layers=2), build_toy_model(num_layers=2)
+    hf.use_kvtvm(a)
+    b.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 1000, (1, 7), generator=torch.Generator().manual_seed(6))
+    kv = hf.KVTVMCache(a, max_seq_len=32)
+    with pytest.raises(InvalidArgumentError, match="past_key_values.*'sdpa'.*use_kvtvm"):
+        _generate(b, ids, kv, n=3)
+    assert kv.get_seq_length() == 0 and not kv.seq_ids and not kv._kv
+    with pytest.raises(InvalidArgumentError, match="KVTVMCache"), torch.no_grad():
+        a(ids[:, :3], use_cache=False)  # no cache: refused, not B's leftovers taken
+    # a caller the cache cannot see (no module frame): the second layer's update finds the
+    # first layer's K/V untaken by kvtvm attention
+    k = torch.randn(1, 4, 3, 16)
+    kv2 = hf.KVTVMCache(a, max_seq_len=32)
+    kv2.update(k, k, 0)
+    with pytest.raises(InvalidArgumentError, match="past_key_values"):
+        kv2.update(k, k, 1)
+    assert not kv2._kv
+    got = _generate(a, ids, hf.KVTVMCache(a, max_seq_len=32), n=3)  # its own model: served
+    a.set_attn_implementation("sdpa")
+    assert torch.equal(got, _generate(a, ids, n=3))
+
+
 def test_a_cache_serves_only_a_model_of_its_layer_count():
     """A KVTVMCache built for another model: 2 cache layers under a 3-layer model raised a
     bare IndexError; 3 under a 2-layer model rolled each forward back as a failed one (the
