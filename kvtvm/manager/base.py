@@ -82,6 +82,8 @@ class KVCacheManager(Uncopyable, abc.ABC):
 
     #: The strategy a concrete manager implements.
     strategy: KVCacheStrategy
+    #: ``ids ->`` the tokens each lookup-table row's pages hold (``FetchToken.capacity``; None)
+    _row_capacity = None
 
     def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int,
                  num_layers: int, devices: Sequence = ("cpu",)):
@@ -410,11 +412,6 @@ class KVCacheManager(Uncopyable, abc.ABC):
                 max_lengths[1:, 1] = end0 + np.arange(1, num_steps)
             return self._make_inputs(ids, hits, max_lengths, n)
 
-    def _row_capacity(self, ids):
-        """Tokens the lookup-table rows of sequences ``ids`` hold (:attr:`FetchToken.capacity`);
-        None: the table's width bounds them (a CONTINUOUS row is its sequence's whole block)."""
-        return None
-
     def _make_inputs(self, ids, hits, max_lengths, n) -> list[RaggedKVCacheInputs]:
         import torch
 
@@ -427,8 +424,9 @@ class KVCacheManager(Uncopyable, abc.ABC):
         if self._token_slot.token is not None:
             self._token_slot.token.kill("superseded by a later fetch of the same manager")
         self._in_token[self._token_ids] = False
+        held = self._row_capacity(ids) if self._row_capacity else None
         token = self._token_slot.set(FetchToken(self._lock, self._views_by_signature, "nhd",
-                                                self._row_capacity(ids)), self._blocks[0])
+                                                held), self._blocks[0])
         self._token_ids = ids.copy()
         self._in_token[ids] = True
         out = []

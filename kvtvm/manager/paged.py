@@ -302,7 +302,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         self._fill_lookup(ids, changed)
         return start, hits
 
-    def _row_capacity(self, ids):
+    def _row_capacity(self, ids):  # (FetchToken.capacity: the tokens of each row's pages)
         return self._npages[ids] * self.page_size
 
     def _fill_lookup(self, ids, changed) -> None:
@@ -513,11 +513,9 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             return PagedCacheStats(
                 pages_total=self.num_pages,
                 pages_used=int(((self._refcount > 0) & ~leased).sum()),
-                pages_free=len(self._free),
-                pages_cached=len(p.lru),
+                pages_free=len(self._free), pages_cached=len(p.lru),
                 pages_shared=int((self._refcount > 1).sum()),
-                prefix_queries=p.queries,
-                prefix_query_tokens=p.query_tokens,
+                prefix_queries=p.queries, prefix_query_tokens=p.query_tokens,
                 prefix_hit_tokens=p.hit_tokens,
                 prefix_hit_rate=p.hit_tokens / p.query_tokens if p.query_tokens else 0.0,
                 evictions=p.evictions,
