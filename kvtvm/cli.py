@@ -37,7 +37,9 @@ def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_head
     ``features`` (names of :data:`ATTENTION_FEATURES`) apply to decode and prefill.
     ``cache_dtypes``: ``"none"`` (full precision) and/or 8-bit storage types (K and V both
     stored so) for append, decode and prefill; ``"K/V"`` names the two sides apart (e.g.
-    ``int8/none``: a K-only cache, ``int8/float8_e4m3fn``).
+    ``int8/none``: a K-only cache, ``int8/float8_e4m3fn``). A quantized cache's pages move as
+    float32 words, four to a row (``kvtvm.ops.copy``): with ``copy`` and an 8-bit storage type
+    that kernel (``float32``, head_dim 4) is built too.
     """
     specs = []
     for op, dtype, d, h, layout in itertools.product(ops, dtypes, head_dims, kv_heads, layouts):
@@ -53,6 +55,9 @@ def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_head
                     op=op, dtype=dtype, head_dim=d, n_kv_heads=h, group_size=g, layout=layout,
                     target=target, arch=arch, features=ATTENTION_FEATURES[feats],
                     k_storage=ks, v_storage=vs))
+    if "copy" in ops and any(cd != "none" for cd in cache_dtypes):
+        specs.append(compiler.KernelSpec(op="copy", dtype="float32", head_dim=4, n_kv_heads=1,
+                                         group_size=1, layout="nhd", target=target, arch=arch))
     return list(dict.fromkeys(specs))
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from .. import cliargs
 from ..quant import QUANT_DTYPES, quant_row_bytes, quantize_rows
 from .checks import kvtvm_failed
+from .fits import check_fits
 from .common import Row, add_common_args, log, progress, report, timed
 
 # (name, tokens per sequence, sequences): prefill of one long prompt, a batch of decode steps
@@ -128,6 +129,12 @@ def main(argv=None) -> int:
     device = args.device
     rows = []
     cases = DEFAULT_CASES["cuda" if device.startswith("cuda") else "cpu"]
+    for name, per_seq, batch in cases:  # the pages (built in float32, at most 4 pages of
+        # start per sequence) and the new rows, a copy of them per stored type
+        elems = (batch * (per_seq + 5 * args.page_size) + 8 * args.page_size) * 2 \
+            * args.n_kv_heads * args.head_dim
+        check_fits(parser, name, elems * 4 * (3 + len(args.cache_dtype)), device,
+                   "--n-kv-heads, --head-dim or --page-size")
     for name, per_seq, batch in progress(cases, desc="append cases"):
         log.info("append %s", name)
         case = make_case(per_seq, batch, args.n_kv_heads, args.head_dim, args.page_size,

@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import platform
 import statistics
 import sys
@@ -28,9 +29,18 @@ PLOT_HINT = "--plot needs matplotlib: pip install 'kvtvm[bench]' (or pip install
 
 def plot_path(value: str) -> str:
     """argparse ``type`` of ``--plot``: refuses at once (before anything is measured) when
-    matplotlib is not installed, saying how to get it."""
+    matplotlib is not installed, saying how to get it, or cannot write the file's format (its
+    suffix; none: PNG)."""
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError(PLOT_HINT)
+    from matplotlib.figure import Figure
+
+    suffix = os.path.splitext(value)[1].lstrip(".").lower()
+    formats = Figure().canvas.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: matplotlib writes {', '.join(sorted(formats))}; end the file name "
+            "with one of those (e.g. .png)")
     return cliargs.output_file(value)
 
 

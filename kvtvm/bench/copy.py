@@ -10,6 +10,7 @@ import argparse
 
 from .. import cliargs
 from .checks import kvtvm_failed
+from .fits import check_fits
 from .common import Row, add_common_args, log, progress, report, timed
 
 # (name, pages in the pool, pages copied)
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
 
     rows = []
     cases = DEFAULT_CASES["cuda" if args.device.startswith("cuda") else "cpu"]
+    for name, pages, n in cases:  # the cache tensor: 4 layers of K and V pages of 16 tokens
+        check_fits(parser, name, pages * 2 * 4 * 16 * args.n_kv_heads * args.head_dim * 4 * 2,
+                   args.device, "--n-kv-heads or --head-dim")
     for name, pages, n in progress(cases, desc="copy cases"):
         log.info("copy %s", name)
         blocks, src, dst = make_case(pages, n, args.n_kv_heads, args.head_dim, args.dtype,

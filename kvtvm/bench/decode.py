@@ -17,6 +17,7 @@ from .. import cliargs
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
 from .checks import check_decode, kvtvm_failed
+from .fits import check_fits
 from .quant_cases import CACHE_DTYPES, cache_as, kernel_cache_arg, row_bytes, speedup_lines
 
 #: (batch, context) cases.
@@ -251,6 +252,12 @@ def main(argv=None) -> int:
     else:
         cases = DEFAULT_CASES["cuda" if cuda else "cpu"]
     scale = 1.0 / math.sqrt(args.head_dim)
+    item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    for batch, ctx in cases:  # K/V pages (built in float32), dense copies, stored copies
+        elems = batch * -(-ctx // args.page_size) * args.page_size * args.n_kv_heads \
+            * args.head_dim
+        check_fits(parser, f"{batch}x{ctx}", elems * (4 + 4 * item + 2 * item * len(
+            args.cache_dtype)), device, "--cases, --n-kv-heads, --head-dim or --page-size")
     rows, notes = [], {}
     for batch, ctx in progress(cases, desc="decode cases"):
         name = f"b{batch} ctx{ctx}"

@@ -22,6 +22,7 @@ from .. import cliargs
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
 from .checks import check_prefill, kvtvm_failed
+from .fits import check_fits
 from .quant_cases import CACHE_DTYPES, cache_as, kernel_cache_arg, row_bytes, speedup_lines
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -278,6 +279,12 @@ def main(argv=None) -> int:
     if args.cases:
         cases = args.cases
     skip = parse_skip(args)
+    item = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    for batch, new, cached in cases:  # K/V pages (built in float32), dense copies, q, out
+        elems = batch * (-(-(new + cached) // PAGE) * PAGE * N_KV_HEADS
+                         + 2 * new * N_Q_HEADS) * HEAD_DIM
+        check_fits(parser, f"{batch}:{new}:{cached}", elems * (4 + 4 * item + 2 * item * len(
+            args.cache_dtype)), device, "--cases")
     rows: list[Row] = []
     notes = []
     for batch, new, cached in progress(cases, desc="prefill cases"):

@@ -264,6 +264,8 @@ def main(argv=None) -> int:
     if skip - {"transfer", "host"}:
         parser.error(f"--skip: unknown {sorted(skip - {'transfer', 'host'})}; "
                      "known: transfer, host")
+    if skip == {"transfer", "host"}:
+        parser.error("--skip transfer,host leaves nothing to measure: skip one of them at most")
     if args.backend == "nccl":
         import torch.distributed as dist
 

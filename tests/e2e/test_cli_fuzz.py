@@ -22,6 +22,16 @@ def _status(call, argv):
     # no way at all: it loaded the model, ran nothing and exited 0
     (["e2e", "--model", "toy", "--ways", ","], "--ways"),
     (["e2e", "--model", "toy", "--ways", ""], "--ways"),
+    # a format matplotlib cannot write: a traceback after the whole benchmark had run
+    (["decode", "--cases", "1x16", "--plot", "out.txt"], "--plot"),
+    # sizes no memory holds: the allocator's traceback (after minutes, at 100000x100000)
+    (["decode", "--cases", "1x99999999999"], "--cases"),
+    (["decode", "--head-dim", "99999999999"], "--head-dim"),
+    (["prefill", "--cases", "1:1:99999999999"], "--cases"),
+    (["append", "--head-dim", "99999999999"], "--head-dim"),
+    (["copy", "--n-kv-heads", "99999999999"], "--n-kv-heads"),
+    # nothing left to measure: it printed nothing and exited 0
+    (["transfer", "--skip", "transfer,host"], "--skip"),
 ])
 def test_bench_bad_option_is_one_line_naming_it(argv, names, capsys):
     status = _status(bench_main, argv)
