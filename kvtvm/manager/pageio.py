@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
-                      KVCacheCapacityError, SequenceStateError, TransferError, describe)
+from ..errors import (CorruptTransferError, DeviceMismatchError, FormatMismatchError,
+                      InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
+                      TransferError, describe)
 from .args import check_hashes, check_int, check_seconds
 from .checksums import DEVICE, KNOWN, algorithm_for, page_checksums
 from .hashing import block_hashes as _block_hashes
@@ -461,6 +462,10 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
         header's checksum is the device one and the cache is on CUDA (checked where the pages
         go); CorruptTransferError naming the first page whose checksum differs."""
         dev = self._blocks[0].device
+        if not isinstance(rows, list) and rows.device.type != "cpu" and \
+                rows.device not in {b.device for b in self._blocks}:  # (a meta tensor: torch's
+            raise DeviceMismatchError(describe(  # untyped error from the checksum)
+                "import data", f"a tensor on cpu or the cache's device ({dev})", rows.device))
         if not isinstance(rows, list) and hdr.checksum == DEVICE and dev.type == "cuda":
             rows = rows.to(dev)
         if not verified:

@@ -11,9 +11,9 @@ import torch
 from helpers import run_prompt
 
 from kvtvm import KVCacheParams
-from kvtvm.errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
-                          KVCacheCapacityError, SequenceStateError, TransferError,
-                          UnknownSequenceError)
+from kvtvm.errors import (CorruptTransferError, DeviceMismatchError, FormatMismatchError,
+                          InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
+                          TransferError, UnknownSequenceError)
 from kvtvm.manager import BatchItem, PagedKVCacheManager
 from kvtvm.manager.pageio import PageHeader
 from kvtvm.transfer import InProcessTransport, send_sequence
@@ -183,6 +183,15 @@ def test_corrupt_and_truncated_data_write_nothing():
         b.import_pages(ex.header, bad)
     with pytest.raises(CorruptTransferError, match="import data"):
         b.import_pages(ex.header, ex.data[:2])
+    # data of the right shape and dtype on no device the cache reads (a meta tensor: torch's
+    # NotImplementedError from the checksum), both ways in
+    meta = torch.empty(ex.data.shape, dtype=ex.data.dtype, device="meta")
+    with pytest.raises(DeviceMismatchError, match="import data.*meta"):
+        b.import_pages(ex.header, meta)
+    (t,) = b.claim(1)
+    with pytest.raises(DeviceMismatchError, match="import data.*meta"):
+        b.finish_import(b.begin_import(ex.header, t)[0], meta)
+    b.release(t)
     with pytest.raises(CorruptTransferError):
         PageHeader.from_bytes(ex.header.to_bytes()[:-7])
     with pytest.raises(CorruptTransferError):
