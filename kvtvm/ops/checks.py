@@ -375,20 +375,25 @@ def _is_bool(value) -> bool:
 
 #: The largest finite float32: the kernels take ``sm_scale`` as one (1e39 became inf there).
 FLOAT32_MAX = 3.4028234663852886e38
+#: The largest ``|sm_scale|``: the kernels scale scores by ``sm_scale * log2(e)`` in float32
+#: (the softmax runs in base 2), which past this is inf: prefill gave NaN for scores of a few
+#: hundred at sm_scale 2.4e38.
+SM_SCALE_MAX = FLOAT32_MAX / math.log2(math.e)
 
 
 def check_sm_scale(sm_scale) -> float | None:
-    """``sm_scale`` as a float: None, or a real number finite in float32 (int, float, numpy
-    scalar; not a bool, a string or a tensor)."""
+    """``sm_scale`` as a float: None, or a real number with ``sm_scale * log2(e)`` finite in
+    float32 (int, float, numpy scalar; not a bool, a string or a tensor)."""
     if sm_scale is None:
         return None
     try:
-        finite = abs(float(sm_scale)) <= FLOAT32_MAX
+        finite = abs(float(sm_scale)) <= SM_SCALE_MAX
     except (TypeError, ValueError, OverflowError):  # (an int of 400 digits, a string)
         finite = False
     if _is_bool(sm_scale) or not isinstance(sm_scale, numbers.Real) or not finite:
-        raise InvalidArgumentError(describe("sm_scale", "a float finite in float32 (at most "
-                                            "3.4e38 in magnitude)", repr(sm_scale)))
+        raise InvalidArgumentError(describe(
+            "sm_scale", "a float whose product with log2(e) is finite in float32 (at most "
+            f"{SM_SCALE_MAX:.4g} in magnitude)", repr(sm_scale)))
     return float(sm_scale)
 
 

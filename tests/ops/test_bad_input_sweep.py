@@ -89,6 +89,10 @@ def _mutations(op, a):
             # finite in float64, inf in the kernels' float32: out and lse were NaN
             ("float32-inf sm_scale", "sm_scale",
              lambda a: a.__setitem__("kw", {"sm_scale": 1e39})),
+            # finite in float32, but not times log2(e), the kernels' base-2 scale: prefill
+            # gave NaN for scores of a few hundred (decode did not)
+            ("sm_scale past FLT_MAX / log2 e", "sm_scale",
+             lambda a: a.__setitem__("kw", {"sm_scale": -2.4e38})),
             ("huge int sm_scale", "sm_scale",
              lambda a: a.__setitem__("kw", {"sm_scale": 10 ** 400})),
             ("bool sliding_window", "sliding_window",
