@@ -17,6 +17,7 @@ from .. import cliargs
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
 from .checks import check_decode, kvtvm_failed
+from ..params import DTYPE_SIZES
 from .fits import check_fits
 from .quant_cases import CACHE_DTYPES, cache_as, kernel_cache_arg, row_bytes, speedup_lines
 
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
     else:
         cases = DEFAULT_CASES["cuda" if cuda else "cpu"]
     scale = 1.0 / math.sqrt(args.head_dim)
-    item = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    item = DTYPE_SIZES[dtype]
     for batch, ctx in cases:  # K/V pages (built in float32), dense copies, stored copies
         elems = batch * -(-ctx // args.page_size) * args.page_size * args.n_kv_heads \
             * args.head_dim

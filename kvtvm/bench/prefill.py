@@ -22,6 +22,7 @@ from .. import cliargs
 from .common import (PEERS, Row, add_common_args, add_skip_arg, log, parse_skip, progress,
                      report, timed)
 from .checks import check_prefill, kvtvm_failed
+from ..params import DTYPE_SIZES
 from .fits import check_fits
 from .quant_cases import CACHE_DTYPES, cache_as, kernel_cache_arg, row_bytes, speedup_lines
 
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
     if args.cases:
         cases = args.cases
     skip = parse_skip(args)
-    item = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    item = DTYPE_SIZES[args.dtype]
     for batch, new, cached in cases:  # K/V pages (built in float32), dense copies, q, out
         elems = batch * (-(-(new + cached) // PAGE) * PAGE * N_KV_HEADS
                          + 2 * new * N_Q_HEADS) * HEAD_DIM

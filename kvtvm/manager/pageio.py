@@ -462,12 +462,13 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
         header's checksum is the device one and the cache is on CUDA (checked where the pages
         go); CorruptTransferError naming the first page whose checksum differs."""
         dev = self._blocks[0].device
-        if not isinstance(rows, list) and rows.device.type != "cpu" and \
-                rows.device not in {b.device for b in self._blocks}:  # (a meta tensor: torch's
-            raise DeviceMismatchError(describe(  # untyped error from the checksum)
-                "import data", f"a tensor on cpu or the cache's device ({dev})", rows.device))
-        if not isinstance(rows, list) and hdr.checksum == DEVICE and dev.type == "cuda":
-            rows = rows.to(dev)
+        if not isinstance(rows, list):  # (a list: rows received in place, the cache's pages)
+            # data no checksum can read (a meta tensor) was torch's untyped error
+            if rows.device.type != "cpu" and rows.device not in {b.device for b in self._blocks}:
+                raise DeviceMismatchError(describe(
+                    "import data", f"a tensor on cpu or the cache's device ({dev})", rows.device))
+            if hdr.checksum == DEVICE and dev.type == "cuda":
+                rows = rows.to(dev)
         if not verified:
             for i, s in enumerate(page_checksums(rows, hdr.checksum)):
                 if s != hdr.checksums[r0 + i]:

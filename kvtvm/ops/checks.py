@@ -373,7 +373,7 @@ def _is_bool(value) -> bool:
     return isinstance(value, (bool, np.bool_))
 
 
-#: The largest finite float32: the kernels take ``sm_scale`` as one (1e39 became inf there).
+#: The largest finite float32 (``sm_scale`` is a float32 kernel parameter: 1e39 became inf).
 FLOAT32_MAX = 3.4028234663852886e38
 #: The largest ``|sm_scale|``: the kernels scale scores by ``sm_scale * log2(e)`` in float32
 #: (the softmax runs in base 2), which past this is inf: prefill gave NaN for scores of a few
