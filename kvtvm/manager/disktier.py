@@ -300,8 +300,8 @@ class DiskTier:
 
     @staticmethod
     def _read_entry(path: Path, limit: int | None) -> bytes:
-        """The bytes of entry file ``path``: a regular file, not reached through a symlink,
-        of at most ``limit`` bytes. Raises OSError, or ValueError for anything else (a FIFO or
+        """The bytes of entry file ``path``: a regular file of this user's that group and others
+        cannot write, not reached through a symlink, of at most ``limit`` bytes. Raises OSError, or ValueError for anything else (a FIFO or
         a device would block or never end)."""
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
                      | getattr(os, "O_NONBLOCK", 0))
@@ -309,6 +309,11 @@ class DiskTier:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ValueError(f"not a regular file (mode {oct(st.st_mode)})")
+            # entries are written 0600 by this user (mkstemp): any other is not ours
+            if st.st_uid != os.getuid():
+                raise ValueError(f"owned by uid {st.st_uid}, not {os.getuid()}")
+            if st.st_mode & 0o022:
+                raise ValueError(f"group/other-writable (mode {oct(st.st_mode & 0o777)})")
             if limit is not None and st.st_size > limit:
                 raise ValueError(f"{st.st_size} bytes, more than an entry's {limit}")
             chunks, left = [], st.st_size

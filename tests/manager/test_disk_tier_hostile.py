@@ -273,6 +273,47 @@ def test_directory_opened_to_others_while_running_is_not_trusted(tmp_path, caplo
     mgr.close_tiers()
 
 
+def _entry_of_page(files, k):
+    """The entry file of the system prompt's page ``k``."""
+    for f in files:
+        blob = f.read_bytes()
+        (n,) = struct.unpack_from("<I", blob, 8)
+        if json.loads(blob[12:12 + n])["tokens"] == SYS[k * P:(k + 1) * P]:
+            return f
+    raise AssertionError(f"no entry holds page {k}")
+
+
+def _plant_in_last_page(tmp_path, caplog, spoil, why):
+    """Page 2's entry planted (zeros, valid checksum) then ``spoil``-ed: a logged miss naming
+    ``why``, the file removed; pages 0 and 1 still rise with their own K/V."""
+    mgr, files, want = _fresh(tmp_path)
+    last = _entry_of_page(files, 2)
+    _rewrite_meta(last, lambda meta, raw: np.zeros_like(raw))
+    spoil(last)
+    with caplog.at_level("WARNING", logger="kvtvm.manager.tiers"):
+        hit, got = serve(mgr, SYS + [3])
+    assert hit == 2 * P  # never the planted third page
+    assert why in caplog.text
+    assert not last.exists()
+    assert torch.equal(got[:2], want[:2])
+    mgr.check_invariants()
+    mgr.close_tiers()
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o620, 0o602])
+def test_entry_file_writable_by_others_is_not_trusted(tmp_path, caplog, mode):
+    """Was: an entry file others could write (in a private directory; say, copied there by a
+    tool that kept its mode) was read and promoted: whoever can write it can plant K/V with a
+    valid checksum."""
+    _plant_in_last_page(tmp_path, caplog, lambda f: os.chmod(f, mode), "group/other-writable")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_entry_file_of_another_user_is_not_trusted(tmp_path, caplog):
+    """Was: an entry file owned by another uid was read and promoted."""
+    _plant_in_last_page(tmp_path, caplog, lambda f: os.chown(f, 12345, -1), "owned by uid 12345")
+
+
 def test_cache_goes_on_after_close_tiers(tmp_path):
     """Was: once close_tiers() had run (or the interpreter's exit hook), every fetch that had
     to evict a cached page failed with 'disk tier: expected open, got closed'."""
