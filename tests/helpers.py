@@ -116,6 +116,19 @@ def run_prompt(mgr, tokens):
     return s
 
 
+def retokened(mgr, header, tokens):
+    """Export ``header`` of ``mgr`` renamed to other ``tokens`` of the same length, its
+    tokens' checksum and block hashes made to agree (a consistent header of other tokens)."""
+    import dataclasses
+
+    from kvtvm.manager.hashing import block_hashes
+    from kvtvm.manager.pageformat import tokens_checksum
+
+    hashes = block_hashes(tokens, mgr.page_size, header.hash_bits, mgr._root_chain()[0])
+    return dataclasses.replace(header, tokens=tuple(tokens), block_hashes=tuple(hashes),
+                               tokens_checksum=tokens_checksum(tokens))
+
+
 def cuda_available() -> bool:
     """Whether torch sees a CUDA GPU (False without torch)."""
     try:

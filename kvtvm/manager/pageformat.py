@@ -6,17 +6,21 @@ and checks them is :mod:`.pageio`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from ..errors import CorruptTransferError, InvalidArgumentError, TransferError, describe
+from ..errors import (CorruptTransferError, FormatMismatchError, InvalidArgumentError,
+                      TransferError, describe)
 
-__all__ = ["FORMAT_VERSION", "LAYOUT", "STORAGE", "PageHeader", "PageExport", "check_export"]
+__all__ = ["FORMAT_VERSION", "LAYOUT", "STORAGE", "PageHeader", "PageExport", "check_export",
+           "tokens_checksum"]
 
-FORMAT_VERSION = 2
+#: 3: the header carries ``tokens_checksum`` (version 2 had nothing covering its token ids)
+FORMAT_VERSION = 3
 #: Wire encoding of a header: this magic, the JSON length (uint32 little-endian), the JSON of
 #: every field but the three arrays (with their lengths, -1 for absent checksums), then the
 #: tokens (int64), block hashes and checksums (uint64), little-endian. Arrays in JSON cost
@@ -26,6 +30,14 @@ _ARRAYS = (("tokens", "<i8"), ("block_hashes", "<u8"), ("checksums", "<u8"))
 _HEAD = struct.Struct("<4sI")
 LAYOUT = "page,kv,layer,slot,head,dim"
 STORAGE = "dense"  # quantized caches name their scale format here
+
+
+def tokens_checksum(tokens) -> int:
+    """Checksum of token ids ``tokens`` (int sequence ``[n]``) as a header carries it: the
+    64-bit blake2b of their int64 little-endian bytes (fixed, whatever hash package a peer
+    has; ~0.1 ms for 8K tokens)."""
+    raw = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,10 @@ class PageHeader:
         Pages ``[first_page, n_pages)`` carry data (the peer holds the ones before).
     block_hashes : tuple of int
         Chained hashes of the full pages, from page 0 (:mod:`.hashing`), ``hash_bits`` wide.
+    tokens_checksum : int
+        :func:`tokens_checksum` of ``tokens``: the page checksums cover the data only, and a
+        token id damaged on the way would register the pages under other tokens (the ids of
+        the partial last page have no block hash to betray them).
     checksum, checksums : str, tuple of int
         Checksum algorithm (:mod:`.checksums`: ``xxh3_64`` on the host, ``poly16-m31x2``
         computed where the pages live) and one checksum per carried page; ``None`` in a
@@ -74,6 +90,7 @@ class PageHeader:
     checksum: str
     checksums: tuple
     page_bytes: int = 0
+    tokens_checksum: int | None = None
 
     @property
     def tensor_dtype(self) -> str:
@@ -160,9 +177,15 @@ class PageHeader:
             if seq and ((lo is not None and min(seq) < lo) or (hi is not None and max(seq) > hi)):
                 bad(name, f"expected values in [{lo}, {hi}]")
 
-        for name in ("version", "page_size", "n_kv_heads", "head_dim", "num_layers",
-                     "first_page", "hash_bits", "page_bytes"):
+        ints("version", (self.version,), 0)
+        if self.version != FORMAT_VERSION:  # before the fields another version lays out
+            raise FormatMismatchError(f"page header field version: this kvtvm reads "
+                                      f"{FORMAT_VERSION}, the peer sent {self.version}")
+        for name in ("page_size", "n_kv_heads", "head_dim", "num_layers", "first_page",
+                     "page_bytes"):
             ints(name, (getattr(self, name),), 0)
+        ints("hash_bits", (self.hash_bits,), 1, 64)
+        ints("tokens_checksum", (self.tokens_checksum,), 0, (1 << 64) - 1)
         for name in ("dtype", "storage", "layout", "checksum"):
             if not isinstance(getattr(self, name), str):
                 bad(name, f"expected a str, got {_short(getattr(self, name))}")
@@ -175,6 +198,8 @@ class PageHeader:
         typed = self.__dict__.get("_typed_arrays", False)  # decoded from int64/uint64 arrays
         if not typed:
             ints("tokens", self.tokens, -(1 << 63), (1 << 63) - 1)  # int64 token ids
+        if tokens_checksum(self.token_array()) != self.tokens_checksum:
+            bad("tokens", f"their checksum is not tokens_checksum {self.tokens_checksum:#x}")
         if not 0 <= self.first_page <= self.n_pages:
             bad("first_page", f"expected an int in [0, n_pages={self.n_pages}], got "
                 f"{self.first_page}")

@@ -6,7 +6,8 @@ caller's business (:mod:`kvtvm.transfer` over ``torch.distributed``). Two planes
 
 - metadata: a :class:`PageHeader` (format version, dtype, storage, layout, page size, KV
   heads and the head range carried, head_dim, layers, every token the pages cover, the
-  chained block hashes of the full pages and one checksum per carried page), sent as JSON;
+  chained block hashes of the full pages, a checksum of the tokens and one per carried
+  page), sent as JSON;
 - data: one tensor ``[n_pages, 2, num_layers, page_size, heads, head_dim]`` -- a view of the
   cache when the pages are consecutive on one device (no copy), else one gather.
 
@@ -20,7 +21,8 @@ cached (on the LRU list) or leased: ``free + used + cached + leased == total``.
 
 Import checks every header field against the receiving cache (:class:`FormatMismatchError`
 naming the field and both values), the data's shape (:class:`CorruptTransferError`: truncated)
-and every checksum (:class:`CorruptTransferError`) before it writes anything, then registers
+every checksum, and the block hashes against the tokens (:class:`CorruptTransferError`)
+before it writes anything, then registers
 the full pages in the prefix cache under their *tokens* (so a later claim + fetch of the same
 tokens hits them: content-verified, a hash collision can only cause a miss) and optionally
 hands every page to a claimed, empty sequence, which then continues at the exported length.
@@ -41,9 +43,10 @@ from ..errors import (CorruptTransferError, DeviceMismatchError, FormatMismatchE
                       TransferError, describe)
 from .args import check_hashes, check_int, check_seconds
 from .checksums import DEVICE, KNOWN, algorithm_for, page_checksums
+from .hashing import HASH_SEED, chain_hash
 from .hashing import block_hashes as _block_hashes
 from .pagelayout import PageLayoutMixin
-from .pageformat import FORMAT_VERSION, LAYOUT, STORAGE, PageExport, PageHeader
+from .pageformat import FORMAT_VERSION, LAYOUT, STORAGE, PageExport, PageHeader, tokens_checksum
 from .prefixhashes import PrefixHashMixin
 
 #: Lease ids are unique in the process, not per manager: an id handed to another manager's
@@ -161,7 +164,8 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
             head_dim=self.params.head_dim, num_layers=self.num_layers,
             tokens=tuple(toks.tolist()), first_page=int(first_page),
             block_hashes=tuple(hashes), hash_bits=self.hash_bits,
-            checksum=self.checksum_algorithm, checksums=None)
+            checksum=self.checksum_algorithm, checksums=None,
+            tokens_checksum=tokens_checksum(toks))
         toks.setflags(write=False)
         object.__setattr__(hdr, "_token_array", toks)  # what token_array() would make
         return hdr
@@ -289,6 +293,15 @@ class PageIOMixin(PrefixHashMixin, PageLayoutMixin):
             raise InvalidArgumentError(describe("header.tokens",
                                                 f"1 to max_seq_len={self.max_seq_len} tokens",
                                                 len(hdr.tokens)))
+        # the pages are registered under the tokens: their block hashes must agree (the
+        # tokens' checksum, checked above, covers damage; this, a header built inconsistently)
+        root = chain_hash(HASH_SEED, p.storage_key(self.num_layers).encode(), hdr.hash_bits)
+        want = _block_hashes(hdr.token_array(), self.page_size, hdr.hash_bits, root)
+        if list(hdr.block_hashes) != want:
+            i = next(i for i, (a, b) in enumerate(zip(hdr.block_hashes, want)) if a != b)
+            raise CorruptTransferError(
+                f"page header field block_hashes: [{i}] is {hdr.block_hashes[i]:#x}, the "
+                f"chained hash of its tokens under this cache's storage format is {want[i]:#x}")
 
     def _import_room(self, header: PageHeader, held: list, skip: int | None = None) -> int:
         """New pages an import takes beside ``held`` (KVCacheCapacityError if not that many

@@ -2,10 +2,9 @@
 CUDA cache's headers name it, no page byte is copied to the host to compute it, and an
 import into a CUDA cache verifies it on the device (a corrupt page is refused)."""
 
-import dataclasses
-
 import pytest
 import torch
+from helpers import retokened
 
 from kvtvm import KVCacheParams
 from kvtvm.errors import CorruptTransferError
@@ -52,7 +51,7 @@ def test_cuda_cache_exports_device_checksums_and_verifies_imports():
     bad = ex.data.cpu().clone()  # a host copy, as gloo delivers it: checked on the device
     bad[3].view(-1)[77] += 1
     with pytest.raises(CorruptTransferError, match=f"page 3 fails its {DEVICE}"):
-        b.import_pages(dataclasses.replace(ex.header, tokens=tuple(range(300, 370))), bad)
+        b.import_pages(retokened(b, ex.header, range(300, 370)), bad)
     c = make("cpu")  # a CPU peer verifies the CUDA cache's pages, and the other way round
     assert c.checksum_algorithm == HOST
     c.import_pages(ex.header, ex.data.cpu())

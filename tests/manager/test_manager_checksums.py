@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import run_prompt
+from helpers import retokened, run_prompt
 
 from kvtvm import KVCacheParams
 from kvtvm.errors import CorruptTransferError, FormatMismatchError, InvalidArgumentError
@@ -92,14 +92,14 @@ def test_device_algorithm_on_cpu_caches_named_verified_and_refused_on_mismatch()
     snapshot = [x.clone() for x in b.blocks]
     before = b.stats()
     # the same bytes under another (known) algorithm name: the sums do not match -> refused
-    other = dataclasses.replace(ex.header, checksum=HOST, tokens=tuple(range(50, 60)))
+    other = dataclasses.replace(retokened(b, ex.header, range(50, 60)), checksum=HOST)
     with pytest.raises(CorruptTransferError, match=HOST):
         b.import_pages(other, ex.data)
     # a corrupt page under the device algorithm: refused, named
     bad = ex.data.clone()
     bad[2].view(-1)[5] += 1.0
     with pytest.raises(CorruptTransferError, match=f"page 2 fails its {DEVICE}"):
-        b.import_pages(dataclasses.replace(ex.header, tokens=tuple(range(70, 80))), bad)
+        b.import_pages(retokened(b, ex.header, range(70, 80)), bad)
     # an unknown algorithm: a format mismatch naming the field and the value
     with pytest.raises(FormatMismatchError, match="checksum.*crc7"):
         b.import_pages(dataclasses.replace(ex.header, checksum="crc7"), ex.data)

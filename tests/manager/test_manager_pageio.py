@@ -15,6 +15,7 @@ from kvtvm.errors import (CorruptTransferError, DeviceMismatchError, FormatMisma
                           InvalidArgumentError, KVCacheCapacityError, SequenceStateError,
                           TransferError, UnknownSequenceError)
 from kvtvm.manager import BatchItem, PagedKVCacheManager
+from kvtvm.manager.pageformat import FORMAT_VERSION, tokens_checksum
 from kvtvm.manager.pageio import PageHeader
 from kvtvm.transfer import InProcessTransport, send_sequence
 
@@ -171,6 +172,59 @@ def test_header_built_inconsistently_is_refused_by_name_and_changes_nothing(fiel
     assert all(torch.equal(x, y) for x, y in zip(blocks, b.blocks))
     conserved(b)
     assert b.import_pages(ex.header, ex.data, seq_id=t) == 3  # the consistent one imports
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("which", [0, 5, 9])  # in full page 0, full page 1, the partial page
+def test_a_damaged_token_id_in_the_header_is_refused(cache_dtype, which):
+    """Was: the page checksums cover the data only, so a header whose token id was damaged on
+    the way imported: the pages entered the prefix cache under the damaged tokens and a later
+    prompt starting with them was served the K/V of other tokens. Now the header carries its
+    tokens' checksum: on the wire and built in Python, a CorruptTransferError naming
+    ``tokens``, nothing changed."""
+    params = KVCacheParams("float32", H, D, "paged", page_size=P, enable_prefix_caching=True,
+                           cache_dtype=cache_dtype)
+    a, b = (PagedKVCacheManager(params, 4, 64, L, num_pages=16) for _ in range(2))
+    toks = list(range(10, 20))  # 2 full pages + 2 tokens
+    ex = a.export_pages(run_prompt(a, toks))
+    bad = list(toks)
+    bad[which] ^= 0x40
+    raw = ex.header.to_bytes()
+    at = raw.index(np.asarray(toks, "<i8").tobytes())
+    damaged = bytearray(raw)
+    damaged[at + 8 * which] ^= 0x40
+    with pytest.raises(CorruptTransferError, match="tokens"):
+        PageHeader.from_bytes(bytes(damaged))
+    (t,) = b.claim(1)
+    before, blocks = stats(b), [x.clone() for x in b.blocks]
+    with pytest.raises(CorruptTransferError, match="tokens"):
+        b.import_pages(dataclasses.replace(ex.header, tokens=tuple(bad)), ex.data, seq_id=t)
+    assert stats(b) == before and b.cache_length(t) == 0 and b.active_leases() == {}
+    assert all(torch.equal(x, y) for x, y in zip(blocks, b.blocks))
+    (u,) = b.claim(1)
+    (inp,) = b.fetch([BatchItem(u, bad[:8] + [99])])
+    assert int(inp.num_cached_tokens[0]) == 0  # never the K/V of the other tokens
+    conserved(b)
+
+
+def test_block_hashes_that_are_not_the_tokens_are_refused():
+    """A header whose block hashes are not the chained hashes of its tokens (built
+    inconsistently, or by a cache of another storage format) imports nothing; a header of
+    another format version is a FormatMismatchError naming the version."""
+    a, b = make(), make()
+    ex = a.export_pages(run_prompt(a, list(range(10, 20))))
+    hashes = list(ex.header.block_hashes)
+    hashes[1] ^= 1
+    (t,) = b.claim(1)
+    before = stats(b)
+    with pytest.raises(CorruptTransferError, match=r"block_hashes: \[1\]"):
+        b.import_pages(dataclasses.replace(ex.header, block_hashes=tuple(hashes)), ex.data,
+                       seq_id=t)
+    with pytest.raises(FormatMismatchError, match="version: this kvtvm reads "
+                       f"{FORMAT_VERSION}, the peer sent 2"):
+        b.import_pages(dataclasses.replace(ex.header, version=2), ex.data, seq_id=t)
+    assert stats(b) == before and b.cache_length(t) == 0
+    assert b.import_pages(ex.header, ex.data, seq_id=t) == 3
 
 
 def test_corrupt_and_truncated_data_write_nothing():
@@ -426,9 +480,10 @@ def test_header_wire_encoding_round_trips_and_refuses_damage():
 
     rng = np.random.default_rng(5)
     n = 8192 + 5
-    hdr = PageHeader(version=2, dtype="float16", storage="dense", layout="x", page_size=16,
-                     n_kv_heads=4, head_range=(1, 3), head_dim=64, num_layers=2,
-                     tokens=tuple(int(t) for t in rng.integers(-2**63, 2**63 - 1, n)),
+    tokens = tuple(int(t) for t in rng.integers(-2**63, 2**63 - 1, n))
+    hdr = PageHeader(version=FORMAT_VERSION, dtype="float16", storage="dense", layout="x",
+                     page_size=16, n_kv_heads=4, head_range=(1, 3), head_dim=64, num_layers=2,
+                     tokens=tokens, tokens_checksum=tokens_checksum(tokens),
                      first_page=3, block_hashes=tuple(int(h) for h in rng.integers(
                          0, 2**63, n // 16, dtype=np.uint64) * 2 + 1),
                      hash_bits=64, checksum="xxh3_64",
