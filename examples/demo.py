@@ -12,10 +12,11 @@ import torch
 from kvtvm import KVCacheParams, ops
 
 params = KVCacheParams("float16", n_kv_heads=4, head_dim=64, cache_strategy="paged", page_size=16)
-num_layers, num_pages = 2, 32
-cache = torch.zeros(params.cache_shape(num_layers, 0, 0, num_pages=num_pages),
-                    dtype=torch.float16)
-print(f"paged cache {list(cache.shape)}: {params.cache_bytes(num_layers, 0, 0, num_pages) / 2**20:.2f} MiB, "
+num_layers, num_pages, max_batch_size, max_seq_len = 2, 32, 3, 64
+cache = torch.zeros(params.cache_shape(num_layers, max_batch_size, max_seq_len,
+                                       num_pages=num_pages), dtype=torch.float16)
+mib = params.cache_bytes(num_layers, max_batch_size, max_seq_len, num_pages) / 2**20
+print(f"paged cache {list(cache.shape)}: {mib:.2f} MiB, "
       f"{params.bytes_per_token(num_layers)} bytes per token")
 
 rng = np.random.default_rng(0)

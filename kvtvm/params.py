@@ -436,7 +436,28 @@ class KVCacheParams:
 
     def cache_shape(self, num_layers: int, max_batch_size: int, max_seq_len: int,
                     num_pages: int | None = None, n_devices: int = 1) -> tuple[int, ...]:
-        """Shape of the cache tensor one device holds (see the module docstring)."""
+        """Shape of the cache tensor one device holds (see the module docstring).
+
+        Parameters
+        ----------
+        num_layers, max_batch_size, max_seq_len : int
+            Positive, for every strategy (a PAGED cache's shape depends on ``num_pages``
+            instead of the last two, which are still checked).
+        num_pages : int, optional
+            Pages of a PAGED cache (required there, ignored by the others).
+        n_devices : int
+            Devices the KV heads are split over (this returns one device's share).
+
+        Returns
+        -------
+        tuple of int
+            CONTINUOUS ``(max_batch_size, 2, num_layers, max_seq_len, heads, head_dim)``,
+            PAGED ``(num_pages, 2, num_layers, page_size, heads, head_dim)``, LINEAR
+            ``(num_layers, max_batch_size, 2, heads, max_seq_len, head_dim)``; an 8-bit cache
+            is bytes: ``(max_batch_size, max_seq_len * bytes_per_token)``, ``(num_pages,
+            page_size * bytes_per_token)``, ``(1, max_batch_size, max_seq_len *
+            bytes_per_token)``.
+        """
         for name, value in (("num_layers", num_layers), ("max_batch_size", max_batch_size),
                             ("max_seq_len", max_seq_len)):
             _count(name, value)
@@ -462,7 +483,8 @@ class KVCacheParams:
 
     def cache_bytes(self, num_layers: int, max_batch_size: int, max_seq_len: int,
                     num_pages: int | None = None, n_devices: int = 1) -> int:
-        """Exact bytes of the cache tensor one device holds."""
+        """Exact bytes of the cache tensor one device holds (arguments as
+        :meth:`cache_shape`)."""
         n = 1
         for dim in self.cache_shape(num_layers, max_batch_size, max_seq_len, num_pages,
                                     n_devices):
