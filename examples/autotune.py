@@ -1,5 +1,8 @@
-"""Tune the kernels examples/serve.py runs, on the shapes it runs them with, and show the
-serving speed before and after.
+"""Tune the kernels examples/serve.py runs on its toy workload (``--model toy``: the random
+4-layer Llama, 2 KV heads of 32, GQA 4, float32), on the shapes it runs them with, and show
+the serving speed before and after. Not SmolLM2's kernels (``make demo``: 3 KV heads of 64,
+GQA 3): tune those with ``python -m kvtvm tune --op decode --dtype float32 --head-dim 64
+--kv-heads 3 --group-size 3`` (and ``--op prefill`` / ``append``).
 
 1. Serve the demo workload once while recording every kernel launch: which specs are loaded
    (append, prefill, decode, copy for the linear cache) and, per spec, the arguments of its
