@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
-                     check_contiguous, check_dim, check_dtype, check_flag,
-                     check_no_alias, check_no_self_overlap, check_pages_kept_apart,
-                     check_rank, check_vector_aligned, common_device, indices_on_host,
-                     live_tokens, pages_apart, sync_checked_call)
+                     check_contiguous, check_dim, check_dtype, check_fetch_layout, check_flag,
+                     check_no_alias, check_no_self_overlap, check_pages_kept_apart, check_rank,
+                     check_vector_aligned, common_device, indices_on_host, live_tokens,
+                     pages_apart, sync_checked_call)
 from .launch import Launch, cache_dtype_names, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -92,6 +92,7 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
     kc, vc, kt, vt = (tensors[n] for n in ("k_cache", "v_cache", "k", "v"))
     indptr, lengths, table = (tensors[n] for n in ("qo_indptr", "cache_lengths",
                                                    "lookup_table"))
+    check_fetch_layout(layout, indptr, lengths, table)  # before the shapes it would confuse
     quant = quant_pair_for(kc, vc, layout, "k", kt)  # 8-bit cache views
     geo = quant.geometry if quant else check_cache_pair(kc, vc, layout)
     for name, t in (("k", kt), ("v", vt)):

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                       SequenceTooLongError, describe)
 from ..collection import view_signature
-from ..inputs import check_live, token_of
+from ..inputs import FetchToken, check_live, token_of
 from ..compiler import LAYOUTS
 from ..params import DTYPE_SIZES
 
@@ -228,13 +228,13 @@ def check_batch_tables(qo_indptr, cache_lengths, lookup_table, rows: str | None 
 
 
 def check_batch_indices(qo_indptr, cache_lengths, lookup_table, geometry: CacheGeometry,
-                        num_tokens: int | None, extra_tokens=None) -> None:
-    """Check index ranges on the host: ``qo_indptr`` runs from 0 to ``num_tokens`` without
-    decreasing, no length is negative, every sequence's final length fits the pages its
-    lookup-table row holds (the row's width; for a manager's table, the pages its fetch gave
-    the sequence: past them a PAGED row is padded with 0, another sequence's page), and every
-    page of the row up to that length is in ``[0, num_pages)`` -- with a sliding window too,
-    where the kernels skip the pages before it."""
+                        num_tokens: int | None, extra_tokens=None, rows: str = "k") -> None:
+    """Check index ranges on the host: ``qo_indptr`` runs from 0 to ``num_tokens`` (the rows
+    of argument ``rows``) without decreasing, no length is negative, every sequence's final
+    length fits the pages its lookup-table row holds (the row's width; for a manager's table,
+    the pages its fetch gave the sequence: past them a PAGED row is padded with 0, another
+    sequence's page), and every page of the row up to that length is in ``[0, num_pages)`` --
+    with a sliding window too, where the kernels skip the pages before it."""
     indptr = host_array(qo_indptr).astype(np.int64)
     lengths = host_array(cache_lengths).astype(np.int64)
     table = host_array(lookup_table)
@@ -246,7 +246,7 @@ def check_batch_indices(qo_indptr, cache_lengths, lookup_table, geometry: CacheG
         raise InvalidArgumentError(describe(f"qo_indptr[{b}:{b + 2}]", "non-decreasing",
                                             indptr[b:b + 2].tolist()))
     if num_tokens is not None and indptr.size and indptr[-1] != num_tokens:
-        raise InvalidArgumentError(describe("qo_indptr[-1]", f"{num_tokens} (rows of k)",
+        raise InvalidArgumentError(describe("qo_indptr[-1]", f"{num_tokens} (rows of {rows})",
                                             int(indptr[-1])))
     if (lengths < 0).any():
         b = int(np.argmax(lengths < 0))
@@ -309,11 +309,24 @@ def live_tokens(tensors: dict, caches: dict | None = None, layout: str | None = 
             " / ".join(tensors), "the tables of one fetch", f"tables of {len(tokens)} fetches"))
     if tokens and caches:
         check_cache_owner(tokens[0], caches)
-    if tokens and layout is not None and tokens[0].layout not in (None, layout):
-        raise InvalidArgumentError(describe(
-            "layout", f"{tokens[0].layout!r} (the layout of the fetch's cache views)",
-            repr(layout)))
+    if tokens and layout is not None:
+        check_fetch_layout(layout, tokens[0])
     return tokens
+
+
+def check_fetch_layout(layout: str, *tables) -> None:
+    """InvalidArgumentError naming ``layout`` when it is not one of :data:`LAYOUTS`, or when
+    a fetch's table (or fetch token) among ``tables`` says the fetch's cache views have the
+    other layout. Checked before the shapes: an ``"nhd"`` call on a linear cache's ``"hnd"``
+    views otherwise failed on ``n_kv_heads`` (the axes it swaps), never naming ``layout``."""
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError(describe("layout", LAYOUTS, repr(layout)))
+    for t in tables:
+        tok = t if isinstance(t, FetchToken) else token_of(t)
+        if tok is not None and tok.layout not in (None, layout):
+            raise InvalidArgumentError(describe(
+                "layout", f"{tok.layout!r} (the layout of the fetch's cache views)",
+                repr(layout)))
 
 
 #: The side of the cache each cache argument must be (0: K, 1: V).

@@ -16,9 +16,9 @@ import numpy as np
 from .. import runtime
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_cache_pair, check_contiguous,
-                     check_dim, check_dtype, check_rank, check_vector_aligned, common_device,
-                     check_flag, check_no_alias, check_sliding_window, check_sm_scale,
-                     indices_on_host, live_tokens, sync_checked_call)
+                     check_dim, check_dtype, check_fetch_layout, check_flag, check_no_alias,
+                     check_rank, check_sliding_window, check_sm_scale, check_vector_aligned,
+                     common_device, indices_on_host, live_tokens, sync_checked_call)
 from .launch import Launch, cache_dtype_names, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -271,6 +271,7 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
         tensors["lse"] = as_tensor("lse", lse)
     qt, kc, vc, lengths, table = (tensors[n] for n in ("q", "k_cache", "v_cache",
                                                        "cache_lengths", "lookup_table"))
+    check_fetch_layout(layout, lengths, table)  # before the shapes it would confuse
     quant = quant_pair_for(kc, vc, layout, "q", qt)  # 8-bit cache views
     geo = quant.geometry if quant else check_cache_pair(kc, vc, layout)
     check_rank("q", qt, 3, "[batch, n_q_heads, head_dim]")

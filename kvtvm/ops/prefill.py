@@ -7,10 +7,10 @@ import math
 
 from ..errors import InvalidArgumentError, describe
 from .checks import (as_tensor, check_batch_indices, check_batch_tables, check_cache_pair,
-                     check_contiguous, check_dim, check_dtype, check_rank, check_vector_aligned,
-                     check_causal, check_flag, check_sliding_window, check_sm_scale,
-                     common_device, indices_on_host, live_tokens, sync_checked_call,
-                     check_no_alias)
+                     check_causal, check_contiguous, check_dim, check_dtype, check_fetch_layout,
+                     check_flag, check_no_alias, check_rank, check_sliding_window,
+                     check_sm_scale, check_vector_aligned, common_device, indices_on_host,
+                     live_tokens, sync_checked_call)
 from .launch import Launch, cache_dtype_names, kernel_for
 from .quant import check_quant_target, quant_pair_for
 
@@ -119,6 +119,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
     qt, kc, vc = tensors["q"], tensors["k_cache"], tensors["v_cache"]
     indptr, lengths, table = (tensors[n] for n in ("qo_indptr", "cache_lengths",
                                                    "lookup_table"))
+    check_fetch_layout(layout, indptr, lengths, table)  # before the shapes it would confuse
     quant = quant_pair_for(kc, vc, layout, "q", qt)  # 8-bit cache views
     geo = quant.geometry if quant else check_cache_pair(kc, vc, layout)
     check_rank("q", qt, 3, "[num_tokens, n_q_heads, head_dim]")
@@ -171,7 +172,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
         check_indices = indices_on_host(indptr, lengths, table)
     sync_checked_call(device, check_indices)
     if check_indices:
-        check_batch_indices(indptr, lengths, table, geo, num_tokens)
+        check_batch_indices(indptr, lengths, table, geo, num_tokens, rows="q")
     given = cache_dtype_names(kc, vc)  # (a float8 cache, before its int8 view)
     if quant:
         check_quant_target(device, quant, "prefill")

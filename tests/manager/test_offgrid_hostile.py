@@ -239,6 +239,52 @@ def test_a_layout_other_than_the_fetchs_views_is_refused(kind):
     assert torch.equal(blocks, saved)
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("kind", ["paged", "linear"])
+def test_the_other_layout_is_named_before_the_shapes_it_confuses(kind, cache_dtype):
+    """Was: the layout check ran after the shape checks, so unless the page size happened to
+    equal the head count, forgetting ``layout="hnd"`` on a linear cache's views (or passing
+    it to a paged one's) was an error about ``n_kv_heads`` (``k.shape[1]: expected 32``, the
+    sequence length) -- never naming ``layout``. Now every op names it, nothing written."""
+    if kind == "paged":
+        params = KVCacheParams("float32", 2, D, "paged", page_size=16, cache_dtype=cache_dtype)
+        mgr = PagedKVCacheManager(params, 2, 64, 1)
+        (s,) = mgr.claim(1)
+        (inp,) = mgr.fetch([BatchItem(s, [1, 2, 3])])
+        blocks = mgr.blocks[0]
+    else:
+        from kvtvm.manager import LinearKVCache
+        params = KVCacheParams("float32", 2, D, "linear", cache_dtype=cache_dtype)
+        mgr = LinearKVCache(params, 2, 32, 1)
+        mgr.reset_for_new_sequences([0])
+        (inp,) = mgr.step_inputs([3])
+        blocks = mgr.get_kv_cache_buffer()
+    wrong = "hnd" if inp.layout == "nhd" else "nhd"
+    kc, vc = inp.k_cache(0), inp.v_cache(0)
+    k, q = torch.randn(3, 2, D), torch.randn(3, 8, D)
+    saved = blocks.clone()
+    want = f"layout: expected '{inp.layout}'.*got '{wrong}'"
+    with pytest.raises(InvalidArgumentError, match=want):
+        ops.append_kv(kc, vc, k, k, inp.qo_indptr, inp.cache_lengths, inp.lookup_table,
+                      layout=wrong)
+    with pytest.raises(InvalidArgumentError, match=want):
+        ops.prefill_attention(q, kc, vc, inp.qo_indptr, inp.cache_lengths, inp.lookup_table,
+                              layout=wrong)
+    with pytest.raises(InvalidArgumentError, match=want):
+        ops.decode_attention(q[:1], kc, vc, inp.cache_lengths, inp.lookup_table, layout=wrong)
+    assert torch.equal(blocks, saved)
+
+
+def test_prefill_names_q_when_its_rows_disagree_with_qo_indptr():
+    """Was: ``qo_indptr[-1]: expected 4 (rows of k)`` -- prefill has no ``k``."""
+    mgr = PagedKVCacheManager(KVCacheParams("float32", 2, D, "paged", page_size=16), 2, 64, 1)
+    (s,) = mgr.claim(1)
+    (inp,) = mgr.fetch([BatchItem(s, [1, 2, 3, 4, 5])])
+    with pytest.raises(InvalidArgumentError, match=r"qo_indptr\[-1\]: expected 4 \(rows of q\)"):
+        ops.prefill_attention(torch.randn(4, 8, D), inp.k_cache(0), inp.v_cache(0),
+                              inp.qo_indptr, inp.cache_lengths, inp.lookup_table)
+
+
 @pytest.mark.parametrize("kind", ["paged", "continuous", "linear"])
 def test_inferred_batch_size_is_one_the_manager_takes(kind):
     """Before: 10**30 bytes inferred a batch of about 10**27, which every size check (int32
