@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     if argv and argv[0] == "tune":
         from .tune import main as tune_main
 
-        return tune_main(argv[1:])
+        return tune_main(argv[1:], prog="python -m kvtvm tune")
     args = parser.parse_args(argv)
     if args.command == "generate":
         args.cache_storage = cliargs.cache_storage_kwargs(g, args)

@@ -260,8 +260,8 @@ def tune(spec, device: str, max_trials: int = 32, repeat: int = 20, warmup: int 
     return entry
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtvm.tune", description=__doc__,
+def main(argv=None, prog: str = "python -m kvtvm.tune") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", choices=compiler.KERNEL_FAMILIES,
                         help="kernel family (required, except with --prebuilt: all of DIR)")

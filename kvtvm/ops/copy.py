@@ -63,7 +63,8 @@ def prepare_copy_pages(blocks, src_pages, dst_pages, *,
         One :class:`~kvtvm.ops.launch.Launch` per round of independent copies (slots
         ``blocks, src, dst``); ``run()`` runs them in order.
     """
-    return _prepare_copy_rows(blocks, 0, src_pages, dst_pages, "blocks", check_indices)
+    return _prepare_copy_rows(blocks, 0, src_pages, dst_pages, "blocks", check_indices,
+                              ("src_pages", "dst_pages"))
 
 
 def copy_slots(cache, src_slots, dst_slots, *, check_indices: bool | None = None) -> None:
@@ -93,15 +94,20 @@ def prepare_copy_slots(cache, src_slots, dst_slots, *,
                        check_indices: bool | None = None) -> LaunchSequence:
     """Check a slot copy and look up its kernel (arguments as :func:`copy_slots`); one
     launch per round of independent copies (slots ``cache, src, dst``)."""
-    return _prepare_copy_rows(cache, 1, src_slots, dst_slots, "cache", check_indices)
+    return _prepare_copy_rows(cache, 1, src_slots, dst_slots, "cache", check_indices,
+                              ("src_slots", "dst_slots"))
 
 
-def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> LaunchSequence:
+def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices,
+                       index_names: tuple) -> LaunchSequence:
+    """The copy of rows ``src`` to rows ``dst`` along ``axis`` of ``buf`` (named ``name``; the
+    index tensors named ``index_names`` in errors)."""
     import torch
 
+    sname, dname = index_names
     buf = as_tensor(name, buf)
-    src = as_tensor("src", src)
-    dst = as_tensor("dst", dst)
+    src = as_tensor(sname, src)
+    dst = as_tensor(dname, dst)
     check_dtype(name, buf, (*DTYPE_SIZES, "uint8"))
     check_contiguous(name, buf)
     if buf.device.type not in ("cpu", "cuda"):
@@ -119,7 +125,7 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
                 f"{name}.storage_offset()", "a multiple of 4 bytes (the bytes move as float32 "
                 "words)", buf.storage_offset()))
         buf = buf.view(torch.float32).unflatten(-1, (-1, 4))
-    for n_, t in (("src", src), ("dst", dst)):
+    for n_, t in ((sname, src), (dname, dst)):
         check_dtype(n_, t, "int32")
         check_contiguous(n_, t)
         if t.dim() != 1:
@@ -128,9 +134,10 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
             raise DeviceMismatchError(describe(n_, f"device {buf.device} (as {name}) or cpu",
                                                t.device))
     if src.device != dst.device:
-        raise DeviceMismatchError(describe("dst", f"device {src.device} (as src)", dst.device))
+        raise DeviceMismatchError(describe(dname, f"device {src.device} (as {sname})",
+                                           dst.device))
     if src.shape[0] != dst.shape[0]:
-        raise InvalidArgumentError(describe("dst.shape[0]", f"{src.shape[0]} (as src)",
+        raise InvalidArgumentError(describe(f"{dname}.shape[0]", f"{src.shape[0]} (as {sname})",
                                             dst.shape[0]))
     rows = int(buf.shape[axis])
     on_host = src.device.type == "cpu"
@@ -138,7 +145,7 @@ def _prepare_copy_rows(buf, axis: int, src, dst, name: str, check_indices) -> La
     if check_indices is None:
         check_indices = on_host
     if check_indices:
-        for n_, t in (("src", src), ("dst", dst)):
+        for n_, t in ((sname, src), (dname, dst)):
             idx = host_array(t)
             bad = (idx < 0) | (idx >= rows)
             if bad.any():

@@ -72,6 +72,18 @@ def test_copy_unaligned_view_and_numpy_input():
     assert np.array_equal(arr, want)
 
 
+def test_copy_slots_errors_name_its_arguments():
+    """Errors name the arguments as documented (``src_slots`` / ``dst_slots``; were ``src`` /
+    ``dst``) and write nothing."""
+    cache = torch.randn(2, 3, 2, 1, 4, 8)  # [num_layers, max_batch_size, 2, heads, len, dim]
+    before = cache.clone()
+    with pytest.raises(InvalidArgumentError, match=r"dst_slots\[0\]: expected an index in \[0, 3\)"):
+        ops.copy_slots(cache, i32([0]), i32([3]))
+    with pytest.raises(InvalidArgumentError, match=r"src_slots rank"):
+        ops.copy_slots(cache, i32([[0]]), i32([1]))
+    assert torch.equal(cache, before)
+
+
 def test_empty_copy_is_a_no_op():
     blocks = torch.randn(4, 8)
     before = blocks.clone()
@@ -82,13 +94,13 @@ def test_empty_copy_is_a_no_op():
 def test_copy_errors_write_nothing():
     blocks = torch.randn(4, 2, 8)
     before = blocks.clone()
-    with pytest.raises(InvalidArgumentError, match=r"dst\[1\]: expected an index in \[0, 4\)"):
+    with pytest.raises(InvalidArgumentError, match=r"dst_pages\[1\]: expected an index in \[0, 4\)"):
         ops.copy_pages(blocks, i32([0, 1]), i32([2, 4]))
-    with pytest.raises(InvalidArgumentError, match="src"):
+    with pytest.raises(InvalidArgumentError, match=r"src_pages\[0\]"):
         ops.copy_pages(blocks, i32([-1]), i32([2]))
     with pytest.raises(DTypeMismatchError, match="int32"):
         ops.copy_pages(blocks, torch.tensor([0]), torch.tensor([1]))
-    with pytest.raises(InvalidArgumentError, match="dst.shape"):
+    with pytest.raises(InvalidArgumentError, match=r"dst_pages.shape\[0\]: expected 2 \(as src_pages\)"):
         ops.copy_pages(blocks, i32([0, 1]), i32([2]))
     with pytest.raises(InvalidArgumentError, match="contiguous"):
         ops.copy_pages(blocks.transpose(0, 1), i32([0]), i32([1]))
