@@ -514,33 +514,32 @@ class KVCacheManager(Uncopyable, abc.ABC):
         if not single and not isinstance(kv_cache_inputs, (list, tuple)):
             raise InvalidArgumentError(describe("kv_cache_inputs", "RaggedKVCacheInputs or a "
                                                 "list of them", type(kv_cache_inputs).__name__))
-        items = [kv_cache_inputs] if single else list(kv_cache_inputs)
-        out = []
-        for inp in items:
-            if not isinstance(inp, RaggedKVCacheInputs):
-                raise InvalidArgumentError(describe("kv_cache_inputs", "RaggedKVCacheInputs",
-                                                    type(inp).__name__))
-            inp.check_live()  # StaleInputsError: a later fetch, their step, a release
-            if inp.token is None or inp.token is not self._token_slot.token:  # another's
-                raise InvalidArgumentError(describe("kv_cache_inputs", "inputs of this "
-                                                    "manager's latest fetch", "other inputs"))
-            if inp.max_lengths.shape[0] < 2:
-                raise SequenceStateError(
-                    "increment_cache_lengths: no steps left in max_lengths (fetch with "
-                    "num_steps > 1 reserves room for more steps)")
-            qo_prev, qo_prev_host = _row_offsets(prev_model_inputs, inp)
-            b = inp.cache_lengths.shape[0]
-            dev = inp.cache_lengths.device
-            qo_prev = qo_prev.to(dev, non_blocking=True)
-            new_cl = (inp.cache_lengths + (qo_prev[1:] - qo_prev[:-1])).to(torch.int32)
-            cl_host = None
-            if qo_prev_host is not None and inp.cache_lengths_host is not None:
-                cl_host = (inp.cache_lengths_host + np.diff(qo_prev_host)).astype(np.int32)
-            out.append(dataclasses.replace(
-                inp, cache_lengths=new_cl, max_lengths=inp.max_lengths[1:],
-                qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=dev),
-                num_cached_tokens=(0,) * b, cache_lengths_host=cl_host,
-                qo_indptr_host=np.arange(b + 1, dtype=np.int32)))
+        items, out = [kv_cache_inputs] if single else list(kv_cache_inputs), []
+        with self._lock:  # a fetch on another thread rewrites the tables read here
+            for inp in items:
+                if not isinstance(inp, RaggedKVCacheInputs):
+                    raise InvalidArgumentError(describe(
+                        "kv_cache_inputs", "RaggedKVCacheInputs", type(inp).__name__))
+                inp.check_live()  # StaleInputsError: a later fetch, their step, a release
+                if inp.token is None or inp.token is not self._token_slot.token:  # another's
+                    raise InvalidArgumentError(describe(
+                        "kv_cache_inputs", "inputs of this manager's latest fetch",
+                        "other inputs"))
+                if inp.max_lengths.shape[0] < 2:
+                    raise SequenceStateError(
+                        "increment_cache_lengths: no steps left in max_lengths (fetch with "
+                        "num_steps > 1 reserves room for more steps)")
+                qo_prev, qo_prev_host = _row_offsets(prev_model_inputs, inp)
+                b, dev = inp.cache_lengths.shape[0], inp.cache_lengths.device
+                qo_prev = qo_prev.to(dev, non_blocking=True)
+                new_cl = (inp.cache_lengths + (qo_prev[1:] - qo_prev[:-1])).to(torch.int32)
+                cl_host = None if qo_prev_host is None or inp.cache_lengths_host is None else \
+                    (inp.cache_lengths_host + np.diff(qo_prev_host)).astype(np.int32)
+                out.append(dataclasses.replace(
+                    inp, cache_lengths=new_cl, max_lengths=inp.max_lengths[1:],
+                    qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=dev),
+                    num_cached_tokens=(0,) * b, cache_lengths_host=cl_host,
+                    qo_indptr_host=np.arange(b + 1, dtype=np.int32)))
         return out[0] if single else out
 
     # -- Graph integration -----------------------------------------------------------------

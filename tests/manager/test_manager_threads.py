@@ -164,3 +164,37 @@ def test_collection_access_holds_the_fetch_against_a_concurrent_fetch(monkeypatc
         assert torch.equal(mgr.blocks[0][page_of_a, 0, 0, 0, 0], torch.full((4,), 3.0))
         assert float(mgr.blocks[0][mgr.pages_of(b)[0], 0, 0, 0, 0, 0]) == 9.0
     mgr.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["continuous", "paged"])
+def test_increment_cache_lengths_is_not_torn_by_a_fetch_on_another_thread(kind):
+    """Was: increment_cache_lengths checked its inputs live, then read the shared table
+    buffer without the manager's lock; another thread's fetch in between made it return the
+    other fetch's lengths (43 for 3 here) without a StaleInputsError. Now it holds the lock:
+    the other fetch waits until it has read the tables."""
+    import torch
+
+    if kind == "paged":
+        m = PagedKVCacheManager(KVCacheParams("float32", 1, 2, "paged", page_size=4), 4, 64, 1)
+    else:
+        m = ContinuousBatchingKVCacheManager(KVCacheParams("float32", 1, 2, "continuous"),
+                                             4, 64, 1)
+    a, b = m.claim(2)
+    m.fetch([BatchItem(b, list(range(40)))])
+    m.step([BatchItem(b, list(range(40)))])
+    (inp,) = m.fetch([BatchItem(a, [1, 2, 3])], num_steps=3)
+    other = []
+
+    class Prev:  # read by increment_cache_lengths between its checks and its table reads
+        @property
+        def qo_indptr(self):
+            if not other:
+                other.append(threading.Thread(target=lambda: m.fetch([BatchItem(b, [7])])))
+                other[0].start()
+                other[0].join(0.5)  # time enough to fetch, unless the lock holds it back
+            return torch.tensor([0, 3], dtype=torch.int32)
+
+    out = m.increment_cache_lengths(inp, Prev())
+    other[0].join(30)
+    assert not other[0].is_alive()
+    assert out.cache_lengths.tolist() == [3] and out.cache_lengths_host.tolist() == [3]
