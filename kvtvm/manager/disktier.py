@@ -300,9 +300,10 @@ class DiskTier:
 
     @staticmethod
     def _read_entry(path: Path, limit: int | None) -> bytes:
-        """The bytes of entry file ``path``: a regular file of this user's that group and others
-        cannot write, not reached through a symlink, of at most ``limit`` bytes. Raises OSError, or ValueError for anything else (a FIFO or
-        a device would block or never end)."""
+        """The bytes of entry file ``path``: a regular file of this user's that group and
+        others cannot write, not reached through a symlink, of at most ``limit`` bytes.
+        Raises OSError, or ValueError for anything else (a FIFO or a device would block or
+        never end; a file another user could have written is not trusted)."""
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
                      | getattr(os, "O_NONBLOCK", 0))
         try:

@@ -20,11 +20,11 @@ the lease ends. Every page is exactly one of free, used (held by a sequence, not
 cached (on the LRU list) or leased: ``free + used + cached + leased == total``.
 
 Import checks every header field against the receiving cache (:class:`FormatMismatchError`
-naming the field and both values), the data's shape (:class:`CorruptTransferError`: truncated)
-every checksum, and the block hashes against the tokens (:class:`CorruptTransferError`)
-before it writes anything, then registers
-the full pages in the prefix cache under their *tokens* (so a later claim + fetch of the same
-tokens hits them: content-verified, a hash collision can only cause a miss) and optionally
+naming the field and both values), the data's shape (:class:`CorruptTransferError`:
+truncated), every checksum -- of the pages and of the tokens -- and the block hashes against
+the tokens (:class:`CorruptTransferError`) before it writes anything, then registers the full
+pages in the prefix cache under their *tokens* (so a later claim + fetch of the same tokens
+hits them: content-verified, a hash collision can only cause a miss) and optionally
 hands every page to a claimed, empty sequence, which then continues at the exported length.
 A receiver that splits the KV heads over a different number of devices takes its heads from
 the header's head range (resharding).
