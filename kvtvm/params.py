@@ -141,6 +141,20 @@ def _count(name: str, value, allow_zero: bool = False) -> int:
     return int(value)
 
 
+def hf_geometry_refusal(config) -> str | None:
+    """Why a transformers decoder ``config`` (a text config) has no plain K/V heads of one
+    ``head_dim`` for a cache to hold, or None: multi-head latent attention caches a latent
+    (``kv_lora_rank``), and K and V of different head dims do not fit one ``head_dim``."""
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        return "multi-head latent attention (kv_lora_rank): kvtvm caches plain K/V heads"
+    v_dim = getattr(config, "v_head_dim", None)
+    qk_dim = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None)
+    if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
+        return (f"K and V head dims differ (head_dim {qk_dim}, v_head_dim {v_dim}): kvtvm's "
+                "kernels take one head_dim")
+    return None
+
+
 @dataclass(frozen=True, repr=False)
 class KVCacheParams:
     """Static description of a KV cache; frozen and hashable.
@@ -176,7 +190,7 @@ class KVCacheParams:
     InvalidArgumentError
         An unknown dtype, storage type or strategy; heads or ``head_dim`` not a positive int;
         ``page_size`` missing for PAGED or given for another strategy; prefix caching
-        without PAGED; ``skip_layers`` not distinct ints.
+        without PAGED; ``skip_layers`` not distinct ints, or given with no 8-bit storage.
     """
 
     dtype: str
@@ -210,6 +224,10 @@ class KVCacheParams:
         items = tuple(int(i) for i in items)
         if len(set(items)) != len(items):
             raise InvalidArgumentError(describe("skip_layers", "distinct indices", repr(skip)))
+        if items and self.k_cache_dtype == self.v_cache_dtype == self.dtype:
+            raise InvalidArgumentError(describe(  # as the command line refuses it
+                "skip_layers", f"() when K and V are stored in dtype {self.dtype} (layers to "
+                "keep at full precision need an 8-bit cache_dtype)", repr(skip)))
         object.__setattr__(self, "skip_layers", tuple(sorted(items)))
         object.__setattr__(self, "cache_strategy", KVCacheStrategy.parse(self.cache_strategy))
         for name in ("n_kv_heads", "head_dim"):
@@ -246,8 +264,11 @@ class KVCacheParams:
         ----------
         config : transformers.PretrainedConfig
             A decoder config (a multimodal one's text config is used): ``num_key_value_heads``
-            (default ``num_attention_heads``), ``head_dim`` (default ``hidden_size //
-            num_attention_heads``), ``dtype`` (when ``dtype`` is None).
+            (default ``num_attention_heads``; Falcon's ``num_kv_heads``, 1 for its
+            ``multi_query``), ``head_dim`` (default ``hidden_size // num_attention_heads``),
+            ``dtype`` (when ``dtype`` is None; the text config's, else the outer config's).
+            Multi-head latent attention (``kv_lora_rank``) and K and V head dims that differ
+            (``v_head_dim``) are refused: no plain K/V heads of one ``head_dim`` to cache.
         dtype, cache_strategy, page_size, enable_prefix_caching
             As for the constructor.
         cache_dtype, k_cache_dtype, v_cache_dtype, skip_layers
@@ -260,12 +281,14 @@ class KVCacheParams:
         Raises
         ------
         InvalidArgumentError
-            The config lacks or has inconsistent head counts / sizes, names no dtype when
-            ``dtype`` is None, or as for the constructor.
+            The config lacks or has inconsistent head counts / sizes, caches no plain K/V
+            heads (MLA, K and V head dims that differ), names no dtype when ``dtype`` is None,
+            or as for the constructor.
         """
+        outer = config
         config = getattr(config, "get_text_config", lambda: config)()
         heads = getattr(config, "num_attention_heads", None)
-        if not isinstance(heads, int):
+        if heads is None:
             raise InvalidArgumentError(describe("config", "a decoder config with "
                                                 "num_attention_heads", type(config).__name__))
 
@@ -275,7 +298,16 @@ class KVCacheParams:
             return int(value)
 
         heads = field("num_attention_heads", heads, "a positive int")
+        why = hf_geometry_refusal(config)
+        if why:
+            raise InvalidArgumentError(describe("config", "a decoder whose layers cache K and V "
+                                                "heads of one head_dim", why))
         kv_heads = getattr(config, "num_key_value_heads", None)
+        if kv_heads is None and getattr(config, "new_decoder_architecture", None) is not None:
+            # Falcon's fields: grouped K/V heads, one shared head (multi_query), or one per head
+            kv_heads = (getattr(config, "num_kv_heads", None) if config.new_decoder_architecture
+                        else 1 if getattr(config, "multi_query", False)
+                        else getattr(config, "num_kv_heads", None))
         kv_heads = heads if kv_heads is None else field(
             "num_key_value_heads", kv_heads, f"a positive int dividing num_attention_heads="
             f"{heads}")
@@ -294,8 +326,9 @@ class KVCacheParams:
                     "config names no head_dim)", hidden))
             head_dim = hidden // heads
         head_dim = field("head_dim", head_dim, "a positive int")
-        if dtype is None:
-            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        for c in (config, outer):  # a multimodal config names it at the top (saved files)
+            if dtype is None:
+                dtype = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
         if dtype is None:
             raise InvalidArgumentError(describe("dtype", "given (the config names none)", None))
         return cls(dtype, int(kv_heads), int(head_dim), cache_strategy, page_size=page_size,

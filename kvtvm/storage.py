@@ -121,10 +121,14 @@ def view_storage(name: str, view: Any, head_dim: int, dtype: str) -> str:
 
 
 def split_rows(view, head_dim: int):
-    """``(values, scales)`` views of a quantized cache view ``[..., quant_row_bytes(D)]``:
-    values ``[..., D]`` in the storage dtype, scales float32 ``[...]``."""
+    """``(values, scales)`` of a quantized cache view ``[..., quant_row_bytes(D)]``: values
+    ``[..., D]`` in the storage dtype, scales float32 ``[...]``. Both are views of the cache
+    when ``D`` is a multiple of 4; otherwise the scale sits at a byte offset no float32 view
+    can start at, and ``scales`` is a copy (writing it changes nothing in the cache)."""
     import torch
 
     values = view[..., :head_dim]
-    scales = view.view(torch.uint8)[..., head_dim:head_dim + 4].view(torch.float32)[..., 0]
-    return values, scales
+    scale_bytes = view.view(torch.uint8)[..., head_dim:head_dim + 4]
+    if head_dim % 4 or scale_bytes.storage_offset() % 4:
+        scale_bytes = scale_bytes.contiguous()
+    return values, scale_bytes.view(torch.float32)[..., 0]

@@ -34,6 +34,7 @@ import torch
 
 from ..engine.runner import UnsupportedModelError
 from ..errors import InvalidArgumentError, describe
+from ..params import hf_geometry_refusal
 from .hf_cb_guard import KVTVM_ATTN
 
 __all__ = ["VERIFIED_MODEL_TYPES", "check_model", "UnsupportedModelError"]
@@ -76,13 +77,9 @@ def _refusal(config, kind) -> str | None:
     if recurrent:
         return (f"hybrid recurrent layers ({', '.join(recurrent)}): kvtvm serves attention "
                 "layers only")
-    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
-        return "multi-head latent attention (kv_lora_rank): kvtvm caches plain K/V heads"
-    v_dim = getattr(config, "v_head_dim", None)
-    qk_dim = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None)
-    if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
-        return (f"K and V head dims differ (head_dim {qk_dim}, v_head_dim {v_dim}): kvtvm's "
-                "kernels take one head_dim")
+    geometry = hf_geometry_refusal(config)
+    if geometry:
+        return geometry
     if getattr(config, "use_bidirectional_attention", False) or \
             getattr(config, "is_causal", True) is False:
         return "bidirectional attention: kvtvm's kernels are causal"

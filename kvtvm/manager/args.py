@@ -12,7 +12,8 @@ from ..errors import (DeviceUnavailableError, InvalidArgumentError, KVCacheCapac
                       SequenceTooLongError, describe)
 from ..inputs import as_int64
 
-__all__ = ["check_positive_int", "check_size", "check_sizes", "parse_devices", "ItemTokens",
+__all__ = ["check_positive_int", "check_size", "check_sizes", "check_size_kwargs",
+           "parse_devices", "ItemTokens",
            "row_offsets", "check_step_tokens", "check_int", "check_hashes", "check_seconds",
            "allocate"]
 
@@ -66,6 +67,22 @@ def check_sizes(params, strategy, **sizes) -> tuple:
     if "num_layers" in sizes:
         params.resolve_skip_layers(sizes["num_layers"])
     return out
+
+
+def check_size_kwargs(where: str, kwargs: dict, ignored: tuple = (),
+                      available_cache_memory=None) -> None:
+    """Refuse (InvalidArgumentError naming it) a keyword of a sizing classmethod's
+    ``**kwargs`` (the seed's signature) other than ``ignored`` -- constructor keywords that
+    change no size, taken so an engine can pass its constructor's keywords: a typo such as
+    ``num_page`` silently sized the default pool. ``available_cache_memory``, where the
+    method does not use it, must still be a positive int or None."""
+    for name in kwargs:
+        if name not in ignored:
+            takes = f" (besides its parameters it takes {', '.join(ignored)})" if ignored \
+                else ""
+            raise InvalidArgumentError(f"{where}: unexpected keyword {name!r}{takes}")
+    if available_cache_memory is not None:
+        check_positive_int("available_cache_memory", available_cache_memory)
 
 
 #: Upper bound on the host bytes a manager keeps per ``max_batch_size`` slot (its per-slot

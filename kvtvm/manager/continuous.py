@@ -10,7 +10,7 @@ paged cache with one page of ``max_seq_len`` per sequence, which is what the ker
 from __future__ import annotations
 
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import INT32_MAX, check_sizes, pop_length
+from .args import INT32_MAX, check_size_kwargs, check_sizes, pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .tables import StepTables, table_elems
 
@@ -62,6 +62,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
         """
         check_sizes(params, cls.strategy, max_batch_size=max_batch_size,
                     max_seq_len=max_seq_len, num_layers=num_layers)
+        check_size_kwargs("estimated_memory_size", kwargs, (), available_cache_memory)
         n = len(parse_devices(devices))
         return (params.cache_bytes(num_layers, max_batch_size, max_seq_len, n_devices=n)
                 + 4 * table_elems(max_batch_size, 1))
@@ -72,6 +73,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManager):
         """Most blocks of ``max_seq_len`` tokens (with their tables) that fit in
         ``available_cache_memory`` bytes per device; at least 1, at most ``2**31 - 1``."""
         check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
+        check_size_kwargs("infer_optimal_batch_size", kwargs)
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))

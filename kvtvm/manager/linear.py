@@ -38,7 +38,7 @@ from ..collection import layer_views_by_signature
 from .uncopyable import Uncopyable
 from ..params import KVCacheParams, KVCacheStrategy
 from .args import (INT32_MAX, allocate, check_batch_slots, check_positive_int, check_size,
-                   check_sizes, parse_devices)
+                   check_size_kwargs, check_sizes, parse_devices)
 from .copier import PageCopier, copy_view, resolve_copier
 
 __all__ = ["LinearKVCache", "LinearCacheConfig"]
@@ -127,9 +127,11 @@ class LinearKVCache(Uncopyable):
     def estimated_memory_size(cls, params, max_batch_size, max_seq_len, num_layers,
                               available_cache_memory=None, devices=("cpu",), **kwargs) -> int:
         """Bytes allocated on each device: the cache tensor plus the int32 length / slot
-        buffer."""
+        buffer (``available_cache_memory`` is not used)."""
         check_sizes(params, cls.strategy, max_batch_size=max_batch_size,
                     max_seq_len=max_seq_len, num_layers=num_layers)
+        check_size_kwargs("estimated_memory_size", kwargs, ("slot_copier",),
+                          available_cache_memory)
         n = len(parse_devices(devices))
         return (params.cache_bytes(num_layers, max_batch_size, max_seq_len, n_devices=n)
                 + 4 * (3 * max_batch_size + 1))
@@ -140,6 +142,7 @@ class LinearKVCache(Uncopyable):
         """Most slots of ``max_seq_len`` tokens that fit ``available_cache_memory`` bytes per
         device; at least 1, at most ``2**31 - 1``."""
         check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
+        check_size_kwargs("infer_optimal_batch_size", kwargs, ("slot_copier",))
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))

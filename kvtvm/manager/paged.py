@@ -34,7 +34,7 @@ import numpy as np
 from ..errors import (InvalidArgumentError, KVCacheCapacityError, KVCacheError,
                       SequenceStateError, describe)
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import INT32_MAX, check_size, check_sizes, pop_length
+from .args import INT32_MAX, check_size, check_size_kwargs, check_sizes, pop_length
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
 from .pageio import PageIOMixin
@@ -129,9 +129,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         self._init_pageio()  # leases, export/import (.pageio)
         self._tiers = None   # host/disk tiers of the prefix cache (.tiers, attach_tiers)
 
-    # ------------------------------------------------------------------------------------
-    # Sizes
-    # ------------------------------------------------------------------------------------
+    # -- Sizes -----------------------------------------------------------------------------
 
     @classmethod
     def estimated_memory_size(cls, params, max_batch_size, max_seq_len, num_layers,
@@ -141,6 +139,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         (``num_pages`` resolved as in the constructor)."""
         check_sizes(params, cls.strategy, max_batch_size=max_batch_size,
                     max_seq_len=max_seq_len, num_layers=num_layers)
+        check_size_kwargs("estimated_memory_size", kwargs, ("page_copier",))
         n = len(parse_devices(devices))
         pages = _resolve_num_pages(params, max_batch_size, max_seq_len, num_layers, n,
                                    num_pages, available_cache_memory)
@@ -153,8 +152,9 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                                  devices=("cpu",), **kwargs) -> int:
         """Most sequences that can all reach ``max_seq_len`` at once in
         ``available_cache_memory`` bytes per device (pages plus tables); at least 1, at most
-        what the int32 tables index."""
+        what the int32 tables index (``num_pages``, which fixes the pool, is refused)."""
         check_sizes(params, cls.strategy, max_seq_len=max_seq_len, num_layers=num_layers)
+        check_size_kwargs("infer_optimal_batch_size", kwargs, ("page_copier",))
         available_cache_memory = check_positive_int("available_cache_memory",
                                                     available_cache_memory)
         n = len(parse_devices(devices))
@@ -163,9 +163,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         # at most as many as the int32 tables index (their default pool: batch x width pages)
         return max(1, min(INT32_MAX // width, (available_cache_memory - 4) // per_seq))
 
-    # ------------------------------------------------------------------------------------
-    # Page pool
-    # ------------------------------------------------------------------------------------
+    # -- Page pool -------------------------------------------------------------------------
 
     def _available_pages(self) -> int:
         return len(self._free) + len(self._prefix.lru)
@@ -213,9 +211,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
         if self.prefix_caching:
             self._keys[seq_id] = []
 
-    # ------------------------------------------------------------------------------------
-    # fetch / step
-    # ------------------------------------------------------------------------------------
+    # -- fetch / step ----------------------------------------------------------------------
 
     def _fetch_plan_apply(self, tokens, ids, counts, num_steps, lengths, total, dry=False):
         P = self.page_size
@@ -426,9 +422,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                 keys.append(prefix.insert(parent, row[i * P:(i + 1) * P].tobytes(),
                                           int(pt[sid, i])))
 
-    # ------------------------------------------------------------------------------------
-    # fork / pop / stats
-    # ------------------------------------------------------------------------------------
+    # -- fork / pop / stats ----------------------------------------------------------------
 
     def fork(self, seq_id: int) -> int:
         """A new sequence with the same tokens as ``seq_id``, sharing its pages.
@@ -529,9 +523,7 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
             sid = self._check_known(seq_id, "pages_of")
             return self._page_table[sid, :int(self._npages[sid])].tolist()
 
-    # ------------------------------------------------------------------------------------
-    # Transactions and invariants
-    # ------------------------------------------------------------------------------------
+    # -- Transactions and invariants -------------------------------------------------------
 
     def _snapshot(self):
         keys = [list(k) for k in self._keys] if self.prefix_caching else None

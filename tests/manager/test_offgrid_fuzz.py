@@ -95,7 +95,10 @@ def random_shape(r: random.Random) -> Shape:
     strategy = r.choice(["paged", "paged", "continuous", "linear"])
     L = r.choice(GRID["L"])
     skip = r.choice([(), (), (0,), (-1,), (0, 2)]) if L == 3 else r.choice([(), (0,)])
-    shape = Shape(strategy, r.choice(["float32", "float16", "bfloat16"]), r.choice(STORAGES),
+    storage = r.choice(STORAGES)
+    if storage == (None, None):  # layers to keep at full precision need an 8-bit cache
+        skip = ()
+    shape = Shape(strategy, r.choice(["float32", "float16", "bfloat16"]), storage,
                   skip, **{k: r.choice(v) for k, v in GRID.items() if k != "L"}, L=L,
                   prefix=strategy == "paged" and r.random() < 0.6)
     if strategy == "paged" and r.random() < 0.4:

@@ -340,6 +340,69 @@ def test_from_hf_config_sizes_real_configs():
     assert (p.n_kv_heads, p.head_dim, p.dtype) == (4, 16, "float16")
 
 
+def test_from_hf_config_off_the_llama_grid():
+    """Found by a helper: Falcon's ``multi_query`` (one K/V head) sized 71 heads; MLA
+    (DeepSeek) was sized by ``qk_rope_head_dim`` (neither K's 192 nor V's 128); a multimodal
+    config naming its dtype at the top (what ``save_pretrained`` writes) was "names no
+    dtype"; a numpy ``num_attention_heads`` was "not a decoder config"."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1)
+    falcon = transformers.FalconConfig
+    for kw, kv in ((dict(multi_query=True), 1), (dict(multi_query=False), 4),
+                   (dict(new_decoder_architecture=True, num_kv_heads=2), 2)):
+        p = KVCacheParams.from_hf_config(falcon(**small, **kw), dtype="float32", page_size=4)
+        assert (p.n_kv_heads, p.head_dim) == (kv, 16), kw
+    with pytest.raises(InvalidArgumentError, match="multi-head latent attention"):
+        KVCacheParams.from_hf_config(transformers.DeepseekV3Config(), dtype="float32",
+                                     page_size=4)
+    with pytest.raises(InvalidArgumentError, match="v_head_dim"):
+        KVCacheParams.from_hf_config(_config(head_dim=16, v_head_dim=8), page_size=4)
+    llava = transformers.LlavaConfig(text_config=transformers.LlamaConfig(
+        **small, num_key_value_heads=2), dtype="bfloat16")
+    p = KVCacheParams.from_hf_config(llava, page_size=4)
+    assert (p.n_kv_heads, p.head_dim, p.dtype) == (2, 16, "bfloat16")
+    p = KVCacheParams.from_hf_config(_config(num_attention_heads=np.int64(4)), page_size=4)
+    assert (p.n_kv_heads, p.head_dim) == (2, 16)
+    with pytest.raises(InvalidArgumentError, match="config.num_attention_heads"):
+        KVCacheParams.from_hf_config(_config(num_attention_heads="4"), page_size=4)
+
+
+@pytest.mark.parametrize("kind", ["paged", "continuous", "linear"])
+def test_sizing_classmethods_refuse_keywords_they_do_not_take(kind):
+    """Found by a helper: ``**kwargs`` swallowed anything -- ``num_page=3`` (a typo) sized the
+    default pool; the continuous estimate took ``available_cache_memory="junk"``. A keyword of
+    the constructor that changes no size (a copier) is still taken."""
+    from kvtvm.manager import LinearKVCache
+
+    cls = {"paged": PagedKVCacheManager, "continuous": ContinuousBatchingKVCacheManager,
+           "linear": LinearKVCache}[kind]
+    params = KVCacheParams("float32", 2, 8, kind, page_size=4 if kind == "paged" else None)
+    exact = cls.estimated_memory_size(params, 2, 16, 1)
+    with pytest.raises(InvalidArgumentError, match="unexpected keyword 'num_page'"):
+        cls.estimated_memory_size(params, 2, 16, 1, num_page=3)
+    with pytest.raises(InvalidArgumentError, match="unexpected keyword 'num_page'"):
+        cls.infer_optimal_batch_size(params, 16, 1, 10 ** 6, num_page=3)
+    copier = {"paged": "page_copier", "linear": "slot_copier"}.get(kind)
+    if copier:
+        assert cls.estimated_memory_size(params, 2, 16, 1, **{copier: None}) == exact
+    if kind == "paged":
+        with pytest.raises(InvalidArgumentError, match="num_pages"):
+            cls.infer_optimal_batch_size(params, 16, 1, 10 ** 6, num_pages=3)
+    else:
+        with pytest.raises(InvalidArgumentError, match="available_cache_memory"):
+            cls.estimated_memory_size(params, 2, 16, 1, available_cache_memory="junk")
+
+
+def test_skip_layers_without_an_8bit_cache_is_refused():
+    """As the command line refuses ``--skip-layers`` without an 8-bit cache: was a silent
+    no-op that made the params unequal to the same cache's."""
+    with pytest.raises(InvalidArgumentError, match="skip_layers.*8-bit"):
+        KVCacheParams("float16", 2, 8, "paged", page_size=4, skip_layers=(0, -1))
+    p = KVCacheParams("float16", 2, 8, "paged", page_size=4, k_cache_dtype="int8",
+                      skip_layers=(0, -1))
+    assert p.skip_layers == (-1, 0)
+
+
 @pytest.mark.parametrize("inputs,word", [("list", "inputs[0]"), (None, "inputs"),
                                          ("str", "inputs")])
 def test_plan_step_refuses_what_is_not_one_devices_inputs(inputs, word):

@@ -14,7 +14,7 @@ from kvtvm.inputs import BatchItem
 from kvtvm.kernels.reference import reference_append
 from kvtvm.manager import (ContinuousBatchingKVCacheManager, LinearKVCache,
                            PagedKVCacheManager)
-from kvtvm.quant import quant_row_bytes, quantize_rows
+from kvtvm.quant import QMAX, quant_row_bytes, quantize_rows, row_scales
 from kvtvm.storage import split_rows, view_storage
 from helpers import numpy_of as _np
 
@@ -166,6 +166,27 @@ def test_quantized_view_rows_split_into_values_and_scale():
     assert values.shape == (*view.shape[:-1], 64) and scales.dtype == torch.float32
     assert scales[3, 1].tolist() == pytest.approx(
         (np.abs(np.random.default_rng(0).standard_normal((2, 64))).max(-1) / 127).tolist())
+
+
+@pytest.mark.parametrize("storage", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim", [5, 6, 7, 12])
+def test_split_rows_of_any_head_dim(storage, head_dim):
+    """Was: a raw torch RuntimeError (no float32 view at byte offset D) for D not a multiple
+    of 4, which the params, managers and kernels take."""
+    p = KVCacheParams("float32", 2, head_dim, "paged", page_size=4, cache_dtype=storage)
+    m = PagedKVCacheManager(p, 1, 16, 1)
+    (sid,) = m.claim(1)
+    (inp,) = m.fetch([BatchItem(sid, [1, 2, 3])])
+    view = inp.k_cache(0)
+    x = np.random.default_rng(head_dim).standard_normal((2, head_dim))
+    _np(view)[2, 1] = quantize_rows(x, storage)
+    values, scales = split_rows(view, head_dim)
+    assert values.shape == (*view.shape[:-1], head_dim) and scales.shape == view.shape[:-1]
+    assert scales.dtype == torch.float32
+    rows = quantize_rows(x, storage)
+    assert scales[2, 1].tolist() == row_scales(rows, head_dim).tolist()
+    assert scales[2, 1].tolist() == pytest.approx(np.abs(x).max(-1) / QMAX[storage], rel=1e-6)
+    assert _np(values)[2, 1].tobytes() == rows[:, :head_dim].tobytes()
 
 
 def test_view_storage_rejects_foreign_views():
