@@ -148,10 +148,12 @@ def spec_mismatch(module_path: Path, spec: KernelSpec, data: dict | None = None)
 
 def is_fresh(module_path: Path, spec: KernelSpec) -> bool:
     """Whether the module at ``module_path`` was built for ``spec`` (the spec its manifest
-    records) by this TVM from the current sources, and its bytes are the ones its manifest's
-    sha256 names."""
+    records) by this kvtvm and TVM from the current sources, and its bytes are the ones its
+    manifest's sha256 names. (The kvtvm version too: a runtime-only process refuses a module
+    another version built, so a build must not keep one.)"""
     data = read_manifest(module_path)
     return (data is not None and data.get("tvm") == tvm_version()
+            and data.get("kvtvm") == __version__
             and spec_mismatch(module_path, spec, data) is None
             and data.get("source_digest") == source_digest(spec)
             and check_digest(Path(module_path), data) is None)

@@ -115,6 +115,13 @@ def test_runtime_only_refuses_another_kvtvm_version(tmp_path):
     compiler.manifest_path(path).write_text(json.dumps(data))
     said = run_python(script, env=env, timeout=120)
     assert "ERROR:" in said and str(path) in said and "0.0.1-other" in said, said
+    # what the error says to do works: a build of that directory rebuilds it (it was
+    # reported "cached" and kept, so the runtime-only process kept refusing it)
+    from kvtvm._version import __version__
+    assert not compiler.is_fresh(path, SPEC)
+    assert compiler.build_spec(SPEC, out) == path
+    assert json.loads(compiler.manifest_path(path).read_text())["kvtvm"] == __version__
+    assert "LOADED" in run_python(script, env=env, timeout=120)
 
 
 BUILD_ONE = textwrap.dedent("""
