@@ -26,6 +26,10 @@ def _csv(kind):
 
 #: compile-time features of the attention families, as ``--features`` names them
 ATTENTION_FEATURES = {"none": (), "sliding_window": ("sliding_window",)}
+#: The ``build`` option a spec field's error names (``head_dim: ...`` -> ``--head-dims``).
+_SIZE_OPTIONS = {"head_dim": "--head-dims", "n_kv_heads": "--kv-heads",
+                 "group_size": "--group-sizes", "head_dim / group_size":
+                 "--head-dims / --group-sizes"}
 
 
 def default_specs(target: str, arch: str | None, ops, dtypes, head_dims, kv_heads, groups,
@@ -120,14 +124,18 @@ def cmd_build(args) -> int:
             return 2
     from .errors import KVCacheError
 
-    try:  # an unsupported size (a CUDA head_dim, a zero) names itself before any build
+    try:  # an unsupported size (a CUDA head_dim, a zero, a layout that does not fit the
+        # CTA) names itself before any build
         specs = default_specs(args.target, arch, ops, args.dtypes, args.head_dims,
                               args.kv_heads, args.group_sizes, args.layouts, args.features,
                               args.cache_dtypes)
+        specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
+        for spec in specs:
+            compiler.check_layout(spec)
     except KVCacheError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{_SIZE_OPTIONS.get(str(err).split(':')[0].strip(), 'error')}: {err}",
+              file=sys.stderr)
         return 2
-    specs = [v for spec in specs for v in compiler.with_runtime_variants(spec)]
     out = Path(args.out)
     why = _refused_out(out, specs)
     if why:

@@ -13,8 +13,8 @@ Imports run one way: compiler -> kernels + schedules; nothing here imports the o
 
 from __future__ import annotations
 
-from .build import (_cuda_modules, build_spec, build_specs, export_built, export_module, lower,
-                    with_runtime_variants)
+from .build import (_cuda_modules, build_spec, build_specs, check_layout, export_built,
+                    export_module, lower, with_runtime_variants)
 from .cache import add_kernel_dir, cache_dir, find_built, get_kernel, kernel_dirs, search_key
 from .fatbin import (FATBIN_ARCHS, embedded_fatbin, fatbin_architectures, fatbin_archs,
                      replace_cuda_source_with_fatbin)
@@ -32,7 +32,7 @@ _schedule_module = schedule_module
 
 __all__ = [
     "CUDA_ARCHS", "FATBIN_ARCHS", "KERNEL_FAMILIES", "LAYOUTS", "KernelSpec", "Target",
-    "add_kernel_dir", "build_spec", "build_specs", "cache_dir", "default_knobs",
+    "add_kernel_dir", "build_spec", "build_specs", "cache_dir", "check_layout", "default_knobs",
     "embedded_fatbin", "export_built", "export_module", "fatbin_architectures", "fatbin_archs",
     "find_built", "get_kernel", "is_fresh", "kernel_dirs", "knob_space", "llvm_mcpu", "lower",
     "manifest_path", "nvcc_fatbin", "read_manifest", "replace_cuda_source_with_fatbin",

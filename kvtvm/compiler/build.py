@@ -151,6 +151,18 @@ def _cuda_modules(module) -> list:
     return found
 
 
+def check_layout(spec: KernelSpec) -> None:
+    """Raise the typed error scheduling ``spec`` would raise for a thread / tile layout its
+    kernel cannot take (the schedule module's ``check_layout(spec, knobs)``, where it has
+    one: the CUDA decodes, whose layout depends on head_dim, the GQA group and the knobs),
+    without building anything: ``python -m kvtvm build`` refuses such a spec up front (it
+    built the others, then failed, leaving a half-written directory)."""
+    mod = schedule_module(spec)
+    check = getattr(mod, "check_layout", None)
+    if check is not None:
+        check(spec, resolve_knobs(spec))
+
+
 def with_runtime_variants(spec: KernelSpec) -> list[KernelSpec]:
     """``spec`` and the named variants of it the ops layer may load at run time (declared by
     the family, :mod:`kvtvm.kernels.variants`): what an ahead-of-time build must hold."""

@@ -216,7 +216,8 @@ def get_kernel(spec: KernelSpec):
                         "rebuild it (runtime-only mode): rebuild the kernels with this "
                         "version (`python -m kvtvm build`)")
                 raise CompilerUnavailableError(
-                    f"kernel {spec.uri} for {spec.target_tag} is not built in any of "
+                    f"kernel {spec.uri}{f' (variant {spec.variant})' if spec.variant else ''}"
+                    f" for {spec.target_tag}, file {spec.file_name()}, is not built in any of "
                     f"{[str(d) for d in kernel_dirs()]} and the TVM compiler is not available "
                     "(runtime-only mode); build it ahead of time with `python -m kvtvm build`")
             path = _build_into_cache(spec)

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+import numpy as np
+
 from ..cuda_limits import check_cuda_head_dim
 from ..errors import DeviceMismatchError, DeviceUnavailableError, InvalidArgumentError, describe
 from ..kernels.variants import variant_knobs
@@ -40,6 +42,21 @@ FEATURES = ("sliding_window",)
 FEATURE_FAMILIES = ("decode", "prefill")
 #: How a storage type is spelled in a quantized spec's uri ("" = full precision).
 _STORAGE_TAGS = {"": "full", "int8": "i8", "float8_e4m3fn": "e4m3"}
+
+
+def _knob_value(name, value):
+    """A knob value as the plain Python int, bool or str it is (numpy scalars converted: they
+    slipped past the explicit-knob range checks, and hashed into other file names than the
+    equal int); anything else is an InvalidArgumentError naming the knob."""
+    if isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    try:
+        return operator.index(value)  # int and numpy integers; not floats (16.0 == 16)
+    except TypeError:
+        raise InvalidArgumentError(describe(f"knobs[{name!r}]", "an int, bool or str",
+                                            repr(value))) from None
 
 
 @dataclass(frozen=True)
@@ -114,8 +131,8 @@ class KernelSpec:
                 value = None if isinstance(value, bool) else operator.index(value)
             except TypeError:
                 value = None
-            if value is None or value <= 0:
-                raise InvalidArgumentError(describe(name, "a positive int",
+            if value is None or not 0 < value < 1 << 31:  # the kernels index with int32
+                raise InvalidArgumentError(describe(name, "a positive int below 2**31",
                                                     repr(getattr(self, name))))
             object.__setattr__(self, name, value)
         if self.target == "llvm":
@@ -128,13 +145,7 @@ class KernelSpec:
         else:
             raise InvalidArgumentError(describe("target", ("llvm", "cuda"), repr(self.target)))
         knobs = self.knobs.items() if isinstance(self.knobs, dict) else self.knobs
-        knobs = tuple(sorted((str(k), v) for k, v in knobs))
-        for k, v in knobs:  # the spec is a dict key (loaded kernels): a list failed there
-            try:
-                hash(v)
-            except TypeError:
-                raise InvalidArgumentError(describe(f"knobs[{k!r}]", "a hashable value such "
-                                                    "as an int, bool or str", repr(v))) from None
+        knobs = tuple(sorted((str(k), _knob_value(k, v)) for k, v in knobs))
         object.__setattr__(self, "knobs", knobs)
         features = () if self.features is None else self.features
         if isinstance(features, str) or not isinstance(features, (tuple, list, set, frozenset)) \
@@ -218,7 +229,9 @@ class KernelSpec:
         """Short hash of the explicit :attr:`knobs` ("" when there are none)."""
         if not self.knobs:
             return ""
-        text = json.dumps([[k, v] for k, v in self.knobs], sort_keys=True, default=str)
+        # a bool as the int it equals: specs equal as dataclasses name one file
+        text = json.dumps([[k, int(v) if isinstance(v, bool) else v] for k, v in self.knobs],
+                          sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
     def file_name(self) -> str:

@@ -179,6 +179,12 @@ def geometry(spec, knobs) -> dict:
 
 
 
+def check_layout(spec, knobs) -> None:
+    """The typed error :func:`geometry` raises for a layout that does not fit (for
+    ``kvtvm.compiler.check_layout``: refused before a build)."""
+    geometry(spec, knobs)
+
+
 def merge_macro(spec, knobs):
     """The split-KV merge of the CUDA decode kernels (float16/bfloat16/float32 and 8-bit caches
     alike): a macro writing ``out``/``lse`` from the splits' ``o_part``/``lse_part``. One CTA

@@ -257,6 +257,15 @@ def staged_pad_words(head_dim: int, vec: int, bdx: int, head_split: int,
     return 4 if row_wavefronts(*geo, words + 4) < row_wavefronts(*geo, words) else 0
 
 
+def check_layout(spec, knobs) -> None:
+    """The typed error the kernel's geometry raises for a layout that does not fit, for the
+    kernel ``knobs`` pick (tensor cores or CUDA cores; ``kvtvm.compiler.check_layout``)."""
+    if knobs.get("mma") and cuda_quant_mma.supported(spec):
+        cuda_quant_mma.geometry(spec, knobs)
+    else:
+        geometry(spec, knobs)
+
+
 def geometry(spec, knobs) -> dict:
     """Thread and tile shape of the attend kernel for ``spec`` and ``knobs``: ``bdx`` lanes
     along head_dim, ``head_split`` parts of the group, ``bdz`` row groups (``threadIdx.z``
