@@ -93,6 +93,9 @@ def tuned_knobs(spec: KernelSpec) -> dict:
     :class:`~kvtvm.errors.UntrustedKernelError` names the path and the reason."""
     path = tuning_log_path(spec)
     if not path.exists():
+        if path.is_symlink():  # a dangling link or a loop: somebody meant a log to be here
+            raise CorruptKernelError(f"tuning log {path} is a symlink to nothing (dangling "
+                                     "or a loop); delete it or re-run `python -m kvtvm.tune`")
         return {}
     real = check_trusted(path, "tuning log")  # read that very file, not the path again
     check_trusted(real.parent, "tuning log directory")

@@ -51,6 +51,8 @@ def test_a_tuning_log_value_the_tuner_never_searches_is_corrupt(tmp_path, monkey
     (b"[" * 100000, "nested too deeply"),
     (b"{" + b" " * (MAX_JSON_BYTES + 10) + b"}", "more than"),
     ("fifo", "not a regular file"),
+    ("dangling", "symlink to nothing"),  # was: silently no log
+    ("loop", "symlink to nothing"),
 ])
 def test_a_tuning_log_that_is_deep_huge_or_a_fifo_is_corrupt_not_a_crash(
         tmp_path, monkeypatch, content, why):
@@ -58,6 +60,9 @@ def test_a_tuning_log_that_is_deep_huge_or_a_fifo_is_corrupt_not_a_crash(
     if content == "fifo":  # reading one would wait for a writer forever
         path.unlink()
         os.mkfifo(path, 0o644)
+    elif content in ("dangling", "loop"):
+        path.unlink()
+        path.symlink_to(path if content == "loop" else tmp_path / "gone.json")
     else:
         path.write_bytes(content)
     with pytest.raises(CorruptKernelError, match=why):
