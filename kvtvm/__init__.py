@@ -39,6 +39,9 @@ _LAZY = {
     "PaddedKVCacheInputs": "kvtvm.inputs",
     "KVCacheInputs": "kvtvm.inputs",
     "KVCacheInputsSequence": "kvtvm.inputs",
+    "KVCacheInputSymbols": "kvtvm.inputs",
+    "RaggedKVCacheInputSymbols": "kvtvm.inputs",
+    "ContinuousBatchingKVCacheInputSymbols": "kvtvm.inputs",
     "BatchItem": "kvtvm.inputs",
     "TokenBatch": "kvtvm.inputs",
 }

@@ -94,6 +94,13 @@ class LayerKVCache:
     new_tokens_host: np.ndarray | None = None
     #: the fetch's token: the accessors refuse stale inputs (StaleInputsError)
     token: Any = None
+    #: the device's KVCacheParams (seed 003's ``kv_params``)
+    kv_params: Any = None
+
+    @property
+    def dtype(self):
+        """The view's torch dtype (seed 003's ``dtype``; an 8-bit layer: its storage type)."""
+        return self.blocks.dtype
 
     def _table(self) -> np.ndarray:
         if self._lookup_host is None:  # a copy: on a CPU the tensor is the manager's buffer,
@@ -207,11 +214,31 @@ class LayerKVCache:
         """Write ``val`` at element(s) ``[head_dim_idx]`` of head ``head_idx``, token
         ``tok_idx`` of ``bs`` (its values only: a tensor that requires grad would have drawn
         the manager's whole cache into its graph). Indices as :meth:`load`; ``val`` a scalar
-        or a tensor broadcastable to the selected elements."""
+        or a tensor broadcastable to the selected elements -- or, at an int ``head_dim_idx``,
+        seed 003's ``store(..., val: SIMD[size])``: ``size`` elements from there. A ``val``
+        that fits none of these is an InvalidArgumentError naming it."""
         if hasattr(val, "detach"):
             val = val.detach()
+        d = int(self.blocks.shape[-1])
+        if not isinstance(head_dim_idx, slice):
+            first = _index_arg("head_dim_idx", head_dim_idx, d)
+            size = int(getattr(val, "numel", lambda: 1)())
+            if getattr(val, "dim", lambda: 0)() > 0 and size > 1:  # a vector from there
+                if first + size > d:
+                    raise InvalidArgumentError(describe(
+                        "val", f"at most {d - first} elements from head_dim_idx {first} "
+                        f"(head_dim {d})", f"{size} elements"))
+                head_dim_idx = slice(first, first + size)
+                val = val.reshape(size)
         with self._live():
-            self.blocks[self._index(bs, head_idx, tok_idx)][head_dim_idx] = val
+            row = self.blocks[self._index(bs, head_idx, tok_idx)]
+            try:
+                row[head_dim_idx] = val
+            except (RuntimeError, TypeError, ValueError) as err:  # (torch's shape errors)
+                shape = list(getattr(val, "shape", ()))
+                raise InvalidArgumentError(describe(
+                    "val", f"a scalar or values broadcastable to {list(row[head_dim_idx].shape)}",
+                    f"shape {shape} ({err})")) from None
 
 
 class KVCacheCollection:
@@ -268,7 +295,8 @@ class KVCacheCollection:
                            self.max_seq_length, self.max_cache_length, self.page_size,
                            self.layout, self.inputs.cache_lengths_host,
                            new_tokens_host=None if qo is None else np.diff(np.asarray(qo)),
-                           token=getattr(self.inputs, "token", None))
+                           token=getattr(self.inputs, "token", None),
+                           kv_params=self.inputs.params)
         if self._lookup_host is not None:
             acc._lookup_host = self._lookup_host
         return acc

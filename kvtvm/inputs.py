@@ -268,7 +268,21 @@ class TokenBatch:
 
 
 class KVCacheInputs:
-    """Base class of the KV cache inputs of one device for one step."""
+    """Base class of the KV cache inputs of one device for one step. Like seed 002's, it
+    unpacks into its seed fields (``blocks, cache_lengths, lookup_table, max_lengths =
+    inputs``; ``len(inputs)``, ``inputs[i]``)."""
+
+    #: The fields it unpacks into, in order (a subclass's seed fields).
+    _seed_fields: tuple = ()
+
+    def __iter__(self):
+        return iter([getattr(self, name) for name in self._seed_fields])
+
+    def __len__(self) -> int:
+        return len(self._seed_fields)
+
+    def __getitem__(self, i):
+        return getattr(self, self._seed_fields[i])
 
 
 class KVCacheInputSymbols:
@@ -294,9 +308,24 @@ class RaggedKVCacheInputSymbols(KVCacheInputSymbols):
     def __iter__(self):
         return iter((self.blocks, self.cache_lengths, self.lookup_table, self.max_lengths))
 
+    def __len__(self) -> int:
+        return 4
 
-#: Seed 002's name of the symbols of a continuous (or any ragged) cache's inputs.
-ContinuousBatchingKVCacheInputSymbols = RaggedKVCacheInputSymbols
+    def __getitem__(self, i):
+        return (self.blocks, self.cache_lengths, self.lookup_table, self.max_lengths)[i]
+
+
+class ContinuousBatchingKVCacheInputSymbols(RaggedKVCacheInputSymbols):
+    """Seed 002's symbols of a continuous (or any ragged) cache's inputs: the same four, the
+    first named ``kv_blocks`` as there (``blocks`` also works)."""
+
+    def __init__(self, kv_blocks=None, cache_lengths=None, lookup_table=None,
+                 max_lengths=None, *, blocks=None):
+        if (kv_blocks is None) == (blocks is None):
+            raise InvalidArgumentError(describe("kv_blocks", "given once (kv_blocks or blocks)",
+                                                "both" if blocks is not None else "neither"))
+        super().__init__(kv_blocks if blocks is None else blocks, cache_lengths, lookup_table,
+                         max_lengths)
 
 
 @dataclass
@@ -354,6 +383,8 @@ class RaggedKVCacheInputs(KVCacheInputs):
     device_index: int = 0
     extra: dict = field(default_factory=dict, repr=False)
     token: FetchToken | None = field(default=None, repr=False)
+
+    _seed_fields = ("blocks", "cache_lengths", "lookup_table", "max_lengths")
 
     def check_live(self) -> None:
         """Raise :class:`~kvtvm.errors.StaleInputsError` when these inputs were superseded
@@ -424,6 +455,8 @@ class PaddedKVCacheInputs(KVCacheInputs):
     v_cache: Any
     start_pos: Any
     null_op: Any
+
+    _seed_fields = ("k_cache", "v_cache", "start_pos", "null_op")
 
 
 @dataclass

@@ -31,11 +31,22 @@ _LAZY = {
     "TensorSymbol": ".symbols",
     "BatchItem": "..inputs",
     "TokenBatch": "..inputs",
+    # seed 002's members of max.nn.kv_cache.manager
+    "KVCacheInputs": "..inputs",
+    "RaggedKVCacheInputs": "..inputs",
+    "PaddedKVCacheInputs": "..inputs",
+    "KVCacheInputsSequence": "..inputs",
+    "KVCacheInputSymbols": "..inputs",
+    "RaggedKVCacheInputSymbols": "..inputs",
+    "ContinuousBatchingKVCacheInputSymbols": "..inputs",
 }
 
 __all__ = ["KVCacheManager", "ContinuousBatchingKVCacheManager", "PagedKVCacheManager",
            "PagedCacheStats", "LinearKVCache", "LinearCacheConfig", "BatchItem",
-           "TokenBatch", "PageCopier", "set_default_copiers", "TensorSymbol", "manager_for"]
+           "TokenBatch", "PageCopier", "set_default_copiers", "TensorSymbol", "manager_for",
+           "KVCacheInputs", "RaggedKVCacheInputs", "PaddedKVCacheInputs",
+           "KVCacheInputsSequence", "KVCacheInputSymbols", "RaggedKVCacheInputSymbols",
+           "ContinuousBatchingKVCacheInputSymbols"]
 
 
 def __getattr__(name):

@@ -253,9 +253,11 @@ def row_offsets(prev_model_inputs, inp):
         raise InvalidArgumentError(describe(
             "prev_model_inputs", "a tensor of row offsets or an object with qo_indptr / "
             "input_row_offsets", type(prev_model_inputs).__name__))
+    if obj.dtype == getattr(torch, "uint32", None):  # MAX's input_row_offsets are uint32
+        obj = obj.to(torch.int64)
     if obj.dtype not in (torch.int32, torch.int64):
         raise InvalidArgumentError(describe("prev_model_inputs row offsets dtype",
-                                            "int32 or int64", obj.dtype))
+                                            "int32, int64 or uint32", obj.dtype))
     b = inp.cache_lengths.shape[0]
     if tuple(obj.shape) != (b + 1,):
         raise InvalidArgumentError(describe("prev_model_inputs row offsets",

@@ -304,13 +304,15 @@ class LinearKVCache(Uncopyable):
             self._active = int(lengths.size)
             self._upload()
 
-    def commit_sequence_length(self, new_context_lengths, stream=None) -> None:
+    def commit_sequence_length(self, new_context_lengths=None, stream=None, *,
+                               increment=None) -> None:
         """Add this step's tokens to the active lengths.
 
         Parameters
         ----------
         new_context_lengths : int or tensor
-            An int (seed 004's ``increment``): every active sequence grew by it (decode). A
+            An int (seed 004's ``increment``, also taken by that name: exactly one of the
+            two): every active sequence grew by it (decode). A
             tensor / array / list of ``[active_batch_size]`` ints: sequence ``b`` grew by
             ``new_context_lengths[b]`` (prefill; added, as TensorRT-Edge-LLM's
             ``incrementLengthTensor``; a GPU tensor is read on the host: a sync).
@@ -324,8 +326,15 @@ class LinearKVCache(Uncopyable):
         SequenceTooLongError
             A length would pass ``max_seq_len`` (nothing changes).
         """
+        if (new_context_lengths is None) == (increment is None):
+            raise InvalidArgumentError(describe(
+                "new_context_lengths / increment", "exactly one of them",
+                "both" if increment is not None else "neither"))
+        name = "new_context_lengths" if increment is None else "increment"
+        if increment is not None:
+            new_context_lengths = increment
         with self._lock, self._on(stream):
-            inc = self._step_counts("new_context_lengths", new_context_lengths)
+            inc = self._step_counts(name, new_context_lengths)
             total = self._lengths[:self._active] + inc
             self._check_range("committed length", total)
             self._lengths[:self._active] = total

@@ -215,5 +215,14 @@ def test_seed_004_names_getters_and_stream():
     assert c.get_kv_cache_lengths().tolist() == [4]     # nothing changed
     syms = c.input_symbols()[0] if hasattr(c, "input_symbols") else None
     if syms is not None:
-        assert syms.kv_blocks is syms.blocks and len(list(syms)) == 4
-    assert ContinuousBatchingKVCacheInputSymbols.__name__ == "RaggedKVCacheInputSymbols"
+        assert syms.kv_blocks is syms.blocks and len(list(syms)) == 4 and syms[0] is syms.blocks
+    cb = ContinuousBatchingKVCacheInputSymbols(kv_blocks=1, cache_lengths=2, lookup_table=3,
+                                               max_lengths=4)  # seed 002's field names
+    assert list(cb) == [1, 2, 3, 4] and cb.kv_blocks == 1 and cb.blocks == 1
+    with pytest.raises(InvalidArgumentError, match="kv_blocks"):
+        ContinuousBatchingKVCacheInputSymbols(kv_blocks=1, blocks=1)
+    c.commit_sequence_length(increment=2)  # seed 004's name of the int
+    assert c.get_kv_cache_lengths().tolist() == [6]
+    with pytest.raises(InvalidArgumentError, match="new_context_lengths / increment"):
+        c.commit_sequence_length(1, increment=1)
+    assert c.get_kv_cache_lengths().tolist() == [6]
