@@ -46,7 +46,7 @@ from .pagetransport import InProcessTransport, PageTransport, Received, Transfer
 from .transferwire import (_ACK, _FRAME, _LEN, _MASK, ACK, ANSWER, CLOSE, INTS,  # noqa: F401
                            LOOKUP, MSG_BYTES, OK, ONE_INITIATOR, PAGES, READY, REFUSED, RESEND,
                            SUMS, _ack_payload, _import_status, _read_ack, check_peer,
-                           out_of_step)
+                           out_of_step, receive_targets)
 from . import transferwait as polls
 
 __all__ = ["PageTransport", "Transfer", "Received", "DistributedTransport",
@@ -97,9 +97,34 @@ class DistributedTransport(PageTransport):
         # key of this group's polls (kvtvm.transferwait: shared by the group's transports)
         self._group_key = group if group is not None else dist.group.WORLD
         self._pool = None
-        self._stage = None
-        self._out = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
-        self._in = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
+        # one initiator call at a time per peer (its messages posted together: threads
+        # sending to one peer interleaved them, and the peer's receives took the wrong ones)
+        self._peer_locks: dict = {}
+        self._peer_locks_guard = threading.Lock()
+
+    @property
+    def _out(self):
+        """This thread's control send buffer (shared ones were overwritten by a thread
+        handling another peer while in flight); ``_in`` the receive one."""
+        return self._thread_buffer("out")
+
+    @property
+    def _in(self):
+        return self._thread_buffer("in")
+
+    def _thread_buffer(self, name: str):
+        import torch
+
+        buf = getattr(self._local, name, None)
+        if buf is None:
+            buf = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.device)
+            setattr(self._local, name, buf)
+        return buf
+
+    def _initiating(self, peer: int):
+        """The lock of ``peer``'s initiator calls (lookup, send, ints, close)."""
+        with self._peer_locks_guard:
+            return self._peer_locks.setdefault(peer, threading.RLock())
 
     # -- low level ------------------------------------------------------------------------------
     def _waiter(self):
@@ -178,9 +203,11 @@ class DistributedTransport(PageTransport):
         for d in shape:
             n *= d
         nbytes = n * torch.empty((), dtype=dtype).element_size()
-        if self._stage is None or self._stage.numel() < nbytes:
-            self._stage = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._stage[:nbytes].view(dtype).view(shape)
+        stage = getattr(self._local, "stage", None)  # (per thread, as the control buffers)
+        if stage is None or stage.numel() < nbytes:
+            stage = self._local.stage = torch.empty(nbytes, dtype=torch.uint8,
+                                                    device=self.device)
+        return stage[:nbytes].view(dtype).view(shape)
 
     def _send_msg(self, peer: int, kind: int, tag: int = 0, payload: bytes = b"",
                   what: str = "message", wait: bool = True) -> list:
@@ -277,8 +304,9 @@ class DistributedTransport(PageTransport):
         hashes = np.asarray([h & _MASK for h in check_hashes("block_hashes", block_hashes)],
                             dtype=np.uint64)
         self._usable()
-        self._send_msg(peer, LOOKUP, 0, hashes.tobytes(), "lookup")
-        _, payload = self._expect(peer, ANSWER, "lookup answer")
+        with self._initiating(peer):
+            self._send_msg(peer, LOOKUP, 0, hashes.tobytes(), "lookup")
+            _, payload = self._expect(peer, ANSWER, "lookup answer")
         (count,) = self._values(payload, np.int64, "lookup answer", 1)
         if not 0 <= count <= len(hashes):
             raise self._desync(f"lookup answer {count} for {len(hashes)} hashes")
@@ -296,7 +324,8 @@ class DistributedTransport(PageTransport):
             if export.lease_id not in mgr.active_leases():
                 raise TransferError(f"transport: the lease of the export ({export.lease_id}) "
                                     "ended before the send: its pages may have been reused")
-            return self._send(peer, export, tag)
+            with self._initiating(peer):
+                return self._send(peer, export, tag)
         except BaseException as err:
             mgr.end_lease(export.lease_id)  # a no-op if it ended
             if self._posts() != posts and not isinstance(err, KVCacheError):  # (interrupt,
@@ -396,14 +425,16 @@ class DistributedTransport(PageTransport):
         """Send a few int64 values (an application's own control message, e.g. the first
         generated token); the peer takes them with :meth:`recv_ints` (or :meth:`handle`)."""
         peer = self._peer(peer, "send_ints")
-        self._send_msg(peer, INTS, 0, np.asarray(values, np.int64).tobytes(), "ints")
+        with self._initiating(peer):
+            self._send_msg(peer, INTS, 0, np.asarray(values, np.int64).tobytes(), "ints")
 
     def recv_ints(self, peer: int, n: int, timeout: float | None = None) -> list[int]:
         """Receive the ``n`` int64 values sent with :meth:`send_ints` (``timeout`` as in
         :meth:`handle`)."""
         peer = self._peer(peer, "recv_ints", sends=False)
         timeout = check_seconds("timeout", timeout)
-        kind, _, payload = self._next_msg(peer, "ints", timeout)
+        with self._initiating(peer):
+            kind, _, payload = self._next_msg(peer, "ints", timeout)
         if kind != INTS:
             raise self._desync(out_of_step("ints", INTS, kind))
         return self._values(payload, np.int64, "ints", n)
@@ -411,7 +442,8 @@ class DistributedTransport(PageTransport):
     def close(self, peer: int) -> None:
         """Tell the peer's :meth:`handle` loop that nothing more comes."""
         peer = self._peer(peer, "close")
-        self._send_msg(peer, CLOSE, 0, b"", "close")
+        with self._initiating(peer):
+            self._send_msg(peer, CLOSE, 0, b"", "close")
 
     def _ints_msg(self, peer, kind, values, what):
         self._send_msg(peer, kind, 0, np.asarray(values, np.int64).tobytes(), what)
@@ -448,7 +480,8 @@ class DistributedTransport(PageTransport):
         header, seq_id, lid = None, None, None
         try:
             (hlen,) = _LEN.unpack_from(payload)
-            header = PageHeader.from_bytes(payload[_LEN.size:_LEN.size + hlen], deferred=True)
+            header = PageHeader.from_bytes(payload[_LEN.size:_LEN.size + hlen], deferred=True,
+                                           content=False)  # the import checks the rest
             lengths = np.frombuffer(payload[_LEN.size + hlen:], np.int64).tolist()
             if sum(lengths) != header.n_carried or min(lengths, default=1) < 1:
                 raise CorruptTransferError(f"transport: runs {lengths} announced for "
@@ -480,8 +513,9 @@ class DistributedTransport(PageTransport):
             return Received("pages", tag, header=header, seq_id=seq_id, error=err)
         readied = False
         try:
-            targets, fixups = self._targets(mgr.import_runs(lid), lengths, first_row,
-                                            header.page_shape, dtype)
+            targets, fixups = receive_targets(mgr.import_runs(lid), lengths, first_row,
+                                              header.page_shape, dtype, self.device,
+                                              self._staging)
             if targets is None:  # not in place: everything into a buffer, one copy after
                 data = self._staging((header.n_carried, *header.page_shape), dtype)
                 targets, r = [], 0
@@ -543,39 +577,6 @@ class DistributedTransport(PageTransport):
         a refused import will be drained); see the module docstring. NCCL: nothing."""
         if self._gloo_order:
             self._send_msg(peer, READY, tag, b"", "ready")
-
-    def _targets(self, dest, lengths, first_row, page_shape, dtype):
-        """Where each of the sender's runs is received: ``(targets, fixups)``. A run that lands
-        in one run of this cache's consecutive fresh pages is received there in place (a
-        view); one that straddles two (or holds rows before ``first_row``: pages the sender
-        thought missing but this cache holds) goes to a slice of a buffer, and ``fixups``
-        lists ``(buffer rows, [fresh page view per row])`` to copy once verified (rows before
-        ``first_row`` are dropped). ``(None, [])`` when the pages are not on this transport's
-        device or the cache splits heads (``dest`` None): then all go to a buffer. ``dest``
-        is :meth:`import_runs`' answer."""
-        if dest is None or any(v.device != self.device for _, v in dest):
-            return None, []
-        out, pending, r = [], [], 0
-        for n in lengths:
-            rel = r - first_row
-            hit = next(((row, v) for row, v in reversed(dest) if row <= rel), None) \
-                if rel >= 0 else None
-            if hit is not None and rel - hit[0] + n <= hit[1].shape[0]:
-                out.append(hit[1][rel - hit[0]:rel - hit[0] + n])
-            else:
-                pending.append((len(out), n, rel))
-                out.append(None)
-            r += n
-        fixups, s = [], 0
-        if pending:
-            rows = [v[i] for _, v in dest for i in range(v.shape[0])]  # a view per fresh page
-            stage = self._staging((sum(n for _, n, _ in pending), *page_shape), dtype)
-            for k, n, rel in pending:
-                out[k] = stage[s:s + n]
-                skip = max(0, -rel)
-                fixups.append((out[k][skip:], rows[rel + skip:rel + n]))
-                s += n
-        return out, fixups
 
     def _drain(self, peer, lengths, page_shape, dtype, sums: bool) -> None:
         """Receive and drop the runs (and checksums) of a refused import (the sender sends

@@ -1,6 +1,7 @@
 """The wire format of :class:`kvtvm.transfer.DistributedTransport` and its ordering rules, and
 the pure helpers for them (no I/O): the message kinds and statuses, the control frame, the
-acknowledgement's payload, the check of a peer rank and the wording of a message out of step.
+acknowledgement's payload, the check of a peer rank, the wording of a message out of step and
+where a receiver puts each run (:func:`receive_targets`).
 :mod:`kvtvm.transfer` moves the bytes and re-exports these names.
 
 Wire protocol (control messages are one fixed
@@ -134,3 +135,37 @@ def _read_ack(payload: bytes) -> int:
               f"{n} leading pages)" + (f": {why}" if why else ""))
     err.resend = st == RESEND
     raise err
+
+
+def receive_targets(dest, lengths, first_row, page_shape, dtype, device, staging):
+    """Where each of the sender's runs is received: ``(targets, fixups)``. A run that lands
+    in one run of this cache's consecutive fresh pages is received there in place (a
+    view); one that straddles two (or holds rows before ``first_row``: pages the sender
+    thought missing but this cache holds) goes to a slice of a buffer, and ``fixups``
+    lists ``(buffer rows, [fresh page view per row])`` to copy once verified (rows before
+    ``first_row`` are dropped). ``(None, [])`` when the pages are not on the transport's
+    ``device`` or the cache splits heads (``dest`` None): then all go to a buffer. ``dest``
+    is the manager's ``import_runs`` answer; ``staging(shape, dtype)`` lends the buffer."""
+    if dest is None or any(v.device != device for _, v in dest):
+        return None, []
+    out, pending, r = [], [], 0
+    for n in lengths:
+        rel = r - first_row
+        hit = next(((row, v) for row, v in reversed(dest) if row <= rel), None) \
+            if rel >= 0 else None
+        if hit is not None and rel - hit[0] + n <= hit[1].shape[0]:
+            out.append(hit[1][rel - hit[0]:rel - hit[0] + n])
+        else:
+            pending.append((len(out), n, rel))
+            out.append(None)
+        r += n
+    fixups, s = [], 0
+    if pending:
+        rows = [v[i] for _, v in dest for i in range(v.shape[0])]  # a view per fresh page
+        stage = staging((sum(n for _, n, _ in pending), *page_shape), dtype)
+        for k, n, rel in pending:
+            out[k] = stage[s:s + n]
+            skip = min(max(0, -rel), n)  # a run wholly before first_row: nothing kept
+            fixups.append((out[k][skip:], rows[max(0, rel + skip):max(0, rel + n)]))
+            s += n
+    return out, fixups

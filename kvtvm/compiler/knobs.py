@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import (CompilerUnavailableError, CorruptKernelError, InvalidArgumentError,
                       describe)
-from ..kernels.variants import UNTUNED, VARIANTS
+from ..kernels.variants import UNTUNED
 from .spec import KernelSpec
 from .trust import check_trusted, check_trusted_parents, expand_user, read_json
 
@@ -203,7 +203,7 @@ def resolve_knobs(spec: KernelSpec) -> dict:
         _check_tuned(spec, tuned, knobs)
         knobs.update(tuned)
     knobs.update(variant)
-    _check_explicit(spec, dict(spec.knobs), knobs)
+    _check_explicit(spec, dict(spec.knobs))
     knobs.update(dict(spec.knobs))
     return knobs
 
@@ -212,11 +212,8 @@ def resolve_knobs(spec: KernelSpec) -> dict:
 EXPLICIT_KNOB_HEADROOM = 64
 
 
-def _check_explicit(spec: KernelSpec, explicit: dict, known: dict = None) -> None:
-    """Refuse an explicit knob (``KernelSpec(knobs=...)``) the schedule does not have (none
-    of ``known``, the knobs resolved so far, nor those the tuner searches or a variant of the
-    family sets: a typo built the default kernel under another file name), and an int knob
-    the tuner searches that is
+def _check_explicit(spec: KernelSpec, explicit: dict) -> None:
+    """Refuse an explicit int knob (``KernelSpec(knobs=...)``) the tuner searches that is
     negative or past :data:`EXPLICIT_KNOB_HEADROOM` times the top searched value: a negative
     tile built a wrong kernel or crashed TVM, and 10**9 hung the build. (0 may mean something
     -- the CPU prefill's ``tile_q = 0`` schedules the definition itself --; schedules refuse
@@ -224,15 +221,6 @@ def _check_explicit(spec: KernelSpec, explicit: dict, known: dict = None) -> Non
     if not explicit:
         return
     searched = searched_values(spec)
-    if known is not None:
-        names = set(known) | set(searched) | {
-            k for v in VARIANTS.get(spec.op, {}).get(spec.target, {}).values() for k in v}
-        names.discard(UNTUNED)
-        unknown = sorted(set(explicit) - names)
-        if unknown:
-            raise InvalidArgumentError(describe(
-                f"knobs[{unknown[0]!r}] of {spec.uri}", f"a knob of its schedule "
-                f"({', '.join(sorted(names))})", repr(explicit[unknown[0]])))
     for name, value in explicit.items():
         options = [v for v in searched.get(name, ()) if type(v) is int]
         if type(value) is not int or not options:

@@ -162,11 +162,13 @@ class PageHeader:
             object.__setattr__(out, "_token_array", self.__dict__["_token_array"])
         return out
 
-    def check(self, deferred: bool = False) -> "PageHeader":
+    def check(self, deferred: bool = False, content: bool = True) -> "PageHeader":
         """Raise :class:`CorruptTransferError` naming the first field of the wrong type or
         inconsistent with the others (a header built in Python, or parsed from the wire);
         returns the header. ``deferred``: the checksums may be ``None`` (they follow the
-        data)."""
+        data). ``content`` False: the layout only, not the version (another version is a
+        :class:`FormatMismatchError`) nor the tokens' checksum -- what a transport needs to
+        drain the data of a header the import then refuses, the wire kept in step."""
         def bad(name, why):
             raise CorruptTransferError(f"page header field {name}: {why} (truncated, corrupt "
                                        "or built inconsistently)")
@@ -178,14 +180,15 @@ class PageHeader:
                 bad(name, f"expected values in [{lo}, {hi}]")
 
         ints("version", (self.version,), 0)
-        if self.version != FORMAT_VERSION:  # before the fields another version lays out
-            raise FormatMismatchError(f"page header field version: this kvtvm reads "
+        if content and self.version != FORMAT_VERSION:  # before fields another version lays
+            raise FormatMismatchError(f"page header field version: this kvtvm reads "  # out
                                       f"{FORMAT_VERSION}, the peer sent {self.version}")
         for name in ("page_size", "n_kv_heads", "head_dim", "num_layers", "first_page",
                      "page_bytes"):
             ints(name, (getattr(self, name),), 0)
         ints("hash_bits", (self.hash_bits,), 1, 64)
-        ints("tokens_checksum", (self.tokens_checksum,), 0, (1 << 64) - 1)
+        if content:
+            ints("tokens_checksum", (self.tokens_checksum,), 0, (1 << 64) - 1)
         for name in ("dtype", "storage", "layout", "checksum"):
             if not isinstance(getattr(self, name), str):
                 bad(name, f"expected a str, got {_short(getattr(self, name))}")
@@ -198,7 +201,7 @@ class PageHeader:
         typed = self.__dict__.get("_typed_arrays", False)  # decoded from int64/uint64 arrays
         if not typed:
             ints("tokens", self.tokens, -(1 << 63), (1 << 63) - 1)  # int64 token ids
-        if tokens_checksum(self.token_array()) != self.tokens_checksum:
+        if content and tokens_checksum(self.token_array()) != self.tokens_checksum:
             bad("tokens", f"their checksum is not tokens_checksum {self.tokens_checksum:#x}")
         if not 0 <= self.first_page <= self.n_pages:
             bad("first_page", f"expected an int in [0, n_pages={self.n_pages}], got "
@@ -219,10 +222,10 @@ class PageHeader:
         return self
 
     @classmethod
-    def from_bytes(cls, raw: bytes, deferred: bool = False) -> "PageHeader":
-        """Parse and sanity-check a header (:meth:`check`); anything malformed is a
-        CorruptTransferError. ``deferred``: the checksums may be ``None`` (they follow the
-        data)."""
+    def from_bytes(cls, raw: bytes, deferred: bool = False,
+                   content: bool = True) -> "PageHeader":
+        """Parse and sanity-check a header (:meth:`check`, ``deferred`` and ``content`` as
+        there); anything malformed is a CorruptTransferError."""
         try:
             raw = bytes(raw)
             magic, n = _HEAD.unpack_from(raw)
@@ -260,7 +263,7 @@ class PageHeader:
         except (ValueError, TypeError, KeyError, UnicodeDecodeError, AttributeError,
                 struct.error) as err:
             raise CorruptTransferError(f"page header: unreadable ({err})") from None
-        return hdr.check(deferred)
+        return hdr.check(deferred, content)
 
 
 def _short(value) -> str:
