@@ -14,7 +14,7 @@ import torch
 from kvtvm import KVCacheParams
 from kvtvm.errors import CorruptTransferError, InvalidArgumentError, TransferError
 from kvtvm.manager import PagedKVCacheManager
-from kvtvm.transfer import ANSWER, INTS, LOOKUP, MSG_BYTES, DistributedTransport
+from kvtvm.transfer import ANSWER, INTS, LOOKUP, DistributedTransport
 
 
 class _Done:
@@ -43,11 +43,10 @@ def transport(messages):
     tr = DistributedTransport.__new__(DistributedTransport)  # no process group needed
     tr.dist, tr.group, tr.timeout = ScriptedPeer(messages), None, 1.0
     tr.device, tr._gloo_order, tr._broken = torch.device("cpu"), True, None
-    tr._pool = tr._stage = None
-    tr._local = threading.local()
+    tr._pool = None
+    tr._local = threading.local()  # (the control and staging buffers: made per thread)
+    tr._peer_locks, tr._peer_locks_guard = {}, threading.Lock()
     tr._rank, tr._ranks, tr._group_key = 0, frozenset({0, 1}), object()
-    tr._out = torch.zeros(MSG_BYTES, dtype=torch.uint8)
-    tr._in = torch.zeros(MSG_BYTES, dtype=torch.uint8)
     tr.register(PagedKVCacheManager(KVCacheParams("float32", 2, 4, "paged", page_size=4,
                                                   enable_prefix_caching=True), 2, 32, 2,
                                     num_pages=8))
