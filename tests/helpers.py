@@ -116,6 +116,37 @@ def run_prompt(mgr, tokens):
     return s
 
 
+def run_gloo_pair(worker, *args) -> list:
+    """Run ``worker(rank, *args, out)`` in two spawned processes joined by a gloo process group
+    on 127.0.0.1 (initialised before and destroyed after ``worker``); returns what they put
+    on ``out`` (a queue)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_gloo_member, args=(port, worker, args, out), nprocs=2,
+                       start_method="spawn", join=True)
+    got = []
+    while not out.empty():
+        got.append(out.get())
+    return got
+
+
+def _gloo_member(rank, port, worker, args, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        worker(rank, *args, out)
+    finally:
+        dist.destroy_process_group()
+
+
 def retokened(mgr, header, tokens):
     """Export ``header`` of ``mgr`` renamed to other ``tokens`` of the same length, its
     tokens' checksum and block hashes made to agree (a consistent header of other tokens)."""

@@ -3,11 +3,10 @@ the data (computed while it is on the wire) or with the header, the device check
 on CPU caches, and a corrupt checksum message refused with nothing registered or leaked."""
 
 import hashlib
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import run_gloo_pair
 
 from kvtvm import KVCacheParams
 from kvtvm.manager import BatchItem, PagedKVCacheManager
@@ -32,70 +31,56 @@ def _digest(t) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _worker(rank, port, out):
+def _worker(rank, out):
     import torch.distributed as dist
 
     from kvtvm.errors import TransferError
     from kvtvm.manager.checksums import DEVICE
     from kvtvm.transfer import DistributedTransport
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    try:
-        mgr = _manager()
-        tr = DistributedTransport(timeout=60.0)
-        tr.register(mgr)
-        for i, (alg, early, corrupt) in enumerate(CASES):
-            toks = [1000 * i + j for j in range(41)]  # 10 full pages + 1 token
-            if alg == "device":
-                mgr.checksum_algorithm = DEVICE
-            if rank == 0:
-                (s,) = mgr.claim(1)
-                mgr.fetch([BatchItem(s, toks)])
-                mgr.step([BatchItem(s, toks)])
-                ex = mgr.export_pages(s, defer_checksums=not early)
-                assert (ex.wire_header.checksums is None) != early
-                if corrupt:
-                    real = ex.row_checksums
-                    ex.row_checksums = lambda row, run: [c ^ 1 for c in real(row, run)]
-                try:
-                    n = tr.send(1, ex, tag=i).wait(60.0)
-                    out.put(("sent", i, n, None))
-                except TransferError as err:
-                    out.put(("sent", i, -1, str(err)))
-                kv = _digest(mgr.blocks[0][mgr.pages_of(s)])
-                out.put(("kv", i, kv, None))
-                mgr.release(s)
-                mgr.end_lease(ex.lease_id)
-            else:
-                msg = tr.handle(0, lambda h, tag: mgr.claim(1)[0])
-                kv = None
-                if msg.error is None:
-                    kv = _digest(mgr.blocks[0][mgr.pages_of(msg.seq_id)])
-                    assert msg.header.checksum == mgr.checksum_algorithm
-                    mgr.release(msg.seq_id)
-                st = mgr.stats()
-                out.put(("got", i, kv, (type(msg.error).__name__ if msg.error else None,
-                                        st.pages_leased, st.pages_cached,
-                                        st.pages_free + st.pages_used + st.pages_cached
-                                        + st.pages_leased == st.pages_total)))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mgr = _manager()
+    tr = DistributedTransport(timeout=60.0)
+    tr.register(mgr)
+    for i, (alg, early, corrupt) in enumerate(CASES):
+        toks = [1000 * i + j for j in range(41)]  # 10 full pages + 1 token
+        if alg == "device":
+            mgr.checksum_algorithm = DEVICE
+        if rank == 0:
+            (s,) = mgr.claim(1)
+            mgr.fetch([BatchItem(s, toks)])
+            mgr.step([BatchItem(s, toks)])
+            ex = mgr.export_pages(s, defer_checksums=not early)
+            assert (ex.wire_header.checksums is None) != early
+            if corrupt:
+                real = ex.row_checksums
+                ex.row_checksums = lambda row, run: [c ^ 1 for c in real(row, run)]
+            try:
+                n = tr.send(1, ex, tag=i).wait(60.0)
+                out.put(("sent", i, n, None))
+            except TransferError as err:
+                out.put(("sent", i, -1, str(err)))
+            kv = _digest(mgr.blocks[0][mgr.pages_of(s)])
+            out.put(("kv", i, kv, None))
+            mgr.release(s)
+            mgr.end_lease(ex.lease_id)
+        else:
+            msg = tr.handle(0, lambda h, tag: mgr.claim(1)[0])
+            kv = None
+            if msg.error is None:
+                kv = _digest(mgr.blocks[0][mgr.pages_of(msg.seq_id)])
+                assert msg.header.checksum == mgr.checksum_algorithm
+                mgr.release(msg.seq_id)
+            st = mgr.stats()
+            out.put(("got", i, kv, (type(msg.error).__name__ if msg.error else None,
+                                    st.pages_leased, st.pages_cached,
+                                    st.pages_free + st.pages_used + st.pages_cached
+                                    + st.pages_leased == st.pages_total)))
+        dist.barrier()
 
 
 @pytest.mark.slow
 def test_gloo_transfer_checksums_after_data_device_algorithm_and_corruption():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(port, out), nprocs=2, start_method="spawn", join=True)
-    got = {}
-    while not out.empty():
-        kind, i, a, b = out.get()
-        got[kind, i] = (a, b)
+    got = {(kind, i): (a, b) for kind, i, a, b in run_gloo_pair(_worker)}
     cached = 0
     for i, (alg, early, corrupt) in enumerate(CASES):
         n, err = got["sent", i]

@@ -3,11 +3,9 @@ sequences to one peer through one DistributedTransport (was: their messages inte
 the peer's gloo aborted the process), and an honest send whose early pages the receiver
 already holds, in runs of one page (was: refused with an IndexError)."""
 
-import socket
 import threading
 
-import torch
-import torch.multiprocessing as mp
+from helpers import run_gloo_pair
 
 from kvtvm import KVCacheParams
 from kvtvm.manager import BatchItem, PagedKVCacheManager
@@ -31,109 +29,96 @@ def _fill(mgr, s, k):
         mgr.blocks[0][p] = float(100 * k + i)
 
 
-def _worker(rank, port, out):
+def _worker(rank, out):
     import torch.distributed as dist
 
     from kvtvm.transfer import DistributedTransport, send_sequence
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    try:
-        mgr = _manager()
-        tr = DistributedTransport(timeout=30.0)
-        tr.register(mgr)
-        if rank == 0:
-            seqs = []
-            for k in range(N):
-                (s,) = mgr.claim(1)
-                mgr.fetch([BatchItem(s, _prompt(k))])
-                mgr.step([BatchItem(s, _prompt(k))])
-                _fill(mgr, s, k)
-                seqs.append(s)
-            sent = {}
+    mgr = _manager()
+    tr = DistributedTransport(timeout=30.0)
+    tr.register(mgr)
+    if rank == 0:
+        seqs = []
+        for k in range(N):
+            (s,) = mgr.claim(1)
+            mgr.fetch([BatchItem(s, _prompt(k))])
+            mgr.step([BatchItem(s, _prompt(k))])
+            _fill(mgr, s, k)
+            seqs.append(s)
+        sent = {}
 
-            def go(k):
-                try:
-                    sent[k] = send_sequence(tr, 1, seqs[k], tag=k, timeout=30)
-                except Exception as err:  # noqa: BLE001 - reported to the test
-                    sent[k] = repr(err)
+        def go(k):
+            try:
+                sent[k] = send_sequence(tr, 1, seqs[k], tag=k, timeout=30)
+            except Exception as err:  # noqa: BLE001 - reported to the test
+                sent[k] = repr(err)
 
-            threads = [threading.Thread(target=go, args=(k,)) for k in range(N)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            out.put(("sent", sent, len(mgr.active_leases())))
-            dist.barrier()
-            for s in seqs:
-                mgr.release(s)
-            # the receiver now holds prompt 0's full pages; send it again from page 0, in
-            # runs of one page (scattered pages on this side: every other page)
-            (a, b) = mgr.claim(2)
-            for i in range(len(_prompt(0))):
-                for s in (a, b):
-                    mgr.fetch([BatchItem(s, [_prompt(0)[i]] if s == a else [7 + i])])
-                    mgr.step([BatchItem(s, [_prompt(0)[i]] if s == a else [7 + i])])
-            _fill(mgr, a, 0)
-            ex = mgr.export_pages(a, first_page=0, defer_checksums=True)
-            assert len(ex.page_runs(0)) == len(mgr.pages_of(a))  # runs of one page
-            out.put(("again", tr.send(1, ex, tag=9).wait(30), None))
-            # headers the import refuses (another format version; a token id damaged on the
-            # way): refused, the runs drained, the wire still in step for the next send
-            import dataclasses
+        threads = [threading.Thread(target=go, args=(k,)) for k in range(N)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        out.put(("sent", sent, len(mgr.active_leases())))
+        dist.barrier()
+        for s in seqs:
+            mgr.release(s)
+        # the receiver now holds prompt 0's full pages; send it again from page 0, in
+        # runs of one page (scattered pages on this side: every other page)
+        (a, b) = mgr.claim(2)
+        for i in range(len(_prompt(0))):
+            for s in (a, b):
+                mgr.fetch([BatchItem(s, [_prompt(0)[i]] if s == a else [7 + i])])
+                mgr.step([BatchItem(s, [_prompt(0)[i]] if s == a else [7 + i])])
+        _fill(mgr, a, 0)
+        ex = mgr.export_pages(a, first_page=0, defer_checksums=True)
+        assert len(ex.page_runs(0)) == len(mgr.pages_of(a))  # runs of one page
+        out.put(("again", tr.send(1, ex, tag=9).wait(30), None))
+        # headers the import refuses (another format version; a token id damaged on the
+        # way): refused, the runs drained, the wire still in step for the next send
+        import dataclasses
 
-            from kvtvm.errors import TransferError
-            for tag, edit in ((10, dict(version=2)),
-                              (11, dict(tokens=(5,) + ex.header.tokens[1:]))):
-                bad = mgr.export_pages(a, first_page=0)
-                bad._wire = bad._full = dataclasses.replace(bad.header, **edit)
-                try:
-                    tr.send(1, bad, tag=tag).wait(30)
-                    out.put(("refused", tag, None))
-                except TransferError as err:
-                    out.put(("refused", tag, str(err)))
-            out.put(("after", send_sequence(tr, 1, a, tag=12, timeout=30), None))
-            tr.close(1)
-        else:
-            got = {}
-            while True:
-                msg = tr.handle(0, lambda h, tag: mgr.claim(1)[0], timeout=60)
-                if msg.kind == "close":
-                    break
-                if msg.kind != "pages":
-                    continue
-                if msg.tag in (10, 11):
-                    got[msg.tag] = (type(msg.error).__name__, str(msg.error))
-                    continue
-                pages = mgr.pages_of(msg.seq_id) if msg.error is None else []
-                k = 0 if msg.tag >= 9 else msg.tag
-                want = [float(100 * k + i) for i in range(len(pages))]
-                vals = [float(mgr.blocks[0][p].flatten()[0]) for p in pages]
-                ok = msg.error is None and vals == want and \
-                    bool(all((mgr.blocks[0][p] == v).all() for p, v in zip(pages, want)))
-                got[msg.tag] = (ok, repr(msg.error) if msg.error else None)
-                if msg.tag < 9:
-                    mgr.release(msg.seq_id)
-                if len(got) == N:
-                    dist.barrier()
-            st = mgr.stats()
-            out.put(("got", got, st.pages_free + st.pages_used + st.pages_cached
-                     + st.pages_leased == st.pages_total and st.pages_leased == 0))
-    finally:
-        dist.destroy_process_group()
+        from kvtvm.errors import TransferError
+        for tag, edit in ((10, dict(version=2)),
+                          (11, dict(tokens=(5,) + ex.header.tokens[1:]))):
+            bad = mgr.export_pages(a, first_page=0)
+            bad._wire = bad._full = dataclasses.replace(bad.header, **edit)
+            try:
+                tr.send(1, bad, tag=tag).wait(30)
+                out.put(("refused", tag, None))
+            except TransferError as err:
+                out.put(("refused", tag, str(err)))
+        out.put(("after", send_sequence(tr, 1, a, tag=12, timeout=30), None))
+        tr.close(1)
+    else:
+        got = {}
+        while True:
+            msg = tr.handle(0, lambda h, tag: mgr.claim(1)[0], timeout=60)
+            if msg.kind == "close":
+                break
+            if msg.kind != "pages":
+                continue
+            if msg.tag in (10, 11):
+                got[msg.tag] = (type(msg.error).__name__, str(msg.error))
+                continue
+            pages = mgr.pages_of(msg.seq_id) if msg.error is None else []
+            k = 0 if msg.tag >= 9 else msg.tag
+            want = [float(100 * k + i) for i in range(len(pages))]
+            vals = [float(mgr.blocks[0][p].flatten()[0]) for p in pages]
+            ok = msg.error is None and vals == want and \
+                bool(all((mgr.blocks[0][p] == v).all() for p, v in zip(pages, want)))
+            got[msg.tag] = (ok, repr(msg.error) if msg.error else None)
+            if msg.tag < 9:
+                mgr.release(msg.seq_id)
+            if len(got) == N:
+                dist.barrier()
+        st = mgr.stats()
+        out.put(("got", got, st.pages_free + st.pages_used + st.pages_cached
+                 + st.pages_leased == st.pages_total and st.pages_leased == 0))
 
 
 def test_threads_sending_to_one_peer_and_a_resend_of_held_pages():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(port, out), nprocs=2, start_method="spawn", join=True)
-    got = {}
-    while not out.empty():
-        kind, a, b = out.get()
-        got[kind if kind != "refused" else (kind, a)] = (a, b)
+    got = {kind if kind != "refused" else (kind, a): (a, b)
+           for kind, a, b in run_gloo_pair(_worker)}
     sent, leases = got["sent"]
     assert leases == 0 and all(isinstance(sent[k], int) for k in range(N)), sent
     assert got["again"][0] == len(_prompt(0)) // P + 1 - len(_prompt(0)) // P  # the new tail
