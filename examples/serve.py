@@ -34,7 +34,7 @@ from kvtvm.engine import (CACHE_CHOICES, DTYPES, Engine, Request, build_toy_mode
                           reference_tokens)
 from kvtvm.engine.check import reference_tolerance
 from kvtvm.engine.runner import UnsupportedModelError
-from kvtvm.errors import CompilerUnavailableError, InvalidArgumentError, KVCacheCapacityError  # noqa: F401
+from kvtvm.errors import CompilerUnavailableError, InvalidArgumentError, KVCacheCapacityError
 
 build_model = build_toy_model
 
@@ -74,13 +74,18 @@ def chat_requests(tok, max_new_tokens: int, prompt: str | None = None, temperatu
     return reqs
 
 
+#: The longest ``max_seq_len`` :func:`demo_requests` makes a too-long prompt for.
+MAX_DEMO_TOO_LONG = 1 << 20
+
+
 def demo_requests(vocab_size: int = 1000, max_seq_len: int = 128, seed: int = 1,
                   n: int = 24, system_len: int = 48, bad: bool = True,
                   max_new_tokens: int | None = None) -> list[Request]:
     """The toy model's workload: ``n`` random-token requests arriving over time, half sharing a
     ``system_len`` token system prompt, one filling pages of 16 exactly, plus (with ``bad``) an
-    empty prompt and a prompt longer than ``max_seq_len``. Each asks for ``max_new_tokens``
-    tokens (None: a random 4..31)."""
+    empty prompt and a prompt longer than ``max_seq_len`` (up to a ``max_seq_len`` of
+    :data:`MAX_DEMO_TOO_LONG` tokens: past it that prompt alone would fill the memory). Each
+    asks for ``max_new_tokens`` tokens (None: a random 4..31)."""
     rng = np.random.default_rng(seed)
     system = rng.integers(3, vocab_size, system_len).tolist()
     reqs = []
@@ -96,8 +101,9 @@ def demo_requests(vocab_size: int = 1000, max_seq_len: int = 128, seed: int = 1,
                             arrival=2 * i))
     if bad:
         reqs.append(Request(n, [], 8, arrival=3))
-        reqs.append(Request(n + 1, rng.integers(3, vocab_size, max_seq_len + 8).tolist(), 8,
-                            arrival=5))
+        if max_seq_len <= MAX_DEMO_TOO_LONG:
+            reqs.append(Request(n + 1, rng.integers(3, vocab_size, max_seq_len + 8).tolist(),
+                                8, arrival=5))
     return reqs
 
 
@@ -265,8 +271,9 @@ def main(argv=None) -> int:
     cache_storage = cliargs.cache_storage_kwargs(parser, args)
     for name in ("max_new_tokens", "max_batch_size", "max_seq_len", "page_size", "num_pages"):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')}: expected a positive int, got {value}")
+        if value is not None and not 1 <= value < 1 << 31:  # (3e9 tokens: OOM-killed)
+            parser.error(f"--{name.replace('_', '-')}: expected a positive int below 2**31, "
+                         f"got {value}")
     if args.requests < 0:
         parser.error(f"--requests: expected an int >= 0, got {args.requests}")
     if args.kernels:
@@ -309,8 +316,8 @@ def main(argv=None) -> int:
             print(f"error: {err}\nbuild them with:\n  {CUDA_BUILD_COMMAND}\nthen pass "
                   "--kernels build/kernels (or set KVTVM_KERNEL_PATH)", file=sys.stderr)
             return 2
-        except InvalidArgumentError as err:   # a storage the model refuses (skip_layers, dtype)
-            print(f"error: {err}", file=sys.stderr)
+        except (InvalidArgumentError, KVCacheCapacityError) as err:  # a storage the model
+            print(f"error: {err}", file=sys.stderr)  # refuses, sizes past the memory
             return 2
         failed += bool(problems)
     return 1 if failed else 0

@@ -34,7 +34,8 @@ import numpy as np
 from ..errors import (InvalidArgumentError, KVCacheCapacityError, KVCacheError,
                       SequenceStateError, describe)
 from ..params import KVCacheParams, KVCacheStrategy
-from .args import INT32_MAX, check_size, check_size_kwargs, check_sizes, pop_length
+from .args import (INT32_MAX, check_host_bytes, check_size, check_size_kwargs, check_sizes,
+                   pop_length)
 from .base import KVCacheManager, check_positive_int, parse_devices
 from .copier import PageCopier, copy_view, resolve_copier
 from .pageio import PageIOMixin
@@ -109,8 +110,11 @@ class PagedKVCacheManager(PageIOMixin, TierMixin, KVCacheManager):
                                             available_cache_memory)
         shape = self.params.cache_shape(self.num_layers, self.max_batch_size, self.max_seq_len,
                                         num_pages=self.num_pages, n_devices=self.n_devices)
-        self._blocks = self._allocate_blocks(shape)
         W, mb = self.max_pages_per_seq, self.max_batch_size
+        # the host tables, before anything is allocated (they were numpy's MemoryError)
+        check_host_bytes("page and step tables (and the prefix cache's token table)", 8 * mb * W + (
+            8 * mb * self.max_seq_len if params.enable_prefix_caching else 0))
+        self._blocks = self._allocate_blocks(shape)
         self._tables = StepTables(mb, W, self.devices)
         self._page_table = np.zeros((mb, W), dtype=np.int32)
         self._npages = np.zeros(mb, dtype=np.int64)

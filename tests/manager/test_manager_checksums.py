@@ -190,10 +190,8 @@ def test_deferred_checksums_refused_once_the_lease_ended():
 def test_receive_targets_in_place_or_staged_then_copied(lengths, first_row, staged):
     """The gloo receiver's plan: runs that fit a run of fresh pages land in place, the others
     in a buffer copied to the right pages afterwards; every row ends where it belongs."""
-    from kvtvm.transfer import DistributedTransport
+    from kvtvm.transferwire import receive_targets
 
-    tr = object.__new__(DistributedTransport)
-    tr.device, tr._stage = torch.device("cpu"), None
     cache = torch.zeros(12, 3)
     fresh = [9, 10, 2, 3, 4, 7, 8, 0][:sum(lengths) - first_row]
     if staged == 0:
@@ -205,7 +203,9 @@ def test_receive_targets_in_place_or_staged_then_copied(lengths, first_row, stag
             e += 1
         dest.append((r, cache[fresh[r]:fresh[r] + e - r]))
         r = e
-    targets, fixups = tr._targets(dest, lengths, first_row, (3,), torch.float32)
+    targets, fixups = receive_targets(dest, lengths, first_row, (3,), torch.float32,
+                                      torch.device("cpu"),
+                                      lambda shape, dtype: torch.empty(shape, dtype=dtype))
     sent = torch.randn(sum(lengths), 3)
     r = 0
     for n, t in zip(lengths, targets):  # what the irecvs do

@@ -520,6 +520,12 @@ def test_host_memory_past_the_machine_is_a_capacity_error_before_anything_is_all
     with pytest.raises(KVCacheCapacityError, match="step tables"):  # 1000 x 2**20 pages wide
         PagedKVCacheManager(KVCacheParams("float32", 1, 4, "paged", page_size=1), 1000,
                             1 << 20, 1, num_pages=1)
+    # the prefix cache's token table (max_batch_size x max_seq_len int64) was numpy's
+    # MemoryError (found by a helper: Engine(max_seq_len=2**31 - 1, num_pages=64))
+    with pytest.raises(KVCacheCapacityError, match="token table"):
+        PagedKVCacheManager(KVCacheParams("float32", 1, 4, "paged", page_size=1024,
+                                          enable_prefix_caching=True), 4, 1 << 20, 1,
+                            num_pages=1)
 
 
 def test_seed_001_003_members_of_the_views():
