@@ -261,13 +261,22 @@ def test_cli_exit_code_and_report(monkeypatch, capsys, model):
 
 @pytest.mark.parametrize("flag", ["--max-new-tokens", "--page-size", "--max-seq-len",
                                   "--max-batch-size", "--num-pages"])
-def test_cli_refuses_non_positive_sizes(flag, capsys):
+@pytest.mark.parametrize("value", ["0", str(1 << 31)])
+def test_cli_refuses_non_positive_sizes(flag, value, capsys):
     """Used to end in a traceback from deep inside (page_size), or to serve nothing and exit 0
-    (max_new_tokens 0: every request rejected)."""
+    (max_new_tokens 0: every request rejected); a --max-seq-len of 3e9 was OOM-killed (its
+    too-long demo prompt), a --max-batch-size of 1e8 numpy's MemoryError."""
     with pytest.raises(SystemExit) as exc:
-        serve.main(["--model", "toy", flag, "0"])
+        serve.main(["--model", "toy", flag, value])
     assert exc.value.code == 2
-    assert f"{flag}: expected a positive int, got 0" in capsys.readouterr().err
+    assert f"{flag}: expected a positive int below 2**31, got {value}" in \
+        capsys.readouterr().err
+
+
+def test_cli_sizes_past_the_memory_are_a_usage_error(capsys):
+    assert serve.main(["--model", "toy", "--requests", "2", "--max-batch-size",
+                       "100000000"]) == 2
+    assert "host memory" in capsys.readouterr().err
 
 
 def test_cli_refuses_a_missing_kernel_directory(capsys, tmp_path):
