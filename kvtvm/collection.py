@@ -219,17 +219,17 @@ class LayerKVCache:
         that fits none of these is an InvalidArgumentError naming it."""
         if hasattr(val, "detach"):
             val = val.detach()
-        d = int(self.blocks.shape[-1])
-        if not isinstance(head_dim_idx, slice):
+        size = int(getattr(val, "numel", lambda: 1)())
+        if not isinstance(head_dim_idx, slice) and getattr(val, "dim", lambda: 0)() > 0 \
+                and size > 1:  # seed 003's vector: size elements from an int index
+            d = int(self.blocks.shape[-1])
             first = _index_arg("head_dim_idx", head_dim_idx, d)
-            size = int(getattr(val, "numel", lambda: 1)())
-            if getattr(val, "dim", lambda: 0)() > 0 and size > 1:  # a vector from there
-                if first + size > d:
-                    raise InvalidArgumentError(describe(
-                        "val", f"at most {d - first} elements from head_dim_idx {first} "
-                        f"(head_dim {d})", f"{size} elements"))
-                head_dim_idx = slice(first, first + size)
-                val = val.reshape(size)
+            if first + size > d:
+                raise InvalidArgumentError(describe(
+                    "val", f"at most {d - first} elements from head_dim_idx {first} "
+                    f"(head_dim {d})", f"{size} elements"))
+            head_dim_idx = slice(first, first + size)
+            val = val.reshape(size)
         with self._live():
             row = self.blocks[self._index(bs, head_idx, tok_idx)]
             try:

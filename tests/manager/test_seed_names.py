@@ -59,7 +59,7 @@ def test_layer_view_seed_003_members_and_vector_store():
     val = torch.arange(3, dtype=torch.float32) + 1
     k.store(0, 1, 4, 2, val)  # seed 003: store(bs, head_idx, tok_idx, head_dim_idx, SIMD[3])
     assert k.load(0, 1, 4, 2, width=3).tolist() == [1.0, 2.0, 3.0]
-    k.store(0, 1, 4, 7, 9.0)  # a scalar at an int index: one element
+    k.store(0, 1, 4, -1, 9.0)  # a scalar at an int index: one element (as torch indexes)
     assert k.load(0, 1, 4, 7).item() == 9.0
     changed = (k.blocks != before).nonzero().tolist()
     page, slot = k.page_and_slot(0, 4)
