@@ -110,8 +110,7 @@ def prepare_append_kv(k_cache, v_cache, k, v, qo_indptr, cache_lengths, lookup_t
                                             "(split the batch)", batch))
     device = common_device(tensors)
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
-                          "lookup_table": table}, {"k_cache": kc, "v_cache": vc},
-                         layout)
+                          "lookup_table": table}, {"k_cache": kc, "v_cache": vc})
     check_no_alias({"k_cache": kc, "v_cache": vc},
                    {"k": kt, "v": vt, "qo_indptr": indptr, "cache_lengths": lengths,
                     "lookup_table": table}, kv_owned=bool(tokens))

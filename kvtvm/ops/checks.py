@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import (DeviceMismatchError, DTypeMismatchError, InvalidArgumentError,
                       SequenceTooLongError, describe)
 from ..collection import view_signature
-from ..inputs import FetchToken, check_live, token_of
+from ..inputs import check_live, token_of
 from ..compiler import LAYOUTS
 from ..params import DTYPE_SIZES
 
@@ -289,14 +289,14 @@ def indices_on_host(*tensors) -> bool:
     return all(t.device.type == "cpu" for t in tensors)
 
 
-def live_tokens(tensors: dict, caches: dict | None = None, layout: str | None = None) -> tuple:
+def live_tokens(tensors: dict, caches: dict | None = None) -> tuple:
     """The fetch tokens stamped on the given table tensors (name -> tensor), after checking
     that none is dead: raises :class:`~kvtvm.errors.StaleInputsError` naming the tensor.
 
-    Tables of two fetches, ``caches`` (name -> cache view) outside the cache of the
-    manager whose fetch made the tables, or a ``layout`` other than its views' raise
-    :class:`~kvtvm.errors.InvalidArgumentError` (the kernel would write another manager's
-    memory, or transposed positions, at this fetch's positions)."""
+    Tables of two fetches, or ``caches`` (name -> cache view) outside the cache of the
+    manager whose fetch made the tables, raise :class:`~kvtvm.errors.InvalidArgumentError`
+    (the kernel would write another manager's memory at this fetch's positions). The layout
+    is :func:`check_fetch_layout`'s, checked before the shapes."""
     tokens = ()
     for name, t in tensors.items():
         tok = token_of(t)
@@ -309,20 +309,18 @@ def live_tokens(tensors: dict, caches: dict | None = None, layout: str | None = 
             " / ".join(tensors), "the tables of one fetch", f"tables of {len(tokens)} fetches"))
     if tokens and caches:
         check_cache_owner(tokens[0], caches)
-    if tokens and layout is not None:
-        check_fetch_layout(layout, tokens[0])
     return tokens
 
 
 def check_fetch_layout(layout: str, *tables) -> None:
     """InvalidArgumentError naming ``layout`` when it is not one of :data:`LAYOUTS`, or when
-    a fetch's table (or fetch token) among ``tables`` says the fetch's cache views have the
+    a fetch's table among ``tables`` says the fetch's cache views have the
     other layout. Checked before the shapes: an ``"nhd"`` call on a linear cache's ``"hnd"``
     views otherwise failed on ``n_kv_heads`` (the axes it swaps), never naming ``layout``."""
     if layout not in LAYOUTS:
         raise InvalidArgumentError(describe("layout", LAYOUTS, repr(layout)))
     for t in tables:
-        tok = t if isinstance(t, FetchToken) else token_of(t)
+        tok = token_of(t)
         if tok is not None and tok.layout not in (None, layout):
             raise InvalidArgumentError(describe(
                 "layout", f"{tok.layout!r} (the layout of the fetch's cache views)",

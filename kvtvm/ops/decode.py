@@ -321,7 +321,7 @@ def prepare_decode_attention(q, k_cache, v_cache, cache_lengths, lookup_table, *
         check_vector_aligned({n: tensors[n] for n in ("q", "out") if n in tensors},  # up to
                              strides=False)  # 16-byte vectors within their contiguous rows
     tokens = live_tokens({"cache_lengths": lengths, "lookup_table": table},
-                         {"k_cache": kc, "v_cache": vc}, layout)
+                         {"k_cache": kc, "v_cache": vc})
     check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = indices_on_host(lengths, table)

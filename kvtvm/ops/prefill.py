@@ -165,8 +165,7 @@ def prepare_prefill_attention(q, k_cache, v_cache, qo_indptr, cache_lengths, loo
         check_vector_aligned({"q": qt, "k_cache": kc, "v_cache": vc})
         check_vector_aligned({"out": out}, strides=False)  # vectors within its rows
     tokens = live_tokens({"qo_indptr": indptr, "cache_lengths": lengths,
-                          "lookup_table": table}, {"k_cache": kc, "v_cache": vc},
-                         layout)
+                          "lookup_table": table}, {"k_cache": kc, "v_cache": vc})
     check_indices = check_flag("check_indices", check_indices)
     if check_indices is None:
         check_indices = indices_on_host(indptr, lengths, table)

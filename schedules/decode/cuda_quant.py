@@ -260,10 +260,15 @@ def staged_pad_words(head_dim: int, vec: int, bdx: int, head_split: int,
 def check_layout(spec, knobs) -> None:
     """The typed error the kernel's geometry raises for a layout that does not fit, for the
     kernel ``knobs`` pick (tensor cores or CUDA cores; ``kvtvm.compiler.check_layout``)."""
-    if knobs.get("mma") and cuda_quant_mma.supported(spec):
+    if _on_tensor_cores(spec, knobs):
         cuda_quant_mma.geometry(spec, knobs)
     else:
         geometry(spec, knobs)
+
+
+def _on_tensor_cores(spec, knobs) -> bool:
+    """Whether ``knobs`` hand ``spec`` to the tensor-core kernel (:mod:`.cuda_quant_mma`)."""
+    return bool(knobs.get("mma")) and cuda_quant_mma.supported(spec)
 
 
 def geometry(spec, knobs) -> dict:
@@ -310,7 +315,7 @@ def geometry(spec, knobs) -> dict:
 
 def schedule(mod, spec, knobs):
     assert spec.k_storage or spec.v_storage, "CUDA quantized decode: K or V 8-bit"
-    if knobs.get("mma") and cuda_quant_mma.supported(spec):  # the tensor-core kernel
+    if _on_tensor_cores(spec, knobs):  # the tensor-core kernel
         return cuda_quant_mma.schedule(mod, spec, knobs)
     H, G, Hq, D, dtype, layout, sliding = signature(spec)
     g = geometry(spec, knobs)
